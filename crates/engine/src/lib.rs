@@ -1,1 +1,182 @@
+//! temper-engine: one scheduler thread per served model doing continuous batching over
+//! `Gemma3::forward`, plus the sampler and the per-sequence stop/detokenize logic.
+//!
+//! The HTTP layer validates requests; the engine only rejects requests it cannot possibly serve
+//! (`EngineError`). Events for a request arrive on the receiver `Engine::submit` returns;
+//! dropping that receiver cancels the request.
 
+mod rng;
+mod sampler;
+mod stop;
+
+/// Scheduler limits.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Most tokens (decode rows + prefill chunks) fed to one forward call. Decode rows always
+    /// run; prompts are chunked into what is left.
+    pub max_batch_tokens: usize,
+    /// Most sequences (choices) running at once; further requests wait, first come first served.
+    pub max_running: usize,
+    /// Longest prompt + completion a request may ask for.
+    pub max_model_len: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_batch_tokens: 512,
+            max_running: 32,
+            max_model_len: 32768,
+        }
+    }
+}
+
+/// One generation request: `n` choices continuing `prompt`.
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    /// Used in logs only.
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub n: usize,
+    pub sampling: SamplingParams,
+    pub stopping: StopParams,
+    /// Logprobs of each sampled token plus this many top alternatives; `Some(0)` = the sampled
+    /// token's only; `None` = no logprobs.
+    pub logprobs: Option<usize>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Below 1e-5: greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    pub min_p: f32,
+    /// Choice i draws from a generator seeded with `seed + i`; `None` = a fresh random seed.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct StopParams {
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past EOS and `<end_of_turn>`.
+    pub ignore_eos: bool,
+    pub include_stop_str_in_output: bool,
+    pub skip_special_tokens: bool,
+    pub spaces_between_special_tokens: bool,
+}
+
+impl Default for StopParams {
+    fn default() -> Self {
+        StopParams {
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
+            spaces_between_special_tokens: true,
+        }
+    }
+}
+
+/// What a request's receiver gets. Per choice: Token events, then exactly one Finished. The
+/// concatenation of a choice's Token texts and its Finished text is its output.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GenerationEvent {
+    Token {
+        choice: usize,
+        token_id: u32,
+        /// New text, held back while it could still be the start of a stop string. Empty for
+        /// EOS / stop tokens.
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Finished {
+        choice: usize,
+        reason: FinishReason,
+        stop_reason: Option<StopReason>,
+        /// Text still held back at the end.
+        text: String,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    /// The request failed (e.g. a model error); no further events follow.
+    Error { message: String },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Abort,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    Text(String),
+    Token(u32),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// Raw log-softmax of the sampled token.
+    pub logprob: f32,
+    /// The most likely tokens with their raw log-softmax, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum EngineError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("n must be at least 1")]
+    NoChoices,
+    #[error("max_tokens must be at least 1")]
+    NoTokens,
+    #[error(
+        "prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the maximum \
+         model length ({max_model_len})"
+    )]
+    TooLong {
+        prompt_tokens: usize,
+        max_tokens: usize,
+        max_model_len: usize,
+    },
+    #[error("prompt token id {token} is outside the vocabulary (size {vocab_size})")]
+    TokenOutOfRange { token: u32, vocab_size: usize },
+    #[error("the engine is not running")]
+    Stopped,
+}
+
+/// A snapshot of the scheduler's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Forward calls made.
+    pub steps: u64,
+    /// Sequence rows summed over all steps.
+    pub rows: u64,
+    /// Tokens fed to the model summed over all steps.
+    pub tokens: u64,
+    /// Most rows in one step.
+    pub max_rows_in_step: usize,
+    /// Sequences admitted and not finished (a request reserves n).
+    pub running: usize,
+    /// Requests queued and not yet admitted.
+    pub waiting: usize,
+}
