@@ -1,1 +1,58 @@
+//! Gemma 3 on candle tensors (CPU): GGUF loading, a batched ragged forward pass over per-sequence
+//! KV caches, and a tiny random model writer for tests.
 
+mod cache;
+mod config;
+mod linear;
+mod loader;
+mod model;
+mod ops;
+pub mod tiny;
+
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file;
+
+pub use cache::SeqCache;
+pub use config::ModelConfig;
+pub use loader::load_gguf;
+pub use model::{Gemma3, Logits, SeqInput};
+
+/// A model loaded from a GGUF file, with the file's metadata (the caller builds the tokenizer
+/// from it).
+pub struct LoadedModel {
+    pub model: Gemma3,
+    pub metadata: HashMap<String, gguf_file::Value>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("i/o error on {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("tensor error: {0}")]
+    Candle(#[from] candle_core::Error),
+    #[error("unsupported architecture {0:?} (expected gemma3)")]
+    Architecture(String),
+    #[error("metadata key {key}: {reason}")]
+    Metadata { key: String, reason: String },
+    #[error("tensor {0} is missing from the model file")]
+    MissingTensor(String),
+    #[error("tensor {name} has shape {got:?}, expected {expected:?}")]
+    TensorShape {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("batch entry {index} has no tokens")]
+    EmptyInput { index: usize },
+    #[error("token id {token} is out of range for a vocabulary of {vocab}")]
+    TokenOutOfRange { token: u32, vocab: usize },
+    #[error("sequence of {len} tokens exceeds the context length {max}")]
+    ContextOverflow { len: usize, max: usize },
+    #[error("KV cache does not belong to this model")]
+    CacheMismatch,
+}

@@ -1,0 +1,127 @@
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::{gguf_file, QTensor};
+use candle_core::Device;
+
+use crate::linear::Linear;
+use crate::model::{Gemma3, Layer};
+use crate::{LoadedModel, ModelConfig, ModelError};
+
+/// Loads a Gemma 3 GGUF (quantized weights stay quantized; norms become f32).
+pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
+    let io_err = |source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut reader = BufReader::new(File::open(path).map_err(io_err)?);
+    let content = gguf_file::Content::read(&mut reader)?;
+    let mut weights = Weights {
+        content: &content,
+        reader: &mut reader,
+    };
+
+    let embed = weights.qtensor("token_embd.weight")?;
+    let (vocab_size, hidden) = embed.shape().dims2()?;
+    let cfg = ModelConfig::from_metadata(&content.metadata, vocab_size)?;
+    if hidden != cfg.hidden_size {
+        return Err(shape_err(
+            "token_embd.weight",
+            &[vocab_size, cfg.hidden_size],
+            &[vocab_size, hidden],
+        ));
+    }
+    let (hd, q_dim, kv_dim, ffn) = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    );
+
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for i in 0..cfg.num_layers {
+        let p = format!("blk.{i}");
+        layers.push(Layer {
+            attn_norm: weights.vector(&format!("{p}.attn_norm.weight"), hd)?,
+            q: weights.linear(&format!("{p}.attn_q.weight"), q_dim, hd)?,
+            k: weights.linear(&format!("{p}.attn_k.weight"), kv_dim, hd)?,
+            v: weights.linear(&format!("{p}.attn_v.weight"), kv_dim, hd)?,
+            q_norm: weights.vector(&format!("{p}.attn_q_norm.weight"), cfg.head_dim)?,
+            k_norm: weights.vector(&format!("{p}.attn_k_norm.weight"), cfg.head_dim)?,
+            o: weights.linear(&format!("{p}.attn_output.weight"), hd, q_dim)?,
+            post_attn_norm: weights.vector(&format!("{p}.post_attention_norm.weight"), hd)?,
+            ffn_norm: weights.vector(&format!("{p}.ffn_norm.weight"), hd)?,
+            gate: weights.linear(&format!("{p}.ffn_gate.weight"), ffn, hd)?,
+            up: weights.linear(&format!("{p}.ffn_up.weight"), ffn, hd)?,
+            down: weights.linear(&format!("{p}.ffn_down.weight"), hd, ffn)?,
+            post_ffn_norm: weights.vector(&format!("{p}.post_ffw_norm.weight"), hd)?,
+        });
+    }
+    let final_norm = weights.vector("output_norm.weight", hd)?;
+    // Gemma ties the LM head to the embedding; honour a separate `output.weight` if a file has one.
+    let lm_head = if content.tensor_infos.contains_key("output.weight") {
+        weights.linear("output.weight", vocab_size, hd)?
+    } else {
+        Linear::new(embed.clone())?
+    };
+
+    let model = Gemma3 {
+        cfg,
+        embed,
+        lm_head,
+        layers,
+        final_norm,
+    };
+    Ok(LoadedModel {
+        model,
+        metadata: content.metadata,
+    })
+}
+
+struct Weights<'a, R> {
+    content: &'a gguf_file::Content,
+    reader: &'a mut R,
+}
+
+impl<R: std::io::Read + std::io::Seek> Weights<'_, R> {
+    fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>, ModelError> {
+        if !self.content.tensor_infos.contains_key(name) {
+            return Err(ModelError::MissingTensor(name.to_string()));
+        }
+        Ok(Arc::new(self.content.tensor(
+            self.reader,
+            name,
+            &Device::Cpu,
+        )?))
+    }
+
+    fn linear(&mut self, name: &str, out_dim: usize, in_dim: usize) -> Result<Linear, ModelError> {
+        let t = self.qtensor(name)?;
+        check_shape(name, t.shape().dims(), &[out_dim, in_dim])?;
+        Linear::new(t)
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self.qtensor(name)?;
+        check_shape(name, t.shape().dims(), &[len])?;
+        Ok(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
+    }
+}
+
+fn check_shape(name: &str, got: &[usize], expected: &[usize]) -> Result<(), ModelError> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(shape_err(name, expected, got))
+    }
+}
+
+fn shape_err(name: &str, expected: &[usize], got: &[usize]) -> ModelError {
+    ModelError::TensorShape {
+        name: name.to_string(),
+        expected: expected.to_vec(),
+        got: got.to_vec(),
+    }
+}

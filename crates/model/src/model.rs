@@ -1,0 +1,268 @@
+use std::sync::Arc;
+
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use crate::cache::{LayerKv, SeqCache};
+use crate::linear::Linear;
+use crate::ops::{self, RopeTable};
+use crate::{ModelConfig, ModelError};
+
+/// One sequence of a batched forward: `tokens` are appended at positions `cache.len()..`.
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut SeqCache,
+    /// Logits for every token (scoring, training) instead of only the last one (generation).
+    pub all_logits: bool,
+}
+
+/// Row-major logits, `rows` x `vocab`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logits {
+    pub rows: usize,
+    pub vocab: usize,
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) q_norm: Vec<f32>,
+    pub(crate) k_norm: Vec<f32>,
+    pub(crate) o: Linear,
+    pub(crate) post_attn_norm: Vec<f32>,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
+    pub(crate) post_ffn_norm: Vec<f32>,
+}
+
+/// Gemma 3 text model over quantized GGUF weights.
+pub struct Gemma3 {
+    pub(crate) cfg: ModelConfig,
+    pub(crate) embed: Arc<QTensor>,
+    pub(crate) lm_head: Linear,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) final_norm: Vec<f32>,
+}
+
+/// Where each token of the concatenated batch belongs.
+struct BatchLayout {
+    seq: Vec<usize>,
+    pos: Vec<usize>,
+}
+
+impl Gemma3 {
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn new_cache(&self) -> SeqCache {
+        SeqCache::new(self.cfg.num_layers, self.kv_width())
+    }
+
+    fn kv_width(&self) -> usize {
+        self.cfg.num_kv_heads * self.cfg.head_dim
+    }
+
+    /// One batched forward over a ragged batch: every sequence appends `tokens` at positions
+    /// `cache.len()..` and its cache grows by `tokens.len()`. Returns one `Logits` per input, in
+    /// order. On error no cache changes.
+    pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Logits>, ModelError> {
+        self.validate(batch)?;
+        match self.forward_inner(batch) {
+            Ok(logits) => {
+                for s in batch.iter_mut() {
+                    s.cache.advance(s.tokens.len());
+                }
+                Ok(logits)
+            }
+            Err(e) => {
+                for s in batch.iter_mut() {
+                    s.cache.rollback();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn validate(&self, batch: &[SeqInput<'_>]) -> Result<(), ModelError> {
+        for (index, s) in batch.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(ModelError::EmptyInput { index });
+            }
+            if !s.cache.fits(self.cfg.num_layers, self.kv_width()) {
+                return Err(ModelError::CacheMismatch);
+            }
+            let len = s.cache.len() + s.tokens.len();
+            if len > self.cfg.context_length {
+                return Err(ModelError::ContextOverflow {
+                    len,
+                    max: self.cfg.context_length,
+                });
+            }
+            if let Some(&token) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.cfg.vocab_size)
+            {
+                return Err(ModelError::TokenOutOfRange {
+                    token,
+                    vocab: self.cfg.vocab_size,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn forward_inner(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Logits>, ModelError> {
+        let cfg = &self.cfg;
+        let hidden = cfg.hidden_size;
+        let (h, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let kv_width = hkv * d;
+
+        let tokens: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let mut layout = BatchLayout {
+            seq: Vec::with_capacity(tokens.len()),
+            pos: Vec::with_capacity(tokens.len()),
+        };
+        for (i, s) in batch.iter().enumerate() {
+            let start = s.cache.len();
+            layout.seq.extend(std::iter::repeat_n(i, s.tokens.len()));
+            layout.pos.extend(start..start + s.tokens.len());
+        }
+
+        let mut x = self.embed_tokens(&tokens)?;
+        let rope_local = RopeTable::new(&layout.pos, d, cfg.rope_base_local);
+        let rope_global = RopeTable::new(&layout.pos, d, cfg.rope_base_global);
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            let global = cfg.is_global(li);
+            let mut hs = x.clone();
+            ops::rms_norm(&mut hs, &layer.attn_norm, cfg.rms_eps);
+            let mut q = layer.q.forward(&hs)?;
+            let mut k = layer.k.forward(&hs)?;
+            let v = layer.v.forward(&hs)?;
+            ops::rms_norm(&mut q, &layer.q_norm, cfg.rms_eps);
+            ops::rms_norm(&mut k, &layer.k_norm, cfg.rms_eps);
+            let rope = if global { &rope_global } else { &rope_local };
+            rope.apply(&mut q, h);
+            rope.apply(&mut k, hkv);
+
+            let mut off = 0;
+            for s in batch.iter_mut() {
+                let n = s.tokens.len() * kv_width;
+                s.cache.append(li, &k[off..off + n], &v[off..off + n]);
+                off += n;
+            }
+            let kvs: Vec<&LayerKv> = batch.iter().map(|s| s.cache.layer(li)).collect();
+            let window = (!global).then_some(cfg.sliding_window);
+            let attn = self.attend(&q, &kvs, &layout, window);
+
+            let mut o = layer.o.forward(&attn)?;
+            ops::rms_norm(&mut o, &layer.post_attn_norm, cfg.rms_eps);
+            add_assign(&mut x, &o);
+
+            let mut hs = x.clone();
+            ops::rms_norm(&mut hs, &layer.ffn_norm, cfg.rms_eps);
+            let mut gate = layer.gate.forward(&hs)?;
+            let up = layer.up.forward(&hs)?;
+            ops::gelu_mul(&mut gate, &up);
+            let mut down = layer.down.forward(&gate)?;
+            ops::rms_norm(&mut down, &layer.post_ffn_norm, cfg.rms_eps);
+            add_assign(&mut x, &down);
+        }
+
+        // Only the rows someone asked for go through the (vocabulary-sized) LM head.
+        let mut rows = Vec::new();
+        let mut off = 0;
+        for s in batch.iter() {
+            let n = s.tokens.len();
+            let first = if s.all_logits { off } else { off + n - 1 };
+            rows.extend_from_slice(&x[first * hidden..(off + n) * hidden]);
+            off += n;
+        }
+        ops::rms_norm(&mut rows, &self.final_norm, cfg.rms_eps);
+        let logits = self.lm_head.forward(&rows)?;
+        let vocab = self.lm_head.out_dim();
+        let mut out = Vec::with_capacity(batch.len());
+        let mut off = 0;
+        for s in batch.iter() {
+            let n = if s.all_logits { s.tokens.len() } else { 1 };
+            out.push(Logits {
+                rows: n,
+                vocab,
+                data: logits[off * vocab..(off + n) * vocab].to_vec(),
+            });
+            off += n;
+        }
+        Ok(out)
+    }
+
+    /// Embedding rows (dequantized one row at a time) times sqrt(hidden), as llama.cpp does
+    /// (an f32 scale, not rounded to bf16).
+    fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
+        let mut x = self
+            .embed
+            .embedding(&ids)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let scale = (self.cfg.hidden_size as f32).sqrt();
+        for v in x.iter_mut() {
+            *v *= scale;
+        }
+        Ok(x)
+    }
+
+    /// Causal attention of every (token, head) against its own sequence's cache, which already
+    /// holds the batch's new keys. Local layers see the last `window` positions, self included.
+    fn attend(
+        &self,
+        q: &[f32],
+        kvs: &[&LayerKv],
+        layout: &BatchLayout,
+        window: Option<usize>,
+    ) -> Vec<f32> {
+        let (h, hkv, d) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let group = h / hkv;
+        let kv_width = hkv * d;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut out = vec![0f32; q.len()];
+        out.par_chunks_mut(d).enumerate().for_each(|(idx, o)| {
+            let (t, head) = (idx / h, idx % h);
+            let g = head / group;
+            let kv = kvs[layout.seq[t]];
+            let pos = layout.pos[t];
+            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let qrow = &q[idx * d..(idx + 1) * d];
+            let mut scores: Vec<f32> = (lo..=pos)
+                .map(|j| ops::dot(qrow, &kv.k[j * kv_width + g * d..][..d]) * scale)
+                .collect();
+            ops::softmax(&mut scores);
+            for (j, &p) in (lo..=pos).zip(&scores) {
+                ops::axpy(p, &kv.v[j * kv_width + g * d..][..d], o);
+            }
+        });
+        out
+    }
+}
+
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
