@@ -1,1 +1,45 @@
+//! Text side of temper: the SentencePiece-BPE tokenizer (from GGUF metadata or a Hugging Face
+//! `tokenizer.json`), the streaming detokenizer and Jinja chat templates.
 
+mod decode;
+mod load;
+mod merge;
+mod partition;
+mod template;
+mod tojson;
+mod tokenizer;
+
+use std::path::PathBuf;
+
+pub use decode::{DecodeOptions, DecodeStream};
+pub use load::{gguf_chat_template, load_tokenizer};
+pub use template::{
+    ChatMessage, ChatTemplate, ContentPart, FunctionCall, FunctionDef, MessageContent,
+    TemplateInput, ToolCall, ToolDef,
+};
+pub use tokenizer::{TokenKind, Tokenizer};
+
+/// Everything that can go wrong in this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    /// GGUF tokenizer metadata is missing or has the wrong type.
+    #[error("GGUF tokenizer metadata: {0}")]
+    Metadata(String),
+    /// A `tokenizer.json` that cannot be used.
+    #[error("tokenizer.json: {0}")]
+    TokenizerJson(String),
+    /// A tokenizer kind or feature this crate does not implement.
+    #[error("unsupported tokenizer: {0}")]
+    Unsupported(String),
+    #[error("reading {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    /// Template compile or render error, including `raise_exception(msg)` (the message as is).
+    #[error("chat template: {0}")]
+    Template(String),
+}

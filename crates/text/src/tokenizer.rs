@@ -1,0 +1,349 @@
+//! The tokenizer proper: vocabulary, encoding (special-piece partition, whitespace escaping,
+//! pair merging, byte fallback) and the per-token bytes decoding builds on.
+
+use std::borrow::Cow;
+
+use crate::decode::{DecodeOptions, DecodeStream};
+use crate::merge::{FxMap, MergeRule, MergeVocab};
+use crate::partition::{Fragment, SpecialPieces};
+
+/// Token types as SentencePiece / GGUF define them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenKind {
+    Normal,
+    Unknown,
+    Control,
+    UserDefined,
+    Unused,
+    Byte,
+}
+
+/// When to put the space replacement in front of a text fragment before merging.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PrefixMode {
+    Never,
+    /// Every fragment, unconditionally (llama.cpp's `add_space_prefix`, where each fragment
+    /// starts the text or follows a special piece; Hugging Face `Prepend` normalizer).
+    Always,
+    /// Every fragment not already starting with a space (Metaspace `prepend_scheme: always`).
+    UnlessPresent,
+    /// Only the fragment that starts the input, if not already starting with a space
+    /// (Metaspace `prepend_scheme: first`).
+    First,
+}
+
+/// Hugging Face `Split` pre-tokenizer behaviours for a delimiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SplitBehavior {
+    Removed,
+    Isolated,
+    MergedWithPrevious,
+    MergedWithNext,
+    Contiguous,
+}
+
+/// Splits the words `words` (byte ranges of `text`) at each occurrence of `delim`.
+fn split_words(
+    text: &str,
+    words: &[(usize, usize)],
+    delim: &str,
+    how: SplitBehavior,
+) -> Vec<(usize, usize)> {
+    let mut out = Vec::with_capacity(words.len());
+    for &(ws, we) in words {
+        // Alternating runs: (start, end, is_delimiter).
+        let mut runs: Vec<(usize, usize, bool)> = Vec::new();
+        let mut pos = ws;
+        for (i, _) in text[ws..we].match_indices(delim) {
+            let (ds, de) = (ws + i, ws + i + delim.len());
+            if ds > pos {
+                runs.push((pos, ds, false));
+            }
+            match runs.last_mut() {
+                Some(last) if how == SplitBehavior::Contiguous && last.2 && last.1 == ds => {
+                    last.1 = de
+                }
+                _ => runs.push((ds, de, true)),
+            }
+            pos = de;
+        }
+        if pos < we {
+            runs.push((pos, we, false));
+        }
+        let mut pending: Option<(usize, usize)> = None;
+        for (s, e, delim_run) in runs {
+            match how {
+                SplitBehavior::Removed if delim_run => {}
+                SplitBehavior::Removed | SplitBehavior::Isolated | SplitBehavior::Contiguous => {
+                    out.push((s, e))
+                }
+                SplitBehavior::MergedWithPrevious => {
+                    if delim_run {
+                        let start = pending.take().map_or(s, |p| p.0);
+                        out.push((start, e));
+                    } else {
+                        if let Some(p) = pending.take() {
+                            out.push(p);
+                        }
+                        pending = Some((s, e));
+                    }
+                }
+                SplitBehavior::MergedWithNext => {
+                    if delim_run {
+                        if let Some(p) = pending.take() {
+                            out.push(p);
+                        }
+                        pending = Some((s, e));
+                    } else {
+                        let start = pending.take().map_or(s, |p| p.0);
+                        out.push((start, e));
+                    }
+                }
+            }
+        }
+        out.extend(pending);
+    }
+    out
+}
+
+/// How raw text becomes merge input.
+pub(crate) struct TextRules {
+    /// What a space becomes (`▁`); `None` leaves spaces alone.
+    pub space: Option<String>,
+    pub prefix: PrefixMode,
+    /// Word splits applied after normalization (Metaspace `split: true`, `Split` with a string
+    /// pattern); each word is merged separately.
+    pub splits: Vec<(String, SplitBehavior)>,
+    /// Hugging Face `ignore_merges`: a word that is itself in the vocabulary is not merged.
+    pub ignore_merges: bool,
+    /// Unknown pieces become `<0xNN>` byte tokens (else the unknown token).
+    pub byte_fallback: bool,
+    /// Hugging Face `fuse_unk`: consecutive unknown tokens collapse into one.
+    pub fuse_unk: bool,
+}
+
+/// A SentencePiece-style BPE tokenizer. Immutable once built; share it as `Arc<Tokenizer>`.
+pub struct Tokenizer {
+    pub(crate) pieces: Vec<String>,
+    pub(crate) scores: Vec<f32>,
+    pub(crate) kinds: Vec<TokenKind>,
+    pub(crate) ids: FxMap<String, u32>,
+    pub(crate) byte_ids: [Option<u32>; 256],
+    pub(crate) unk_id: Option<u32>,
+    pub(crate) bos_id: Option<u32>,
+    pub(crate) eos_id: Option<u32>,
+    pub(crate) rule: MergeRule,
+    pub(crate) text: TextRules,
+    pub(crate) specials: SpecialPieces,
+}
+
+/// The byte a `<0xNN>` piece stands for.
+pub(crate) fn byte_piece_value(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
+}
+
+impl Tokenizer {
+    /// Encodes `text` into token ids. Never adds BOS. With `parse_special`, texts of control
+    /// tokens (`<start_of_turn>`, `<bos>`…) become those tokens; user-defined pieces (`\n`,
+    /// space runs, HTML tags…) are always matched whole.
+    pub fn encode(&self, text: &str, parse_special: bool) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 1);
+        let mut buf = String::new();
+        for fragment in self.specials.partition(text, parse_special) {
+            match fragment {
+                Fragment::Special(id) => out.push(id),
+                Fragment::Text(start, end) => {
+                    let raw = &text[start..end];
+                    buf.clear();
+                    self.normalize_into(raw, start == 0, &mut buf);
+                    self.encode_words(&buf, &mut out);
+                }
+            }
+        }
+        out
+    }
+
+    fn normalize_into(&self, raw: &str, at_start: bool, buf: &mut String) {
+        match &self.text.space {
+            Some(rep) => {
+                let present = raw.starts_with(' ') || raw.starts_with(rep.as_str());
+                let prefix = match self.text.prefix {
+                    PrefixMode::Never => false,
+                    PrefixMode::Always => true,
+                    PrefixMode::UnlessPresent => !present,
+                    PrefixMode::First => at_start && !present,
+                };
+                if prefix {
+                    buf.push_str(rep);
+                }
+                for ch in raw.chars() {
+                    if ch == ' ' {
+                        buf.push_str(rep);
+                    } else {
+                        buf.push(ch);
+                    }
+                }
+            }
+            None => buf.push_str(raw),
+        }
+    }
+
+    fn encode_words(&self, text: &str, out: &mut Vec<u32>) {
+        if self.text.splits.is_empty() {
+            return self.encode_word(text, out);
+        }
+        let mut words = vec![(0, text.len())];
+        for (delim, how) in &self.text.splits {
+            words = split_words(text, &words, delim, *how);
+        }
+        for (s, e) in words {
+            self.encode_word(&text[s..e], out);
+        }
+    }
+
+    fn encode_word(&self, word: &str, out: &mut Vec<u32>) {
+        if word.is_empty() {
+            return;
+        }
+        if self.text.ignore_merges {
+            if let Some(&id) = self.ids.get(word) {
+                out.push(id);
+                return;
+            }
+        }
+        let vocab = MergeVocab {
+            ids: &self.ids,
+            scores: &self.scores,
+            rule: &self.rule,
+        };
+        vocab.merge(word, |piece| match piece {
+            Ok(id) => out.push(id),
+            Err((start, end)) => {
+                for &b in &word.as_bytes()[start..end] {
+                    let id = if self.text.byte_fallback {
+                        self.byte_ids[b as usize].or(self.unk_id)
+                    } else {
+                        self.unk_id
+                    };
+                    if let Some(id) = id {
+                        let fused = self.text.fuse_unk
+                            && Some(id) == self.unk_id
+                            && out.last() == Some(&id);
+                        if !fused {
+                            out.push(id);
+                        }
+                    }
+                    if !self.text.byte_fallback {
+                        // Without byte fallback the whole unknown piece is one unknown token.
+                        break;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Decodes ids to text. Bytes from `<0xNN>` tokens are joined before UTF-8 decoding; only
+    /// truly invalid sequences become U+FFFD. Ids outside the vocabulary are ignored.
+    pub fn decode(&self, ids: &[u32], opts: DecodeOptions) -> String {
+        let mut stream = DecodeStream::new(opts);
+        let mut text = String::new();
+        for &id in ids {
+            text.push_str(&stream.step(self, id));
+        }
+        text.push_str(&stream.flush());
+        text
+    }
+
+    /// The raw bytes a token stands for: `▁` becomes a space, `<0xNN>` that byte, control and
+    /// user-defined tokens their text.
+    pub fn token_bytes(&self, id: u32) -> Option<Cow<'_, [u8]>> {
+        let piece = self.pieces.get(id as usize)?;
+        let kind = self.kinds[id as usize];
+        Some(match kind {
+            TokenKind::Byte => match byte_piece_value(piece) {
+                Some(b) => Cow::Owned(vec![b]),
+                None => Cow::Borrowed(piece.as_bytes()),
+            },
+            TokenKind::Normal => match &self.text.space {
+                Some(rep) if piece.contains(rep.as_str()) => {
+                    Cow::Owned(piece.replace(rep.as_str(), " ").into_bytes())
+                }
+                _ => Cow::Borrowed(piece.as_bytes()),
+            },
+            _ => Cow::Borrowed(piece.as_bytes()),
+        })
+    }
+
+    /// Whether decoding should drop one leading space from the first token: the encoder put a
+    /// space replacement in front of the text.
+    pub(crate) fn strips_prefix_space(&self) -> bool {
+        self.text.space.is_some() && self.text.prefix != PrefixMode::Never
+    }
+
+    pub fn piece(&self, id: u32) -> Option<&str> {
+        self.pieces.get(id as usize).map(String::as_str)
+    }
+
+    pub fn token_id(&self, piece: &str) -> Option<u32> {
+        self.ids.get(piece).copied()
+    }
+
+    pub fn kind(&self, id: u32) -> Option<TokenKind> {
+        self.kinds.get(id as usize).copied()
+    }
+
+    /// Control, unknown and unused tokens: the ones `skip_special_tokens` drops.
+    pub fn is_special(&self, id: u32) -> bool {
+        matches!(
+            self.kind(id),
+            Some(TokenKind::Control | TokenKind::Unknown | TokenKind::Unused)
+        )
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.pieces.len()
+    }
+
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos_id
+    }
+
+    pub fn unk_id(&self) -> Option<u32> {
+        self.unk_id
+    }
+
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_id.and_then(|id| self.piece(id))
+    }
+
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_id.and_then(|id| self.piece(id))
+    }
+
+    /// Replaces the BOS / EOS ids (e.g. from a `tokenizer_config.json`); ids outside the
+    /// vocabulary are dropped.
+    pub fn with_bos_eos(mut self, bos: Option<u32>, eos: Option<u32>) -> Self {
+        let n = self.pieces.len();
+        self.bos_id = bos.filter(|&id| (id as usize) < n);
+        self.eos_id = eos.filter(|&id| (id as usize) < n);
+        self
+    }
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.pieces.len())
+            .field("bos", &self.bos_token())
+            .field("eos", &self.eos_token())
+            .finish_non_exhaustive()
+    }
+}
