@@ -7,7 +7,14 @@
 
 mod rng;
 mod sampler;
+mod scheduler;
 mod stop;
+
+use std::sync::Arc;
+
+use temper_model::Gemma3;
+use temper_text::Tokenizer;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// Scheduler limits.
 #[derive(Clone, Debug)]
@@ -179,4 +186,91 @@ pub struct EngineStats {
     pub running: usize,
     /// Requests queued and not yet admitted.
     pub waiting: usize,
+}
+
+/// Handle to a model's scheduler thread; cheap to clone, shareable across threads.
+#[derive(Clone)]
+pub struct Engine {
+    tx: std::sync::mpsc::Sender<scheduler::Submission>,
+    stats: Arc<scheduler::Stats>,
+    max_model_len: usize,
+    vocab_size: usize,
+}
+
+impl Engine {
+    /// Spawns the scheduler thread for `model`. It runs until every handle is dropped and its
+    /// work is done.
+    pub fn start(model: Arc<Gemma3>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Engine {
+        let model_cfg = model.config();
+        let vocab_size = model_cfg.vocab_size;
+        // Limits that could never be met are raised to the smallest workable values; requests
+        // cannot outgrow the model's context.
+        let config = EngineConfig {
+            max_batch_tokens: config.max_batch_tokens.max(1),
+            max_running: config.max_running.max(1),
+            max_model_len: config.max_model_len.min(model_cfg.context_length),
+        };
+        let max_model_len = config.max_model_len;
+        let stats = Arc::new(scheduler::Stats::default());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sched = scheduler::Scheduler::new(model, tokenizer, config, stats.clone(), rx);
+        if let Err(e) = std::thread::Builder::new()
+            .name("temper-engine".into())
+            .spawn(move || sched.run())
+        {
+            scheduler::spawn_failed(&e);
+        }
+        Engine {
+            tx,
+            stats,
+            max_model_len,
+            vocab_size,
+        }
+    }
+
+    /// Queues a request; events arrive on the receiver. Dropping the receiver cancels the
+    /// request.
+    pub fn submit(
+        &self,
+        req: GenerationRequest,
+    ) -> Result<UnboundedReceiver<GenerationEvent>, EngineError> {
+        if req.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if req.n == 0 {
+            return Err(EngineError::NoChoices);
+        }
+        if req.stopping.max_tokens == 0 {
+            return Err(EngineError::NoTokens);
+        }
+        if req.prompt.len().saturating_add(req.stopping.max_tokens) > self.max_model_len {
+            return Err(EngineError::TooLong {
+                prompt_tokens: req.prompt.len(),
+                max_tokens: req.stopping.max_tokens,
+                max_model_len: self.max_model_len,
+            });
+        }
+        if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(EngineError::TokenOutOfRange {
+                token,
+                vocab_size: self.vocab_size,
+            });
+        }
+        let (tx, rx) = unbounded_channel();
+        self.tx
+            .send(scheduler::Submission { req, tx })
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(rx)
+    }
+
+    /// The scheduler's counters, as of its last step.
+    pub fn stats(&self) -> EngineStats {
+        self.stats.snapshot()
+    }
+
+    /// The effective maximum of prompt + max_tokens (the configured one, capped by the model's
+    /// context length).
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
 }

@@ -1,0 +1,551 @@
+//! The scheduler thread: continuous batching over one `Gemma3::forward` call per step.
+//!
+//! Each step feeds one token for every decoding sequence and spends what is left of
+//! `max_batch_tokens` on prompt chunks of admitted requests, oldest first. A request whose
+//! prompt is fully prefilled forks its cache into `n` choices. Finished and cancelled sequences
+//! leave the batch (and free their caches) before the next step.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
+
+use temper_model::{Gemma3, Logits, SeqCache, SeqInput};
+use temper_text::{DecodeOptions, DecodeStream, Tokenizer};
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::{debug, error, trace, warn};
+
+use crate::rng::{random_seed, Rng};
+use crate::sampler::{self, Sampler};
+use crate::stop::StopMatcher;
+use crate::{
+    EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest, StopReason,
+};
+
+/// A request on its way to the scheduler.
+pub(crate) struct Submission {
+    pub(crate) req: GenerationRequest,
+    pub(crate) tx: UnboundedSender<GenerationEvent>,
+}
+
+/// Counters shared with `Engine::stats` callers.
+#[derive(Default)]
+pub(crate) struct Stats {
+    steps: AtomicU64,
+    rows: AtomicU64,
+    tokens: AtomicU64,
+    max_rows_in_step: AtomicUsize,
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+}
+
+impl Stats {
+    pub(crate) fn snapshot(&self) -> EngineStats {
+        EngineStats {
+            steps: self.steps.load(Ordering::Relaxed),
+            rows: self.rows.load(Ordering::Relaxed),
+            tokens: self.tokens.load(Ordering::Relaxed),
+            max_rows_in_step: self.max_rows_in_step.load(Ordering::Relaxed),
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Tokens that end generation like EOS does (unless `ignore_eos`).
+struct EndTokens {
+    eos: Option<u32>,
+    end_of_turn: Option<u32>,
+}
+
+impl EndTokens {
+    fn contains(&self, id: u32) -> bool {
+        self.eos == Some(id) || self.end_of_turn == Some(id)
+    }
+}
+
+/// One choice being generated.
+struct Seq {
+    choice: usize,
+    cache: SeqCache,
+    /// The last sampled token: the input of this sequence's next decode row.
+    next: u32,
+    rng: Rng,
+    decode: DecodeStream,
+    matcher: StopMatcher,
+    generated: usize,
+    finished: bool,
+}
+
+enum Phase {
+    /// The prompt is being fed; `done` tokens are in the cache.
+    Prefill {
+        cache: SeqCache,
+        done: usize,
+    },
+    Decode {
+        seqs: Vec<Seq>,
+    },
+}
+
+/// An admitted request.
+struct Group {
+    req: GenerationRequest,
+    tx: UnboundedSender<GenerationEvent>,
+    phase: Phase,
+    /// The client went away, or its events can no longer be delivered.
+    dropped: bool,
+}
+
+impl Group {
+    /// Sequences this request occupies (its reservation while prefilling).
+    fn running(&self) -> usize {
+        match &self.phase {
+            Phase::Prefill { .. } => self.req.n,
+            Phase::Decode { seqs } => seqs.len(),
+        }
+    }
+
+    fn send(&mut self, ev: GenerationEvent) {
+        if self.tx.send(ev).is_err() {
+            self.dropped = true;
+        }
+    }
+
+    fn fail(&mut self, message: &str) {
+        error!(request_id = %self.req.request_id, "generation failed: {message}");
+        self.send(GenerationEvent::Error {
+            message: message.to_string(),
+        });
+    }
+}
+
+/// Who a row of the batch belongs to.
+enum Row {
+    Decode { group: usize, seq: usize },
+    Prefill { group: usize, end: usize },
+}
+
+pub(crate) struct Scheduler {
+    model: Arc<Gemma3>,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    stats: Arc<Stats>,
+    rx: Receiver<Submission>,
+    waiting: VecDeque<Submission>,
+    groups: Vec<Group>,
+    end_tokens: EndTokens,
+    sampler: Sampler,
+}
+
+impl Scheduler {
+    pub(crate) fn new(
+        model: Arc<Gemma3>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+        stats: Arc<Stats>,
+        rx: Receiver<Submission>,
+    ) -> Self {
+        let end_tokens = EndTokens {
+            eos: tokenizer.eos_id(),
+            end_of_turn: tokenizer.token_id("<end_of_turn>"),
+        };
+        Scheduler {
+            model,
+            tokenizer,
+            config,
+            stats,
+            rx,
+            waiting: VecDeque::new(),
+            groups: Vec::new(),
+            end_tokens,
+            sampler: Sampler::default(),
+        }
+    }
+
+    /// Serves until every `Engine` handle is gone and no work is left.
+    pub(crate) fn run(mut self) {
+        loop {
+            if self.groups.is_empty() && self.waiting.is_empty() {
+                // Idle: block instead of spinning.
+                match self.rx.recv() {
+                    Ok(s) => self.enqueue(s),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(s) => self.enqueue(s),
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                }
+            }
+            self.drop_cancelled();
+            self.admit();
+            self.publish_counts();
+            if self.groups.is_empty() {
+                continue;
+            }
+            // A bug in a step must not take the thread (and every later request) down.
+            if catch_unwind(AssertUnwindSafe(|| self.step())).is_err() {
+                for g in &mut self.groups {
+                    g.fail("internal error in the engine step");
+                }
+                self.groups.clear();
+            }
+            self.drop_cancelled();
+            self.publish_counts();
+        }
+    }
+
+    fn enqueue(&mut self, s: Submission) {
+        debug!(request_id = %s.req.request_id, prompt_tokens = s.req.prompt.len(), n = s.req.n, "queued");
+        self.waiting.push_back(s);
+    }
+
+    fn publish_counts(&self) {
+        let running = self.groups.iter().map(Group::running).sum();
+        self.stats.running.store(running, Ordering::Relaxed);
+        self.stats
+            .waiting
+            .store(self.waiting.len(), Ordering::Relaxed);
+    }
+
+    /// Removes requests whose receiver is gone, freeing their caches now.
+    fn drop_cancelled(&mut self) {
+        self.waiting.retain(|s| {
+            let closed = s.tx.is_closed();
+            if closed {
+                debug!(request_id = %s.req.request_id, "cancelled while waiting");
+            }
+            !closed
+        });
+        self.groups.retain(|g| {
+            let gone = g.dropped || g.tx.is_closed();
+            if gone {
+                debug!(request_id = %g.req.request_id, "cancelled");
+            }
+            !gone
+        });
+    }
+
+    /// First come, first served while the running sequences fit `max_running`; a request
+    /// wider than the cap runs alone rather than never.
+    fn admit(&mut self) {
+        let mut running: usize = self.groups.iter().map(Group::running).sum();
+        while let Some(front) = self.waiting.front() {
+            let n = front.req.n;
+            if running > 0 && running + n > self.config.max_running {
+                break;
+            }
+            let Some(s) = self.waiting.pop_front() else {
+                break;
+            };
+            debug!(request_id = %s.req.request_id, "admitted");
+            running += n;
+            self.groups.push(Group {
+                phase: Phase::Prefill {
+                    cache: self.model.new_cache(),
+                    done: 0,
+                },
+                req: s.req,
+                tx: s.tx,
+                dropped: false,
+            });
+        }
+    }
+
+    /// One forward call over every active sequence, then sampling and stop handling.
+    fn step(&mut self) {
+        let decode_rows: usize = self
+            .groups
+            .iter()
+            .map(|g| match &g.phase {
+                Phase::Decode { seqs } => seqs.len(),
+                Phase::Prefill { .. } => 0,
+            })
+            .sum();
+        // Decode rows always run; prompts share what is left. At least one prompt token per
+        // step keeps prefill from starving behind a full decode batch.
+        let mut budget = self
+            .config
+            .max_batch_tokens
+            .saturating_sub(decode_rows)
+            .max(1);
+
+        let mut rows: Vec<Row> = Vec::new();
+        let mut inputs: Vec<SeqInput<'_>> = Vec::new();
+        for (gi, g) in self.groups.iter_mut().enumerate() {
+            let Group { req, phase, .. } = g;
+            match phase {
+                Phase::Decode { seqs } => {
+                    for (si, s) in seqs.iter_mut().enumerate() {
+                        inputs.push(SeqInput {
+                            tokens: std::slice::from_ref(&s.next),
+                            cache: &mut s.cache,
+                            all_logits: false,
+                        });
+                        rows.push(Row::Decode { group: gi, seq: si });
+                    }
+                }
+                Phase::Prefill { cache, done } => {
+                    if budget == 0 {
+                        continue;
+                    }
+                    let end = (*done + budget).min(req.prompt.len());
+                    budget -= end - *done;
+                    inputs.push(SeqInput {
+                        tokens: &req.prompt[*done..end],
+                        cache,
+                        all_logits: false,
+                    });
+                    rows.push(Row::Prefill { group: gi, end });
+                }
+            }
+        }
+        let n_tokens: usize = inputs.iter().map(|i| i.tokens.len()).sum();
+        trace!(rows = rows.len(), tokens = n_tokens, "step");
+        let result = catch_unwind(AssertUnwindSafe(|| self.model.forward(&mut inputs)));
+        drop(inputs);
+
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .rows
+            .fetch_add(rows.len() as u64, Ordering::Relaxed);
+        self.stats
+            .tokens
+            .fetch_add(n_tokens as u64, Ordering::Relaxed);
+        self.stats
+            .max_rows_in_step
+            .fetch_max(rows.len(), Ordering::Relaxed);
+
+        let logits = match result {
+            Ok(Ok(l)) if l.len() == rows.len() => l,
+            Ok(Ok(l)) => {
+                self.fail_rows(
+                    &rows,
+                    &format!("model returned {} outputs for {} rows", l.len(), rows.len()),
+                );
+                return;
+            }
+            Ok(Err(e)) => {
+                self.fail_rows(&rows, &format!("model error: {e}"));
+                return;
+            }
+            Err(_) => {
+                self.fail_rows(&rows, "model panicked");
+                return;
+            }
+        };
+
+        for (row, out) in rows.iter().zip(&logits) {
+            match *row {
+                Row::Decode { group, seq } => self.decode_row(group, seq, out),
+                Row::Prefill { group, end } => self.prefill_row(group, end, out),
+            }
+        }
+        // Finished sequences leave now, dropping their caches.
+        for g in &mut self.groups {
+            if let Phase::Decode { seqs } = &mut g.phase {
+                seqs.retain(|s| !s.finished);
+            }
+        }
+        self.groups.retain(|g| match &g.phase {
+            Phase::Decode { seqs } => !seqs.is_empty() && !g.dropped,
+            Phase::Prefill { .. } => !g.dropped,
+        });
+    }
+
+    /// Fails every request that had a row in a failed step; the others carry on.
+    fn fail_rows(&mut self, rows: &[Row], message: &str) {
+        let mut hit = vec![false; self.groups.len()];
+        for r in rows {
+            let (Row::Decode { group, .. } | Row::Prefill { group, .. }) = *r;
+            hit[group] = true;
+        }
+        for (g, &h) in self.groups.iter_mut().zip(&hit) {
+            if h {
+                g.fail(message);
+                g.dropped = true;
+            }
+        }
+    }
+
+    fn decode_row(&mut self, gi: usize, si: usize, out: &Logits) {
+        let Some(row) = last_row(out) else {
+            self.groups[gi].fail("model returned an empty logits row");
+            self.groups[gi].dropped = true;
+            return;
+        };
+        let g = &mut self.groups[gi];
+        let Phase::Decode { seqs } = &mut g.phase else {
+            return;
+        };
+        let Some(seq) = seqs.get_mut(si) else {
+            return;
+        };
+        let events = emit_token(
+            seq,
+            &g.req,
+            row,
+            &mut self.sampler,
+            &self.tokenizer,
+            &self.end_tokens,
+        );
+        for ev in events {
+            g.send(ev);
+        }
+    }
+
+    fn prefill_row(&mut self, gi: usize, end: usize, out: &Logits) {
+        let g = &mut self.groups[gi];
+        let Phase::Prefill { cache, done } = &mut g.phase else {
+            return;
+        };
+        *done = end;
+        if end < g.req.prompt.len() {
+            return;
+        }
+        let Some(row) = last_row(out) else {
+            g.fail("model returned an empty logits row");
+            g.dropped = true;
+            return;
+        };
+        // The prompt is in the cache: fork it into the n choices.
+        let n = g.req.n;
+        let prompt_cache = std::mem::replace(cache, self.model.new_cache());
+        let opts = DecodeOptions {
+            skip_special_tokens: g.req.stopping.skip_special_tokens,
+            spaces_between_special_tokens: g.req.stopping.spaces_between_special_tokens,
+        };
+        // n - 1 copies plus the original: n == 1 costs no copy.
+        let mut caches: Vec<SeqCache> = (1..n).map(|_| prompt_cache.clone()).collect();
+        caches.push(prompt_cache);
+        let mut seqs = Vec::with_capacity(n);
+        for (choice, cache) in caches.into_iter().enumerate() {
+            let seed = match g.req.sampling.seed {
+                // vLLM's rule: choice i draws from seed + i.
+                Some(s) => s.wrapping_add(choice as u64),
+                None => random_seed(),
+            };
+            seqs.push(Seq {
+                choice,
+                cache,
+                next: 0,
+                rng: Rng::new(seed),
+                decode: DecodeStream::new(opts),
+                matcher: StopMatcher::new(
+                    &g.req.stopping.stop,
+                    g.req.stopping.include_stop_str_in_output,
+                ),
+                generated: 0,
+                finished: false,
+            });
+        }
+        debug!(request_id = %g.req.request_id, prompt_tokens = end, "prefilled");
+        for seq in &mut seqs {
+            let events = emit_token(
+                seq,
+                &g.req,
+                row,
+                &mut self.sampler,
+                &self.tokenizer,
+                &self.end_tokens,
+            );
+            for ev in events {
+                g.send(ev);
+            }
+        }
+        g.phase = Phase::Decode { seqs };
+    }
+}
+
+fn last_row(out: &Logits) -> Option<&[f32]> {
+    if out.rows == 0 || out.vocab == 0 || out.data.len() < out.rows * out.vocab {
+        return None;
+    }
+    Some(&out.data[(out.rows - 1) * out.vocab..out.rows * out.vocab])
+}
+
+/// Samples the next token of `seq` from `row` and returns the events it produces (a Token, and
+/// a Finished when generation ends).
+fn emit_token(
+    seq: &mut Seq,
+    req: &GenerationRequest,
+    row: &[f32],
+    sampler: &mut Sampler,
+    tokenizer: &Tokenizer,
+    end_tokens: &EndTokens,
+) -> Vec<GenerationEvent> {
+    let stopping = &req.stopping;
+    let token = sampler.sample(row, &req.sampling, &mut seq.rng);
+    let logprob = req.logprobs.map(|k| sampler::logprobs(row, token, k));
+    seq.generated += 1;
+    seq.next = token;
+
+    let end_of_generation = !stopping.ignore_eos && end_tokens.contains(token);
+    let stop_token = stopping.stop_token_ids.contains(&token);
+    let (text, finish) = if end_of_generation || stop_token {
+        // The stop token itself adds no text; what was held back comes out with Finished.
+        let reason = if end_of_generation {
+            None
+        } else {
+            Some(StopReason::Token(token))
+        };
+        (String::new(), Some((FinishReason::Stop, reason)))
+    } else {
+        let delta = seq.decode.step(tokenizer, token);
+        let (mut text, matched) = seq.matcher.push(&delta);
+        if let Some(s) = matched {
+            (text, Some((FinishReason::Stop, Some(StopReason::Text(s)))))
+        } else if seq.generated >= stopping.max_tokens {
+            // A stop string may still complete in the detokenizer's held-back bytes.
+            let (tail, matched) = seq.matcher.push(&seq.decode.flush());
+            text.push_str(&tail);
+            match matched {
+                Some(s) => (text, Some((FinishReason::Stop, Some(StopReason::Text(s))))),
+                None => (text, Some((FinishReason::Length, None))),
+            }
+        } else {
+            (text, None)
+        }
+    };
+    let mut events = vec![GenerationEvent::Token {
+        choice: seq.choice,
+        token_id: token,
+        text,
+        logprob,
+    }];
+    if let Some((reason, stop_reason)) = finish {
+        let mut rest = String::new();
+        if reason == FinishReason::Stop && !matches!(stop_reason, Some(StopReason::Text(_))) {
+            // Ended by a token: release the detokenizer's incomplete bytes too.
+            let (tail, _) = seq.matcher.push(&seq.decode.flush());
+            rest.push_str(&tail);
+        }
+        rest.push_str(&seq.matcher.finish());
+        seq.finished = true;
+        debug!(
+            request_id = %req.request_id,
+            choice = seq.choice,
+            ?reason,
+            ?stop_reason,
+            completion_tokens = seq.generated,
+            "finished"
+        );
+        events.push(GenerationEvent::Finished {
+            choice: seq.choice,
+            reason,
+            stop_reason,
+            text: rest,
+            prompt_tokens: req.prompt.len(),
+            completion_tokens: seq.generated,
+        });
+    }
+    events
+}
+
+/// Logs a scheduler thread that could not be started; `submit` then reports `Stopped`.
+pub(crate) fn spawn_failed(e: &std::io::Error) {
+    warn!("could not start the engine scheduler thread: {e}");
+}

@@ -1,0 +1,549 @@
+//! The engine over the tiny random Gemma-3-shaped model, through the real loader and tokenizer.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::gguf_file;
+use temper_engine::{
+    Engine, EngineConfig, EngineError, EngineStats, FinishReason, GenerationEvent,
+    GenerationRequest, SamplingParams, StopParams, StopReason, TokenLogprob,
+};
+use temper_model::Gemma3;
+use temper_text::{DecodeOptions, Tokenizer};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+struct Tiny {
+    metadata: HashMap<String, gguf_file::Value>,
+    model: Arc<Gemma3>,
+    tokenizer: Arc<Tokenizer>,
+}
+
+fn tiny() -> &'static Tiny {
+    static TINY: OnceLock<Tiny> = OnceLock::new();
+    TINY.get_or_init(|| {
+        let dir: PathBuf = std::env::temp_dir().join(format!(
+            "temper-engine-test-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("clock")
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("tiny.gguf");
+        temper_model::tiny::write_tiny_gguf(&path, 7).expect("write tiny model");
+        let loaded = temper_model::load_gguf(&path).expect("load tiny model");
+        let tokenizer = Tokenizer::from_gguf_metadata(&loaded.metadata).expect("tokenizer");
+        let _ = std::fs::remove_dir_all(&dir);
+        Tiny {
+            metadata: loaded.metadata,
+            model: Arc::new(loaded.model),
+            tokenizer: Arc::new(tokenizer),
+        }
+    })
+}
+
+fn engine(config: EngineConfig) -> Engine {
+    let t = tiny();
+    Engine::start(t.model.clone(), t.tokenizer.clone(), config)
+}
+
+fn default_engine() -> Engine {
+    engine(EngineConfig {
+        max_batch_tokens: 256,
+        max_running: 16,
+        max_model_len: 2048,
+    })
+}
+
+fn prompt(text: &str) -> Vec<u32> {
+    let t = tiny();
+    let mut ids = vec![t.tokenizer.bos_id().expect("bos")];
+    ids.extend(t.tokenizer.encode(text, false));
+    ids
+}
+
+fn request(text: &str, max_tokens: usize, sampling: SamplingParams) -> GenerationRequest {
+    GenerationRequest {
+        request_id: format!("test-{text}"),
+        prompt: prompt(text),
+        n: 1,
+        sampling,
+        stopping: StopParams {
+            max_tokens,
+            ignore_eos: true,
+            ..StopParams::default()
+        },
+        logprobs: None,
+    }
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    }
+}
+
+fn seeded(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+struct Choice {
+    ids: Vec<u32>,
+    /// Token texts concatenated.
+    streamed: String,
+    /// Streamed text + the Finished text.
+    text: String,
+    reason: Option<FinishReason>,
+    stop_reason: Option<StopReason>,
+    completion_tokens: usize,
+    prompt_tokens: usize,
+    logprobs: Vec<TokenLogprob>,
+    token_texts: Vec<String>,
+}
+
+/// Reads events until the engine closes the stream; checks the per-choice event protocol.
+fn collect(mut rx: UnboundedReceiver<GenerationEvent>, n: usize) -> Vec<Choice> {
+    let mut out = vec![Choice::default(); n];
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            GenerationEvent::Token {
+                choice,
+                token_id,
+                text,
+                logprob,
+            } => {
+                let c = &mut out[choice];
+                assert!(c.reason.is_none(), "token after Finished");
+                c.ids.push(token_id);
+                c.streamed.push_str(&text);
+                c.token_texts.push(text);
+                c.logprobs.extend(logprob);
+            }
+            GenerationEvent::Finished {
+                choice,
+                reason,
+                stop_reason,
+                text,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                let c = &mut out[choice];
+                assert!(c.reason.is_none(), "two Finished events");
+                c.text = c.streamed.clone() + &text;
+                c.reason = Some(reason);
+                c.stop_reason = stop_reason;
+                c.prompt_tokens = prompt_tokens;
+                c.completion_tokens = completion_tokens;
+            }
+            GenerationEvent::Error { message } => panic!("engine error: {message}"),
+        }
+    }
+    for c in &out {
+        assert!(c.reason.is_some(), "stream closed without Finished");
+        assert_eq!(c.completion_tokens, c.ids.len());
+    }
+    out
+}
+
+/// The scheduler publishes its counts just after the step that sent the last events.
+fn wait_idle(e: &Engine) -> EngineStats {
+    let t0 = Instant::now();
+    loop {
+        let s = e.stats();
+        if s.running == 0 && s.waiting == 0 {
+            return s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "not idle: {s:?}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn run(engine: &Engine, req: GenerationRequest) -> Vec<Choice> {
+    let n = req.n;
+    collect(engine.submit(req).expect("submit"), n)
+}
+
+/// Runs `req` while three other requests generate in the same engine.
+fn run_in_busy_batch(engine: &Engine, req: GenerationRequest) -> Vec<Choice> {
+    let others: Vec<_> = [
+        "the dog sat",
+        "what is the capital of France",
+        "yes no good day",
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, p)| {
+        let r = request(p, 40, seeded(100 + i as u64));
+        engine.submit(r).expect("submit other")
+    })
+    .collect();
+    let n = req.n;
+    let rx = engine.submit(req).expect("submit");
+    let mine = collect(rx, n);
+    for rx in others {
+        collect(rx, 1);
+    }
+    mine
+}
+
+#[test]
+fn greedy_alone_equals_greedy_in_a_busy_batch() {
+    let e = default_engine();
+    let req = request("Hello world the cat sat on the mat", 24, greedy());
+    let alone = run(&e, req.clone());
+    let busy = run_in_busy_batch(&e, req);
+    assert_eq!(alone[0].ids.len(), 24);
+    assert_eq!(alone[0].ids, busy[0].ids);
+    assert_eq!(alone[0].text, busy[0].text);
+    assert!(e.stats().max_rows_in_step >= 2);
+}
+
+#[test]
+fn seeded_sampling_is_the_same_alone_and_in_a_busy_batch() {
+    let e = default_engine();
+    let req = request("how is the model of the world", 24, seeded(42));
+    let alone = run(&e, req.clone());
+    let again = run(&e, req.clone());
+    let busy = run_in_busy_batch(&e, req);
+    assert_eq!(alone[0].ids, again[0].ids);
+    assert_eq!(alone[0].ids, busy[0].ids);
+    // A different seed gives a different continuation (the tiny model is far from greedy-sharp).
+    let other = run(&e, request("how is the model of the world", 24, seeded(43)));
+    assert_ne!(alone[0].ids, other[0].ids);
+}
+
+#[test]
+fn n_choices_fork_the_prompt_and_follow_the_seed_plus_i_rule() {
+    let e = default_engine();
+    let mut req = request("the cat and the dog", 16, seeded(1000));
+    req.n = 3;
+    let a = run(&e, req.clone());
+    let b = run(&e, req.clone());
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.ids, y.ids);
+        assert_eq!(x.reason, Some(FinishReason::Length));
+        assert_eq!(x.prompt_tokens, req.prompt.len());
+    }
+    assert!(a[0].ids != a[1].ids || a[1].ids != a[2].ids);
+    // Choice i is what a single-choice request seeded with seed + i gives.
+    for (i, choice) in a.iter().enumerate() {
+        let single = run(
+            &e,
+            request("the cat and the dog", 16, seeded(1000 + i as u64)),
+        );
+        assert_eq!(choice.ids, single[0].ids, "choice {i}");
+    }
+    // The prompt was fed once, not three times.
+    let s = e.stats();
+    assert!(s.tokens > 0);
+}
+
+#[test]
+fn concurrent_requests_share_steps() {
+    let e = default_engine();
+    let rxs: Vec<_> = (0..4)
+        .map(|i| {
+            e.submit(request(&format!("the {i} cat"), 30, seeded(i)))
+                .expect("submit")
+        })
+        .collect();
+    for rx in rxs {
+        let c = collect(rx, 1);
+        assert_eq!(c[0].ids.len(), 30);
+    }
+    let s = wait_idle(&e);
+    assert!(s.max_rows_in_step >= 4, "{s:?}");
+    // Four requests of 30 tokens alone would take >= 120 steps.
+    assert!(s.steps < 100, "{s:?}");
+    assert_eq!(s.running, 0);
+    assert_eq!(s.waiting, 0);
+}
+
+#[test]
+fn max_running_caps_the_batch_and_queues_the_rest() {
+    let e = engine(EngineConfig {
+        max_batch_tokens: 256,
+        max_running: 2,
+        max_model_len: 2048,
+    });
+    let rxs: Vec<_> = (0..5)
+        .map(|i| {
+            e.submit(request(&format!("a {i} b"), 10, greedy()))
+                .expect("submit")
+        })
+        .collect();
+    for rx in rxs {
+        assert_eq!(collect(rx, 1)[0].ids.len(), 10);
+    }
+    let s = e.stats();
+    assert!(s.max_rows_in_step <= 2, "{s:?}");
+    assert_eq!(s.max_rows_in_step, 2, "{s:?}");
+}
+
+#[test]
+fn chunked_prefill_gives_the_same_output() {
+    let text =
+        "the cat sat on the mat and the dog sat on the cat and what is the answer to the question";
+    let wide = run(&default_engine(), request(text, 12, greedy()));
+    let narrow_engine = engine(EngineConfig {
+        max_batch_tokens: 5,
+        max_running: 4,
+        max_model_len: 2048,
+    });
+    let narrow = run(&narrow_engine, request(text, 12, greedy()));
+    assert_eq!(wide[0].ids, narrow[0].ids);
+    let s = narrow_engine.stats();
+    // Each step fed at most five tokens, so the prompt took several steps.
+    assert!(s.tokens <= 5 * s.steps, "{s:?}");
+    assert!(s.steps as usize >= prompt(text).len() / 5 + 11, "{s:?}");
+}
+
+#[test]
+fn a_long_prompt_does_not_stall_running_decodes() {
+    let e = engine(EngineConfig {
+        max_batch_tokens: 8,
+        max_running: 4,
+        max_model_len: 2048,
+    });
+    let short = e.submit(request("the cat", 40, greedy())).expect("submit");
+    let long_text = "the dog and the cat ".repeat(20);
+    let long = e.submit(request(&long_text, 4, greedy())).expect("submit");
+    let short_out = collect(short, 1);
+    collect(long, 1);
+    assert_eq!(short_out[0].ids.len(), 40);
+    // The short request decoded while the long prompt was chunked in beside it.
+    let s = e.stats();
+    assert!(s.max_rows_in_step >= 2, "{s:?}");
+}
+
+#[test]
+fn dropping_the_receiver_cancels() {
+    let e = default_engine();
+    let mut rx = e
+        .submit(request("the cat", 1500, greedy()))
+        .expect("submit");
+    // Wait until it is generating.
+    for _ in 0..3 {
+        assert!(matches!(
+            rx.blocking_recv(),
+            Some(GenerationEvent::Token { .. })
+        ));
+    }
+    drop(rx);
+    wait_idle(&e);
+    // No further steps once it is gone.
+    let steps = e.stats().steps;
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(e.stats().steps, steps);
+    assert!(steps < 1000);
+}
+
+#[test]
+fn max_tokens_finishes_with_length() {
+    let e = default_engine();
+    let c = run(&e, request("hello", 7, greedy()));
+    assert_eq!(c[0].reason, Some(FinishReason::Length));
+    assert_eq!(c[0].stop_reason, None);
+    assert_eq!(c[0].completion_tokens, 7);
+    let one = run(&e, request("hello", 1, greedy()));
+    assert_eq!(one[0].ids.len(), 1);
+    assert_eq!(one[0].ids[0], c[0].ids[0]);
+}
+
+#[test]
+fn stop_token_ids_stop_with_the_token_as_reason() {
+    let e = default_engine();
+    let base = run(&e, request("the model answer", 20, greedy()));
+    let ids = &base[0].ids;
+    let stop_id = ids[5];
+    let first = ids.iter().position(|&t| t == stop_id).expect("present");
+    let mut req = request("the model answer", 20, greedy());
+    req.stopping.stop_token_ids = vec![stop_id];
+    let c = run(&e, req);
+    assert_eq!(c[0].reason, Some(FinishReason::Stop));
+    assert_eq!(c[0].stop_reason, Some(StopReason::Token(stop_id)));
+    assert_eq!(c[0].ids, ids[..=first].to_vec());
+    // The stop token itself adds no text.
+    assert_eq!(c[0].token_texts.last().map(String::as_str), Some(""));
+    let opts = DecodeOptions::default();
+    assert_eq!(c[0].text, tiny().tokenizer.decode(&ids[..first], opts));
+}
+
+#[test]
+fn eos_stops_without_text_unless_ignored() {
+    let t = tiny();
+    let base = run(&default_engine(), request("the cat sat", 12, greedy()));
+    let ids = &base[0].ids;
+    // Declare the 4th greedy token the EOS, so greedy output must hit it.
+    let eos = ids[3];
+    let first = ids.iter().position(|&x| x == eos).expect("present");
+    let tokenizer = Tokenizer::from_gguf_metadata(&t.metadata)
+        .expect("tokenizer")
+        .with_bos_eos(t.tokenizer.bos_id(), Some(eos));
+    let e = Engine::start(
+        t.model.clone(),
+        Arc::new(tokenizer),
+        EngineConfig {
+            max_batch_tokens: 256,
+            max_running: 4,
+            max_model_len: 2048,
+        },
+    );
+    let mut req = request("the cat sat", 12, greedy());
+    req.stopping.ignore_eos = false;
+    req.logprobs = Some(0);
+    let c = run(&e, req);
+    assert_eq!(c[0].ids, ids[..=first].to_vec());
+    assert_eq!(c[0].reason, Some(FinishReason::Stop));
+    assert_eq!(c[0].stop_reason, None);
+    // EOS counts as a completion token with a logprob but adds no text.
+    assert_eq!(c[0].completion_tokens, first + 1);
+    assert_eq!(c[0].logprobs.len(), first + 1);
+    assert_eq!(c[0].token_texts.last().map(String::as_str), Some(""));
+    assert_eq!(
+        c[0].text,
+        t.tokenizer.decode(&ids[..first], DecodeOptions::default())
+    );
+    // ignore_eos generates through it.
+    let c = run(&e, request("the cat sat", 12, greedy()));
+    assert_eq!(&c[0].ids, ids);
+    assert_eq!(c[0].reason, Some(FinishReason::Length));
+}
+
+#[test]
+fn stop_strings_cut_the_output() {
+    let t = tiny();
+    let e = default_engine();
+    let base = run(&e, request("the cat sat on", 30, greedy()));
+    let text = &base[0].text;
+    // A stop string from the middle of the greedy text: 3 characters starting at the 8th.
+    let start = text.char_indices().nth(8).expect("long enough").0;
+    let end = text[start..]
+        .char_indices()
+        .nth(3)
+        .map(|(i, _)| start + i)
+        .expect("long enough");
+    let stop = text[start..end].to_string();
+    let pos = text.find(&stop).expect("present");
+
+    for include in [false, true] {
+        let mut req = request("the cat sat on", 30, greedy());
+        req.stopping.stop = vec!["zzzz-never".into(), stop.clone()];
+        req.stopping.include_stop_str_in_output = include;
+        let c = run(&e, req);
+        let expect = if include {
+            &text[..pos + stop.len()]
+        } else {
+            &text[..pos]
+        };
+        assert_eq!(c[0].text, expect, "include={include}");
+        assert_eq!(c[0].reason, Some(FinishReason::Stop));
+        assert_eq!(c[0].stop_reason, Some(StopReason::Text(stop.clone())));
+        // Generation ended at the token that completed the match.
+        assert!(c[0].ids.len() < 30);
+        assert_eq!(c[0].ids, base[0].ids[..c[0].ids.len()].to_vec());
+        let decoded = t.tokenizer.decode(&c[0].ids, DecodeOptions::default());
+        assert!(decoded.starts_with(expect) && decoded.contains(&stop));
+        // No streamed prefix ever went past the final text.
+        let mut acc = String::new();
+        for piece in &c[0].token_texts {
+            acc.push_str(piece);
+            assert!(expect.starts_with(&acc));
+        }
+    }
+}
+
+#[test]
+fn streamed_text_equals_the_decoded_ids() {
+    let t = tiny();
+    let e = default_engine();
+    for (skip, spaces) in [(true, true), (false, true), (false, false)] {
+        for seed in 0..4 {
+            let mut req = request("hello world", 40, seeded(seed));
+            req.stopping.skip_special_tokens = skip;
+            req.stopping.spaces_between_special_tokens = spaces;
+            let c = run(&e, req);
+            let opts = DecodeOptions {
+                skip_special_tokens: skip,
+                spaces_between_special_tokens: spaces,
+            };
+            assert_eq!(c[0].text, t.tokenizer.decode(&c[0].ids, opts));
+        }
+    }
+    // With a stop list that never matches, hold-back changes the chunking, not the text.
+    for seed in 0..4 {
+        let mut req = request("hello world", 40, seeded(seed));
+        req.stopping.stop = vec!["the cat and the dog and".into(), "e".repeat(9)];
+        let c = run(&e, req);
+        assert_eq!(
+            c[0].text,
+            t.tokenizer.decode(&c[0].ids, DecodeOptions::default())
+        );
+    }
+}
+
+#[test]
+fn logprobs_are_reported_per_token() {
+    let e = default_engine();
+    let mut req = request("the answer is", 8, greedy());
+    req.logprobs = Some(3);
+    let c = run(&e, req);
+    assert_eq!(c[0].logprobs.len(), 8);
+    for (lp, &id) in c[0].logprobs.iter().zip(&c[0].ids) {
+        assert_eq!(lp.top.len(), 3);
+        // Greedy picks the most likely token.
+        assert_eq!(lp.top[0].0, id);
+        assert!((lp.top[0].1 - lp.logprob).abs() < 1e-6);
+        assert!(lp.logprob <= 0.0);
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    }
+    let mut req = request("the answer is", 3, seeded(3));
+    req.logprobs = Some(0);
+    let c = run(&e, req);
+    assert_eq!(c[0].logprobs.len(), 3);
+    assert!(c[0].logprobs.iter().all(|l| l.top.is_empty()));
+}
+
+#[test]
+fn impossible_requests_are_rejected() {
+    let e = engine(EngineConfig {
+        max_batch_tokens: 64,
+        max_running: 4,
+        max_model_len: 100,
+    });
+    let mut r = request("hello", 5, greedy());
+    r.prompt.clear();
+    assert_eq!(e.submit(r).err(), Some(EngineError::EmptyPrompt));
+    let mut r = request("hello", 5, greedy());
+    r.n = 0;
+    assert_eq!(e.submit(r).err(), Some(EngineError::NoChoices));
+    let r = request("hello", 0, greedy());
+    assert_eq!(e.submit(r).err(), Some(EngineError::NoTokens));
+    let r = request("hello", 99, greedy());
+    assert!(matches!(e.submit(r), Err(EngineError::TooLong { .. })));
+    let mut r = request("hello", 5, greedy());
+    r.prompt.push(1_000_000);
+    assert!(matches!(
+        e.submit(r),
+        Err(EngineError::TokenOutOfRange { .. })
+    ));
+    // The model's context (2048) caps the configured length.
+    let big = engine(EngineConfig {
+        max_batch_tokens: 64,
+        max_running: 4,
+        max_model_len: 1 << 20,
+    });
+    assert_eq!(big.max_model_len(), 2048);
+    // A valid request still works after the rejections.
+    assert_eq!(run(&e, request("hello", 5, greedy()))[0].ids.len(), 5);
+}
