@@ -1,1 +1,210 @@
-fn main() {}
+//! The `temper` binary: configuration → served models → HTTP server. Nothing else lives here.
+
+mod config;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use temper_http::{AppState, ModelSpec, ServedModel, ServerOptions};
+
+use config::{Config, ServeArgs};
+
+#[derive(Parser)]
+#[command(
+    name = "temper",
+    version,
+    about = "OpenAI/vLLM-compatible chat completions from local models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve chat completions over HTTP.
+    Serve(ServeArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let Command::Serve(args) = Cli::parse().command;
+    match serve(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("temper: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<(), String> {
+    let file = match &args.config {
+        Some(path) => config::read_file(path).map_err(|e| e.to_string())?,
+        None => config::FileConfig::default(),
+    };
+    let cfg = config::resolve(args, file, &config::temper_home()).map_err(|e| e.to_string())?;
+    let addrs = bind_addresses(&cfg)?;
+
+    std::fs::create_dir_all(&cfg.data_dir)
+        .map_err(|e| format!("creating data dir {}: {e}", cfg.data_dir.display()))?;
+    let mut models = Vec::new();
+    for (name, path) in &cfg.models {
+        if !path.exists() {
+            return Err(format!(
+                "model file {} (for `{name}`) does not exist; `scripts/fetch-model.sh` fetches \
+                 the default model",
+                path.display()
+            ));
+        }
+        let mut spec = ModelSpec::new(name.clone(), path.clone());
+        spec.chat_template = cfg.chat_template.clone();
+        spec.max_model_len = cfg.max_model_len;
+        if let Some(n) = cfg.max_running {
+            spec.max_running = n;
+        }
+        if let Some(n) = cfg.max_batch_tokens {
+            spec.max_batch_tokens = n;
+        }
+        tracing::info!(model = %name, path = %path.display(), "loading");
+        let model = ServedModel::load(&spec).map_err(|e| e.to_string())?;
+        tracing::info!(model = %name, max_model_len = model.max_model_len, "loaded");
+        models.push(model);
+    }
+    let names: Vec<String> = models.iter().map(|m| m.name.clone()).collect();
+    let state = AppState::new(
+        models,
+        ServerOptions {
+            api_keys: cfg.api_keys.clone(),
+            trust_request_chat_template: cfg.trust_request_chat_template,
+            max_body_bytes: cfg.max_body_bytes,
+            max_logprobs: cfg.max_logprobs,
+            max_n: cfg.max_n,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting the runtime: {e}"))?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addrs.as_slice())
+            .await
+            .map_err(|e| format!("binding {}:{}: {e}", cfg.host, cfg.port))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| format!("reading the bound address: {e}"))?;
+        print_banner(&cfg, local, &names);
+        temper_http::serve(listener, state, shutdown_signal())
+            .await
+            .map_err(|e| format!("serving: {e}"))
+    })?;
+    tracing::info!("shut down");
+    Ok(())
+}
+
+/// Resolves the host; without a key only loopback addresses are allowed, so an unauthenticated
+/// server is never reachable from the network.
+fn bind_addresses(cfg: &Config) -> Result<Vec<SocketAddr>, String> {
+    let addrs: Vec<SocketAddr> = (cfg.host.as_str(), cfg.port)
+        .to_socket_addrs()
+        .map_err(|e| format!("resolving --host {}: {e}", cfg.host))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(format!("--host {} resolves to no address", cfg.host));
+    }
+    if cfg.api_keys.is_empty() && addrs.iter().any(|a| !a.ip().is_loopback()) {
+        return Err(format!(
+            "refusing to serve on non-loopback address {} without an API key: pass --api-key KEY \
+             (or set TEMPER_API_KEYS), or bind 127.0.0.1",
+            cfg.host
+        ));
+    }
+    Ok(addrs)
+}
+
+fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String]) {
+    let url = format!("http://{addr}");
+    println!("temper serving {} at {url}/v1", names.join(", "));
+    if cfg.api_keys.is_empty() {
+        println!("  no API key configured: open to clients on this machine only");
+        println!(
+            "  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' \
+             -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'",
+            names[0]
+        );
+    } else {
+        println!(
+            "  authenticate with `Authorization: Bearer <key>` using one of the {} configured key(s)",
+            cfg.api_keys.len()
+        );
+        println!(
+            "  try: curl {url}/v1/chat/completions -H \"Authorization: Bearer $KEY\" \
+             -H 'Content-Type: application/json' \
+             -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'",
+            names[0]
+        );
+    }
+}
+
+/// Ctrl-C or SIGTERM: stop accepting, let in-flight requests finish.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down: finishing in-flight requests");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(host: &str, keys: &[&str]) -> Config {
+        let mut c = config::resolve(
+            ServeArgs::default(),
+            config::FileConfig::default(),
+            std::path::Path::new("/h"),
+        )
+        .unwrap();
+        c.host = host.to_owned();
+        c.api_keys = keys.iter().map(|k| k.to_string()).collect();
+        c
+    }
+
+    #[test]
+    fn no_key_means_loopback_only() {
+        assert!(bind_addresses(&cfg("127.0.0.1", &[])).is_ok());
+        assert!(bind_addresses(&cfg("localhost", &[])).is_ok());
+        let e = bind_addresses(&cfg("0.0.0.0", &[])).unwrap_err();
+        assert!(e.contains("without an API key"), "{e}");
+        assert!(bind_addresses(&cfg("0.0.0.0", &["k"])).is_ok());
+    }
+}

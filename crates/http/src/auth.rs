@@ -1,0 +1,201 @@
+//! Request context (id, tracing span), bearer authentication and the `OpenAI-Project` header.
+
+use std::time::Instant;
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue};
+use axum::middleware::Next;
+use axum::response::Response;
+use tracing::Instrument;
+
+use crate::error::ApiError;
+use crate::state::AppState;
+
+pub const PROJECT_HEADER: &str = "openai-project";
+const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Per-request facts that handlers need, set by the middleware.
+#[derive(Debug, Clone)]
+pub struct RequestContext {
+    pub request_id: String,
+    pub project: Option<Project>,
+}
+
+/// `OpenAI-Project: <team>/<project>`: usage attribution.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Project {
+    pub team: String,
+    pub project: String,
+}
+
+impl Project {
+    /// Each part: 1–64 characters of ASCII letters, digits, `-`, `_`, `.`.
+    pub fn parse(value: &str) -> Result<Project, ApiError> {
+        let valid = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 64
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        };
+        match value.split_once('/') {
+            Some((team, project)) if valid(team) && valid(project) => Ok(Project {
+                team: team.to_owned(),
+                project: project.to_owned(),
+            }),
+            _ => Err(ApiError::bad(
+                "OpenAI-Project",
+                "The OpenAI-Project header must be `<team>/<project>`, each 1-64 characters of \
+                 letters, digits, '-', '_' or '.'.",
+            )),
+        }
+    }
+}
+
+/// Outermost layer: assigns the request id (a client's `X-Request-Id` if sane), opens the span
+/// every log line of the request runs in, and logs one line when the handler returns.
+pub async fn request_context(mut req: Request, next: Next) -> Response {
+    let request_id = req
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    let span = tracing::info_span!(
+        "request",
+        request_id = %request_id,
+        method = %req.method(),
+        path = %req.uri().path(),
+        team = tracing::field::Empty,
+        project = tracing::field::Empty,
+    );
+    req.extensions_mut().insert(RequestContext {
+        request_id: request_id.clone(),
+        project: None,
+    });
+    let start = Instant::now();
+    let mut response = next.run(req).instrument(span.clone()).await;
+    span.in_scope(|| {
+        tracing::info!(
+            status = response.status().as_u16(),
+            latency_ms = start.elapsed().as_millis() as u64,
+            "response"
+        )
+    });
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, v);
+    }
+    response
+}
+
+/// Bearer key check, then the project header. Every route but `/health` runs through this.
+pub async fn authorize(
+    State(state): State<AppState>,
+    mut req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    check_key(req.headers(), &state.options().api_keys)?;
+    let project = match req.headers().get(PROJECT_HEADER) {
+        None => None,
+        Some(v) => Some(Project::parse(v.to_str().map_err(|_| {
+            ApiError::bad("OpenAI-Project", "The OpenAI-Project header is not ASCII.")
+        })?)?),
+    };
+    if let Some(p) = &project {
+        let span = tracing::Span::current();
+        span.record("team", p.team.as_str());
+        span.record("project", p.project.as_str());
+    }
+    if let Some(ctx) = req.extensions_mut().get_mut::<RequestContext>() {
+        ctx.project = project;
+    }
+    Ok(next.run(req).await)
+}
+
+fn check_key(headers: &HeaderMap, keys: &[String]) -> Result<(), ApiError> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let Some(presented) = presented else {
+        return Err(ApiError::Unauthorized(
+            "Missing API key: send `Authorization: Bearer <key>`.".to_owned(),
+        ));
+    };
+    // Compare against every key without early exit so timing does not reveal a prefix match.
+    let ok = keys.iter().fold(false, |acc, k| {
+        acc | ct_eq(k.as_bytes(), presented.as_bytes())
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::Unauthorized("Invalid API key.".to_owned()))
+    }
+}
+
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn project_header_parsing() {
+        assert_eq!(
+            Project::parse("acme/agents-v2").unwrap(),
+            Project {
+                team: "acme".into(),
+                project: "agents-v2".into()
+            }
+        );
+        assert!(Project::parse("team_1/proj.x").is_ok());
+        for bad in [
+            "",
+            "acme",
+            "/p",
+            "t/",
+            "a/b/c",
+            "a b/c",
+            "t/ü",
+            &"x".repeat(65),
+        ] {
+            let e = Project::parse(bad).unwrap_err();
+            assert_eq!(e.status().as_u16(), 400, "{bad}");
+            let v = serde_json::to_value(e.envelope()).unwrap();
+            assert_eq!(v["error"]["param"], "OpenAI-Project");
+        }
+    }
+
+    fn headers(auth: Option<&str>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(a) = auth {
+            h.insert(header::AUTHORIZATION, a.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn bearer_keys() {
+        let keys = vec!["k1".to_owned(), "secret-2".to_owned()];
+        assert!(check_key(&headers(Some("Bearer k1")), &keys).is_ok());
+        assert!(check_key(&headers(Some("Bearer secret-2")), &keys).is_ok());
+        for bad in [
+            None,
+            Some("Bearer k"),
+            Some("Bearer k12"),
+            Some("k1"),
+            Some("Basic k1"),
+        ] {
+            let e = check_key(&headers(bad), &keys).unwrap_err();
+            assert_eq!(e.status().as_u16(), 401);
+        }
+        // No keys configured: open (the binary allows that only on loopback).
+        assert!(check_key(&headers(None), &[]).is_ok());
+    }
+}

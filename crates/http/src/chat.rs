@@ -1,0 +1,411 @@
+//! `POST /v1/chat/completions`: validation → prompt → engine, then either one JSON response or
+//! an SSE stream of chunks.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Serialize;
+use temper_engine::{FinishReason, GenerationEvent, StopReason};
+use temper_text::Tokenizer;
+use tokio::sync::mpsc::UnboundedReceiver;
+use tracing::Instrument;
+
+use crate::auth::RequestContext;
+use crate::error::ApiError;
+use crate::extract::ValidJson;
+use crate::prompt::{chat_prompt, logprob_entry};
+use crate::protocol::{
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
+    ChunkChoice, Delta, FinishReasonJson, LogprobEntry, ResponseMessage, StopReasonJson, Usage,
+};
+use crate::state::{unix_now, AppState};
+use crate::validation::{validate_chat, StreamOptions};
+
+pub const SYSTEM_FINGERPRINT: &str = concat!("temper-", env!("CARGO_PKG_VERSION"));
+
+/// What rendering the output needs to know about the request.
+pub struct Completion {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub tokenizer: Arc<Tokenizer>,
+    pub prompt_ids: Vec<u32>,
+    pub n: usize,
+    pub logprobs: bool,
+    pub return_token_ids: bool,
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    ValidJson(req): ValidJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    let model = state.model(req.model.as_deref())?;
+    let params = validate_chat(req, &state.limits(&model))?;
+    let request_id = params
+        .request_id
+        .clone()
+        .unwrap_or_else(|| ctx.request_id.clone());
+    let prompt_ids = chat_prompt(&model, &params.prompt)?;
+    let generation =
+        params.generation_request(request_id.clone(), prompt_ids.clone(), model.max_model_len)?;
+    tracing::info!(
+        completion_id = %request_id,
+        model = %model.name,
+        prompt_tokens = prompt_ids.len(),
+        max_tokens = generation.stopping.max_tokens,
+        n = params.n,
+        stream = params.stream.is_some(),
+        user = params.user.as_deref(),
+        "chat completion"
+    );
+    let rx = model.engine.submit(generation)?;
+    let completion = Completion {
+        id: format!("chatcmpl-{request_id}"),
+        created: unix_now(),
+        model: model.name.clone(),
+        tokenizer: model.tokenizer.clone(),
+        prompt_ids,
+        n: params.n,
+        logprobs: params.logprobs.is_some(),
+        return_token_ids: params.return_token_ids,
+    };
+    match params.stream {
+        Some(opts) => Ok(sse_response(rx, completion, opts)),
+        None => Ok(Json(collect(rx, &completion).await?).into_response()),
+    }
+}
+
+fn finish_json(reason: FinishReason) -> FinishReasonJson {
+    match reason {
+        FinishReason::Stop => FinishReasonJson::Stop,
+        FinishReason::Length => FinishReasonJson::Length,
+        FinishReason::Abort => FinishReasonJson::Abort,
+    }
+}
+
+fn stop_json(reason: Option<StopReason>) -> Option<StopReasonJson> {
+    reason.map(|r| match r {
+        StopReason::Text(s) => StopReasonJson::Text(s),
+        StopReason::Token(t) => StopReasonJson::Token(t),
+    })
+}
+
+fn engine_gone() -> ApiError {
+    ApiError::Internal("The engine stopped before the request finished.".to_owned())
+}
+
+fn bad_choice(choice: usize) -> ApiError {
+    ApiError::Internal(format!("The engine reported an unknown choice {choice}."))
+}
+
+#[derive(Default)]
+struct ChoiceAcc {
+    text: String,
+    token_ids: Vec<u32>,
+    logprobs: Vec<LogprobEntry>,
+    finish: Option<(FinishReasonJson, Option<StopReasonJson>)>,
+    completion_tokens: usize,
+}
+
+/// Non-streaming: waits for every choice to finish. If the client goes away, axum drops this
+/// future and with it the receiver, which cancels the request in the engine.
+pub async fn collect(
+    mut rx: UnboundedReceiver<GenerationEvent>,
+    c: &Completion,
+) -> Result<ChatCompletionResponse, ApiError> {
+    let mut choices: Vec<ChoiceAcc> = (0..c.n).map(|_| ChoiceAcc::default()).collect();
+    let mut finished = 0;
+    while finished < c.n {
+        match rx.recv().await.ok_or_else(engine_gone)? {
+            GenerationEvent::Token {
+                choice,
+                token_id,
+                text,
+                logprob,
+            } => {
+                let acc = choices.get_mut(choice).ok_or_else(|| bad_choice(choice))?;
+                acc.text.push_str(&text);
+                acc.token_ids.push(token_id);
+                if let Some(lp) = logprob {
+                    acc.logprobs
+                        .push(logprob_entry(&c.tokenizer, token_id, &lp));
+                }
+            }
+            GenerationEvent::Finished {
+                choice,
+                reason,
+                stop_reason,
+                text,
+                completion_tokens,
+                ..
+            } => {
+                let acc = choices.get_mut(choice).ok_or_else(|| bad_choice(choice))?;
+                acc.text.push_str(&text);
+                if acc.finish.is_none() {
+                    finished += 1;
+                }
+                acc.finish = Some((finish_json(reason), stop_json(stop_reason)));
+                acc.completion_tokens = completion_tokens;
+            }
+            GenerationEvent::Error { message } => return Err(ApiError::Internal(message)),
+        }
+    }
+    let completion_tokens = choices.iter().map(|a| a.completion_tokens).sum();
+    Ok(ChatCompletionResponse {
+        id: c.id.clone(),
+        object: "chat.completion",
+        created: c.created,
+        model: c.model.clone(),
+        choices: choices
+            .into_iter()
+            .enumerate()
+            .map(|(index, acc)| {
+                let (finish_reason, stop_reason) =
+                    acc.finish.unwrap_or((FinishReasonJson::Abort, None));
+                ChatChoice {
+                    index,
+                    message: ResponseMessage {
+                        role: "assistant",
+                        content: acc.text,
+                    },
+                    logprobs: c.logprobs.then_some(ChoiceLogprobs {
+                        content: acc.logprobs,
+                    }),
+                    finish_reason,
+                    stop_reason,
+                    token_ids: c.return_token_ids.then_some(acc.token_ids),
+                }
+            })
+            .collect(),
+        usage: Usage::new(c.prompt_ids.len(), completion_tokens),
+        system_fingerprint: SYSTEM_FINGERPRINT,
+        prompt_token_ids: c.return_token_ids.then(|| c.prompt_ids.clone()),
+    })
+}
+
+/// `data: <json>\n\n`
+pub fn sse_data<T: Serialize>(value: &T) -> Bytes {
+    match serde_json::to_string(value) {
+        Ok(json) => Bytes::from(format!("data: {json}\n\n")),
+        Err(e) => sse_error(&ApiError::Internal(format!("serializing a chunk: {e}"))),
+    }
+}
+
+pub fn sse_error(e: &ApiError) -> Bytes {
+    let json = serde_json::to_string(&e.envelope()).unwrap_or_else(|_| {
+        r#"{"error":{"message":"internal error","type":"InternalServerError","param":null,"code":500}}"#
+            .to_owned()
+    });
+    Bytes::from(format!("data: {json}\n\n"))
+}
+
+pub const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// The streaming state machine. It owns the engine receiver: when the client disconnects, hyper
+/// drops the body stream, this state and the receiver with it, and the engine cancels.
+struct SseState {
+    rx: UnboundedReceiver<GenerationEvent>,
+    c: Completion,
+    opts: StreamOptions,
+    pending: VecDeque<Bytes>,
+    completion_tokens: Vec<usize>,
+    finished: Vec<bool>,
+    done: bool,
+    span: tracing::Span,
+}
+
+impl SseState {
+    fn new(rx: UnboundedReceiver<GenerationEvent>, c: Completion, opts: StreamOptions) -> Self {
+        let n = c.n;
+        let mut s = SseState {
+            rx,
+            c,
+            opts,
+            pending: VecDeque::new(),
+            completion_tokens: vec![0; n],
+            finished: vec![false; n],
+            done: false,
+            span: tracing::Span::current(),
+        };
+        // vLLM opens every choice with a role chunk before any content.
+        for index in 0..n {
+            let chunk = s.chunk(
+                ChunkChoice {
+                    index,
+                    delta: Delta {
+                        role: Some("assistant"),
+                        content: Some(String::new()),
+                    },
+                    logprobs: None,
+                    finish_reason: None,
+                    stop_reason: None,
+                    token_ids: None,
+                },
+                index == 0 && s.c.return_token_ids,
+            );
+            s.pending.push_back(chunk);
+        }
+        s
+    }
+
+    fn usage(&self) -> Usage {
+        Usage::new(self.c.prompt_ids.len(), self.completion_tokens.iter().sum())
+    }
+
+    fn chunk(&self, choice: ChunkChoice, with_prompt_ids: bool) -> Bytes {
+        sse_data(&ChatCompletionChunk {
+            id: &self.c.id,
+            object: "chat.completion.chunk",
+            created: self.c.created,
+            model: &self.c.model,
+            choices: vec![choice],
+            usage: self.opts.continuous_usage_stats.then(|| self.usage()),
+            prompt_token_ids: with_prompt_ids.then_some(self.c.prompt_ids.as_slice()),
+        })
+    }
+
+    fn fail(&mut self, e: ApiError) {
+        tracing::error!(error = %e, "stream failed");
+        self.pending.push_back(sse_error(&e));
+        self.pending.push_back(Bytes::from_static(SSE_DONE));
+        self.done = true;
+    }
+
+    fn on_event(&mut self, event: Option<GenerationEvent>) {
+        match event {
+            None => self.fail(engine_gone()),
+            Some(GenerationEvent::Error { message }) => self.fail(ApiError::Internal(message)),
+            Some(GenerationEvent::Token {
+                choice,
+                token_id,
+                text,
+                logprob,
+            }) => {
+                let Some(count) = self.completion_tokens.get_mut(choice) else {
+                    return self.fail(bad_choice(choice));
+                };
+                *count += 1;
+                if text.is_empty() && logprob.is_none() && !self.c.return_token_ids {
+                    return;
+                }
+                let logprobs = logprob.map(|lp| ChoiceLogprobs {
+                    content: vec![logprob_entry(&self.c.tokenizer, token_id, &lp)],
+                });
+                let chunk = self.chunk(
+                    ChunkChoice {
+                        index: choice,
+                        delta: Delta {
+                            role: None,
+                            content: Some(text),
+                        },
+                        logprobs,
+                        finish_reason: None,
+                        stop_reason: None,
+                        token_ids: self.c.return_token_ids.then(|| vec![token_id]),
+                    },
+                    false,
+                );
+                self.pending.push_back(chunk);
+            }
+            Some(GenerationEvent::Finished {
+                choice,
+                reason,
+                stop_reason,
+                text,
+                completion_tokens,
+                ..
+            }) => {
+                match self.finished.get_mut(choice) {
+                    Some(f) if !*f => *f = true,
+                    // A second Finished for one choice would break "exactly one finish chunk".
+                    Some(_) => return,
+                    None => return self.fail(bad_choice(choice)),
+                }
+                self.completion_tokens[choice] = completion_tokens;
+                let chunk = self.chunk(
+                    ChunkChoice {
+                        index: choice,
+                        delta: Delta {
+                            role: None,
+                            content: (!text.is_empty()).then_some(text),
+                        },
+                        logprobs: None,
+                        finish_reason: Some(finish_json(reason)),
+                        stop_reason: stop_json(stop_reason),
+                        token_ids: self.c.return_token_ids.then(Vec::new),
+                    },
+                    false,
+                );
+                self.pending.push_back(chunk);
+                if self.finished.iter().all(|&f| f) {
+                    if self.opts.include_usage {
+                        let usage = sse_data(&ChatCompletionChunk {
+                            id: &self.c.id,
+                            object: "chat.completion.chunk",
+                            created: self.c.created,
+                            model: &self.c.model,
+                            choices: Vec::new(),
+                            usage: Some(self.usage()),
+                            prompt_token_ids: None,
+                        });
+                        self.pending.push_back(usage);
+                    }
+                    self.pending.push_back(Bytes::from_static(SSE_DONE));
+                    self.done = true;
+                    tracing::info!(
+                        completion_tokens = self.completion_tokens.iter().sum::<usize>(),
+                        "stream finished"
+                    );
+                }
+            }
+        }
+    }
+}
+
+impl Drop for SseState {
+    fn drop(&mut self) {
+        if !self.done {
+            let _span = self.span.enter();
+            tracing::info!("client went away mid-stream; request cancelled");
+        }
+    }
+}
+
+fn sse_response(
+    rx: UnboundedReceiver<GenerationEvent>,
+    c: Completion,
+    opts: StreamOptions,
+) -> Response {
+    let span = tracing::Span::current();
+    let state = SseState::new(rx, c, opts);
+    let stream = futures_util::stream::unfold(state, move |mut s| {
+        async move {
+            loop {
+                if let Some(bytes) = s.pending.pop_front() {
+                    return Some((Ok::<_, Infallible>(bytes), s));
+                }
+                if s.done {
+                    return None;
+                }
+                let event = s.rx.recv().await;
+                s.on_event(event);
+            }
+        }
+        .instrument(span.clone())
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}

@@ -1,0 +1,227 @@
+//! The one error type of the HTTP layer and its mapping to the OpenAI error envelope
+//! `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed body, wrong field type, out-of-range value, invalid combination.
+    #[error("{message}")]
+    BadRequest {
+        message: String,
+        param: Option<String>,
+    },
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("Method {0} is not allowed on this path.")]
+    MethodNotAllowed(String),
+    #[error("The request body is larger than the limit of {0} bytes.")]
+    RequestTooLarge(usize),
+    #[error("{0}")]
+    ServiceUnavailable(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// A 400 naming the offending field.
+    pub fn bad(param: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::BadRequest {
+            message: message.into(),
+            param: Some(param.into()),
+        }
+    }
+
+    /// A 400 about the request as a whole (e.g. unparseable JSON).
+    pub fn bad_body(message: impl Into<String>) -> Self {
+        ApiError::BadRequest {
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// A field of the interface that issue 3 will implement: rejected rather than ignored.
+    pub fn unsupported(param: &str) -> Self {
+        Self::bad(
+            param,
+            format!("`{param}` is not supported yet: omit it or send its default value."),
+        )
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::RequestTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::ServiceUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            ApiError::BadRequest { .. } => "BadRequestError",
+            ApiError::Unauthorized(_) => "AuthenticationError",
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => "NotFoundError",
+            ApiError::MethodNotAllowed(_) => "MethodNotAllowedError",
+            ApiError::RequestTooLarge(_) => "RequestTooLargeError",
+            ApiError::ServiceUnavailable(_) => "ServiceUnavailableError",
+            ApiError::Internal(_) => "InternalServerError",
+        }
+    }
+
+    fn param(&self) -> Option<&str> {
+        match self {
+            ApiError::BadRequest { param, .. } => param.as_deref(),
+            ApiError::ModelNotFound(_) => Some("model"),
+            _ => None,
+        }
+    }
+
+    /// The envelope, also used inside an SSE stream (`data: {"error": …}`).
+    pub fn envelope(&self) -> ErrorEnvelope<'_> {
+        ErrorEnvelope {
+            error: ErrorBody {
+                message: self.to_string(),
+                r#type: self.kind(),
+                param: self.param(),
+                code: self.status().as_u16(),
+            },
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct ErrorEnvelope<'a> {
+    pub error: ErrorBody<'a>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ErrorBody<'a> {
+    pub message: String,
+    pub r#type: &'static str,
+    pub param: Option<&'a str>,
+    pub code: u16,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if self.status().is_server_error() {
+            tracing::error!(error = %self, "request failed");
+        } else {
+            tracing::info!(error = %self, status = self.status().as_u16(), "request rejected");
+        }
+        (self.status(), axum::Json(self.envelope())).into_response()
+    }
+}
+
+impl From<temper_engine::EngineError> for ApiError {
+    fn from(e: temper_engine::EngineError) -> Self {
+        use temper_engine::EngineError as E;
+        match e {
+            // Only a stopped scheduler is the server's fault; validation already rules out the
+            // rest, so reaching them means a request the engine cannot serve.
+            E::Stopped => {
+                ApiError::ServiceUnavailable(format!("The engine cannot take requests: {e}."))
+            }
+            E::TooLong { .. } => ApiError::bad("max_completion_tokens", e.to_string()),
+            E::EmptyPrompt | E::NoChoices | E::NoTokens | E::TokenOutOfRange { .. } => {
+                ApiError::bad_body(e.to_string())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json(e: &ApiError) -> serde_json::Value {
+        serde_json::to_value(e.envelope()).unwrap()
+    }
+
+    #[test]
+    fn bad_request_names_param() {
+        let v = json(&ApiError::bad("temperature", "too hot"));
+        assert_eq!(
+            v,
+            serde_json::json!({"error": {"message": "too hot", "type": "BadRequestError", "param": "temperature", "code": 400}})
+        );
+    }
+
+    #[test]
+    fn every_variant_maps_status_type_and_code() {
+        let cases = [
+            (ApiError::bad_body("x"), 400, "BadRequestError", None),
+            (
+                ApiError::Unauthorized("k".into()),
+                401,
+                "AuthenticationError",
+                None,
+            ),
+            (
+                ApiError::ModelNotFound("m".into()),
+                404,
+                "NotFoundError",
+                Some("model"),
+            ),
+            (ApiError::NotFound("r".into()), 404, "NotFoundError", None),
+            (
+                ApiError::MethodNotAllowed("PUT".into()),
+                405,
+                "MethodNotAllowedError",
+                None,
+            ),
+            (
+                ApiError::RequestTooLarge(10),
+                413,
+                "RequestTooLargeError",
+                None,
+            ),
+            (
+                ApiError::ServiceUnavailable("s".into()),
+                503,
+                "ServiceUnavailableError",
+                None,
+            ),
+            (
+                ApiError::Internal("i".into()),
+                500,
+                "InternalServerError",
+                None,
+            ),
+        ];
+        for (err, code, kind, param) in cases {
+            assert_eq!(err.status().as_u16(), code);
+            let v = json(&err);
+            assert_eq!(v["error"]["code"], code);
+            assert_eq!(v["error"]["type"], kind);
+            assert_eq!(v["error"]["param"].as_str(), param);
+            assert!(v["error"]["message"].is_string());
+        }
+    }
+
+    #[test]
+    fn unknown_model_message_is_exact() {
+        let v = json(&ApiError::ModelNotFound("gpt-9".into()));
+        assert_eq!(v["error"]["message"], "The model `gpt-9` does not exist.");
+    }
+
+    #[test]
+    fn unsupported_names_the_field() {
+        let v = json(&ApiError::unsupported("logit_bias"));
+        assert_eq!(v["error"]["param"], "logit_bias");
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not supported yet"));
+    }
+}

@@ -1,0 +1,101 @@
+//! Messages → prompt token ids (chat completions and `/tokenize` share it), and token ids → the
+//! strings and bytes the logprobs output shows.
+
+use std::borrow::Cow;
+
+use temper_engine::TokenLogprob;
+use temper_text::{ChatTemplate, TemplateInput, Tokenizer};
+
+use crate::error::ApiError;
+use crate::protocol::{LogprobEntry, TopLogprob};
+use crate::state::ServedModel;
+use crate::validation::PromptParams;
+
+/// Renders the chat template and tokenizes the result with special-token parsing (the template
+/// writes control tokens such as `<start_of_turn>` as text).
+pub fn chat_prompt(model: &ServedModel, p: &PromptParams) -> Result<Vec<u32>, ApiError> {
+    let tok = &model.tokenizer;
+    let request_template;
+    let template: &ChatTemplate = match (&p.chat_template, &model.chat_template) {
+        (Some(src), _) => {
+            request_template = ChatTemplate::new(
+                src,
+                tok.bos_token().map(str::to_owned),
+                tok.eos_token().map(str::to_owned),
+            )
+            .map_err(|e| ApiError::bad("chat_template", format!("Invalid chat template: {e}")))?;
+            &request_template
+        }
+        (None, Some(t)) => t.as_ref(),
+        (None, None) => {
+            return Err(ApiError::bad(
+                "chat_template",
+                format!(
+                    "Model `{}` has no chat template: send `chat_template` or serve the model \
+                     with --chat-template.",
+                    model.name
+                ),
+            ))
+        }
+    };
+    let text = template
+        .render(&TemplateInput {
+            messages: &p.messages,
+            tools: None,
+            documents: None,
+            add_generation_prompt: p.add_generation_prompt,
+            continue_final_message: p.continue_final_message,
+            reasoning_effort: None,
+            kwargs: &p.chat_template_kwargs,
+        })
+        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+    let mut ids = tok.encode(&text, true);
+    if p.add_special_tokens {
+        prepend_bos(tok, &mut ids);
+    }
+    Ok(ids)
+}
+
+/// `add_special_tokens`: BOS in front, as Hugging Face tokenizers of these models add it.
+pub fn prepend_bos(tok: &Tokenizer, ids: &mut Vec<u32>) {
+    if let Some(bos) = tok.bos_id() {
+        ids.insert(0, bos);
+    }
+}
+
+/// The text and raw bytes a token stands for; bytes of a partial UTF-8 character stay exact in
+/// `bytes` while `token` shows them lossily.
+pub fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+    let bytes = tok.token_bytes(id).map(Cow::into_owned).unwrap_or_default();
+    (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+}
+
+/// JSON has no -inf; vLLM reports such logprobs as -9999.
+fn finite(lp: f32) -> f32 {
+    if lp.is_finite() {
+        lp
+    } else {
+        -9999.0
+    }
+}
+
+pub fn logprob_entry(tok: &Tokenizer, id: u32, lp: &TokenLogprob) -> LogprobEntry {
+    let (token, bytes) = token_text(tok, id);
+    LogprobEntry {
+        token,
+        logprob: finite(lp.logprob),
+        bytes,
+        top_logprobs: lp
+            .top
+            .iter()
+            .map(|&(alt, l)| {
+                let (token, bytes) = token_text(tok, alt);
+                TopLogprob {
+                    token,
+                    logprob: finite(l),
+                    bytes,
+                }
+            })
+            .collect(),
+    }
+}

@@ -1,0 +1,301 @@
+//! OpenAI/vLLM wire types. Requests are parsed leniently here (unknown fields ignored, every field
+//! optional) and turned into typed parameters by `validation`; nothing past that step sees them.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+pub type JsonObject = Map<String, Value>;
+
+/// `POST /v1/chat/completions` body as sent. Fields of `interface.md` that are not implemented
+/// yet are parsed with their real types too, so that validation can reject any non-default value
+/// and the next issue only adds behaviour.
+#[derive(Debug, Default, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub messages: Vec<RequestMessage>,
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub n: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopField>,
+    pub stop_token_ids: Option<Vec<i64>>,
+    pub ignore_eos: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    pub spaces_between_special_tokens: Option<bool>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptionsField>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub chat_template: Option<String>,
+    pub chat_template_kwargs: Option<JsonObject>,
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    pub add_special_tokens: Option<bool>,
+    pub request_id: Option<String>,
+    pub return_token_ids: Option<bool>,
+    pub user: Option<String>,
+    pub priority: Option<i64>,
+    pub tool_choice: Option<Value>,
+
+    // Not implemented yet: any value other than the default is a 400.
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub length_penalty: Option<f64>,
+    pub logit_bias: Option<HashMap<String, f64>>,
+    pub response_format: Option<JsonObject>,
+    pub structured_outputs: Option<JsonObject>,
+    pub tools: Option<Vec<Value>>,
+    pub reasoning_effort: Option<String>,
+    pub include_reasoning: Option<bool>,
+    pub parallel_tool_calls: Option<bool>,
+    pub use_beam_search: Option<bool>,
+    pub min_tokens: Option<i64>,
+    pub truncate_prompt_tokens: Option<i64>,
+    pub prompt_logprobs: Option<i64>,
+    pub allowed_token_ids: Option<Vec<i64>>,
+    pub bad_words: Option<Vec<String>>,
+    pub echo: Option<bool>,
+    pub documents: Option<Vec<JsonObject>>,
+    pub mm_processor_kwargs: Option<JsonObject>,
+    pub return_tokens_as_token_ids: Option<bool>,
+    pub cache_salt: Option<String>,
+    pub kv_transfer_params: Option<JsonObject>,
+    pub engine_xargs: Option<JsonObject>,
+    pub repetition_detection: Option<JsonObject>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptionsField {
+    pub include_usage: Option<bool>,
+    pub continuous_usage_stats: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RequestMessage {
+    pub role: String,
+    pub content: Option<MessageContentField>,
+    pub name: Option<String>,
+    pub tool_calls: Option<Vec<ToolCallField>>,
+    pub tool_call_id: Option<String>,
+    pub reasoning: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContentField {
+    Text(String),
+    Parts(Vec<ContentPartField>),
+}
+
+/// A content part as sent; only `{"type": "text", "text": …}` is valid for a text-only model.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPartField {
+    pub r#type: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCallField {
+    pub id: String,
+    #[serde(default = "function_type")]
+    pub r#type: String,
+    pub function: FunctionCallField,
+}
+
+fn function_type() -> String {
+    "function".to_owned()
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct FunctionCallField {
+    pub name: String,
+    pub arguments: String,
+}
+
+// ---- responses ----
+
+#[derive(Debug, Serialize)]
+pub struct ChatCompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+    pub system_fingerprint: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: ResponseMessage,
+    pub logprobs: Option<ChoiceLogprobs>,
+    pub finish_reason: FinishReasonJson,
+    pub stop_reason: Option<StopReasonJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ResponseMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReasonJson {
+    Stop,
+    Length,
+    Abort,
+}
+
+/// vLLM's `stop_reason`: the matched stop string, or the stop token id as an integer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum StopReasonJson {
+    Text(String),
+    Token(u32),
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChoiceLogprobs {
+    pub content: Vec<LogprobEntry>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LogprobEntry {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: 0 },
+        }
+    }
+}
+
+/// `cached_tokens` stays 0 until a prefix cache exists.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatCompletionChunk<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+    pub choices: Vec<ChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<&'a [u32]>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChunkChoice {
+    pub index: usize,
+    pub delta: Delta,
+    pub logprobs: Option<ChoiceLogprobs>,
+    pub finish_reason: Option<FinishReasonJson>,
+    pub stop_reason: Option<StopReasonJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: usize,
+}
+
+/// `POST /tokenize`: vLLM's completion form (`prompt`) or chat form (`messages`).
+#[derive(Debug, Default, Deserialize)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<RequestMessage>>,
+    pub add_special_tokens: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    pub chat_template: Option<String>,
+    pub chat_template_kwargs: Option<JsonObject>,
+    pub return_token_strs: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TokenizeResponse {
+    pub count: usize,
+    pub max_model_len: usize,
+    pub tokens: Vec<u32>,
+    pub token_strs: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<i64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DetokenizeResponse {
+    pub prompt: String,
+}

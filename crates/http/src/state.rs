@@ -1,0 +1,266 @@
+//! Typed server state: the served models and the server-wide options.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use temper_engine::{Engine, EngineConfig};
+use temper_text::{ChatTemplate, Tokenizer};
+
+use crate::error::ApiError;
+use crate::validation::Limits;
+
+/// One model the server answers for, with its own engine (scheduler thread).
+pub struct ServedModel {
+    pub name: String,
+    pub engine: Engine,
+    pub tokenizer: Arc<Tokenizer>,
+    /// `None` when neither the operator, the file nor the architecture gives one: such a model
+    /// needs a request `chat_template`.
+    pub chat_template: Option<Arc<ChatTemplate>>,
+    pub max_model_len: usize,
+}
+
+/// How to load one served model from a GGUF file.
+#[derive(Debug, Clone)]
+pub struct ModelSpec {
+    pub name: String,
+    pub path: PathBuf,
+    /// `--chat-template`: overrides the template found in the file.
+    pub chat_template: Option<PathBuf>,
+    /// `--max-model-len`: at most the model's context length.
+    pub max_model_len: Option<usize>,
+    pub max_running: usize,
+    pub max_batch_tokens: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("loading model `{name}` from {path}: {source}")]
+    Model {
+        name: String,
+        path: PathBuf,
+        source: temper_model::ModelError,
+    },
+    #[error("tokenizer of model `{name}`: {source}")]
+    Tokenizer {
+        name: String,
+        source: temper_text::TextError,
+    },
+    #[error("reading chat template {path}: {source}")]
+    TemplateFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("chat template of model `{name}`: {source}")]
+    Template {
+        name: String,
+        source: temper_text::TextError,
+    },
+    #[error("--max-model-len {requested} exceeds the context length {context} of model `{name}`")]
+    MaxModelLen {
+        name: String,
+        requested: usize,
+        context: usize,
+    },
+    #[error("model name `{0}` is served twice")]
+    DuplicateName(String),
+    #[error("no model to serve")]
+    NoModels,
+}
+
+impl ModelSpec {
+    pub fn new(name: impl Into<String>, path: impl Into<PathBuf>) -> Self {
+        let engine = EngineConfig::default();
+        ModelSpec {
+            name: name.into(),
+            path: path.into(),
+            chat_template: None,
+            max_model_len: None,
+            max_running: engine.max_running,
+            max_batch_tokens: engine.max_batch_tokens,
+        }
+    }
+}
+
+impl ServedModel {
+    /// Loads weights, tokenizer and template and starts the model's engine.
+    /// Template precedence: `spec.chat_template` file, then the GGUF's `tokenizer.chat_template`,
+    /// then the shipped Gemma 3 template for gemma3 files.
+    pub fn load(spec: &ModelSpec) -> Result<ServedModel, LoadError> {
+        let name = spec.name.clone();
+        let loaded = temper_model::load_gguf(&spec.path).map_err(|source| LoadError::Model {
+            name: name.clone(),
+            path: spec.path.clone(),
+            source,
+        })?;
+        let tokenizer =
+            temper_text::load_tokenizer(&loaded.metadata, &spec.path).map_err(|source| {
+                LoadError::Tokenizer {
+                    name: name.clone(),
+                    source,
+                }
+            })?;
+        let source = match &spec.chat_template {
+            Some(path) => Some(read_template(path)?),
+            None => temper_text::gguf_chat_template(&loaded.metadata).or_else(|| {
+                let arch = loaded
+                    .metadata
+                    .get("general.architecture")
+                    .and_then(|v| v.to_string().ok());
+                (arch.map(String::as_str) == Some("gemma3"))
+                    .then(|| ChatTemplate::GEMMA3.to_owned())
+            }),
+        };
+        let chat_template = source
+            .map(|src| {
+                ChatTemplate::new(
+                    &src,
+                    tokenizer.bos_token().map(str::to_owned),
+                    tokenizer.eos_token().map(str::to_owned),
+                )
+                .map(Arc::new)
+                .map_err(|source| LoadError::Template {
+                    name: name.clone(),
+                    source,
+                })
+            })
+            .transpose()?;
+        let context = loaded.model.config().context_length;
+        let max_model_len = match spec.max_model_len {
+            Some(n) if n > context => {
+                return Err(LoadError::MaxModelLen {
+                    name,
+                    requested: n,
+                    context,
+                })
+            }
+            Some(n) => n,
+            None => context,
+        };
+        let tokenizer = Arc::new(tokenizer);
+        let engine = Engine::start(
+            Arc::new(loaded.model),
+            tokenizer.clone(),
+            EngineConfig {
+                max_batch_tokens: spec.max_batch_tokens,
+                max_running: spec.max_running,
+                max_model_len,
+            },
+        );
+        Ok(ServedModel {
+            name,
+            engine,
+            tokenizer,
+            chat_template,
+            max_model_len,
+        })
+    }
+}
+
+fn read_template(path: &Path) -> Result<String, LoadError> {
+    std::fs::read_to_string(path).map_err(|source| LoadError::TemplateFile {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Server-wide settings that shape request handling.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Accepted bearer keys; empty = no authentication (the binary only allows that on loopback).
+    pub api_keys: Vec<String>,
+    pub trust_request_chat_template: bool,
+    pub max_body_bytes: usize,
+    /// Most `top_logprobs` per token; `None` = the whole vocabulary may be requested.
+    pub max_logprobs: Option<usize>,
+    pub max_n: usize,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            api_keys: Vec::new(),
+            trust_request_chat_template: false,
+            max_body_bytes: 4 * 1024 * 1024,
+            max_logprobs: Some(20),
+            max_n: 16,
+        }
+    }
+}
+
+/// Shared by every handler; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// In order of configuration; the first answers requests that name no model.
+    models: Vec<Arc<ServedModel>>,
+    options: ServerOptions,
+    /// Reported as every model's `created`.
+    started: u64,
+}
+
+impl AppState {
+    pub fn new(models: Vec<ServedModel>, options: ServerOptions) -> Result<Self, LoadError> {
+        if models.is_empty() {
+            return Err(LoadError::NoModels);
+        }
+        for (i, m) in models.iter().enumerate() {
+            if models[..i].iter().any(|o| o.name == m.name) {
+                return Err(LoadError::DuplicateName(m.name.clone()));
+            }
+        }
+        Ok(AppState {
+            inner: Arc::new(Inner {
+                models: models.into_iter().map(Arc::new).collect(),
+                options,
+                started: unix_now(),
+            }),
+        })
+    }
+
+    pub fn models(&self) -> &[Arc<ServedModel>] {
+        &self.inner.models
+    }
+
+    pub fn options(&self) -> &ServerOptions {
+        &self.inner.options
+    }
+
+    pub fn started(&self) -> u64 {
+        self.inner.started
+    }
+
+    /// The model a request names; as in vLLM, a request without `model` gets the first one.
+    pub fn model(&self, name: Option<&str>) -> Result<Arc<ServedModel>, ApiError> {
+        match name {
+            None => Ok(self.inner.models[0].clone()),
+            Some(name) => self
+                .inner
+                .models
+                .iter()
+                .find(|m| m.name == name)
+                .cloned()
+                .ok_or_else(|| ApiError::ModelNotFound(name.to_owned())),
+        }
+    }
+
+    pub fn limits(&self, model: &ServedModel) -> Limits {
+        Limits {
+            vocab_size: model.tokenizer.vocab_size(),
+            max_logprobs: self.inner.options.max_logprobs,
+            max_n: self.inner.options.max_n,
+            trust_request_chat_template: self.inner.options.trust_request_chat_template,
+        }
+    }
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}

@@ -1,0 +1,911 @@
+//! One validation step: a parsed `ChatCompletionRequest` becomes typed `ChatParams`, or a 400
+//! naming the field. Nothing downstream re-checks or sees the raw JSON.
+
+use temper_engine::{GenerationRequest, SamplingParams, StopParams};
+use temper_text::{ChatMessage, ContentPart, FunctionCall, MessageContent, ToolCall};
+
+use crate::error::ApiError;
+use crate::protocol::{
+    ChatCompletionRequest, JsonObject, MessageContentField, RequestMessage, StopField,
+};
+
+/// Temperatures below this sample greedily (vLLM's threshold).
+const GREEDY_EPSILON: f64 = 1e-5;
+
+/// What validation needs to know about the server and the served model.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub vocab_size: usize,
+    /// Most `top_logprobs` a request may ask for; `None` = the whole vocabulary is allowed.
+    pub max_logprobs: Option<usize>,
+    pub max_n: usize,
+    pub trust_request_chat_template: bool,
+}
+
+/// A validated chat completion request.
+#[derive(Debug, Clone)]
+pub struct ChatParams {
+    pub prompt: PromptParams,
+    pub n: usize,
+    pub sampling: Sampling,
+    /// Explicit completion budget; `None` = whatever context is left after the prompt.
+    pub max_tokens: Option<usize>,
+    pub stop: StopOptions,
+    /// `Some(k)`: logprobs of each sampled token plus `k` alternatives.
+    pub logprobs: Option<usize>,
+    pub return_token_ids: bool,
+    /// `Some` when streaming.
+    pub stream: Option<StreamOptions>,
+    pub request_id: Option<String>,
+    pub user: Option<String>,
+}
+
+/// Everything that turns messages into prompt tokens (shared with `/tokenize`).
+#[derive(Debug, Clone)]
+pub struct PromptParams {
+    pub messages: Vec<ChatMessage>,
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    /// A request-supplied template; only present when the server trusts them.
+    pub chat_template: Option<String>,
+    pub chat_template_kwargs: JsonObject,
+    /// Prepend BOS on top of whatever the template adds.
+    pub add_special_tokens: bool,
+}
+
+/// Sampling knobs after defaults and range checks (the engine's `SamplingParams` in our types).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    pub min_p: f32,
+    pub seed: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StopOptions {
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub include_stop_str_in_output: bool,
+    pub skip_special_tokens: bool,
+    pub spaces_between_special_tokens: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamOptions {
+    pub include_usage: bool,
+    /// Usage on every chunk; only with `include_usage`.
+    pub continuous_usage_stats: bool,
+}
+
+pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<ChatParams, ApiError> {
+    reject_unsupported(&req)?;
+
+    if let Some(p) = req.priority {
+        if p != 0 {
+            return Err(ApiError::bad(
+                "priority",
+                "`priority` other than 0 needs priority scheduling, which this model is not served with.",
+            ));
+        }
+    }
+    if let Some(choice) = &req.tool_choice {
+        if !(choice.is_null() || choice.as_str() == Some("none")) {
+            return Err(ApiError::bad(
+                "tool_choice",
+                "The only supported `tool_choice` is \"none\".",
+            ));
+        }
+    }
+
+    let stream = req.stream.unwrap_or(false);
+    let stream_options = match (&req.stream_options, stream) {
+        (Some(_), false) => {
+            return Err(ApiError::bad(
+                "stream_options",
+                "`stream_options` can only be set when `stream` is true.",
+            ))
+        }
+        (Some(o), true) => {
+            let include_usage = o.include_usage.unwrap_or(false);
+            Some(StreamOptions {
+                include_usage,
+                continuous_usage_stats: include_usage && o.continuous_usage_stats.unwrap_or(false),
+            })
+        }
+        (None, true) => Some(StreamOptions::default()),
+        (None, false) => None,
+    };
+
+    let n = match req.n {
+        None => 1,
+        Some(n) if n < 1 => return Err(ApiError::bad("n", "`n` must be at least 1.")),
+        Some(n) if n as u64 > limits.max_n as u64 => {
+            return Err(ApiError::bad(
+                "n",
+                format!("`n` must be at most {} on this server.", limits.max_n),
+            ))
+        }
+        Some(n) => n as usize,
+    };
+
+    let temperature = req.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad(
+            "temperature",
+            format!("`temperature` must be in [0, 2], got {temperature}."),
+        ));
+    }
+    if n > 1 && temperature < GREEDY_EPSILON {
+        return Err(ApiError::bad(
+            "n",
+            "`n` > 1 needs temperature > 0: greedy sampling would return identical choices.",
+        ));
+    }
+    let top_p = req.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}."),
+        ));
+    }
+    let top_k = match req.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k >= 1 => usize::try_from(k).unwrap_or(usize::MAX),
+        k => {
+            return Err(ApiError::bad(
+                "top_k",
+                format!("`top_k` must be -1, 0 (off) or at least 1, got {k}."),
+            ))
+        }
+    };
+    let min_p = req.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::bad(
+            "min_p",
+            format!("`min_p` must be in [0, 1], got {min_p}."),
+        ));
+    }
+    // int64 range is enforced by parsing; -1 is vLLM's "unseeded". Other negative seeds are
+    // valid int64 values and keep their bits.
+    let seed = match req.seed {
+        None | Some(-1) => None,
+        Some(s) => Some(s as u64),
+    };
+
+    // `max_completion_tokens` wins over the deprecated `max_tokens`.
+    let max_tokens = match (req.max_completion_tokens, req.max_tokens) {
+        (Some(m), _) => Some(positive_tokens("max_completion_tokens", m)?),
+        (None, Some(m)) => Some(positive_tokens("max_tokens", m)?),
+        (None, None) => None,
+    };
+
+    let stop = match req.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s],
+        Some(StopField::Many(v)) => v,
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad("stop", "Stop strings must not be empty."));
+    }
+    let stop_token_ids = token_ids(
+        "stop_token_ids",
+        req.stop_token_ids.unwrap_or_default(),
+        limits.vocab_size,
+    )?;
+
+    let logprobs_on = req.logprobs.unwrap_or(false);
+    let top_logprobs = match req.top_logprobs {
+        None | Some(0) => 0,
+        Some(_) if !logprobs_on => {
+            return Err(ApiError::bad(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs: true`.",
+            ))
+        }
+        Some(-1) => limits.vocab_size,
+        Some(k) if k < 0 => {
+            return Err(ApiError::bad(
+                "top_logprobs",
+                format!("`top_logprobs` must be -1 (whole vocabulary) or >= 0, got {k}."),
+            ))
+        }
+        Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+    };
+    if let Some(max) = limits.max_logprobs {
+        if top_logprobs > max {
+            return Err(ApiError::bad(
+                "top_logprobs",
+                format!("`top_logprobs` must be at most {max} on this server."),
+            ));
+        }
+    }
+    let logprobs = logprobs_on.then_some(top_logprobs.min(limits.vocab_size));
+
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let continue_final_message = req.continue_final_message.unwrap_or(false);
+    if add_generation_prompt && continue_final_message {
+        return Err(ApiError::bad(
+            "continue_final_message",
+            "`continue_final_message` needs `add_generation_prompt: false`.",
+        ));
+    }
+    let chat_template = request_template(req.chat_template, limits)?;
+    let messages = convert_messages(&req.messages)?;
+    if continue_final_message && messages.last().map(|m| m.role.as_str()) != Some("assistant") {
+        return Err(ApiError::bad(
+            "continue_final_message",
+            "`continue_final_message` needs a final assistant message to continue.",
+        ));
+    }
+
+    if req.request_id.as_deref() == Some("") {
+        return Err(ApiError::bad(
+            "request_id",
+            "`request_id` must not be empty.",
+        ));
+    }
+
+    Ok(ChatParams {
+        prompt: PromptParams {
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template,
+            chat_template_kwargs: req.chat_template_kwargs.unwrap_or_default(),
+            add_special_tokens: req.add_special_tokens.unwrap_or(false),
+        },
+        n,
+        sampling: Sampling {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k,
+            min_p: min_p as f32,
+            seed,
+        },
+        max_tokens,
+        stop: StopOptions {
+            stop,
+            stop_token_ids,
+            ignore_eos: req.ignore_eos.unwrap_or(false),
+            include_stop_str_in_output: req.include_stop_str_in_output.unwrap_or(false),
+            skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
+            spaces_between_special_tokens: req.spaces_between_special_tokens.unwrap_or(true),
+        },
+        logprobs,
+        return_token_ids: req.return_token_ids.unwrap_or(false),
+        stream: stream_options,
+        request_id: req.request_id,
+        user: req.user,
+    })
+}
+
+impl ChatParams {
+    /// Applies the context-length rules to the tokenized prompt and builds the engine request.
+    pub fn generation_request(
+        &self,
+        request_id: String,
+        prompt: Vec<u32>,
+        max_model_len: usize,
+    ) -> Result<GenerationRequest, ApiError> {
+        let max_tokens = check_context(prompt.len(), self.max_tokens, max_model_len)?;
+        Ok(GenerationRequest {
+            request_id,
+            prompt,
+            n: self.n,
+            sampling: SamplingParams {
+                temperature: self.sampling.temperature,
+                top_p: self.sampling.top_p,
+                top_k: self.sampling.top_k,
+                min_p: self.sampling.min_p,
+                seed: self.sampling.seed,
+            },
+            stopping: StopParams {
+                max_tokens,
+                stop: self.stop.stop.clone(),
+                stop_token_ids: self.stop.stop_token_ids.clone(),
+                ignore_eos: self.stop.ignore_eos,
+                include_stop_str_in_output: self.stop.include_stop_str_in_output,
+                skip_special_tokens: self.stop.skip_special_tokens,
+                spaces_between_special_tokens: self.stop.spaces_between_special_tokens,
+            },
+            logprobs: self.logprobs,
+        })
+    }
+}
+
+/// chat.md's context rules. Returns the completion budget.
+pub fn check_context(
+    prompt_tokens: usize,
+    max_tokens: Option<usize>,
+    max_model_len: usize,
+) -> Result<usize, ApiError> {
+    if prompt_tokens >= max_model_len {
+        return Err(ApiError::bad(
+            "messages",
+            format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your \
+                 request has {prompt_tokens} input tokens. Please reduce the length of the input \
+                 messages."
+            ),
+        ));
+    }
+    let room = max_model_len - prompt_tokens;
+    match max_tokens {
+        None => Ok(room),
+        Some(m) if m > room => Err(ApiError::bad(
+            "max_completion_tokens",
+            format!(
+                "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum \
+                 context length is {max_model_len} tokens and your request has {prompt_tokens} \
+                 input tokens ({m} > {max_model_len} - {prompt_tokens})."
+            ),
+        )),
+        Some(m) => Ok(m),
+    }
+}
+
+fn positive_tokens(param: &str, value: i64) -> Result<usize, ApiError> {
+    if value < 1 {
+        return Err(ApiError::bad(
+            param,
+            format!("`{param}` must be at least 1, got {value}."),
+        ));
+    }
+    Ok(usize::try_from(value).unwrap_or(usize::MAX))
+}
+
+pub(crate) fn token_ids(
+    param: &str,
+    ids: Vec<i64>,
+    vocab_size: usize,
+) -> Result<Vec<u32>, ApiError> {
+    ids.into_iter()
+        .map(|id| {
+            u32::try_from(id)
+                .ok()
+                .filter(|&t| (t as usize) < vocab_size)
+                .ok_or_else(|| {
+                    ApiError::bad(
+                        param,
+                        format!("Token id {id} is outside the vocabulary (size {vocab_size})."),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// A request template is honoured only when the operator allowed it: templates run code-like
+/// logic over the prompt, so an untrusted one could change what the model is told.
+pub fn request_template(
+    template: Option<String>,
+    limits: &Limits,
+) -> Result<Option<String>, ApiError> {
+    match template {
+        Some(_) if !limits.trust_request_chat_template => Err(ApiError::bad(
+            "chat_template",
+            "This server does not accept request chat templates (start it with \
+             --trust-request-chat-template).",
+        )),
+        other => Ok(other),
+    }
+}
+
+/// Request messages → template messages. Only text content is accepted: the served models are
+/// text-only.
+pub fn convert_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad("messages", "`messages` must not be empty."));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let content = match &m.content {
+                None => None,
+                Some(MessageContentField::Text(t)) => Some(MessageContent::Text(t.clone())),
+                Some(MessageContentField::Parts(parts)) => {
+                    let parts = parts
+                        .iter()
+                        .enumerate()
+                        .map(|(j, p)| match (p.r#type.as_str(), &p.text) {
+                            ("text", Some(text)) => Ok(ContentPart::Text { text: text.clone() }),
+                            ("text", None) => Err(ApiError::bad(
+                                format!("messages[{i}].content[{j}].text"),
+                                "A text content part needs `text`.",
+                            )),
+                            (other, _) => Err(ApiError::bad(
+                                format!("messages[{i}].content[{j}].type"),
+                                format!(
+                                    "Content parts of type `{other}` are not supported: the \
+                                     model is text-only."
+                                ),
+                            )),
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Some(MessageContent::Parts(parts))
+                }
+            };
+            Ok(ChatMessage {
+                role: m.role.clone(),
+                content,
+                name: m.name.clone(),
+                tool_calls: m.tool_calls.as_ref().map(|calls| {
+                    calls
+                        .iter()
+                        .map(|c| ToolCall {
+                            id: c.id.clone(),
+                            r#type: c.r#type.clone(),
+                            function: FunctionCall {
+                                name: c.function.name.clone(),
+                                arguments: c.function.arguments.clone(),
+                            },
+                        })
+                        .collect()
+                }),
+                tool_call_id: m.tool_call_id.clone(),
+                reasoning: m.reasoning.clone(),
+            })
+        })
+        .collect()
+}
+
+/// Fields of the interface without an implementation yet, each with "was a non-default value
+/// sent". Such a value is a 400, never silently ignored. The README lists the same names (a test
+/// keeps them in sync).
+pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> [(&'static str, bool); 25] {
+    [
+        (
+            "frequency_penalty",
+            req.frequency_penalty.is_some_and(|v| v != 0.0),
+        ),
+        (
+            "presence_penalty",
+            req.presence_penalty.is_some_and(|v| v != 0.0),
+        ),
+        (
+            "repetition_penalty",
+            req.repetition_penalty.is_some_and(|v| v != 1.0),
+        ),
+        (
+            "length_penalty",
+            req.length_penalty.is_some_and(|v| v != 1.0),
+        ),
+        (
+            "logit_bias",
+            req.logit_bias.as_ref().is_some_and(|m| !m.is_empty()),
+        ),
+        (
+            "response_format",
+            req.response_format
+                .as_ref()
+                .is_some_and(|f| f.get("type").and_then(|t| t.as_str()) != Some("text")),
+        ),
+        (
+            "structured_outputs",
+            req.structured_outputs
+                .as_ref()
+                .is_some_and(|m| !m.is_empty()),
+        ),
+        ("tools", req.tools.is_some()),
+        ("reasoning_effort", req.reasoning_effort.is_some()),
+        ("include_reasoning", req.include_reasoning == Some(false)),
+        (
+            "parallel_tool_calls",
+            req.parallel_tool_calls == Some(false),
+        ),
+        ("use_beam_search", req.use_beam_search == Some(true)),
+        ("min_tokens", req.min_tokens.is_some_and(|v| v != 0)),
+        (
+            "truncate_prompt_tokens",
+            req.truncate_prompt_tokens.is_some(),
+        ),
+        ("prompt_logprobs", req.prompt_logprobs.is_some()),
+        ("allowed_token_ids", req.allowed_token_ids.is_some()),
+        (
+            "bad_words",
+            req.bad_words.as_ref().is_some_and(|v| !v.is_empty()),
+        ),
+        ("echo", req.echo == Some(true)),
+        ("documents", req.documents.is_some()),
+        (
+            "mm_processor_kwargs",
+            req.mm_processor_kwargs
+                .as_ref()
+                .is_some_and(|m| !m.is_empty()),
+        ),
+        (
+            "return_tokens_as_token_ids",
+            req.return_tokens_as_token_ids == Some(true),
+        ),
+        ("cache_salt", req.cache_salt.is_some()),
+        ("kv_transfer_params", req.kv_transfer_params.is_some()),
+        ("engine_xargs", req.engine_xargs.is_some()),
+        ("repetition_detection", req.repetition_detection.is_some()),
+    ]
+}
+
+fn reject_unsupported(req: &ChatCompletionRequest) -> Result<(), ApiError> {
+    match unsupported_fields(req).iter().find(|(_, set)| *set) {
+        Some((param, _)) => Err(ApiError::unsupported(param)),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use super::*;
+
+    const LIMITS: Limits = Limits {
+        vocab_size: 1000,
+        max_logprobs: Some(20),
+        max_n: 8,
+        trust_request_chat_template: false,
+    };
+
+    fn request(extra: Value) -> ChatCompletionRequest {
+        let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        serde_json::from_value(body).unwrap()
+    }
+
+    fn ok(extra: Value) -> ChatParams {
+        validate_chat(request(extra), &LIMITS).unwrap()
+    }
+
+    fn rejected(extra: Value, param: &str) {
+        rejected_with(extra, &LIMITS, param)
+    }
+
+    fn rejected_with(extra: Value, limits: &Limits, param: &str) {
+        match validate_chat(request(extra.clone()), limits) {
+            Ok(_) => panic!("{extra} was accepted"),
+            Err(e) => {
+                assert_eq!(e.status().as_u16(), 400, "{extra}");
+                let v = serde_json::to_value(e.envelope()).unwrap();
+                assert_eq!(v["error"]["param"], param, "{extra}: {v}");
+            }
+        }
+    }
+
+    #[test]
+    fn defaults() {
+        let p = ok(json!({}));
+        assert_eq!(p.n, 1);
+        assert_eq!(
+            p.sampling,
+            Sampling {
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 0,
+                min_p: 0.0,
+                seed: None
+            }
+        );
+        assert_eq!(p.max_tokens, None);
+        assert_eq!(p.logprobs, None);
+        assert!(p.stream.is_none());
+        assert!(p.prompt.add_generation_prompt);
+        assert!(!p.prompt.continue_final_message);
+        assert!(p.stop.skip_special_tokens && p.stop.spaces_between_special_tokens);
+        assert!(!p.stop.ignore_eos && !p.stop.include_stop_str_in_output);
+    }
+
+    #[test]
+    fn stream_options_need_stream() {
+        rejected(
+            json!({"stream_options": {"include_usage": true}}),
+            "stream_options",
+        );
+        rejected(
+            json!({"stream": false, "stream_options": {"include_usage": true}}),
+            "stream_options",
+        );
+        let p = ok(
+            json!({"stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}}),
+        );
+        assert_eq!(
+            p.stream,
+            Some(StreamOptions {
+                include_usage: true,
+                continuous_usage_stats: true
+            })
+        );
+        // continuous_usage_stats only counts together with include_usage.
+        let p = ok(json!({"stream": true, "stream_options": {"continuous_usage_stats": true}}));
+        assert_eq!(p.stream, Some(StreamOptions::default()));
+    }
+
+    #[test]
+    fn logprobs_rules() {
+        rejected(json!({"top_logprobs": 3}), "top_logprobs");
+        rejected(
+            json!({"logprobs": false, "top_logprobs": 3}),
+            "top_logprobs",
+        );
+        rejected(
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        );
+        rejected(
+            json!({"logprobs": true, "top_logprobs": -2}),
+            "top_logprobs",
+        );
+        // -1 = whole vocabulary: above the default server max of 20.
+        rejected(
+            json!({"logprobs": true, "top_logprobs": -1}),
+            "top_logprobs",
+        );
+        let unlimited = Limits {
+            max_logprobs: None,
+            ..LIMITS
+        };
+        let p = validate_chat(
+            request(json!({"logprobs": true, "top_logprobs": -1})),
+            &unlimited,
+        )
+        .unwrap();
+        assert_eq!(p.logprobs, Some(1000));
+        assert_eq!(ok(json!({"logprobs": true})).logprobs, Some(0));
+        assert_eq!(
+            ok(json!({"logprobs": true, "top_logprobs": 5})).logprobs,
+            Some(5)
+        );
+        assert_eq!(ok(json!({"top_logprobs": 0})).logprobs, None);
+    }
+
+    #[test]
+    fn prompt_flags() {
+        let assistant_last =
+            json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]);
+        rejected(
+            json!({"messages": assistant_last, "continue_final_message": true}),
+            "continue_final_message",
+        );
+        rejected(
+            json!({"continue_final_message": true, "add_generation_prompt": false}),
+            "continue_final_message",
+        );
+        let p = ok(
+            json!({"messages": assistant_last, "continue_final_message": true, "add_generation_prompt": false}),
+        );
+        assert!(p.prompt.continue_final_message && !p.prompt.add_generation_prompt);
+        rejected(json!({"chat_template": "{{ 'x' }}"}), "chat_template");
+        let trusted = Limits {
+            trust_request_chat_template: true,
+            ..LIMITS
+        };
+        let p = validate_chat(request(json!({"chat_template": "{{ 'x' }}"})), &trusted).unwrap();
+        assert_eq!(p.prompt.chat_template.as_deref(), Some("{{ 'x' }}"));
+        let p = ok(json!({"chat_template_kwargs": {"a": 1}, "add_special_tokens": true}));
+        assert_eq!(p.prompt.chat_template_kwargs["a"], 1);
+        assert!(p.prompt.add_special_tokens);
+    }
+
+    #[test]
+    fn messages() {
+        rejected(json!({"messages": []}), "messages");
+        rejected(
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            "messages[0].content[0].type",
+        );
+        rejected(
+            json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+            "messages[0].content[0].text",
+        );
+        let p = ok(json!({"messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        ]}));
+        assert_eq!(p.prompt.messages.len(), 3);
+        assert!(matches!(
+            &p.prompt.messages[1].content,
+            Some(MessageContent::Parts(parts)) if parts.len() == 2
+        ));
+        assert_eq!(
+            p.prompt.messages[2].tool_calls.as_ref().unwrap()[0]
+                .function
+                .name,
+            "f"
+        );
+    }
+
+    #[test]
+    fn tool_choice_and_priority() {
+        rejected(json!({"tool_choice": "auto"}), "tool_choice");
+        rejected(
+            json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        );
+        ok(json!({"tool_choice": "none"}));
+        rejected(json!({"priority": 1}), "priority");
+        ok(json!({"priority": 0}));
+    }
+
+    #[test]
+    fn sampling_ranges() {
+        rejected(json!({"n": 0}), "n");
+        rejected(json!({"n": 9}), "n");
+        rejected(json!({"n": 2, "temperature": 0}), "n");
+        assert_eq!(ok(json!({"n": 3})).n, 3);
+        rejected(json!({"temperature": -0.1}), "temperature");
+        rejected(json!({"temperature": 2.01}), "temperature");
+        rejected(json!({"top_p": 0}), "top_p");
+        rejected(json!({"top_p": 1.5}), "top_p");
+        rejected(json!({"top_k": -2}), "top_k");
+        assert_eq!(ok(json!({"top_k": -1})).sampling.top_k, 0);
+        assert_eq!(ok(json!({"top_k": 7})).sampling.top_k, 7);
+        rejected(json!({"min_p": -0.5}), "min_p");
+        rejected(json!({"min_p": 1.5}), "min_p");
+        let p = ok(json!({"temperature": 0, "top_p": 0.5, "min_p": 0.1}));
+        assert_eq!(p.sampling.temperature, 0.0);
+        assert_eq!(p.sampling.top_p, 0.5);
+        assert_eq!(p.sampling.min_p, 0.1);
+    }
+
+    #[test]
+    fn seed() {
+        assert_eq!(ok(json!({"seed": -1})).sampling.seed, None);
+        assert_eq!(ok(json!({"seed": 42})).sampling.seed, Some(42));
+        assert_eq!(ok(json!({"seed": -5})).sampling.seed, Some((-5i64) as u64));
+    }
+
+    #[test]
+    fn max_tokens() {
+        rejected(json!({"max_tokens": 0}), "max_tokens");
+        rejected(json!({"max_completion_tokens": 0}), "max_completion_tokens");
+        rejected(
+            json!({"max_completion_tokens": -3, "max_tokens": 5}),
+            "max_completion_tokens",
+        );
+        assert_eq!(ok(json!({"max_tokens": 7})).max_tokens, Some(7));
+        assert_eq!(
+            ok(json!({"max_tokens": 7, "max_completion_tokens": 3})).max_tokens,
+            Some(3)
+        );
+    }
+
+    #[test]
+    fn stops() {
+        rejected(json!({"stop": ""}), "stop");
+        rejected(json!({"stop": ["a", ""]}), "stop");
+        assert_eq!(ok(json!({"stop": "x"})).stop.stop, vec!["x"]);
+        assert_eq!(ok(json!({"stop": ["x", "yz"]})).stop.stop, vec!["x", "yz"]);
+        rejected(json!({"stop_token_ids": [1000]}), "stop_token_ids");
+        rejected(json!({"stop_token_ids": [-1]}), "stop_token_ids");
+        assert_eq!(
+            ok(json!({"stop_token_ids": [1, 999]})).stop.stop_token_ids,
+            vec![1, 999]
+        );
+        let p = ok(
+            json!({"ignore_eos": true, "include_stop_str_in_output": true, "skip_special_tokens": false, "spaces_between_special_tokens": false}),
+        );
+        assert!(p.stop.ignore_eos && p.stop.include_stop_str_in_output);
+        assert!(!p.stop.skip_special_tokens && !p.stop.spaces_between_special_tokens);
+    }
+
+    #[test]
+    fn request_id() {
+        rejected(json!({"request_id": ""}), "request_id");
+        assert_eq!(
+            ok(json!({"request_id": "abc"})).request_id.as_deref(),
+            Some("abc")
+        );
+    }
+
+    #[test]
+    fn unsupported_fields_are_rejected_not_ignored() {
+        let non_defaults = [
+            ("frequency_penalty", json!(0.5)),
+            ("presence_penalty", json!(-1)),
+            ("repetition_penalty", json!(1.2)),
+            ("length_penalty", json!(0.5)),
+            ("logit_bias", json!({"5": 10})),
+            ("response_format", json!({"type": "json_object"})),
+            ("structured_outputs", json!({"regex": "a+"})),
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+            ),
+            ("reasoning_effort", json!("low")),
+            ("include_reasoning", json!(false)),
+            ("parallel_tool_calls", json!(false)),
+            ("use_beam_search", json!(true)),
+            ("min_tokens", json!(2)),
+            ("truncate_prompt_tokens", json!(5)),
+            ("prompt_logprobs", json!(1)),
+            ("allowed_token_ids", json!([1, 2])),
+            ("bad_words", json!(["x"])),
+            ("echo", json!(true)),
+            ("documents", json!([{"title": "t", "text": "x"}])),
+            ("mm_processor_kwargs", json!({"a": 1})),
+            ("return_tokens_as_token_ids", json!(true)),
+            ("cache_salt", json!("salt")),
+            ("kv_transfer_params", json!({})),
+            ("engine_xargs", json!({"a": 1})),
+            ("repetition_detection", json!({"max_pattern_size": 3})),
+        ];
+        let names: Vec<&str> = unsupported_fields(&ChatCompletionRequest::default())
+            .iter()
+            .map(|(n, _)| *n)
+            .collect();
+        assert_eq!(
+            names,
+            non_defaults.iter().map(|(n, _)| *n).collect::<Vec<_>>()
+        );
+        for (name, value) in non_defaults {
+            let mut extra = serde_json::Map::new();
+            extra.insert(name.to_owned(), value);
+            rejected(Value::Object(extra), name);
+        }
+        // Their defaults are fine.
+        ok(json!({
+            "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "length_penalty": 1, "logit_bias": {}, "response_format": {"type": "text"},
+            "structured_outputs": {}, "include_reasoning": true, "parallel_tool_calls": true,
+            "use_beam_search": false, "min_tokens": 0, "bad_words": [], "echo": false,
+            "mm_processor_kwargs": {}, "return_tokens_as_token_ids": false, "tools": null,
+        }));
+    }
+
+    #[test]
+    fn readme_lists_every_unsupported_field() {
+        let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"));
+        for (name, _) in unsupported_fields(&ChatCompletionRequest::default()) {
+            assert!(
+                readme.contains(&format!("`{name}`")),
+                "README misses {name}"
+            );
+        }
+    }
+
+    #[test]
+    fn context_rules() {
+        let e = check_context(100, None, 100).unwrap_err();
+        assert_eq!(
+            serde_json::to_value(e.envelope()).unwrap()["error"]["param"],
+            "messages"
+        );
+        let e = check_context(90, Some(11), 100).unwrap_err();
+        assert_eq!(
+            serde_json::to_value(e.envelope()).unwrap()["error"]["param"],
+            "max_completion_tokens"
+        );
+        assert_eq!(check_context(90, Some(10), 100).unwrap(), 10);
+        assert_eq!(check_context(90, None, 100).unwrap(), 10);
+    }
+
+    #[test]
+    fn generation_request_carries_everything() {
+        let p = ok(
+            json!({"n": 2, "temperature": 0.7, "top_k": 3, "seed": 9, "max_completion_tokens": 5,
+            "stop": ["x"], "stop_token_ids": [7], "ignore_eos": true, "logprobs": true, "top_logprobs": 2}),
+        );
+        let g = p
+            .generation_request("r1".into(), vec![1, 2, 3], 100)
+            .unwrap();
+        assert_eq!(g.request_id, "r1");
+        assert_eq!(g.prompt, vec![1, 2, 3]);
+        assert_eq!(g.n, 2);
+        assert_eq!(g.sampling.temperature, 0.7);
+        assert_eq!(g.sampling.top_k, 3);
+        assert_eq!(g.sampling.seed, Some(9));
+        assert_eq!(g.stopping.max_tokens, 5);
+        assert_eq!(g.stopping.stop, vec!["x"]);
+        assert_eq!(g.stopping.stop_token_ids, vec![7]);
+        assert!(g.stopping.ignore_eos);
+        assert_eq!(g.logprobs, Some(2));
+        let g = ok(json!({}))
+            .generation_request("r".into(), vec![1; 40], 100)
+            .unwrap();
+        assert_eq!(g.stopping.max_tokens, 60);
+    }
+}

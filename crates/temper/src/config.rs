@@ -1,0 +1,372 @@
+//! `temper serve` configuration: flags, `TEMPER_*` environment variables and an optional TOML
+//! file, resolved into one `Config` (flags > env > file > defaults).
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use serde::Deserialize;
+
+pub const DEFAULT_MODEL_NAME: &str = "gemma-3-270m";
+pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// Flags of `temper serve`. clap fills each from its flag, else its env variable; `None` / empty
+/// means "not given", so the file and the defaults can fill in.
+#[derive(Debug, Default, Args)]
+pub struct ServeArgs {
+    /// TOML file with the same settings (keys as the flags, with `_`; `models` and `api_keys`
+    /// are lists). Flags and env variables override it.
+    #[arg(long, env = "TEMPER_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Address to bind [default: 127.0.0.1].
+    #[arg(long, env = "TEMPER_HOST")]
+    pub host: Option<String>,
+    /// Port to bind [default: 8000].
+    #[arg(long, env = "TEMPER_PORT")]
+    pub port: Option<u16>,
+    /// A model to serve, as NAME=PATH to a GGUF file (repeatable; the first answers requests
+    /// without `model`) [default: gemma-3-270m=$TEMPER_HOME/models/gemma-3-270m-q4_k_m.gguf].
+    #[arg(
+        long = "model",
+        value_name = "NAME=PATH",
+        env = "TEMPER_MODELS",
+        value_delimiter = ','
+    )]
+    pub models: Vec<String>,
+    /// Accepted bearer key (repeatable; env: comma-separated). Without any key the server only
+    /// binds loopback addresses.
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = "TEMPER_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// Directory for server state [default: $TEMPER_HOME/data].
+    #[arg(long, env = "TEMPER_DATA_DIR", value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Jinja chat template file for every served model, instead of the model's own.
+    #[arg(long, env = "TEMPER_CHAT_TEMPLATE", value_name = "PATH")]
+    pub chat_template: Option<PathBuf>,
+    /// Honour a request's `chat_template` (otherwise such a request is a 400).
+    #[arg(long, env = "TEMPER_TRUST_REQUEST_CHAT_TEMPLATE", num_args = 0..=1, default_missing_value = "true")]
+    pub trust_request_chat_template: Option<bool>,
+    /// Longest prompt + completion, at most the model's context length [default: the model's].
+    #[arg(long, env = "TEMPER_MAX_MODEL_LEN", value_name = "N")]
+    pub max_model_len: Option<usize>,
+    /// Largest accepted request body; larger ones get a 413 [default: 4194304].
+    #[arg(long, env = "TEMPER_MAX_BODY_BYTES", value_name = "BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Most `top_logprobs` a request may ask for; -1 = the whole vocabulary [default: 20].
+    #[arg(
+        long,
+        env = "TEMPER_MAX_LOGPROBS",
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
+    pub max_logprobs: Option<i64>,
+    /// Most choices (`n`) per request [default: 16].
+    #[arg(long, env = "TEMPER_MAX_N", value_name = "N")]
+    pub max_n: Option<usize>,
+    /// Most sequences decoded together per model [default: the engine's].
+    #[arg(long, env = "TEMPER_MAX_RUNNING", value_name = "N")]
+    pub max_running: Option<usize>,
+    /// Most tokens per batched forward step [default: the engine's].
+    #[arg(long, env = "TEMPER_MAX_BATCH_TOKENS", value_name = "N")]
+    pub max_batch_tokens: Option<usize>,
+}
+
+/// The TOML file: the same settings as the flags.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub models: Option<Vec<String>>,
+    pub api_keys: Option<Vec<String>>,
+    pub data_dir: Option<PathBuf>,
+    pub chat_template: Option<PathBuf>,
+    pub trust_request_chat_template: Option<bool>,
+    pub max_model_len: Option<usize>,
+    pub max_body_bytes: Option<usize>,
+    pub max_logprobs: Option<i64>,
+    pub max_n: Option<usize>,
+    pub max_running: Option<usize>,
+    pub max_batch_tokens: Option<usize>,
+}
+
+/// The resolved configuration of `temper serve`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub host: String,
+    pub port: u16,
+    pub models: Vec<(String, PathBuf)>,
+    pub api_keys: Vec<String>,
+    pub data_dir: PathBuf,
+    pub chat_template: Option<PathBuf>,
+    pub trust_request_chat_template: bool,
+    pub max_model_len: Option<usize>,
+    pub max_body_bytes: usize,
+    /// `None` = unlimited.
+    pub max_logprobs: Option<usize>,
+    pub max_n: usize,
+    pub max_running: Option<usize>,
+    pub max_batch_tokens: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
+    #[error("--model {0:?}: expected NAME=PATH")]
+    ModelSpec(String),
+    #[error("--max-logprobs must be -1 (unlimited) or >= 0, got {0}")]
+    MaxLogprobs(i64),
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+}
+
+/// `${TEMPER_HOME:-$HOME/.cache/temper}`.
+pub fn temper_home() -> PathBuf {
+    match std::env::var_os("TEMPER_HOME") {
+        Some(h) if !h.is_empty() => PathBuf::from(h),
+        _ => {
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_default();
+            home.join(".cache").join("temper")
+        }
+    }
+}
+
+pub fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|source| ConfigError::Parse {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn parse_model(spec: &str) -> Result<(String, PathBuf), ConfigError> {
+    match spec.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_owned(), PathBuf::from(path)))
+        }
+        _ => Err(ConfigError::ModelSpec(spec.to_owned())),
+    }
+}
+
+/// Flags/env (already merged by clap) over the file over the defaults.
+pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config, ConfigError> {
+    let models = match (args.models.is_empty(), file.models) {
+        (false, _) => args.models,
+        (true, Some(m)) => m,
+        (true, None) => Vec::new(),
+    };
+    let models = if models.is_empty() {
+        vec![(
+            DEFAULT_MODEL_NAME.to_owned(),
+            home.join("models").join(DEFAULT_MODEL_FILE),
+        )]
+    } else {
+        models
+            .iter()
+            .map(|m| parse_model(m))
+            .collect::<Result<_, _>>()?
+    };
+    let api_keys = if args.api_keys.is_empty() {
+        file.api_keys.unwrap_or_default()
+    } else {
+        args.api_keys
+    };
+    let max_logprobs = match args.max_logprobs.or(file.max_logprobs).unwrap_or(20) {
+        -1 => None,
+        n if n >= 0 => Some(n as usize),
+        n => return Err(ConfigError::MaxLogprobs(n)),
+    };
+    let max_n = args.max_n.or(file.max_n).unwrap_or(16);
+    if max_n == 0 {
+        return Err(ConfigError::Zero("--max-n"));
+    }
+    let max_body_bytes = args
+        .max_body_bytes
+        .or(file.max_body_bytes)
+        .unwrap_or(4 << 20);
+    if max_body_bytes == 0 {
+        return Err(ConfigError::Zero("--max-body-bytes"));
+    }
+    Ok(Config {
+        host: args
+            .host
+            .or(file.host)
+            .unwrap_or_else(|| "127.0.0.1".to_owned()),
+        port: args.port.or(file.port).unwrap_or(8000),
+        models,
+        // An empty env entry (TEMPER_API_KEYS="a,,b") is not a key.
+        api_keys: api_keys
+            .into_iter()
+            .filter(|k| !k.trim().is_empty())
+            .collect(),
+        data_dir: args
+            .data_dir
+            .or(file.data_dir)
+            .unwrap_or_else(|| home.join("data")),
+        chat_template: args.chat_template.or(file.chat_template),
+        trust_request_chat_template: args
+            .trust_request_chat_template
+            .or(file.trust_request_chat_template)
+            .unwrap_or(false),
+        max_model_len: args.max_model_len.or(file.max_model_len),
+        max_body_bytes,
+        max_logprobs,
+        max_n,
+        max_running: args.max_running.or(file.max_running),
+        max_batch_tokens: args.max_batch_tokens.or(file.max_batch_tokens),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn args(argv: &[&str]) -> ServeArgs {
+        Cli::try_parse_from(std::iter::once("temper").chain(argv.iter().copied()))
+            .unwrap()
+            .serve
+    }
+
+    fn home() -> PathBuf {
+        PathBuf::from("/h")
+    }
+
+    #[test]
+    fn defaults() {
+        let c = resolve(ServeArgs::default(), FileConfig::default(), &home()).unwrap();
+        assert_eq!(c.host, "127.0.0.1");
+        assert_eq!(c.port, 8000);
+        assert_eq!(
+            c.models,
+            vec![(
+                "gemma-3-270m".to_owned(),
+                PathBuf::from("/h/models/gemma-3-270m-q4_k_m.gguf")
+            )]
+        );
+        assert!(c.api_keys.is_empty());
+        assert_eq!(c.data_dir, PathBuf::from("/h/data"));
+        assert!(!c.trust_request_chat_template);
+        assert_eq!(c.max_logprobs, Some(20));
+        assert_eq!(c.max_body_bytes, 4 << 20);
+    }
+
+    #[test]
+    fn flags_override_file() {
+        let file: FileConfig = toml::from_str(
+            r#"
+            host = "0.0.0.0"
+            port = 9000
+            models = ["a=/a.gguf"]
+            api_keys = ["filekey"]
+            max_body_bytes = 1000
+            trust_request_chat_template = true
+            "#,
+        )
+        .unwrap();
+        let a = args(&[
+            "--port",
+            "8100",
+            "--model",
+            "x=/x.gguf",
+            "--model",
+            "y=/y.gguf",
+            "--api-key",
+            "k1",
+            "--max-logprobs",
+            "-1",
+            "--trust-request-chat-template=false",
+        ]);
+        let c = resolve(a, file, &home()).unwrap();
+        assert_eq!(c.host, "0.0.0.0"); // from the file
+        assert_eq!(c.port, 8100);
+        assert_eq!(
+            c.models,
+            vec![
+                ("x".to_owned(), PathBuf::from("/x.gguf")),
+                ("y".to_owned(), PathBuf::from("/y.gguf"))
+            ]
+        );
+        assert_eq!(c.api_keys, vec!["k1"]);
+        assert_eq!(c.max_body_bytes, 1000);
+        assert_eq!(c.max_logprobs, None);
+        assert!(!c.trust_request_chat_template);
+    }
+
+    #[test]
+    fn bare_trust_flag_means_true() {
+        let c = resolve(
+            args(&["--trust-request-chat-template"]),
+            FileConfig::default(),
+            &home(),
+        )
+        .unwrap();
+        assert!(c.trust_request_chat_template);
+    }
+
+    #[test]
+    fn env_sits_between_flags_and_file() {
+        // The only test touching these variables.
+        std::env::set_var("TEMPER_MAX_N", "5");
+        std::env::set_var("TEMPER_API_KEYS", "e1,e2,");
+        let file = FileConfig {
+            max_n: Some(3),
+            api_keys: Some(vec!["f".into()]),
+            ..FileConfig::default()
+        };
+        let c = resolve(args(&[]), file, &home()).unwrap();
+        assert_eq!(c.max_n, 5);
+        assert_eq!(c.api_keys, vec!["e1", "e2"]);
+        let c = resolve(args(&["--max-n", "7"]), FileConfig::default(), &home()).unwrap();
+        assert_eq!(c.max_n, 7);
+        std::env::remove_var("TEMPER_MAX_N");
+        std::env::remove_var("TEMPER_API_KEYS");
+    }
+
+    #[test]
+    fn bad_values() {
+        assert!(matches!(
+            resolve(
+                args(&["--model", "noequals"]),
+                FileConfig::default(),
+                &home()
+            ),
+            Err(ConfigError::ModelSpec(_))
+        ));
+        assert!(matches!(
+            resolve(
+                args(&["--max-logprobs", "-3"]),
+                FileConfig::default(),
+                &home()
+            ),
+            Err(ConfigError::MaxLogprobs(-3))
+        ));
+        assert!(toml::from_str::<FileConfig>("nonsense = 1").is_err());
+    }
+}
