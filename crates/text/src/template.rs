@@ -138,6 +138,23 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg.clone()).with_source(Raised(msg)))
 }
 
+/// `{{ value }}` output as Jinja2 under Python prints it where it differs from minijinja:
+/// `True`/`False`/`None`.
+fn python_formatter(
+    out: &mut minijinja::Output,
+    state: &mut minijinja::State,
+    value: &Value,
+) -> Result<(), Error> {
+    let text = match value.kind() {
+        minijinja::value::ValueKind::Bool if value.is_true() => "True",
+        minijinja::value::ValueKind::Bool => "False",
+        minijinja::value::ValueKind::None => "None",
+        _ => return minijinja::escape_formatter(out, state, value),
+    };
+    std::fmt::Write::write_str(out, text)
+        .map_err(|e| Error::new(ErrorKind::WriteFailure, e.to_string()))
+}
+
 fn strftime_now(format: String) -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -217,6 +234,7 @@ impl ChatTemplate {
         );
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_formatter(python_formatter);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", crate::tojson::tojson);
