@@ -1,0 +1,155 @@
+//! The engine over the real default model (Gemma 3 270M Q4_K_M) against llama.cpp's greedy
+//! continuations in `fixtures/greedy-sample.jsonl`. Skipped with a notice when the model file is
+//! absent, unless `TEMPER_REQUIRE_MODEL=1`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use temper_engine::{
+    Engine, EngineConfig, FinishReason, GenerationEvent, GenerationRequest, SamplingParams,
+    StopParams,
+};
+
+fn model_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("TEMPER_MODEL_PATH") {
+        return PathBuf::from(p);
+    }
+    let home = std::env::var_os("TEMPER_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/temper")
+        });
+    home.join("models/gemma-3-270m-q4_k_m.gguf")
+}
+
+struct Sample {
+    prompt: Vec<u32>,
+    ids: Vec<u32>,
+}
+
+fn samples() -> Vec<Sample> {
+    let text = include_str!("fixtures/greedy-sample.jsonl");
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect()
+    };
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
+            Sample {
+                prompt: ids(&v["prompt_ids"]),
+                ids: ids(&v["ids"]),
+            }
+        })
+        .collect()
+}
+
+fn greedy_request(i: usize, prompt: &[u32]) -> GenerationRequest {
+    GenerationRequest {
+        request_id: format!("golden-{i}"),
+        prompt: prompt.to_vec(),
+        n: 1,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        stopping: StopParams {
+            max_tokens: 32,
+            ignore_eos: true,
+            ..StopParams::default()
+        },
+        logprobs: Some(3),
+    }
+}
+
+/// Token ids and, per position, the model's top alternatives (for diagnosing divergences).
+fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerationEvent>,
+) -> (Vec<u32>, Vec<Vec<(u32, f32)>>) {
+    let mut ids = Vec::new();
+    let mut tops = Vec::new();
+    let mut finished = false;
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            GenerationEvent::Token {
+                token_id, logprob, ..
+            } => {
+                ids.push(token_id);
+                tops.push(logprob.map(|l| l.top).unwrap_or_default());
+            }
+            GenerationEvent::Finished { reason, .. } => {
+                assert_eq!(reason, FinishReason::Length);
+                finished = true;
+            }
+            GenerationEvent::Error { message } => panic!("engine error: {message}"),
+        }
+    }
+    assert!(finished);
+    (ids, tops)
+}
+
+#[test]
+fn greedy_matches_llama_cpp_alone_and_batched() {
+    let path = model_path();
+    if !path.exists() {
+        if std::env::var("TEMPER_REQUIRE_MODEL").as_deref() == Ok("1") {
+            panic!("TEMPER_REQUIRE_MODEL=1 but {} is missing", path.display());
+        }
+        eprintln!(
+            "skipping: default model not found at {} (set TEMPER_MODEL_PATH)",
+            path.display()
+        );
+        return;
+    }
+    let loaded = temper_model::load_gguf(&path).expect("load model");
+    let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path).expect("tokenizer");
+    let engine = Engine::start(
+        Arc::new(loaded.model),
+        Arc::new(tokenizer),
+        EngineConfig {
+            max_batch_tokens: 512,
+            max_running: 8,
+            max_model_len: 4096,
+        },
+    );
+    let samples = samples();
+    assert_eq!(samples.len(), 5);
+
+    let alone: Vec<(Vec<u32>, Vec<Vec<(u32, f32)>>)> = samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| collect(engine.submit(greedy_request(i, &s.prompt)).expect("submit")))
+        .collect();
+
+    // Batching must not change greedy output.
+    let rxs: Vec<_> = samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| engine.submit(greedy_request(i, &s.prompt)).expect("submit"))
+        .collect();
+    let batched: Vec<Vec<u32>> = rxs.into_iter().map(|rx| collect(rx).0).collect();
+    for (i, (b, a)) in batched.iter().zip(&alone).enumerate() {
+        assert_eq!(b, &a.0, "sample {i}: batched differs from alone");
+    }
+    assert!(engine.stats().max_rows_in_step >= 5, "{:?}", engine.stats());
+
+    let mut matching = 0;
+    for (i, ((got, tops), s)) in alone.iter().zip(&samples).enumerate() {
+        assert_eq!(got.len(), 32);
+        match (0..16).find(|&p| got[p] != s.ids[p]) {
+            None => matching += 1,
+            Some(p) => eprintln!(
+                "sample {i}: diverges at {p}: got {} want {}; our top-3 there {:?}",
+                got[p], s.ids[p], tops[p]
+            ),
+        }
+    }
+    assert!(
+        matching >= 4,
+        "only {matching} of 5 samples reproduce llama.cpp's first 16 greedy ids"
+    );
+}
