@@ -1,0 +1,584 @@
+//! The real router on an ephemeral port over the tiny random model and a real engine.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{check_stream, options, parse_sse, TestServer, KEY};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use temper_http::ServerOptions;
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+fn assert_error(body: &Value, code: u16, kind: &str, param: Option<&str>) {
+    let e = &body["error"];
+    assert_eq!(e["code"], code, "{body}");
+    assert_eq!(e["type"], kind, "{body}");
+    assert_eq!(e["param"].as_str(), param, "{body}");
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn health_needs_no_key() {
+    let s = TestServer::tiny(options(), None).await;
+    let r = s.client.get(s.url("/health")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+}
+
+#[tokio::test]
+async fn missing_or_wrong_key_is_401() {
+    let s = TestServer::tiny(options(), None).await;
+    let body = json!({"model": "tiny", "messages": user("hi")});
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert_error(&r.json().await.unwrap(), 401, "AuthenticationError", None);
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .bearer_auth("wrong")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert_error(&r.json().await.unwrap(), 401, "AuthenticationError", None);
+    let r = s.client.get(s.url("/v1/models")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+}
+
+#[tokio::test]
+async fn models_list() {
+    let s = TestServer::tiny(options(), Some(512)).await;
+    let r = s
+        .client
+        .get(s.url("/v1/models"))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "list");
+    let m = &v["data"][0];
+    assert_eq!(m["id"], "tiny");
+    assert_eq!(m["object"], "model");
+    assert_eq!(m["owned_by"], "temper");
+    assert_eq!(m["max_model_len"], 512);
+    assert!(m["created"].as_u64().unwrap() > 1_600_000_000);
+}
+
+#[tokio::test]
+async fn non_streaming_completion_shape() {
+    let s = TestServer::tiny(options(), None).await;
+    let (status, v) = s
+        .chat(
+            &json!({"model": "tiny", "messages": user("Hello world"), "max_completion_tokens": 8,
+            "temperature": 0, "request_id": "abc-1"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["id"], "chatcmpl-abc-1");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "tiny");
+    assert!(v["created"].as_u64().is_some());
+    assert!(v["system_fingerprint"]
+        .as_str()
+        .unwrap()
+        .starts_with("temper-"));
+    assert!(v.get("prompt_token_ids").is_none());
+    let c = &v["choices"][0];
+    assert_eq!(c["index"], 0);
+    assert_eq!(c["message"]["role"], "assistant");
+    assert!(c["message"]["content"].is_string());
+    assert!(c["logprobs"].is_null());
+    assert!(c.get("token_ids").is_none());
+    assert!(["stop", "length"].contains(&c["finish_reason"].as_str().unwrap()));
+    assert!(c.as_object().unwrap().contains_key("stop_reason"));
+    let u = &v["usage"];
+    let (p, g) = (
+        u["prompt_tokens"].as_u64().unwrap(),
+        u["completion_tokens"].as_u64().unwrap(),
+    );
+    assert!(p > 0 && (1..=8).contains(&g), "{u}");
+    assert_eq!(u["total_tokens"].as_u64().unwrap(), p + g);
+    assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 0);
+    // Without request_id the id is generated.
+    let (_, v) = s
+        .chat(&json!({"messages": user("Hello"), "max_completion_tokens": 2}))
+        .await;
+    let id = v["id"].as_str().unwrap();
+    assert!(id.starts_with("chatcmpl-") && id.len() > 20, "{id}");
+}
+
+#[tokio::test]
+async fn length_finish_and_token_ids() {
+    let s = TestServer::tiny(options(), None).await;
+    let (status, v) = s
+        .chat(
+            &json!({"messages": user("the cat sat"), "max_completion_tokens": 5,
+            "ignore_eos": true, "temperature": 0, "return_token_ids": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "length");
+    assert!(c["stop_reason"].is_null());
+    assert_eq!(c["token_ids"].as_array().unwrap().len(), 5);
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    let prompt = v["prompt_token_ids"].as_array().unwrap();
+    assert_eq!(
+        prompt.len() as u64,
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+}
+
+#[tokio::test]
+async fn streaming_matches_non_streaming() {
+    let s = TestServer::tiny(options(), None).await;
+    let body = json!({"messages": user("Hello world the cat"), "max_completion_tokens": 12,
+        "temperature": 0, "return_token_ids": true, "ignore_eos": true});
+    let (status, full) = s.chat(&body).await;
+    assert_eq!(status, 200, "{full}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = s.chat_stream(&streamed).await;
+    // The prompt ids ride on the first chunk only.
+    assert_eq!(events[0]["prompt_token_ids"], full["prompt_token_ids"]);
+    assert!(events[1..]
+        .iter()
+        .all(|e| e.get("prompt_token_ids").is_none()));
+    let (choices, usage) = check_stream(&events, 1);
+    assert_eq!(
+        choices[0].content,
+        full["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let ids: Vec<u64> = full["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(choices[0].token_ids, ids);
+    assert_eq!(choices[0].finish_reason.as_deref(), Some("length"));
+    assert_eq!(usage.unwrap(), full["usage"]);
+    // Without include_usage no chunk carries usage.
+    streamed["stream_options"] = json!(null);
+    let events = s.chat_stream(&streamed).await;
+    assert!(events.iter().all(|e| e.get("usage").is_none()));
+    let (again, usage) = check_stream(&events, 1);
+    assert!(usage.is_none());
+    assert_eq!(again[0].content, choices[0].content);
+}
+
+#[tokio::test]
+async fn streaming_n_choices_with_seed_and_continuous_usage() {
+    let s = TestServer::tiny(options(), None).await;
+    let body = json!({"messages": user("hello"), "max_completion_tokens": 6, "n": 3,
+        "temperature": 1.0, "seed": 11, "ignore_eos": true});
+    let (status, full) = s.chat(&body).await;
+    assert_eq!(status, 200, "{full}");
+    assert_eq!(full["choices"].as_array().unwrap().len(), 3);
+    assert_eq!(full["usage"]["completion_tokens"], 18);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    let events = s.chat_stream(&streamed).await;
+    let (choices, usage) = check_stream(&events, 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(
+            c.content,
+            full["choices"][i]["message"]["content"].as_str().unwrap(),
+            "choice {i}: same seed, same text"
+        );
+    }
+    assert_eq!(usage.unwrap()["completion_tokens"], 18);
+    // Every chunk but [DONE] carries the usage so far, never decreasing.
+    let mut last = 0;
+    for e in &events[..events.len() - 1] {
+        let done = e["usage"]["completion_tokens"].as_u64().unwrap();
+        assert!(done >= last);
+        last = done;
+    }
+}
+
+#[tokio::test]
+async fn logprobs_in_openai_shape() {
+    let s = TestServer::tiny(options(), None).await;
+    let (status, v) = s
+        .chat(
+            &json!({"messages": user("the dog"), "max_completion_tokens": 4, "temperature": 0,
+            "ignore_eos": true, "logprobs": true, "top_logprobs": 3}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 4);
+    for entry in content {
+        let lp = entry["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0);
+        assert!(entry["token"].is_string());
+        assert!(entry["bytes"].is_array());
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the sampled token is the most likely one.
+        assert_eq!(top[0]["token"], entry["token"]);
+        assert!((top[0]["logprob"].as_f64().unwrap() - lp).abs() < 1e-5);
+        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
+    }
+    // Streaming carries the same per-token entries.
+    let events = s
+        .chat_stream(
+            &json!({"messages": user("the dog"), "max_completion_tokens": 4,
+            "temperature": 0, "ignore_eos": true, "logprobs": true, "top_logprobs": 3,
+            "stream": true}),
+        )
+        .await;
+    let streamed: Vec<Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&streamed, content);
+}
+
+#[tokio::test]
+async fn unknown_model_and_route_are_404_envelopes() {
+    let s = TestServer::tiny(options(), None).await;
+    let (status, v) = s
+        .chat(&json!({"model": "gpt-x", "messages": user("hi")}))
+        .await;
+    assert_eq!(status, 404);
+    assert_error(&v, 404, "NotFoundError", Some("model"));
+    assert_eq!(v["error"]["message"], "The model `gpt-x` does not exist.");
+    let r = s
+        .client
+        .get(s.url("/v1/nothing"))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    assert_error(&r.json().await.unwrap(), 404, "NotFoundError", None);
+    let r = s
+        .client
+        .get(s.url("/v1/chat/completions"))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    assert_error(&r.json().await.unwrap(), 405, "MethodNotAllowedError", None);
+    let r = s
+        .post("/tokenize", &json!({"model": "nope", "prompt": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    assert_error(
+        &r.json().await.unwrap(),
+        404,
+        "NotFoundError",
+        Some("model"),
+    );
+}
+
+#[tokio::test]
+async fn oversized_body_is_413() {
+    let s = TestServer::tiny(
+        ServerOptions {
+            max_body_bytes: 16 * 1024,
+            ..options()
+        },
+        None,
+    )
+    .await;
+    let big = "hello ".repeat(10_000);
+    let (status, v) = s.chat(&json!({"messages": user(&big)})).await;
+    assert_eq!(status, 413);
+    assert_error(&v, 413, "RequestTooLargeError", None);
+}
+
+#[tokio::test]
+async fn malformed_bodies_are_400() {
+    let s = TestServer::tiny(options(), None).await;
+    let send = |body: &'static str, ct: &'static str| {
+        s.client
+            .post(s.url("/v1/chat/completions"))
+            .bearer_auth(KEY)
+            .header("content-type", ct)
+            .body(body)
+            .send()
+    };
+    let r = send("{\"messages\": [", "application/json").await.unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    assert_error(&r.json().await.unwrap(), 400, "BadRequestError", None);
+    let r = send("{\"messages\": []}", "text/plain").await.unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    assert_error(&r.json().await.unwrap(), 400, "BadRequestError", None);
+    let r = send(
+        r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}"#,
+        "application/json",
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    assert_error(
+        &r.json().await.unwrap(),
+        400,
+        "BadRequestError",
+        Some("max_tokens"),
+    );
+}
+
+#[tokio::test]
+async fn validation_errors_name_the_param() {
+    let s = TestServer::tiny(options(), None).await;
+    let cases = [
+        (
+            json!({"messages": user("x"), "temperature": 3}),
+            "temperature",
+        ),
+        (
+            json!({"messages": user("x"), "stream_options": {"include_usage": true}}),
+            "stream_options",
+        ),
+        (
+            json!({"messages": user("x"), "logit_bias": {"5": 1}}),
+            "logit_bias",
+        ),
+        (
+            json!({"messages": user("x"), "chat_template": "{{ 'x' }}"}),
+            "chat_template",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}),
+            "messages[0].content[0].type",
+        ),
+        // Gemma's template raises on roles out of order.
+        (
+            json!({"messages": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]}),
+            "messages",
+        ),
+    ];
+    for (body, param) in cases {
+        let (status, v) = s.chat(&body).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_error(&v, 400, "BadRequestError", Some(param));
+    }
+}
+
+#[tokio::test]
+async fn context_length_errors() {
+    let s = TestServer::tiny(options(), Some(64)).await;
+    let long = "the cat sat on the mat ".repeat(20);
+    let (status, v) = s.chat(&json!({"messages": user(&long)})).await;
+    assert_eq!(status, 400, "{v}");
+    assert_error(&v, 400, "BadRequestError", Some("messages"));
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("maximum context length is 64"));
+    let (status, v) = s
+        .chat(&json!({"messages": user("hi"), "max_tokens": 64}))
+        .await;
+    assert_eq!(status, 400, "{v}");
+    assert_error(&v, 400, "BadRequestError", Some("max_completion_tokens"));
+    // With no max given, the rest of the context is the budget.
+    let (status, v) = s
+        .chat(&json!({"messages": user("hi"), "ignore_eos": true, "temperature": 0}))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let u = &v["usage"];
+    assert_eq!(u["total_tokens"], 64);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+}
+
+#[tokio::test]
+async fn tokenize_detokenize_round_trip() {
+    let s = TestServer::tiny(options(), Some(1000)).await;
+    let text = "Hello world, the cat sat on the mat.";
+    let r = s
+        .post(
+            "/tokenize",
+            &json!({"model": "tiny", "prompt": text, "add_special_tokens": false}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().await.unwrap();
+    let tokens = v["tokens"].as_array().unwrap().clone();
+    assert_eq!(v["count"].as_u64().unwrap() as usize, tokens.len());
+    assert_eq!(v["max_model_len"], 1000);
+    let r = s
+        .post("/detokenize", &json!({"model": "tiny", "tokens": tokens}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let d: Value = r.json().await.unwrap();
+    assert_eq!(d["prompt"], text);
+    // add_special_tokens defaults to true for a prompt: BOS first.
+    let v: Value = s
+        .post(
+            "/tokenize",
+            &json!({"prompt": text, "return_token_strs": true}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["count"].as_u64().unwrap() as usize, tokens.len() + 1);
+    assert_eq!(v["tokens"].as_array().unwrap()[1..], tokens[..]);
+    assert_eq!(v["token_strs"].as_array().unwrap().len(), tokens.len() + 1);
+    // The chat form gives exactly the prompt a chat completion uses.
+    let messages = user("Hello world");
+    let t: Value = s
+        .post("/tokenize", &json!({"messages": messages}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let (_, c) = s
+        .chat(&json!({"messages": messages, "max_completion_tokens": 1, "return_token_ids": true}))
+        .await;
+    assert_eq!(t["tokens"], c["prompt_token_ids"]);
+    // Out-of-vocabulary ids and malformed requests are 400s.
+    let r = s
+        .post("/detokenize", &json!({"tokens": [1, 99999999]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    assert_error(
+        &r.json().await.unwrap(),
+        400,
+        "BadRequestError",
+        Some("tokens"),
+    );
+    let r = s
+        .post("/tokenize", &json!({"prompt": "x", "messages": messages}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+}
+
+#[tokio::test]
+async fn project_header_is_validated() {
+    let s = TestServer::tiny(options(), None).await;
+    let body = json!({"messages": user("hi"), "max_completion_tokens": 1});
+    let r = s
+        .post("/v1/chat/completions", &body)
+        .header("OpenAI-Project", "acme/agents")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.headers().contains_key("x-request-id"));
+    for bad in ["acme", "acme/", "a/b/c", "acme/has space"] {
+        let r = s
+            .post("/v1/chat/completions", &body)
+            .header("OpenAI-Project", bad)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 400, "{bad}");
+        assert_error(
+            &r.json().await.unwrap(),
+            400,
+            "BadRequestError",
+            Some("OpenAI-Project"),
+        );
+    }
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_stream() {
+    let s = TestServer::tiny(options(), None).await;
+    let max_tokens = 1900;
+    let r = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": user("hello"), "max_completion_tokens": max_tokens,
+                "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let mut body = r.bytes_stream();
+    let mut seen = String::new();
+    while seen.matches("\n\n").count() < 4 {
+        seen.push_str(std::str::from_utf8(&body.next().await.unwrap().unwrap()).unwrap());
+    }
+    assert_eq!(s.engine_stats().running, 1);
+    drop(body);
+    let stats = s.wait_idle(Duration::from_secs(5)).await;
+    // Stopped early: far fewer decode rows than the request asked for, and nothing more runs.
+    assert!(stats.rows < max_tokens as u64 / 2, "{stats:?}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(s.engine_stats().steps, stats.steps);
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_non_streaming() {
+    let s = TestServer::tiny(options(), None).await;
+    let max_tokens = 1900;
+    let result = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": user("hello"), "max_completion_tokens": max_tokens, "ignore_eos": true}),
+        )
+        .timeout(Duration::from_millis(50))
+        .send()
+        .await;
+    assert!(result.is_err(), "finished within 50 ms?");
+    let stats = s.wait_idle(Duration::from_secs(5)).await;
+    assert!(stats.rows < max_tokens as u64 / 2, "{stats:?}");
+}
+
+#[tokio::test]
+async fn concurrent_requests_are_batched() {
+    let s = TestServer::tiny(options(), None).await;
+    let requests = (0..4).map(|i| {
+        let body = json!({"messages": user(&format!("hello {i}")), "max_completion_tokens": 40,
+            "ignore_eos": true, "temperature": 0});
+        let s = &s;
+        async move { s.chat(&body).await }
+    });
+    let results = futures_util::future::join_all(requests).await;
+    for (status, v) in results {
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 40);
+    }
+    assert!(
+        s.engine_stats().max_rows_in_step >= 4,
+        "{:?}",
+        s.engine_stats()
+    );
+}
+
+#[test]
+fn sse_parser_rejects_bad_framing() {
+    assert!(std::panic::catch_unwind(|| parse_sse("data: {}\n")).is_err());
+    assert!(std::panic::catch_unwind(|| parse_sse("event: x\n\n")).is_err());
+    assert_eq!(parse_sse("data: [DONE]\n\n"), vec![json!("[DONE]")]);
+}
