@@ -82,6 +82,10 @@ impl MergeVocab<'_> {
     /// Merges `text` into pieces. Each final piece is reported as `Ok(id)` when it is in the
     /// vocabulary, else as `Err(byte range)` for the caller's byte fallback.
     pub fn merge(&self, text: &str, mut emit: impl FnMut(Result<u32, (usize, usize)>)) {
+        // Merge ranks are keyed by symbol ids; scores only look up joined text, so there the id
+        // of a symbol that never merges is looked up once, when it is emitted.
+        let lookup = |s: usize, e: usize| self.ids.get(&text[s..e]).copied();
+        let ranks = matches!(self.rule, MergeRule::Ranks(_));
         let mut symbols: Vec<Symbol> = Vec::with_capacity(text.len());
         for (start, ch) in text.char_indices() {
             let len = ch.len_utf8();
@@ -91,7 +95,11 @@ impl MergeVocab<'_> {
                 len,
                 prev: i.checked_sub(1),
                 next: (start + len < text.len()).then_some(i + 1),
-                id: self.ids.get(&text[start..start + len]).copied(),
+                id: if ranks {
+                    lookup(start, start + len)
+                } else {
+                    None
+                },
             });
         }
         let mut heap = BinaryHeap::with_capacity(symbols.len());
@@ -133,7 +141,8 @@ impl MergeVocab<'_> {
         let mut cur = (!symbols.is_empty()).then_some(0);
         while let Some(i) = cur {
             let s = symbols[i];
-            emit(s.id.ok_or((s.start, s.start + s.len)));
+            let end = s.start + s.len;
+            emit(s.id.or_else(|| lookup(s.start, end)).ok_or((s.start, end)));
             cur = s.next;
         }
     }
