@@ -393,3 +393,11 @@ fn tokenizer_json_beside_the_model_wins() {
     assert_eq!(tok.eos_token(), Some("<start_of_turn>"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn tokenizer_and_template_are_shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<temper_text::ChatTemplate>();
+    assert_send_sync::<DecodeStream>();
+}
