@@ -1,8 +1,11 @@
 //! Token sampling over one raw logits row, following vLLM's order: greedy when the temperature
-//! is ~0, else temperature → min_p → top_k → top_p → draw. Scratch buffers are kept across calls
-//! so a 262k-wide row costs no allocation per token.
+//! is ~0, else temperature → min_p → top_k → top_p → draw. A 262k-wide row is never fully
+//! sorted: top_k keeps a k-sized heap in one pass over the raw logits, top_p finds its nucleus
+//! with a histogram of log-weights and sorts only the tokens near it. Scratch buffers live
+//! across calls, so sampling allocates nothing per token.
 
-use std::cmp::Ordering;
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
 
 use crate::rng::Rng;
 use crate::{SamplingParams, TokenLogprob};
@@ -10,31 +13,152 @@ use crate::{SamplingParams, TokenLogprob};
 /// Below this temperature sampling is greedy (vLLM's epsilon).
 const GREEDY_EPS: f32 = 1e-5;
 
-/// Relative weights below exp(-CUTOFF) of the best token are treated as zero: together the
-/// whole vocabulary of them weighs < 1e-11 of the total, and skipping them skips the exp().
+/// Tokens whose weight relative to the best one is below exp(-CUTOFF) are dropped: the whole
+/// vocabulary of them weighs < 1e-11 of the total.
 const CUTOFF: f32 = 40.0;
+
+/// Histogram resolution for top_p, in buckets per unit of log-weight.
+const BUCKETS_PER_UNIT: f32 = 32.0;
+const BUCKETS: usize = (CUTOFF * BUCKETS_PER_UNIT) as usize + 1;
+
+/// Rows are processed in chunks (L1-sized) with LANES independent accumulators, so the
+/// compiler vectorizes the loops.
+const CHUNK: usize = 1024;
+const LANES: usize = 16;
 
 #[derive(Default)]
 pub(crate) struct Sampler {
-    /// exp((logit - max) / T) per token; 0 for filtered tokens.
+    /// exp((logit - max) / T) per token, 0 for dropped tokens (used without top_k).
     weights: Vec<f32>,
-    /// Candidate token ids when top_k / top_p need an ordering.
-    cand: Vec<u32>,
+    /// Sum of `weights` per CHUNK, to find a draw's chunk without walking the whole row.
+    chunk_sums: Vec<f64>,
+    /// top_p histogram: weight mass per log-weight bucket.
+    hist: Vec<f64>,
+    /// (token, weight) candidates for top_k / top_p.
+    cand: Vec<(u32, f32)>,
+    heap: BinaryHeap<Reverse<Ranked>>,
+}
+
+/// A token ranked by logit, lower id first on ties (so `Reverse` makes a min-heap of the best).
+#[derive(Clone, Copy, PartialEq)]
+struct Ranked {
+    logit: f32,
+    id: u32,
+}
+
+impl Eq for Ranked {}
+
+impl Ord for Ranked {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.logit
+            .total_cmp(&other.logit)
+            .then(other.id.cmp(&self.id))
+    }
+}
+
+impl PartialOrd for Ranked {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// e^x for x <= 0 (NaN is the caller's to mask): range reduction to 2^n · 2^f with |f| <= 1/2
+/// and a degree-7 Taylor polynomial (relative error ~1e-7). Branch-free, so loops over it
+/// vectorize, unlike `f32::exp`.
+#[inline(always)]
+fn exp_neg(x: f32) -> f32 {
+    let x = x.max(-87.0);
+    let t = x * std::f32::consts::LOG2_E;
+    let n = (t + 0.5).floor();
+    let g = (t - n) * std::f32::consts::LN_2;
+    let p = 1.0
+        + g * (1.0
+            + g * (1.0 / 2.0
+                + g * (1.0 / 6.0
+                    + g * (1.0 / 24.0
+                        + g * (1.0 / 120.0 + g * (1.0 / 720.0 + g * (1.0 / 5040.0)))))));
+    // n is in [-126, 0]: a normal power of two.
+    f32::from_bits(((n as i32 + 127) as u32) << 23) * p
+}
+
+/// Largest logit, NaN ignored (-inf when there is none).
+fn max_logit(logits: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut it = logits.chunks_exact(LANES);
+    for c in &mut it {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            // `v > m` is false for NaN, so NaN never wins.
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let mut m = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for &v in it.remainder() {
+        if v > m {
+            m = v;
+        }
+    }
+    m
 }
 
 /// Argmax, lowest id on ties; NaN logits never win.
 pub(crate) fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    let mut found = false;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best_v || (!found && !v.is_nan()) {
-            best = i;
-            best_v = v;
-            found = true;
+    let m = max_logit(logits);
+    logits
+        .iter()
+        .position(|&v| v == m)
+        .or_else(|| logits.iter().position(|v| !v.is_nan()))
+        .unwrap_or(0) as u32
+}
+
+/// Sum of exp(x - max) over the row, NaN counted as 0.
+fn sum_exp(logits: &[f32], max: f32) -> f64 {
+    let mut total = 0.0f64;
+    for c in logits.chunks(CHUNK) {
+        let mut lanes = [0.0f32; LANES];
+        let mut it = c.chunks_exact(LANES);
+        for v in &mut it {
+            for (acc, &l) in lanes.iter_mut().zip(v) {
+                let x = l - max;
+                *acc += if x <= 0.0 { exp_neg(x) } else { 0.0 };
+            }
+        }
+        let mut s: f64 = lanes.iter().map(|&v| v as f64).sum();
+        for &l in it.remainder() {
+            let x = l - max;
+            if x <= 0.0 {
+                s += exp_neg(x) as f64;
+            }
+        }
+        total += s;
+    }
+    total
+}
+
+/// Orders candidates by descending weight, then ascending id: a total order, so results do
+/// not depend on the sort algorithm.
+fn by_weight(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Keeps the smallest head of `cand` (sorted by `by_weight`) whose mass reaches `target`.
+fn cut_nucleus(cand: &mut Vec<(u32, f32)>, target: f64) {
+    let mut cum = 0.0f64;
+    for j in 0..cand.len() {
+        cum += cand[j].1 as f64;
+        if cum >= target {
+            cand.truncate(j + 1);
+            return;
         }
     }
-    best as u32
+}
+
+/// The top_p target mass; a non-positive (or NaN) top_p keeps only the best token.
+fn nucleus_target(top_p: f32, total: f64) -> f64 {
+    if top_p > 0.0 {
+        top_p as f64 * total
+    } else {
+        0.0
+    }
 }
 
 impl Sampler {
@@ -43,134 +167,222 @@ impl Sampler {
         if !(p.temperature >= GREEDY_EPS) || logits.is_empty() {
             return argmax(logits);
         }
-        let max = logits
-            .iter()
-            .copied()
-            .filter(|v| !v.is_nan())
-            .fold(f32::NEG_INFINITY, f32::max);
-        if !max.is_finite() {
-            return argmax(logits);
-        }
         let inv_t = 1.0 / p.temperature;
-        // min_p compares prob / max prob = weight (the best token has weight 1).
+        // min_p compares prob / max prob, which is the weight (the best token weighs 1).
         let min_w = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
-        let floor = max - CUTOFF * p.temperature;
-        self.weights.clear();
-        self.weights.extend(logits.iter().map(|&l| {
-            if l >= floor {
-                let w = ((l - max) * inv_t).exp();
-                if w >= min_w {
-                    w
-                } else {
-                    0.0
-                }
-            } else {
-                0.0
-            }
-        }));
-
-        let vocab = logits.len();
-        let top_k_on = p.top_k > 0 && p.top_k < vocab;
-        // `!(top_p >= 1)` also treats NaN as "on"; a non-positive top_p keeps only the best.
         let top_p_on = !(p.top_p >= 1.0);
-        if !top_k_on && !top_p_on {
-            return self.draw_all(rng).unwrap_or_else(|| argmax(logits));
-        }
-
-        let weights = &self.weights;
-        let cand = &mut self.cand;
-        cand.clear();
-        cand.extend((0..vocab as u32).filter(|&i| weights[i as usize] > 0.0));
-        // Descending weight, ascending id: a total order, so the result does not depend on the
-        // selection algorithm's internal choices.
-        let order = |a: &u32, b: &u32| -> Ordering {
-            weights[*b as usize]
-                .partial_cmp(&weights[*a as usize])
-                .unwrap_or(Ordering::Equal)
-                .then(a.cmp(b))
+        let drawn = if p.top_k > 0 && p.top_k < logits.len() {
+            self.sample_top_k(
+                logits,
+                p.top_k,
+                inv_t,
+                min_w,
+                top_p_on.then_some(p.top_p),
+                rng,
+            )
+        } else {
+            self.sample_full(logits, inv_t, min_w, top_p_on.then_some(p.top_p), rng)
         };
-        if top_k_on && cand.len() > p.top_k {
-            cand.select_nth_unstable_by(p.top_k - 1, order);
-            cand.truncate(p.top_k);
-        }
-        if top_p_on {
-            let total: f64 = cand.iter().map(|&i| weights[i as usize] as f64).sum();
-            let target = if p.top_p > 0.0 {
-                p.top_p as f64 * total
-            } else {
-                0.0
-            };
-            // Sort only as much of the head as the nucleus needs: chunks that grow 4x, each
-            // brought to the front with a linear-time selection.
-            let mut sorted = 0usize;
-            let mut chunk = 64usize;
-            let mut cum = 0.0f64;
-            'outer: while sorted < cand.len() {
-                let end = (sorted + chunk).min(cand.len());
-                if end < cand.len() {
-                    cand[sorted..].select_nth_unstable_by(end - sorted - 1, order);
-                }
-                cand[sorted..end].sort_unstable_by(order);
-                for j in sorted..end {
-                    cum += weights[cand[j] as usize] as f64;
-                    if cum >= target {
-                        cand.truncate(j + 1);
-                        break 'outer;
-                    }
-                }
-                sorted = end;
-                chunk = chunk.saturating_mul(4);
-            }
-        }
-        let total: f64 = cand.iter().map(|&i| weights[i as usize] as f64).sum();
-        if !(total > 0.0) {
-            return argmax(logits);
-        }
-        let mut u = rng.next_f64() * total;
-        for &i in cand.iter() {
-            u -= weights[i as usize] as f64;
-            if u < 0.0 {
-                return i;
-            }
-        }
-        // Rounding left a sliver of mass: the last candidate takes it.
-        cand.last().copied().unwrap_or_else(|| argmax(logits))
+        drawn.unwrap_or_else(|| argmax(logits))
     }
 
-    fn draw_all(&self, rng: &mut Rng) -> Option<u32> {
-        let total: f64 = self.weights.iter().map(|&w| w as f64).sum();
+    /// top_k: one pass over the raw logits with a k-sized min-heap, then everything else on
+    /// the k candidates only.
+    fn sample_top_k(
+        &mut self,
+        logits: &[f32],
+        k: usize,
+        inv_t: f32,
+        min_w: f32,
+        top_p: Option<f32>,
+        rng: &mut Rng,
+    ) -> Option<u32> {
+        let heap = &mut self.heap;
+        heap.clear();
+        // Below the current k-th best nothing can enter; whole LANES-wide blocks under it are
+        // skipped with one vectorized max.
+        let mut threshold = f32::NEG_INFINITY;
+        for (b, block) in logits.chunks(LANES).enumerate() {
+            if heap.len() == k && max_logit(block) <= threshold {
+                continue;
+            }
+            for (j, &logit) in block.iter().enumerate() {
+                if logit.is_nan() {
+                    continue;
+                }
+                let r = Ranked {
+                    logit,
+                    id: (b * LANES + j) as u32,
+                };
+                if heap.len() < k {
+                    heap.push(Reverse(r));
+                } else if logit > threshold {
+                    // Later ids lose ties, so only a strictly larger logit gets in.
+                    if let Some(mut worst) = heap.peek_mut() {
+                        *worst = Reverse(r);
+                    }
+                } else {
+                    continue;
+                }
+                if heap.len() == k {
+                    threshold = heap.peek().map_or(f32::NEG_INFINITY, |w| w.0.logit);
+                }
+            }
+        }
+        let max = heap
+            .iter()
+            .map(|r| r.0.logit)
+            .fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            return None;
+        }
+        let cand = &mut self.cand;
+        cand.clear();
+        for Reverse(r) in heap.drain() {
+            let x = (r.logit - max) * inv_t;
+            let w = if x >= -CUTOFF { exp_neg(x) } else { 0.0 };
+            if w > 0.0 && w >= min_w {
+                cand.push((r.id, w));
+            }
+        }
+        cand.sort_unstable_by(by_weight);
+        if let Some(top_p) = top_p {
+            let total: f64 = cand.iter().map(|c| c.1 as f64).sum();
+            cut_nucleus(cand, nucleus_target(top_p, total));
+        }
+        draw(cand, rng)
+    }
+
+    /// No top_k: weights for the whole row; top_p through the log-weight histogram.
+    fn sample_full(
+        &mut self,
+        logits: &[f32],
+        inv_t: f32,
+        min_w: f32,
+        top_p: Option<f32>,
+        rng: &mut Rng,
+    ) -> Option<u32> {
+        let max = max_logit(logits);
+        if !max.is_finite() {
+            return None;
+        }
+        let total = self.fill_weights(logits, max, inv_t, min_w);
         if !(total > 0.0) {
             return None;
         }
-        let mut u = rng.next_f64() * total;
-        let mut last = None;
-        for (i, &w) in self.weights.iter().enumerate() {
+        let Some(top_p) = top_p else {
+            return self.draw_weights(total, rng);
+        };
+        let target = nucleus_target(top_p, total);
+        // Bucket b holds log-weights in (-(b+1), -b] / BUCKETS_PER_UNIT: find the bucket where
+        // the mass, heaviest first, reaches the target; only tokens up to it can be in the
+        // nucleus.
+        let bucket = |l: f32| (((max - l) * inv_t * BUCKETS_PER_UNIT) as usize).min(BUCKETS - 1);
+        self.hist.clear();
+        self.hist.resize(BUCKETS, 0.0);
+        for (&l, &w) in logits.iter().zip(&self.weights) {
             if w > 0.0 {
-                u -= w as f64;
-                last = Some(i as u32);
-                if u < 0.0 {
-                    return last;
-                }
+                self.hist[bucket(l)] += w as f64;
             }
         }
-        last
+        let mut cum = 0.0;
+        let mut last = BUCKETS - 1;
+        for (b, &m) in self.hist.iter().enumerate() {
+            cum += m;
+            if cum >= target {
+                last = b;
+                break;
+            }
+        }
+        self.cand.clear();
+        for (i, (&l, &w)) in logits.iter().zip(&self.weights).enumerate() {
+            if w > 0.0 && bucket(l) <= last {
+                self.cand.push((i as u32, w));
+            }
+        }
+        self.cand.sort_unstable_by(by_weight);
+        cut_nucleus(&mut self.cand, target);
+        draw(&self.cand, rng)
     }
+
+    /// Fills `weights` (and per-chunk sums) and returns their total.
+    fn fill_weights(&mut self, logits: &[f32], max: f32, inv_t: f32, min_w: f32) -> f64 {
+        self.weights.resize(logits.len(), 0.0);
+        self.chunk_sums.clear();
+        let mut total = 0.0f64;
+        for (src, dst) in logits.chunks(CHUNK).zip(self.weights.chunks_mut(CHUNK)) {
+            for (w, &l) in dst.iter_mut().zip(src) {
+                let x = (l - max) * inv_t;
+                // NaN fails the comparison and weighs 0.
+                let e = if x >= -CUTOFF { exp_neg(x) } else { 0.0 };
+                *w = if e >= min_w { e } else { 0.0 };
+            }
+            let mut lanes = [0.0f32; LANES];
+            let mut it = dst.chunks_exact(LANES);
+            for v in &mut it {
+                for (acc, &w) in lanes.iter_mut().zip(v) {
+                    *acc += w;
+                }
+            }
+            let s: f64 = lanes.iter().chain(it.remainder()).map(|&v| v as f64).sum();
+            self.chunk_sums.push(s);
+            total += s;
+        }
+        total
+    }
+
+    /// Draws from the whole weight row: find the chunk, then the token inside it.
+    fn draw_weights(&self, total: f64, rng: &mut Rng) -> Option<u32> {
+        let mut u = rng.next_f64() * total;
+        let n_chunks = self.chunk_sums.len();
+        for (c, &s) in self.chunk_sums.iter().enumerate() {
+            if u >= s && c + 1 < n_chunks {
+                u -= s;
+                continue;
+            }
+            let base = c * CHUNK;
+            let end = (base + CHUNK).min(self.weights.len());
+            let mut last = None;
+            for (i, &w) in self.weights[base..end].iter().enumerate() {
+                if w > 0.0 {
+                    last = Some((base + i) as u32);
+                    u -= w as f64;
+                    if u < 0.0 {
+                        return last;
+                    }
+                }
+            }
+            // Rounding left a sliver past this chunk's tokens: its last token takes it.
+            if last.is_some() {
+                return last;
+            }
+        }
+        None
+    }
+}
+
+/// Draws from (token, weight) candidates in their order.
+fn draw(cand: &[(u32, f32)], rng: &mut Rng) -> Option<u32> {
+    let total: f64 = cand.iter().map(|c| c.1 as f64).sum();
+    if !(total > 0.0) {
+        return None;
+    }
+    let mut u = rng.next_f64() * total;
+    for &(id, w) in cand {
+        u -= w as f64;
+        if u < 0.0 {
+            return Some(id);
+        }
+    }
+    // Rounding left a sliver of mass: the last candidate takes it.
+    cand.last().map(|c| c.0)
 }
 
 /// Raw log-softmax of `token` and the `k` most likely tokens (descending, lowest id first on
 /// ties), before any sampling transform.
 pub(crate) fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprob {
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|v| !v.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits
-        .iter()
-        .filter(|v| !v.is_nan())
-        .map(|&l| ((l - max) as f64).exp())
-        .sum();
-    let lse = max as f64 + sum.ln();
+    let max = max_logit(logits);
+    let lse = max as f64 + sum_exp(logits, max).ln();
     let lp = |l: f32| (l as f64 - lse) as f32;
     let logprob = logits
         .get(token as usize)
@@ -180,14 +392,19 @@ pub(crate) fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprob {
     // One pass with a small sorted buffer: k is small (OpenAI caps it at 20), the row is huge.
     let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
     if k > 0 {
-        for (i, &l) in logits.iter().enumerate() {
-            if l.is_nan() || (top.len() == k && l <= top[k - 1].1) {
+        for (b, block) in logits.chunks(LANES).enumerate() {
+            if top.len() == k && max_logit(block) <= top[k - 1].1 {
                 continue;
             }
-            // Insert after every entry >= l, so earlier (lower) ids win ties.
-            let pos = top.partition_point(|&(_, v)| v >= l);
-            top.insert(pos, (i as u32, l));
-            top.truncate(k);
+            for (j, &l) in block.iter().enumerate() {
+                if l.is_nan() || (top.len() == k && l <= top[k - 1].1) {
+                    continue;
+                }
+                // Insert after every entry >= l, so earlier (lower) ids win ties.
+                let pos = top.partition_point(|&(_, v)| v >= l);
+                top.insert(pos, ((b * LANES + j) as u32, l));
+                top.truncate(k);
+            }
         }
     }
     TokenLogprob {
@@ -349,6 +566,81 @@ mod tests {
                     (got - expect).abs() < tol,
                     "t={t} token {i}: {got} vs {expect}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn exp_neg_is_accurate() {
+        let mut x = 0.0f32;
+        while x > -87.0 {
+            let want = (x as f64).exp();
+            let got = exp_neg(x) as f64;
+            // f32 inputs carry ~1.2e-7·|x| relative error of their own.
+            let tol = 1e-6 + 2e-7 * x.abs() as f64;
+            assert!(
+                ((got - want) / want).abs() < tol,
+                "exp({x}) = {got}, want {want}"
+            );
+            x -= 0.0137;
+        }
+        assert_eq!(exp_neg(0.0), 1.0);
+    }
+
+    #[test]
+    fn large_rows_match_the_reference_distribution() {
+        // A wide row with a few peaks over a long tail: every path (full draw, histogram
+        // nucleus, top_k heap) must agree with the plain definitions.
+        let mut lrng = Rng::new(11);
+        let v = 5000;
+        let mut row: Vec<f32> = (0..v).map(|_| lrng.next_f64() as f32 * 6.0 - 3.0).collect();
+        row[17] = 6.0;
+        row[4000] = 5.5;
+        row[123] = 5.5;
+        for (t, top_p, top_k) in [
+            (1.0f32, 1.0f32, 0usize),
+            (0.8, 0.7, 0),
+            (1.0, 1.0, 40),
+            (1.2, 0.5, 300),
+        ] {
+            // Reference nucleus by full sort.
+            let w: Vec<f64> = row
+                .iter()
+                .map(|&l| ((l - 6.0) as f64 / t as f64).exp())
+                .collect();
+            let mut order: Vec<usize> = (0..v).collect();
+            order.sort_by(|&a, &b| w[b].partial_cmp(&w[a]).unwrap().then(a.cmp(&b)));
+            if top_k > 0 {
+                order.truncate(top_k);
+            }
+            let total: f64 = order.iter().map(|&i| w[i]).sum();
+            let mut keep = Vec::new();
+            let mut cum = 0.0;
+            for &i in &order {
+                keep.push(i);
+                cum += w[i];
+                if cum >= top_p as f64 * total {
+                    break;
+                }
+            }
+            let kept_mass: f64 = keep.iter().map(|&i| w[i]).sum();
+            let mut s = Sampler::default();
+            let mut rng = Rng::new(77);
+            let n = 50_000;
+            let mut counts = vec![0usize; v];
+            for _ in 0..n {
+                counts[s.sample(&row, &params(t, top_p, top_k, 0.0), &mut rng) as usize] += 1;
+            }
+            let outside: usize = (0..v)
+                .filter(|i| !keep.contains(i))
+                .map(|i| counts[i])
+                .sum();
+            assert_eq!(outside, 0, "t={t} p={top_p} k={top_k}");
+            for &i in keep.iter().take(3) {
+                let expect = w[i] / kept_mass;
+                let got = counts[i] as f64 / n as f64;
+                let tol = 4.0 * (expect * (1.0 - expect) / n as f64).sqrt() + 1e-4;
+                assert!((got - expect).abs() < tol, "token {i}: {got} vs {expect}");
             }
         }
     }
