@@ -409,3 +409,233 @@ fn sse_response(
     )
         .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+    use temper_engine::TokenLogprob;
+    use tokio::sync::mpsc::unbounded_channel;
+
+    use super::*;
+
+    fn tokenizer() -> Arc<Tokenizer> {
+        static TOK: std::sync::OnceLock<Arc<Tokenizer>> = std::sync::OnceLock::new();
+        TOK.get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("tiny.gguf");
+            temper_model::tiny::write_tiny_gguf(&path, 1).unwrap();
+            let loaded = temper_model::load_gguf(&path).unwrap();
+            Arc::new(temper_text::load_tokenizer(&loaded.metadata, &path).unwrap())
+        })
+        .clone()
+    }
+
+    fn completion(n: usize, logprobs: bool, return_token_ids: bool) -> Completion {
+        Completion {
+            id: "chatcmpl-x".into(),
+            created: 1,
+            model: "m".into(),
+            tokenizer: tokenizer(),
+            prompt_ids: vec![2, 5, 6],
+            n,
+            logprobs,
+            return_token_ids,
+        }
+    }
+
+    fn token(choice: usize, id: u32, text: &str) -> GenerationEvent {
+        GenerationEvent::Token {
+            choice,
+            token_id: id,
+            text: text.into(),
+            logprob: None,
+        }
+    }
+
+    fn finished(
+        choice: usize,
+        reason: FinishReason,
+        stop: Option<StopReason>,
+        n: usize,
+    ) -> GenerationEvent {
+        GenerationEvent::Finished {
+            choice,
+            reason,
+            stop_reason: stop,
+            text: String::new(),
+            prompt_tokens: 3,
+            completion_tokens: n,
+        }
+    }
+
+    /// Runs events through the state machine; returns the payloads (`[DONE]` as a string).
+    fn run(c: Completion, opts: StreamOptions, events: Vec<Option<GenerationEvent>>) -> Vec<Value> {
+        let (_tx, rx) = unbounded_channel();
+        let mut s = SseState::new(rx, c, opts);
+        for e in events {
+            s.on_event(e);
+        }
+        assert!(s.done);
+        s.pending
+            .iter()
+            .map(|b| {
+                let text = std::str::from_utf8(b).unwrap();
+                let data = text
+                    .strip_prefix("data: ")
+                    .unwrap()
+                    .strip_suffix("\n\n")
+                    .unwrap();
+                serde_json::from_str(data).unwrap_or_else(|_| Value::String(data.to_owned()))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn chunk_sequence_with_usage() {
+        let opts = StreamOptions {
+            include_usage: true,
+            continuous_usage_stats: false,
+        };
+        let out = run(
+            completion(1, false, true),
+            opts,
+            vec![
+                Some(token(0, 10, "Hel")),
+                Some(token(0, 11, "lo")),
+                Some(token(0, 1, "")),
+                Some(finished(
+                    0,
+                    FinishReason::Stop,
+                    Some(StopReason::Token(1)),
+                    3,
+                )),
+            ],
+        );
+        assert_eq!(out.len(), 7, "{out:?}");
+        assert_eq!(out[0]["object"], "chat.completion.chunk");
+        assert_eq!(out[0]["id"], "chatcmpl-x");
+        assert_eq!(out[0]["prompt_token_ids"], json!([2, 5, 6]));
+        assert_eq!(
+            out[0]["choices"][0],
+            json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null,
+                   "finish_reason": null, "stop_reason": null})
+        );
+        assert_eq!(out[1]["choices"][0]["delta"], json!({"content": "Hel"}));
+        assert_eq!(out[1]["choices"][0]["token_ids"], json!([10]));
+        assert!(out[1].get("prompt_token_ids").is_none());
+        assert!(out[1].get("usage").is_none());
+        // The EOS token still gets its chunk for its id.
+        assert_eq!(out[3]["choices"][0]["token_ids"], json!([1]));
+        assert_eq!(out[4]["choices"][0]["finish_reason"], "stop");
+        assert_eq!(out[4]["choices"][0]["stop_reason"], 1);
+        assert_eq!(out[4]["choices"][0]["delta"], json!({}));
+        assert_eq!(out[5]["choices"], json!([]));
+        assert_eq!(
+            out[5]["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                   "prompt_tokens_details": {"cached_tokens": 0}})
+        );
+        assert_eq!(out[6], "[DONE]");
+    }
+
+    #[test]
+    fn n_choices_each_open_and_finish_once_with_continuous_usage() {
+        let opts = StreamOptions {
+            include_usage: true,
+            continuous_usage_stats: true,
+        };
+        let out = run(
+            completion(2, false, false),
+            opts,
+            vec![
+                Some(token(1, 10, "b")),
+                Some(token(0, 11, "a")),
+                // EOS text is empty and nobody asked for ids: no chunk.
+                Some(token(0, 1, "")),
+                Some(finished(0, FinishReason::Stop, None, 2)),
+                Some(token(1, 12, "c")),
+                Some(finished(1, FinishReason::Length, None, 2)),
+            ],
+        );
+        let roles: Vec<_> = out[..2].iter().map(|e| &e["choices"][0]["index"]).collect();
+        assert_eq!(roles, [0, 1]);
+        let finishes: Vec<_> = out
+            .iter()
+            .filter(|e| {
+                !e["choices"][0]["finish_reason"].is_null()
+                    && e["choices"].as_array().is_some_and(|c| !c.is_empty())
+            })
+            .map(|e| {
+                (
+                    e["choices"][0]["index"].clone(),
+                    e["choices"][0]["finish_reason"].clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            finishes,
+            [(json!(0), json!("stop")), (json!(1), json!("length"))]
+        );
+        // Usage on every chunk, counting as tokens arrive.
+        let counts: Vec<u64> = out[..out.len() - 1]
+            .iter()
+            .map(|e| e["usage"]["completion_tokens"].as_u64().unwrap())
+            .collect();
+        assert_eq!(counts, [0, 0, 1, 2, 3, 4, 4, 4]);
+        assert_eq!(out.last().unwrap(), "[DONE]");
+    }
+
+    #[test]
+    fn error_after_start_is_an_error_event_then_done() {
+        let out = run(
+            completion(1, false, false),
+            StreamOptions::default(),
+            vec![
+                Some(token(0, 10, "x")),
+                Some(GenerationEvent::Error {
+                    message: "model exploded".into(),
+                }),
+            ],
+        );
+        assert_eq!(out.len(), 4);
+        assert_eq!(
+            out[2],
+            json!({"error": {"message": "model exploded", "type": "InternalServerError", "param": null, "code": 500}})
+        );
+        assert_eq!(out[3], "[DONE]");
+        // The engine going away mid-stream reads the same.
+        let out = run(
+            completion(1, false, false),
+            StreamOptions::default(),
+            vec![None],
+        );
+        assert_eq!(out[1]["error"]["type"], "InternalServerError");
+        assert_eq!(out[2], "[DONE]");
+    }
+
+    #[test]
+    fn logprobs_chunk_shape() {
+        let c = completion(1, true, false);
+        let tok = c.tokenizer.clone();
+        let (_tx, rx) = unbounded_channel();
+        let mut s = SseState::new(rx, c, StreamOptions::default());
+        s.on_event(Some(GenerationEvent::Token {
+            choice: 0,
+            token_id: 10,
+            text: "x".into(),
+            logprob: Some(TokenLogprob {
+                logprob: -0.5,
+                top: vec![(10, -0.5), (11, f32::NEG_INFINITY)],
+            }),
+        }));
+        let text = std::str::from_utf8(&s.pending[1]).unwrap();
+        let v: Value = serde_json::from_str(text.trim_start_matches("data: ").trim_end()).unwrap();
+        let entry = &v["choices"][0]["logprobs"]["content"][0];
+        let bytes = tok.token_bytes(10).unwrap().into_owned();
+        assert_eq!(entry["token"], String::from_utf8_lossy(&bytes).as_ref());
+        assert_eq!(entry["bytes"], json!(bytes));
+        assert_eq!(entry["logprob"], -0.5);
+        assert_eq!(entry["top_logprobs"][1]["logprob"], -9999.0);
+        assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
+    }
+}
