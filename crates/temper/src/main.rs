@@ -2,6 +2,7 @@
 
 mod config;
 
+use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::process::ExitCode;
 
@@ -33,6 +34,8 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let Command::Serve(args) = Cli::parse().command;
     match serve(args) {
