@@ -40,7 +40,8 @@ pub enum LoadError {
     Model {
         name: String,
         path: PathBuf,
-        source: temper_model::ModelError,
+        // Boxed: the model error is large and load errors are rare.
+        source: Box<temper_model::ModelError>,
     },
     #[error("tokenizer of model `{name}`: {source}")]
     Tokenizer {
@@ -92,7 +93,7 @@ impl ServedModel {
         let loaded = temper_model::load_gguf(&spec.path).map_err(|source| LoadError::Model {
             name: name.clone(),
             path: spec.path.clone(),
-            source,
+            source: Box::new(source),
         })?;
         let tokenizer =
             temper_text::load_tokenizer(&loaded.metadata, &spec.path).map_err(|source| {

@@ -582,3 +582,107 @@ fn sse_parser_rejects_bad_framing() {
     assert!(std::panic::catch_unwind(|| parse_sse("event: x\n\n")).is_err());
     assert_eq!(parse_sse("data: [DONE]\n\n"), vec![json!("[DONE]")]);
 }
+
+#[tokio::test]
+async fn request_chat_template_when_trusted() {
+    let s = TestServer::tiny(
+        ServerOptions {
+            trust_request_chat_template: true,
+            ..options()
+        },
+        None,
+    )
+    .await;
+    let template = "{% for m in messages %}{{ m.content }}|{% endfor %}{{ suffix }}";
+    let messages =
+        json!([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]);
+    let t: Value = s
+        .post(
+            "/tokenize",
+            &json!({"messages": messages, "chat_template": template,
+                "chat_template_kwargs": {"suffix": "the end"}}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let p: Value = s
+        .post(
+            "/tokenize",
+            &json!({"prompt": "hello|world|the end", "add_special_tokens": false}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(t["tokens"], p["tokens"]);
+    let (status, v) = s
+        .chat(
+            &json!({"messages": messages, "chat_template": template, "max_completion_tokens": 2,
+            "return_token_ids": true, "chat_template_kwargs": {"suffix": "the end"}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["prompt_token_ids"], p["tokens"]);
+    // A template that raises is the caller's error about the messages; one that does not
+    // compile is about the template.
+    let (status, v) = s
+        .chat(&json!({"messages": messages, "chat_template": "{{ raise_exception('no assistants') }}"}))
+        .await;
+    assert_eq!(status, 400, "{v}");
+    assert_error(&v, 400, "BadRequestError", Some("messages"));
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no assistants"));
+    let (status, v) = s
+        .chat(&json!({"messages": messages, "chat_template": "{% for %}"}))
+        .await;
+    assert_eq!(status, 400, "{v}");
+    assert_error(&v, 400, "BadRequestError", Some("chat_template"));
+}
+
+#[tokio::test]
+async fn continue_final_message_leaves_the_turn_open() {
+    let s = TestServer::tiny(options(), None).await;
+    let messages =
+        json!([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the cat"}]);
+    let detok = |tokens: Value| {
+        let s = &s;
+        async move {
+            let v: Value = s
+                .post("/detokenize", &json!({"tokens": tokens}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            v["prompt"].as_str().unwrap().to_owned()
+        }
+    };
+    let (status, open) = s
+        .chat(
+            &json!({"messages": messages, "continue_final_message": true,
+            "add_generation_prompt": false, "max_completion_tokens": 1, "return_token_ids": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{open}");
+    let open = detok(open["prompt_token_ids"].clone()).await;
+    assert!(open.ends_with("the cat"), "{open:?}");
+    let (_, closed) = s
+        .chat(
+            &json!({"messages": messages, "add_generation_prompt": false,
+            "max_completion_tokens": 1, "return_token_ids": true}),
+        )
+        .await;
+    let closed = detok(closed["prompt_token_ids"].clone()).await;
+    assert!(
+        closed.starts_with(&open) && closed.len() > open.len(),
+        "{closed:?}"
+    );
+}
