@@ -274,3 +274,16 @@ impl Engine {
         self.max_model_len
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_and_events_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Engine>();
+        send_sync::<GenerationEvent>();
+        send_sync::<GenerationRequest>();
+    }
+}

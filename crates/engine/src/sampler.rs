@@ -163,14 +163,14 @@ fn nucleus_target(top_p: f32, total: f64) -> f64 {
 
 impl Sampler {
     pub(crate) fn sample(&mut self, logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
-        // `!(t >= eps)` also routes NaN temperatures to greedy.
-        if !(p.temperature >= GREEDY_EPS) || logits.is_empty() {
+        if p.temperature.is_nan() || p.temperature < GREEDY_EPS || logits.is_empty() {
             return argmax(logits);
         }
         let inv_t = 1.0 / p.temperature;
         // min_p compares prob / max prob, which is the weight (the best token weighs 1).
         let min_w = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
-        let top_p_on = !(p.top_p >= 1.0);
+        // A NaN top_p is treated as on (and keeps only the best token).
+        let top_p_on = p.top_p.is_nan() || p.top_p < 1.0;
         let drawn = if p.top_k > 0 && p.top_k < logits.len() {
             self.sample_top_k(
                 logits,
@@ -267,7 +267,7 @@ impl Sampler {
             return None;
         }
         let total = self.fill_weights(logits, max, inv_t, min_w);
-        if !(total > 0.0) {
+        if total.is_nan() || total <= 0.0 {
             return None;
         }
         let Some(top_p) = top_p else {
@@ -364,7 +364,7 @@ impl Sampler {
 /// Draws from (token, weight) candidates in their order.
 fn draw(cand: &[(u32, f32)], rng: &mut Rng) -> Option<u32> {
     let total: f64 = cand.iter().map(|c| c.1 as f64).sum();
-    if !(total > 0.0) {
+    if total.is_nan() || total <= 0.0 {
         return None;
     }
     let mut u = rng.next_f64() * total;

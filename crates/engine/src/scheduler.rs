@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
 use temper_model::{Gemma3, Logits, SeqCache, SeqInput};
@@ -174,11 +174,9 @@ impl Scheduler {
                     Err(_) => return,
                 }
             }
-            loop {
-                match self.rx.try_recv() {
-                    Ok(s) => self.enqueue(s),
-                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
-                }
+            // A disconnected channel still lets the admitted work finish.
+            while let Ok(s) = self.rx.try_recv() {
+                self.enqueue(s);
             }
             self.drop_cancelled();
             self.admit();

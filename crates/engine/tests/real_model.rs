@@ -66,10 +66,11 @@ fn greedy_request(i: usize, prompt: &[u32]) -> GenerationRequest {
     }
 }
 
-/// Token ids and, per position, the model's top alternatives (for diagnosing divergences).
-fn collect(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerationEvent>,
-) -> (Vec<u32>, Vec<Vec<(u32, f32)>>) {
+/// Token ids and, per position, the model's top alternatives.
+type Generated = (Vec<u32>, Vec<Vec<(u32, f32)>>);
+
+/// Reads one request's events (for diagnosing divergences, the top alternatives too).
+fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerationEvent>) -> Generated {
     let mut ids = Vec::new();
     let mut tops = Vec::new();
     let mut finished = false;
@@ -119,7 +120,7 @@ fn greedy_matches_llama_cpp_alone_and_batched() {
     let samples = samples();
     assert_eq!(samples.len(), 5);
 
-    let alone: Vec<(Vec<u32>, Vec<Vec<(u32, f32)>>)> = samples
+    let alone: Vec<Generated> = samples
         .iter()
         .enumerate()
         .map(|(i, s)| collect(engine.submit(greedy_request(i, &s.prompt)).expect("submit")))
