@@ -1,5 +1,6 @@
 //! The `temper` binary: configuration → served models → HTTP server. Nothing else lives here.
 
+mod bench;
 mod config;
 
 use std::io::IsTerminal;
@@ -26,6 +27,8 @@ struct Cli {
 enum Command {
     /// Serve chat completions over HTTP.
     Serve(ServeArgs),
+    /// Measure prompt and decode throughput and print a table next to llama.cpp's figures.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -37,8 +40,16 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let Command::Serve(args) = Cli::parse().command;
-    match serve(args) {
+    let result = match Cli::parse().command {
+        Command::Serve(args) => serve(args),
+        Command::Bench(args) => bench::run(
+            args,
+            config::temper_home()
+                .join("models")
+                .join(config::DEFAULT_MODEL_FILE),
+        ),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("temper: {e}");
