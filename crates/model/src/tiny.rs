@@ -47,13 +47,14 @@ pub fn write_tiny_gguf(path: &Path, seed: u64) -> Result<(), ModelError> {
     let mut rng = SplitMix64(seed ^ 0x9e37_79b9_7f4a_7c15);
 
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    // Embedding std 0.3: scaled by sqrt(64) it gives activations of rms ~2.4 and, tied as the LM
-    // head, logits with a spread of a few units, so greedy output depends on the context.
+    // A small embedding (rms 0.4 after the sqrt(64) scale) keeps the residual stream from being
+    // dominated by the current token, which would make greedy decoding repeat it; the final norm
+    // around 6 gives the tied LM head logits with a spread of a few units.
     tensors.push((
         "token_embd.weight".into(),
-        random(&mut rng, &[vocab_size, HIDDEN], 0.3, GgmlDType::Q8_0)?,
+        random(&mut rng, &[vocab_size, HIDDEN], 0.05, GgmlDType::Q8_0)?,
     ));
-    tensors.push(("output_norm.weight".into(), norm(&mut rng, HIDDEN)?));
+    tensors.push(("output_norm.weight".into(), norm(&mut rng, HIDDEN, 6.0)?));
     let q_dim = HEADS * HEAD_DIM;
     let kv_dim = KV_HEADS * HEAD_DIM;
     for i in 0..LAYERS {
@@ -86,7 +87,7 @@ pub fn write_tiny_gguf(path: &Path, seed: u64) -> Result<(), ModelError> {
             ("ffn_norm", HIDDEN),
             ("post_ffw_norm", HIDDEN),
         ] {
-            tensors.push((format!("{p}.{name}.weight"), norm(&mut rng, len)?));
+            tensors.push((format!("{p}.{name}.weight"), norm(&mut rng, len, 1.0)?));
         }
     }
 
@@ -208,9 +209,11 @@ fn random(
     Ok(QTensor::quantize(&t, dtype)?)
 }
 
-/// Norm weights around 1 (GGUF stores Gemma's `1 + w`).
-fn norm(rng: &mut SplitMix64, len: usize) -> Result<QTensor, ModelError> {
-    let data: Vec<f32> = (0..len).map(|_| 1.0 + 0.2 * rng.uniform()).collect();
+/// Norm weights around `center` (GGUF stores Gemma's `1 + w`).
+fn norm(rng: &mut SplitMix64, len: usize, center: f32) -> Result<QTensor, ModelError> {
+    let data: Vec<f32> = (0..len)
+        .map(|_| center * (1.0 + 0.2 * rng.uniform()))
+        .collect();
     let t = Tensor::from_vec(data, len, &Device::Cpu)?;
     Ok(QTensor::quantize(&t, GgmlDType::F32)?)
 }
