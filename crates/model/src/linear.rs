@@ -1,7 +1,9 @@
+use std::borrow::Cow;
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
+use half::f16;
 
 use crate::ModelError;
 
@@ -17,6 +19,13 @@ pub(crate) struct Linear {
 impl Linear {
     pub(crate) fn new(weight: Arc<QTensor>) -> Result<Self, ModelError> {
         let (out_dim, in_dim) = weight.shape().dims2()?;
+        // candle has no SIMD dot product for Q5_0; its values fit Q8_0 exactly (same scale,
+        // integers -16..15), which has one, and both use Q8_0 activations: same numbers, faster.
+        let weight = if weight.dtype() == GgmlDType::Q5_0 {
+            Arc::new(q5_0_as_q8_0(&weight)?)
+        } else {
+            weight
+        };
         Ok(Self {
             inner: QMatMul::from_arc(weight)?,
             in_dim,
@@ -34,5 +43,58 @@ impl Linear {
         let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;
         let y = self.inner.forward(&xt)?;
         Ok(y.flatten_all()?.to_vec1::<f32>()?)
+    }
+}
+
+/// Block layouts (ggml): Q5_0 = f16 d, u32 high bits, 16 bytes of nibbles (32 weights);
+/// Q8_0 = f16 d, 32 i8.
+const Q5_0_BYTES: usize = 22;
+const Q8_0_BYTES: usize = 34;
+
+fn q5_0_as_q8_0(w: &QTensor) -> Result<QTensor, ModelError> {
+    let src = w.data()?;
+    let mut out = Vec::with_capacity(src.len() / Q5_0_BYTES * Q8_0_BYTES);
+    for b in src.chunks_exact(Q5_0_BYTES) {
+        let d = f16::from_le_bytes([b[0], b[1]]);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let qs = &b[6..];
+        let mut q = [0i8; 32];
+        for j in 0..16 {
+            let hi0 = (((qh >> j) << 4) & 0x10) as u8;
+            let hi1 = ((qh >> (j + 12)) & 0x10) as u8;
+            q[j] = ((qs[j] & 0x0f) | hi0) as i8 - 16;
+            q[j + 16] = ((qs[j] >> 4) | hi1) as i8 - 16;
+        }
+        out.extend_from_slice(&d.to_le_bytes());
+        out.extend(q.iter().map(|&v| v as u8));
+    }
+    let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
+    Ok(QTensor::new(storage, w.shape().clone())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q5_0_converts_to_q8_0_without_loss() {
+        let data: Vec<f32> = (0..4 * 64)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let t = Tensor::from_vec(data, (4, 64), &Device::Cpu).expect("tensor");
+        let q5 = QTensor::quantize(&t, GgmlDType::Q5_0).expect("quantize");
+        let q8 = q5_0_as_q8_0(&q5).expect("convert");
+        assert_eq!(q8.dtype(), GgmlDType::Q8_0);
+        let a = q5
+            .dequantize(&Device::Cpu)
+            .expect("deq")
+            .to_vec2::<f32>()
+            .expect("vec");
+        let b = q8
+            .dequantize(&Device::Cpu)
+            .expect("deq")
+            .to_vec2::<f32>()
+            .expect("vec");
+        assert_eq!(a, b);
     }
 }
