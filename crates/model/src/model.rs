@@ -80,6 +80,9 @@ impl Gemma3 {
     /// order. On error no cache changes.
     pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Logits>, ModelError> {
         self.validate(batch)?;
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
         match self.forward_inner(batch) {
             Ok(logits) => {
                 for s in batch.iter_mut() {

@@ -179,6 +179,7 @@ fn bad_inputs_are_rejected_without_touching_the_cache() {
         }])
         .unwrap_err();
     assert!(matches!(err, ModelError::EmptyInput { index: 0 }));
+    assert!(model.forward(&mut []).expect("empty batch").is_empty());
     assert_eq!(cache.len(), 3);
     // The cache still works: same logits as a fresh run of the same 4 tokens.
     let next = run(&model, &[8], &mut cache, false);
