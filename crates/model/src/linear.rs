@@ -14,6 +14,10 @@ pub(crate) struct Linear {
     inner: QMatMul,
     in_dim: usize,
     out_dim: usize,
+    /// candle runs Q6_K through a different kernel for one row than for several, and the two
+    /// round differently; a sequence's numbers must not depend on what else is in the batch, so
+    /// a single row is run as two.
+    pad_single_row: bool,
 }
 
 impl Linear {
@@ -27,6 +31,7 @@ impl Linear {
             weight
         };
         Ok(Self {
+            pad_single_row: weight.dtype() == GgmlDType::Q6K,
             inner: QMatMul::from_arc(weight)?,
             in_dim,
             out_dim,
@@ -40,6 +45,16 @@ impl Linear {
     /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major.
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
         let rows = x.len() / self.in_dim;
+        if rows == 1 && self.pad_single_row {
+            let twice = [x, x].concat();
+            let mut y = self.forward_rows(&twice, 2)?;
+            y.truncate(self.out_dim);
+            return Ok(y);
+        }
+        self.forward_rows(x, rows)
+    }
+
+    fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
         let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;
         let y = self.inner.forward(&xt)?;
         Ok(y.flatten_all()?.to_vec1::<f32>()?)

@@ -1,0 +1,167 @@
+//! On the real model, a sequence's logits do not depend on what else is in the batch: the same
+//! request gives the same tokens alone or batched (the engine's seed guarantee rests on this).
+
+use std::path::PathBuf;
+
+use temper_model::{load_gguf, SeqInput};
+
+fn model_path() -> Option<PathBuf> {
+    let home = std::env::var_os("TEMPER_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/temper")))
+        .unwrap_or_default();
+    let path = std::env::var_os("TEMPER_MODEL_PATH")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home.join("models/gemma-3-270m-q4_k_m.gguf"));
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var("TEMPER_REQUIRE_MODEL").as_deref() != Ok("1"),
+        "TEMPER_REQUIRE_MODEL=1 but {} is missing",
+        path.display()
+    );
+    eprintln!("skipping: model file {} not present", path.display());
+    None
+}
+
+#[test]
+fn batched_logits_equal_alone_bit_for_bit() {
+    let Some(path) = model_path() else { return };
+    let model = load_gguf(&path).unwrap().model;
+    let a: Vec<u32> = vec![
+        2, 105, 2364, 107, 3689, 563, 506, 92900, 10565, 580, 106, 107, 105, 4368, 107,
+    ];
+    let b: Vec<u32> = vec![
+        2, 105, 2364, 107, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799,
+    ];
+    let mut alone = model.new_cache();
+    let solo = model
+        .forward(&mut [SeqInput {
+            tokens: &a,
+            cache: &mut alone,
+            all_logits: true,
+        }])
+        .unwrap();
+    let (mut ca, mut cb) = (model.new_cache(), model.new_cache());
+    let both = model
+        .forward(&mut [
+            SeqInput {
+                tokens: &b,
+                cache: &mut cb,
+                all_logits: false,
+            },
+            SeqInput {
+                tokens: &a,
+                cache: &mut ca,
+                all_logits: true,
+            },
+        ])
+        .unwrap();
+    let diff = solo[0]
+        .data
+        .iter()
+        .zip(&both[1].data)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert_eq!(solo[0].data, both[1].data, "prefill: max abs diff {diff}");
+
+    // Decode: one row alone against the same row next to another sequence's.
+    let next = [818u32];
+    let solo = model
+        .forward(&mut [SeqInput {
+            tokens: &next,
+            cache: &mut alone,
+            all_logits: false,
+        }])
+        .unwrap();
+    let both = model
+        .forward(&mut [
+            SeqInput {
+                tokens: &next,
+                cache: &mut ca,
+                all_logits: false,
+            },
+            SeqInput {
+                tokens: &[4799],
+                cache: &mut cb,
+                all_logits: false,
+            },
+        ])
+        .unwrap();
+    assert_eq!(
+        solo[0].data, both[0].data,
+        "decode: one row alone vs two rows"
+    );
+}
+
+/// Greedy decoding of the five golden prompts, each alone and all five as one batch.
+#[test]
+fn greedy_batch_of_five_equals_alone() {
+    let Some(path) = model_path() else { return };
+    let model = load_gguf(&path).unwrap().model;
+    let prompts: Vec<Vec<u32>> = include_str!("fixtures/greedy-sample.jsonl")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect();
+    let argmax = |row: &[f32]| {
+        row.iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+            )
+            .0 as u32
+    };
+    let steps = 16;
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut cache = model.new_cache();
+            let mut input = p.clone();
+            let mut out = Vec::new();
+            for _ in 0..steps {
+                let l = model
+                    .forward(&mut [SeqInput {
+                        tokens: &input,
+                        cache: &mut cache,
+                        all_logits: false,
+                    }])
+                    .unwrap();
+                let t = argmax(l[0].row(0));
+                out.push(t);
+                input = vec![t];
+            }
+            out
+        })
+        .collect();
+    let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+    let mut inputs = prompts.clone();
+    let mut outs = vec![Vec::new(); prompts.len()];
+    for _ in 0..steps {
+        let mut batch: Vec<SeqInput> = inputs
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(t, c)| SeqInput {
+                tokens: t,
+                cache: c,
+                all_logits: false,
+            })
+            .collect();
+        let logits = model.forward(&mut batch).unwrap();
+        for (i, l) in logits.iter().enumerate() {
+            let t = argmax(l.row(0));
+            outs[i].push(t);
+            inputs[i] = vec![t];
+        }
+    }
+    assert_eq!(outs, alone);
+}
