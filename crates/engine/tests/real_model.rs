@@ -2,25 +2,12 @@
 //! continuations in `fixtures/greedy-sample.jsonl`. Skipped with a notice when the model file is
 //! absent, unless `TEMPER_REQUIRE_MODEL=1`.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use temper_engine::{
     Engine, EngineConfig, FinishReason, GenerationEvent, GenerationRequest, SamplingParams,
     StopParams,
 };
-
-fn model_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("TEMPER_MODEL_PATH") {
-        return PathBuf::from(p);
-    }
-    let home = std::env::var_os("TEMPER_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/temper")
-        });
-    home.join("models/gemma-3-270m-q4_k_m.gguf")
-}
 
 struct Sample {
     prompt: Vec<u32>,
@@ -95,17 +82,9 @@ fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerationEvent>) -> Gen
 
 #[test]
 fn greedy_matches_llama_cpp_alone_and_batched() {
-    let path = model_path();
-    if !path.exists() {
-        if std::env::var("TEMPER_REQUIRE_MODEL").as_deref() == Ok("1") {
-            panic!("TEMPER_REQUIRE_MODEL=1 but {} is missing", path.display());
-        }
-        eprintln!(
-            "skipping: default model not found at {} (set TEMPER_MODEL_PATH)",
-            path.display()
-        );
+    let Some(path) = temper_model::paths::real_model_for_tests() else {
         return;
-    }
+    };
     let loaded = temper_model::load_gguf(&path).expect("load model");
     let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path).expect("tokenizer");
     let engine = Engine::start(

@@ -5,43 +5,13 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::{check_stream, options, TestServer};
 use serde_json::{json, Value};
 
 const GOLDEN: &str = include_str!("fixtures/greedy-sample.jsonl");
 
-fn model_path() -> Option<PathBuf> {
-    let path = match std::env::var_os("TEMPER_MODEL_PATH") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let home = match std::env::var_os("TEMPER_HOME") {
-                Some(h) => PathBuf::from(h),
-                None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                    .join(".cache/temper"),
-            };
-            home.join("models/gemma-3-270m-q4_k_m.gguf")
-        }
-    };
-    if path.exists() {
-        return Some(path);
-    }
-    if std::env::var("TEMPER_REQUIRE_MODEL").as_deref() == Ok("1") {
-        panic!(
-            "TEMPER_REQUIRE_MODEL=1 but the default model is not at {}",
-            path.display()
-        );
-    }
-    eprintln!(
-        "skipping: default model not found at {} (run scripts/fetch-model.sh)",
-        path.display()
-    );
-    None
-}
-
 async fn server() -> Option<TestServer> {
-    let path = model_path()?;
+    let path = temper_model::paths::real_model_for_tests()?;
     Some(TestServer::model("gemma-3-270m", &path, options()).await)
 }
 

@@ -7,6 +7,7 @@ mod linear;
 mod loader;
 mod model;
 mod ops;
+pub mod paths;
 pub mod tiny;
 
 use std::collections::HashMap;

@@ -1,33 +1,13 @@
 //! On the real model, a sequence's logits do not depend on what else is in the batch: the same
 //! request gives the same tokens alone or batched (the engine's seed guarantee rests on this).
 
-use std::path::PathBuf;
-
 use temper_model::{load_gguf, SeqInput};
-
-fn model_path() -> Option<PathBuf> {
-    let home = std::env::var_os("TEMPER_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/temper")))
-        .unwrap_or_default();
-    let path = std::env::var_os("TEMPER_MODEL_PATH")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| home.join("models/gemma-3-270m-q4_k_m.gguf"));
-    if path.exists() {
-        return Some(path);
-    }
-    assert!(
-        std::env::var("TEMPER_REQUIRE_MODEL").as_deref() != Ok("1"),
-        "TEMPER_REQUIRE_MODEL=1 but {} is missing",
-        path.display()
-    );
-    eprintln!("skipping: model file {} not present", path.display());
-    None
-}
 
 #[test]
 fn batched_logits_equal_alone_bit_for_bit() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = temper_model::paths::real_model_for_tests() else {
+        return;
+    };
     let model = load_gguf(&path).unwrap().model;
     let a: Vec<u32> = vec![
         2, 105, 2364, 107, 3689, 563, 506, 92900, 10565, 580, 106, 107, 105, 4368, 107,
@@ -98,7 +78,9 @@ fn batched_logits_equal_alone_bit_for_bit() {
 /// Greedy decoding of the five golden prompts, each alone and all five as one batch.
 #[test]
 fn greedy_batch_of_five_equals_alone() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = temper_model::paths::real_model_for_tests() else {
+        return;
+    };
     let model = load_gguf(&path).unwrap().model;
     let prompts: Vec<Vec<u32>> = include_str!("fixtures/greedy-sample.jsonl")
         .lines()

@@ -1,32 +1,7 @@
 //! Greedy decoding of the real Gemma 3 270M against llama.cpp's output
 //! (`tests/fixtures/greedy-sample.jsonl`, see /work/shared/golden/README.md).
 
-use std::path::PathBuf;
-
 use temper_model::{load_gguf, Gemma3, SeqInput};
-
-fn model_path() -> Option<PathBuf> {
-    let path = match std::env::var_os("TEMPER_MODEL_PATH") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let home = std::env::var_os("TEMPER_HOME")
-                .map(PathBuf::from)
-                .or_else(|| {
-                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/temper"))
-                })
-                .unwrap_or_default();
-            home.join("models/gemma-3-270m-q4_k_m.gguf")
-        }
-    };
-    if path.exists() {
-        return Some(path);
-    }
-    if std::env::var("TEMPER_REQUIRE_MODEL").as_deref() == Ok("1") {
-        panic!("TEMPER_REQUIRE_MODEL=1 but {} is missing", path.display());
-    }
-    eprintln!("skipping: model file {} not present", path.display());
-    None
-}
 
 struct Sample {
     prompt: Vec<u32>,
@@ -124,7 +99,9 @@ const NEAR_TIE: f32 = 0.5;
 
 #[test]
 fn greedy_matches_llama_cpp() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = temper_model::paths::real_model_for_tests() else {
+        return;
+    };
     let model = load_gguf(&path).expect("load").model;
     let samples = samples();
     let (mut greedy16, mut sum_diff, mut n_diff, mut max_diff) = (0, 0f64, 0usize, 0f32);

@@ -7,7 +7,7 @@ use clap::Args;
 use serde::Deserialize;
 
 pub const DEFAULT_MODEL_NAME: &str = "gemma-3-270m";
-pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+pub use temper_model::paths::DEFAULT_MODEL_FILE;
 
 /// Flags of `temper serve`. clap fills each from its flag, else its env variable; `None` / empty
 /// means "not given", so the file and the defaults can fill in.
@@ -134,18 +134,7 @@ pub enum ConfigError {
     Zero(&'static str),
 }
 
-/// `${TEMPER_HOME:-$HOME/.cache/temper}`.
-pub fn temper_home() -> PathBuf {
-    match std::env::var_os("TEMPER_HOME") {
-        Some(h) if !h.is_empty() => PathBuf::from(h),
-        _ => {
-            let home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_default();
-            home.join(".cache").join("temper")
-        }
-    }
-}
+pub use temper_model::paths::temper_home;
 
 pub fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {

@@ -42,12 +42,7 @@ fn main() -> ExitCode {
         .init();
     let result = match Cli::parse().command {
         Command::Serve(args) => serve(args),
-        Command::Bench(args) => bench::run(
-            args,
-            config::temper_home()
-                .join("models")
-                .join(config::DEFAULT_MODEL_FILE),
-        ),
+        Command::Bench(args) => bench::run(args, temper_model::paths::default_model_path()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,35 +12,10 @@ use temper_text::{
     Tokenizer,
 };
 
-fn model_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("TEMPER_MODEL_PATH") {
-        return PathBuf::from(p);
-    }
-    let home = std::env::var_os("TEMPER_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/temper")
-        });
-    home.join("models/gemma-3-270m-q4_k_m.gguf")
-}
-
 /// The GGUF metadata of the default model, or `None` (skip) when the file is absent and
 /// `TEMPER_REQUIRE_MODEL=1` is not set.
 fn metadata() -> Option<HashMap<String, gguf_file::Value>> {
-    let path = model_path();
-    if !path.is_file() {
-        if std::env::var("TEMPER_REQUIRE_MODEL").as_deref() == Ok("1") {
-            panic!(
-                "TEMPER_REQUIRE_MODEL=1 but the model is missing at {}",
-                path.display()
-            );
-        }
-        eprintln!(
-            "SKIP: model not found at {} (set TEMPER_MODEL_PATH, or TEMPER_REQUIRE_MODEL=1 to fail)",
-            path.display()
-        );
-        return None;
-    }
+    let path = temper_model::paths::real_model_for_tests()?;
     let mut file =
         std::fs::File::open(&path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
     let content = gguf_file::Content::read(&mut file)
