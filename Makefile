@@ -2,7 +2,7 @@
 
 ARGS ?=
 
-.PHONY: serve test fetch-model build
+.PHONY: serve test bench fetch-model build
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -17,3 +17,7 @@ serve: fetch-model build
 # Tests that need the default model fail (not skip) without it.
 test: fetch-model
 	TEMPER_REQUIRE_MODEL=1 cargo test --release --workspace
+
+# Throughput on the default model next to llama.cpp's figures (README, Benchmarks).
+bench: fetch-model build
+	./target/release/temper bench $(ARGS)
