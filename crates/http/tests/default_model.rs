@@ -15,6 +15,21 @@ async fn server() -> Option<TestServer> {
     Some(TestServer::model("gemma-3-270m", &path, options()).await)
 }
 
+/// Below this top-1/top-2 gap (nats) llama.cpp's greedy choice is decided by last-bit rounding
+/// of its 8-bit activation quantization; ids are compared up to the first such position (README,
+/// Correctness).
+const NEAR_TIE: f64 = 0.5;
+
+fn first_near_tie(top_logprobs: &Value) -> usize {
+    let positions = top_logprobs.as_array().unwrap();
+    positions
+        .iter()
+        .position(|top| {
+            top[0]["logprob"].as_f64().unwrap() - top[1]["logprob"].as_f64().unwrap() < NEAR_TIE
+        })
+        .unwrap_or(positions.len())
+}
+
 fn ids(v: &Value) -> Vec<u64> {
     v.as_array()
         .unwrap()
@@ -45,15 +60,26 @@ async fn greedy_matches_llama_cpp() {
         );
         let got = ids(&v["choices"][0]["token_ids"]);
         let want: Vec<u64> = ids(&golden["ids"])[..16].to_vec();
-        if got == want {
-            matching += 1;
-        } else {
-            report.push(format!("{}: got {got:?}, want {want:?}", golden["message"]));
+        let near_tie = first_near_tie(&golden["top_logprobs"]);
+        match (0..16).find(|&p| got[p] != want[p]) {
+            None => matching += 1,
+            Some(p) => {
+                let line = format!(
+                    "{}: diverges at {p}, llama.cpp's first near-tie at {near_tie}: got {got:?}, \
+                     want {want:?}",
+                    golden["message"]
+                );
+                eprintln!("{line}");
+                if p < near_tie {
+                    report.push(line);
+                }
+            }
         }
     }
+    eprintln!("{matching}/5 reproduce llama.cpp's first 16 greedy ids");
     assert!(
-        matching >= 4,
-        "{matching}/5 match llama.cpp:\n{}",
+        report.is_empty(),
+        "diverged from llama.cpp before a near-tie:\n{}",
         report.join("\n")
     );
 }
