@@ -5,6 +5,7 @@ mod decode;
 mod load;
 mod merge;
 mod partition;
+mod reasoning;
 mod template;
 mod tojson;
 mod tokenizer;
@@ -13,6 +14,7 @@ use std::path::PathBuf;
 
 pub use decode::{DecodeOptions, DecodeStream};
 pub use load::{gguf_chat_template, load_tokenizer};
+pub use reasoning::{split_reasoning, ReasoningDelta, ReasoningParser, THINK_END, THINK_START};
 pub use template::{
     ChatMessage, ChatTemplate, ContentPart, FunctionCall, FunctionDef, MessageContent,
     TemplateInput, ToolCall, ToolDef,

@@ -118,6 +118,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    marks_thinking: bool,
 }
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -244,7 +245,14 @@ impl ChatTemplate {
             env,
             bos_token,
             eos_token,
+            marks_thinking: source.contains(crate::THINK_START),
         })
+    }
+
+    /// Whether the template writes `<think>`: its model then thinks in `<think>…</think>` and
+    /// the output goes through the reasoning parser.
+    pub fn marks_thinking(&self) -> bool {
+        self.marks_thinking
     }
 
     /// Renders the prompt. `TextError::Template` carries `raise_exception`'s message as is.

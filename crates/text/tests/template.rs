@@ -237,3 +237,12 @@ fn messages_serialize_like_the_openai_api() {
         Some("ab".into())
     );
 }
+
+#[test]
+fn thinking_is_marked_by_the_template_source() {
+    let thinking = ChatTemplate::new("{{ '<start_of_turn>model\\n<think>' }}", None, None).unwrap();
+    assert!(thinking.marks_thinking());
+    assert!(!ChatTemplate::new(ChatTemplate::GEMMA3, None, None)
+        .unwrap()
+        .marks_thinking());
+}
