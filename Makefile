@@ -1,6 +1,8 @@
 # Two entry points: `make serve` and `make test` (see README.md).
 
 ARGS ?=
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 
 .PHONY: serve test bench fetch-model build
 
@@ -14,9 +16,12 @@ build:
 serve: fetch-model build
 	./target/release/temper serve $(ARGS)
 
-# Tests that need the default model fail (not skip) without it.
+# Tests that need the default model fail (not skip) without it. The last line sums every test
+# binary's result (cargo prints one line per binary).
 test: fetch-model
-	TEMPER_REQUIRE_MODEL=1 cargo test --release --workspace
+	mkdir -p target
+	TEMPER_REQUIRE_MODEL=1 cargo test --release --workspace --lib --bins --tests 2>&1 | tee target/test.log
+	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log
 
 # Throughput on the default model next to llama.cpp's figures (README, Benchmarks).
 bench: fetch-model build
