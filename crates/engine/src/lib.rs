@@ -5,6 +5,7 @@
 //! (`EngineError`). Events for a request arrive on the receiver `Engine::submit` returns;
 //! dropping that receiver cancels the request.
 
+mod logits;
 mod rng;
 mod sampler;
 mod scheduler;
@@ -62,6 +63,18 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Choice i draws from a generator seeded with `seed + i`; `None` = a fresh random seed.
     pub seed: Option<u64>,
+    /// Added to the token's logit (clamped to [-100, 100]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Only these tokens can be sampled; `None` = any.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// Words never generated; the engine tokenizes each with and without a leading space.
+    pub bad_words: Vec<String>,
+    /// 1 = off. For tokens in the prompt or output: positive logits divided, negative multiplied.
+    pub repetition_penalty: f32,
+    /// `logit -= frequency_penalty * count_in_output`.
+    pub frequency_penalty: f32,
+    /// `logit -= presence_penalty` for tokens in the output.
+    pub presence_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -72,6 +85,12 @@ impl Default for SamplingParams {
             top_k: 0,
             min_p: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
+            allowed_token_ids: None,
+            bad_words: Vec::new(),
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
         }
     }
 }
@@ -86,6 +105,21 @@ pub struct StopParams {
     pub include_stop_str_in_output: bool,
     pub skip_special_tokens: bool,
     pub spaces_between_special_tokens: bool,
+    /// Until this many tokens are generated, EOS / end of turn and stop tokens are masked and
+    /// stop strings are not matched.
+    pub min_tokens: usize,
+    /// End generation (finish reason `Repetition`) when the output loops.
+    pub repetition_detection: Option<RepetitionDetection>,
+}
+
+/// Generation ends when the output's tail is one pattern of `min_pattern_size` to
+/// `max_pattern_size` tokens repeated `min_count` times (vLLM's rule; a max of 0 disables it,
+/// a min of 0 counts as 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RepetitionDetection {
+    pub min_pattern_size: usize,
+    pub max_pattern_size: usize,
+    pub min_count: usize,
 }
 
 impl Default for StopParams {
@@ -98,6 +132,8 @@ impl Default for StopParams {
             include_stop_str_in_output: false,
             skip_special_tokens: true,
             spaces_between_special_tokens: true,
+            min_tokens: 0,
+            repetition_detection: None,
         }
     }
 }
@@ -131,6 +167,8 @@ pub enum GenerationEvent {
 pub enum FinishReason {
     Stop,
     Length,
+    /// Repetition detection fired.
+    Repetition,
     Abort,
 }
 
@@ -138,6 +176,8 @@ pub enum FinishReason {
 pub enum StopReason {
     Text(String),
     Token(u32),
+    /// Repetition detection fired (vLLM's `"repetition_detected"`).
+    Repetition,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -195,6 +235,7 @@ pub struct Engine {
     stats: Arc<scheduler::Stats>,
     max_model_len: usize,
     vocab_size: usize,
+    tokenizer: Arc<Tokenizer>,
 }
 
 impl Engine {
@@ -213,7 +254,7 @@ impl Engine {
         let max_model_len = config.max_model_len;
         let stats = Arc::new(scheduler::Stats::default());
         let (tx, rx) = std::sync::mpsc::channel();
-        let sched = scheduler::Scheduler::new(model, tokenizer, config, stats.clone(), rx);
+        let sched = scheduler::Scheduler::new(model, tokenizer.clone(), config, stats.clone(), rx);
         if let Err(e) = std::thread::Builder::new()
             .name("temper-engine".into())
             .spawn(move || sched.run())
@@ -225,6 +266,7 @@ impl Engine {
             stats,
             max_model_len,
             vocab_size,
+            tokenizer,
         }
     }
 
@@ -250,15 +292,31 @@ impl Engine {
                 max_model_len: self.max_model_len,
             });
         }
-        if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+        let s = &req.sampling;
+        let out_of_range = req
+            .prompt
+            .iter()
+            .chain(s.logit_bias.iter().map(|(t, _)| t))
+            .chain(s.allowed_token_ids.iter().flatten())
+            .find(|&&t| t as usize >= self.vocab_size);
+        if let Some(&token) = out_of_range {
             return Err(EngineError::TokenOutOfRange {
                 token,
                 vocab_size: self.vocab_size,
             });
         }
+        // Tokenizing bad words and sorting the prompt happen here, off the scheduler thread.
+        let end_tokens = scheduler::EndTokens::of(&self.tokenizer);
+        let procs = logits::Processors::new(
+            &req.sampling,
+            &req.stopping,
+            &req.prompt,
+            &self.tokenizer,
+            &end_tokens.ids(),
+        );
         let (tx, rx) = unbounded_channel();
         self.tx
-            .send(scheduler::Submission { req, tx })
+            .send(scheduler::Submission { req, procs, tx })
             .map_err(|_| EngineError::Stopped)?;
         Ok(rx)
     }

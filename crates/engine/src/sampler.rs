@@ -424,6 +424,7 @@ mod tests {
             top_k,
             min_p,
             seed: None,
+            ..SamplingParams::default()
         }
     }
 

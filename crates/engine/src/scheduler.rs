@@ -16,6 +16,7 @@ use temper_text::{DecodeOptions, DecodeStream, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, error, trace, warn};
 
+use crate::logits::{self, History, Processors};
 use crate::rng::{random_seed, Rng};
 use crate::sampler::{self, Sampler};
 use crate::stop::StopMatcher;
@@ -26,6 +27,7 @@ use crate::{
 /// A request on its way to the scheduler.
 pub(crate) struct Submission {
     pub(crate) req: GenerationRequest,
+    pub(crate) procs: Processors,
     pub(crate) tx: UnboundedSender<GenerationEvent>,
 }
 
@@ -54,14 +56,25 @@ impl Stats {
 }
 
 /// Tokens that end generation like EOS does (unless `ignore_eos`).
-struct EndTokens {
+pub(crate) struct EndTokens {
     eos: Option<u32>,
     end_of_turn: Option<u32>,
 }
 
 impl EndTokens {
+    pub(crate) fn of(tokenizer: &Tokenizer) -> Self {
+        EndTokens {
+            eos: tokenizer.eos_id(),
+            end_of_turn: tokenizer.token_id("<end_of_turn>"),
+        }
+    }
+
     fn contains(&self, id: u32) -> bool {
         self.eos == Some(id) || self.end_of_turn == Some(id)
+    }
+
+    pub(crate) fn ids(&self) -> Vec<u32> {
+        self.eos.into_iter().chain(self.end_of_turn).collect()
     }
 }
 
@@ -75,6 +88,7 @@ struct Seq {
     decode: DecodeStream,
     matcher: StopMatcher,
     generated: usize,
+    history: History,
     finished: bool,
 }
 
@@ -92,6 +106,7 @@ enum Phase {
 /// An admitted request.
 struct Group {
     req: GenerationRequest,
+    procs: Processors,
     tx: UnboundedSender<GenerationEvent>,
     phase: Phase,
     /// The client went away, or its events can no longer be delivered.
@@ -137,6 +152,8 @@ pub(crate) struct Scheduler {
     groups: Vec<Group>,
     end_tokens: EndTokens,
     sampler: Sampler,
+    /// Reused buffer for the processed logits row.
+    processed: Vec<f32>,
 }
 
 impl Scheduler {
@@ -147,10 +164,7 @@ impl Scheduler {
         stats: Arc<Stats>,
         rx: Receiver<Submission>,
     ) -> Self {
-        let end_tokens = EndTokens {
-            eos: tokenizer.eos_id(),
-            end_of_turn: tokenizer.token_id("<end_of_turn>"),
-        };
+        let end_tokens = EndTokens::of(&tokenizer);
         Scheduler {
             model,
             tokenizer,
@@ -161,6 +175,7 @@ impl Scheduler {
             groups: Vec::new(),
             end_tokens,
             sampler: Sampler::default(),
+            processed: Vec::new(),
         }
     }
 
@@ -247,6 +262,7 @@ impl Scheduler {
                     done: 0,
                 },
                 req: s.req,
+                procs: s.procs,
                 tx: s.tx,
                 dropped: false,
             });
@@ -385,8 +401,10 @@ impl Scheduler {
         let events = emit_token(
             seq,
             &g.req,
+            &g.procs,
             row,
             &mut self.sampler,
+            &mut self.processed,
             &self.tokenizer,
             &self.end_tokens,
         );
@@ -437,6 +455,7 @@ impl Scheduler {
                     g.req.stopping.include_stop_str_in_output,
                 ),
                 generated: 0,
+                history: History::default(),
                 finished: false,
             });
         }
@@ -445,8 +464,10 @@ impl Scheduler {
             let events = emit_token(
                 seq,
                 &g.req,
+                &g.procs,
                 row,
                 &mut self.sampler,
+                &mut self.processed,
                 &self.tokenizer,
                 &self.end_tokens,
             );
@@ -467,22 +488,34 @@ fn last_row(out: &Logits) -> Option<&[f32]> {
 
 /// Samples the next token of `seq` from `row` and returns the events it produces (a Token, and
 /// a Finished when generation ends).
+#[allow(clippy::too_many_arguments)]
 fn emit_token(
     seq: &mut Seq,
     req: &GenerationRequest,
+    procs: &Processors,
     row: &[f32],
     sampler: &mut Sampler,
+    processed: &mut Vec<f32>,
     tokenizer: &Tokenizer,
     end_tokens: &EndTokens,
 ) -> Vec<GenerationEvent> {
     let stopping = &req.stopping;
-    let token = sampler.sample(row, &req.sampling, &mut seq.rng);
+    let token = if procs.apply(row, &seq.history, processed) {
+        sampler.sample(processed, &req.sampling, &mut seq.rng)
+    } else {
+        sampler.sample(row, &req.sampling, &mut seq.rng)
+    };
+    // Logprobs stay the model's raw distribution, before any processor.
     let logprob = req.logprobs.map(|k| sampler::logprobs(row, token, k));
     seq.generated += 1;
     seq.next = token;
+    seq.history.push(token);
 
-    let end_of_generation = !stopping.ignore_eos && end_tokens.contains(token);
-    let stop_token = stopping.stop_token_ids.contains(&token);
+    // The first min_tokens tokens never stop generation (min_tokens masking keeps stop tokens
+    // out of them; this also covers a request whose every other token is masked).
+    let may_stop = seq.generated > stopping.min_tokens;
+    let end_of_generation = may_stop && !stopping.ignore_eos && end_tokens.contains(token);
+    let stop_token = may_stop && stopping.stop_token_ids.contains(&token);
     let (text, finish) = if end_of_generation || stop_token {
         // The stop token itself adds no text; what was held back comes out with Finished.
         let reason = if end_of_generation {
@@ -493,17 +526,26 @@ fn emit_token(
         (String::new(), Some((FinishReason::Stop, reason)))
     } else {
         let delta = seq.decode.step(tokenizer, token);
-        let (mut text, matched) = seq.matcher.push(&delta);
+        let (mut text, matched) = seq.matcher.push(&delta, may_stop);
         if let Some(s) = matched {
             (text, Some((FinishReason::Stop, Some(StopReason::Text(s)))))
         } else if seq.generated >= stopping.max_tokens {
             // A stop string may still complete in the detokenizer's held-back bytes.
-            let (tail, matched) = seq.matcher.push(&seq.decode.flush());
+            let (tail, matched) = seq.matcher.push(&seq.decode.flush(), may_stop);
             text.push_str(&tail);
             match matched {
                 Some(s) => (text, Some((FinishReason::Stop, Some(StopReason::Text(s))))),
                 None => (text, Some((FinishReason::Length, None))),
             }
+        } else if seq.generated >= stopping.min_tokens
+            && stopping
+                .repetition_detection
+                .is_some_and(|rd| logits::repeats(&seq.history.output, &rd))
+        {
+            (
+                text,
+                Some((FinishReason::Repetition, Some(StopReason::Repetition))),
+            )
         } else {
             (text, None)
         }
@@ -516,9 +558,9 @@ fn emit_token(
     }];
     if let Some((reason, stop_reason)) = finish {
         let mut rest = String::new();
-        if reason == FinishReason::Stop && !matches!(stop_reason, Some(StopReason::Text(_))) {
-            // Ended by a token: release the detokenizer's incomplete bytes too.
-            let (tail, _) = seq.matcher.push(&seq.decode.flush());
+        if reason != FinishReason::Length && !matches!(stop_reason, Some(StopReason::Text(_))) {
+            // Ended by a token or by repetition: release the detokenizer's incomplete bytes too.
+            let (tail, _) = seq.matcher.push(&seq.decode.flush(), false);
             rest.push_str(&tail);
         }
         rest.push_str(&seq.matcher.finish());

@@ -36,12 +36,17 @@ impl StopMatcher {
 
     /// Adds newly decoded text. Returns the text that may be released now and, when a stop
     /// string matched, that string (generation must end; the returned text then completes the
-    /// output up to the cut).
-    pub(crate) fn push(&mut self, delta: &str) -> (String, Option<String>) {
+    /// output up to the cut). With `check` false (before min_tokens) nothing matches, but text
+    /// that could start a stop string is still held back, as a later match may begin in it.
+    pub(crate) fn push(&mut self, delta: &str, check: bool) -> (String, Option<String>) {
         let old_len = self.text.len();
         self.text.push_str(delta);
         if self.stops.is_empty() {
             return (self.release(self.text.len()), None);
+        }
+        if !check {
+            let hold = self.held_suffix();
+            return (self.release(self.text.len() - hold), None);
         }
         // A new match must end inside the new text, so it starts at most max_stop - 1 bytes
         // before it.
@@ -122,13 +127,23 @@ mod tests {
         let mut m = StopMatcher::new(&stops(stop_list), include);
         let mut out = Vec::new();
         for d in deltas {
-            let (text, stop) = m.push(d);
+            let (text, stop) = m.push(d, true);
             out.push(text);
             if stop.is_some() {
                 return (out, m.finish(), stop);
             }
         }
         (out, m.finish(), None)
+    }
+
+    #[test]
+    fn unchecked_text_never_matches_but_is_held_back() {
+        let mut m = StopMatcher::new(&stops(&["ab"]), false);
+        // Before min_tokens: "ab" is no stop; the trailing "a" could start one.
+        assert_eq!(m.push("xaba", false), ("xab".to_string(), None));
+        let (t, s) = m.push("b", true);
+        assert_eq!((t.as_str(), s.as_deref()), ("", Some("ab")));
+        assert_eq!(m.finish(), "");
     }
 
     #[test]
@@ -185,13 +200,13 @@ mod tests {
     fn hold_back_only_for_possible_prefixes() {
         // "ab" cannot start "xyz" nor "bcd"... but "b" can start "bcd".
         let mut m = StopMatcher::new(&stops(&["xyz", "bcd"]), false);
-        assert_eq!(m.push("ab").0, "a");
-        assert_eq!(m.push("q").0, "bq");
+        assert_eq!(m.push("ab", true).0, "a");
+        assert_eq!(m.push("q", true).0, "bq");
         // Overlapping prefixes: "aab" must hold "aa" as a possible start.
         let mut m = StopMatcher::new(&stops(&["aab"]), false);
-        assert_eq!(m.push("xaa").0, "x");
-        assert_eq!(m.push("a").0, "a");
-        let (t, s) = m.push("b");
+        assert_eq!(m.push("xaa", true).0, "x");
+        assert_eq!(m.push("a", true).0, "a");
+        let (t, s) = m.push("b", true);
         assert_eq!((t.as_str(), s.as_deref()), ("", Some("aab")));
     }
 

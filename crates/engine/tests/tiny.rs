@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::gguf_file;
 use temper_engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, GenerationEvent,
-    GenerationRequest, SamplingParams, StopParams, StopReason, TokenLogprob,
+    GenerationRequest, RepetitionDetection, SamplingParams, StopParams, StopReason, TokenLogprob,
 };
 use temper_model::Gemma3;
 use temper_text::{DecodeOptions, Tokenizer};
@@ -593,4 +593,248 @@ fn impossible_requests_are_rejected() {
     assert_eq!(big.max_model_len(), 2048);
     // A valid request still works after the rejections.
     assert_eq!(run(&e, request("hello", 5, greedy()))[0].ids.len(), 5);
+}
+
+fn contains_seq(hay: &[u32], needle: &[u32]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// A token from the greedy output that is plain text (so it can serve as a word).
+fn plain_token(ids: &[u32], skip: usize) -> u32 {
+    let t = tiny();
+    *ids.iter()
+        .skip(skip)
+        .find(|&&id| {
+            !t.tokenizer.is_special(id)
+                && t.tokenizer
+                    .piece(id)
+                    .is_some_and(|p| p.chars().any(char::is_alphanumeric))
+        })
+        .expect("a plain token")
+}
+
+#[test]
+fn logit_bias_forces_a_token_and_logprobs_stay_raw() {
+    let e = default_engine();
+    let base = run(&e, request("the cat sat", 10, greedy()));
+    // A token greedy never picks here.
+    let forced = (5u32..)
+        .find(|id| !base[0].ids.contains(id) && !tiny().tokenizer.is_special(*id))
+        .expect("id");
+    for sampling in [greedy(), seeded(4)] {
+        let mut req = request("the cat sat", 10, sampling);
+        req.sampling.logit_bias = vec![(forced, 100.0)];
+        req.logprobs = Some(1);
+        let c = run(&e, req);
+        assert_eq!(c[0].ids, vec![forced; 10]);
+        // The reported logprob is the model's own, not the biased one.
+        assert!(c[0].logprobs.iter().all(|lp| lp.logprob < -0.01));
+        assert!(c[0].logprobs.iter().all(|lp| lp.top[0].0 != forced));
+    }
+    // A negative bias bans the greedy choice.
+    let mut req = request("the cat sat", 10, greedy());
+    req.sampling.logit_bias = vec![(base[0].ids[0], -100.0)];
+    let c = run(&e, req);
+    assert_ne!(c[0].ids[0], base[0].ids[0]);
+}
+
+#[test]
+fn allowed_token_ids_restrict_every_token() {
+    let e = default_engine();
+    let allowed = vec![40u32, 41, 77, 130];
+    for seed in 0..3 {
+        let mut req = request("hello world", 24, seeded(seed));
+        req.sampling.allowed_token_ids = Some(allowed.clone());
+        let c = run(&e, req);
+        assert!(
+            c[0].ids.iter().all(|t| allowed.contains(t)),
+            "{:?}",
+            c[0].ids
+        );
+    }
+    let base = run(&e, request("hello world", 24, seeded(0)));
+    assert!(base[0].ids.iter().any(|t| !allowed.contains(t)));
+}
+
+#[test]
+fn bad_words_never_appear() {
+    let t = tiny();
+    let e = default_engine();
+    let base = run(&e, request("the cat sat on", 40, greedy()));
+    let ids = &base[0].ids;
+    let spellings = |word: &str| -> Vec<Vec<u32>> {
+        [
+            word.trim_start().to_string(),
+            format!(" {}", word.trim_start()),
+        ]
+        .iter()
+        .map(|w| t.tokenizer.encode(w, true))
+        .collect()
+    };
+    // A one-token and a two-token word of the greedy output that tokenize back to its ids.
+    let word_of_len = |len: usize| -> String {
+        (0..ids.len() + 1 - len)
+            .map(|i| {
+                t.tokenizer
+                    .decode(&ids[i..i + len], DecodeOptions::default())
+            })
+            .find(|w| {
+                !w.contains('\u{FFFD}')
+                    && w.chars().any(char::is_alphanumeric)
+                    && spellings(w)
+                        .iter()
+                        .any(|s| s.len() == len && contains_seq(ids, s))
+            })
+            .expect("a word in the greedy output")
+    };
+    for word in [word_of_len(1), word_of_len(2)] {
+        let mut req = request("the cat sat on", 40, greedy());
+        req.sampling.bad_words = vec![word.clone()];
+        let c = run(&e, req);
+        for s in spellings(&word) {
+            assert!(
+                !contains_seq(&c[0].ids, &s),
+                "{word:?} generated: {:?}",
+                c[0].ids
+            );
+        }
+        assert_ne!(&c[0].ids, ids);
+    }
+}
+
+#[test]
+fn min_tokens_delays_eos_stop_tokens_and_stop_strings() {
+    let t = tiny();
+    let base = run(&default_engine(), request("the cat sat", 16, greedy()));
+    let ids = &base[0].ids;
+    // The EOS trick: declare the 2nd greedy token the EOS.
+    let eos = ids[1];
+    let first = ids.iter().position(|&x| x == eos).expect("present");
+    let tokenizer = Tokenizer::from_gguf_metadata(&t.metadata)
+        .expect("tokenizer")
+        .with_bos_eos(t.tokenizer.bos_id(), Some(eos));
+    let e = Engine::start(
+        t.model.clone(),
+        Arc::new(tokenizer),
+        EngineConfig {
+            max_batch_tokens: 256,
+            max_running: 4,
+            max_model_len: 2048,
+        },
+    );
+    let mut req = request("the cat sat", 16, greedy());
+    req.stopping.ignore_eos = false;
+    let c = run(&e, req.clone());
+    assert_eq!(
+        c[0].ids.len(),
+        first + 1,
+        "EOS stops at once without min_tokens"
+    );
+    req.stopping.min_tokens = 8;
+    let c = run(&e, req.clone());
+    assert!(c[0].ids.len() >= 8, "{:?}", c[0].ids);
+    assert!(!c[0].ids[..8].contains(&eos));
+    if c[0].ids.len() < 16 {
+        assert_eq!(c[0].ids.last(), Some(&eos));
+        assert_eq!(c[0].reason, Some(FinishReason::Stop));
+    }
+    // min_tokens == max_tokens: never stopped early.
+    req.stopping.min_tokens = 16;
+    let c = run(&e, req);
+    assert_eq!(c[0].ids.len(), 16);
+    assert!(!c[0].ids.contains(&eos));
+    assert_eq!(c[0].reason, Some(FinishReason::Length));
+
+    // Stop token ids are masked the same way.
+    let e = default_engine();
+    let stop_id = ids[2];
+    let first = ids.iter().position(|&x| x == stop_id).expect("present");
+    let mut req = request("the cat sat", 16, greedy());
+    req.stopping.stop_token_ids = vec![stop_id];
+    assert_eq!(run(&e, req.clone())[0].ids.len(), first + 1);
+    req.stopping.min_tokens = 10;
+    let c = run(&e, req);
+    assert!(c[0].ids.len() >= 10 && !c[0].ids[..10].contains(&stop_id));
+
+    // Stop strings are not matched before min_tokens.
+    let first = t.tokenizer.decode(&ids[..1], DecodeOptions::default());
+    assert!(!first.is_empty());
+    let mut req = request("the cat sat", 16, greedy());
+    req.stopping.stop = vec![first.clone()];
+    let early = run(&e, req.clone())[0].ids.len();
+    assert!(early <= 3, "the stop string ends the first tokens");
+    req.stopping.min_tokens = early + 5;
+    let c = run(&e, req);
+    assert!(c[0].ids.len() >= early + 5, "{:?}", c[0].ids);
+    assert!(c[0].text.starts_with(&first));
+}
+
+#[test]
+fn penalties_change_greedy_output() {
+    let e = default_engine();
+    let base = run(&e, request("the dog and the cat", 40, greedy()));
+    type Set = fn(&mut SamplingParams);
+    let cases: [(&str, Set); 4] = [
+        ("repetition", |s| s.repetition_penalty = 1.8),
+        ("frequency", |s| s.frequency_penalty = 2.0),
+        ("presence", |s| s.presence_penalty = 2.0),
+        ("negative presence", |s| s.presence_penalty = -2.0),
+    ];
+    for (name, set) in cases {
+        let mut req = request("the dog and the cat", 40, greedy());
+        set(&mut req.sampling);
+        let c = run(&e, req);
+        assert_ne!(c[0].ids, base[0].ids, "{name} had no effect");
+    }
+    // A strong frequency penalty thins out repeats.
+    let distinct = |ids: &[u32]| {
+        let mut v = ids.to_vec();
+        v.sort_unstable();
+        v.dedup();
+        v.len()
+    };
+    let mut req = request("the dog and the cat", 40, greedy());
+    req.sampling.frequency_penalty = 2.0;
+    let c = run(&e, req);
+    assert!(distinct(&c[0].ids) > distinct(&base[0].ids));
+}
+
+#[test]
+fn repetition_detection_stops_a_loop() {
+    let e = default_engine();
+    let loop_token = plain_token(&run(&e, request("hello", 8, greedy()))[0].ids, 0);
+    // One allowed token makes greedy output loop on it.
+    let looping = |rd: Option<RepetitionDetection>| {
+        let mut req = request("hello", 20, greedy());
+        req.sampling.allowed_token_ids = Some(vec![loop_token]);
+        req.stopping.repetition_detection = rd;
+        run(&e, req).remove(0)
+    };
+    let c = looping(None);
+    assert_eq!(c.ids.len(), 20);
+    assert_eq!(c.reason, Some(FinishReason::Length));
+    let c = looping(Some(RepetitionDetection {
+        min_pattern_size: 1,
+        max_pattern_size: 1,
+        min_count: 4,
+    }));
+    assert_eq!(c.ids, vec![loop_token; 4]);
+    assert_eq!(c.reason, Some(FinishReason::Repetition));
+    assert_eq!(c.stop_reason, Some(StopReason::Repetition));
+    // Patterns of 2..3 tokens, twice: "x x" "x x" after 4 tokens.
+    let c = looping(Some(RepetitionDetection {
+        min_pattern_size: 2,
+        max_pattern_size: 3,
+        min_count: 2,
+    }));
+    assert_eq!(c.ids.len(), 4);
+    assert_eq!(c.reason, Some(FinishReason::Repetition));
+    // Natural text with a pattern that never repeats that often runs to the end.
+    let mut req = request("hello", 20, seeded(1));
+    req.stopping.repetition_detection = Some(RepetitionDetection {
+        min_pattern_size: 1,
+        max_pattern_size: 4,
+        min_count: 15,
+    });
+    assert_eq!(run(&e, req)[0].reason, Some(FinishReason::Length));
 }

@@ -39,6 +39,8 @@ pub struct Completion {
     pub n: usize,
     pub logprobs: bool,
     pub return_token_ids: bool,
+    /// Logprob tokens as `"token_id:<id>"`.
+    pub return_tokens_as_token_ids: bool,
 }
 
 pub async fn chat_completions(
@@ -75,6 +77,7 @@ pub async fn chat_completions(
         n: params.n,
         logprobs: params.logprobs.is_some(),
         return_token_ids: params.return_token_ids,
+        return_tokens_as_token_ids: params.controls.return_tokens_as_token_ids,
     };
     match params.stream {
         Some(opts) => Ok(sse_response(rx, completion, opts)),
@@ -86,6 +89,7 @@ fn finish_json(reason: FinishReason) -> FinishReasonJson {
     match reason {
         FinishReason::Stop => FinishReasonJson::Stop,
         FinishReason::Length => FinishReasonJson::Length,
+        FinishReason::Repetition => FinishReasonJson::Repetition,
         FinishReason::Abort => FinishReasonJson::Abort,
     }
 }
@@ -94,6 +98,7 @@ fn stop_json(reason: Option<StopReason>) -> Option<StopReasonJson> {
     reason.map(|r| match r {
         StopReason::Text(s) => StopReasonJson::Text(s),
         StopReason::Token(t) => StopReasonJson::Token(t),
+        StopReason::Repetition => StopReasonJson::Text("repetition_detected".to_owned()),
     })
 }
 
@@ -134,8 +139,12 @@ pub async fn collect(
                 acc.text.push_str(&text);
                 acc.token_ids.push(token_id);
                 if let Some(lp) = logprob {
-                    acc.logprobs
-                        .push(logprob_entry(&c.tokenizer, token_id, &lp));
+                    acc.logprobs.push(logprob_entry(
+                        &c.tokenizer,
+                        token_id,
+                        &lp,
+                        c.return_tokens_as_token_ids,
+                    ));
                 }
             }
             GenerationEvent::Finished {
@@ -296,7 +305,12 @@ impl SseState {
                     return;
                 }
                 let logprobs = logprob.map(|lp| ChoiceLogprobs {
-                    content: vec![logprob_entry(&self.c.tokenizer, token_id, &lp)],
+                    content: vec![logprob_entry(
+                        &self.c.tokenizer,
+                        token_id,
+                        &lp,
+                        self.c.return_tokens_as_token_ids,
+                    )],
                 });
                 let chunk = self.chunk(
                     ChunkChoice {
@@ -440,6 +454,7 @@ mod tests {
             n,
             logprobs,
             return_token_ids,
+            return_tokens_as_token_ids: false,
         }
     }
 

@@ -9,6 +9,7 @@ pub mod error;
 pub mod extract;
 pub mod prompt;
 pub mod protocol;
+pub mod sampling;
 pub mod state;
 pub mod tokenize;
 pub mod validation;

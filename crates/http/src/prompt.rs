@@ -79,8 +79,18 @@ fn finite(lp: f32) -> f32 {
     }
 }
 
-pub fn logprob_entry(tok: &Tokenizer, id: u32, lp: &TokenLogprob) -> LogprobEntry {
-    let (token, bytes) = token_text(tok, id);
+/// `as_ids` (`return_tokens_as_token_ids`): every `token` is `"token_id:<id>"`, so that clients
+/// get ids back even for tokens whose text is ambiguous; `bytes` stay the token's exact bytes.
+pub fn logprob_entry(tok: &Tokenizer, id: u32, lp: &TokenLogprob, as_ids: bool) -> LogprobEntry {
+    let text = |id: u32| {
+        let (token, bytes) = token_text(tok, id);
+        if as_ids {
+            (format!("token_id:{id}"), bytes)
+        } else {
+            (token, bytes)
+        }
+    };
+    let (token, bytes) = text(id);
     LogprobEntry {
         token,
         logprob: finite(lp.logprob),
@@ -89,7 +99,7 @@ pub fn logprob_entry(tok: &Tokenizer, id: u32, lp: &TokenLogprob) -> LogprobEntr
             .top
             .iter()
             .map(|&(alt, l)| {
-                let (token, bytes) = token_text(tok, alt);
+                let (token, bytes) = text(alt);
                 TopLogprob {
                     token,
                     logprob: finite(l),

@@ -164,6 +164,7 @@ pub struct ResponseMessage {
 pub enum FinishReasonJson {
     Stop,
     Length,
+    Repetition,
     Abort,
 }
 

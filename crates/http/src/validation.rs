@@ -8,6 +8,7 @@ use crate::error::ApiError;
 use crate::protocol::{
     ChatCompletionRequest, JsonObject, MessageContentField, RequestMessage, StopField,
 };
+use crate::sampling::{check_min_tokens, sampling_controls, SamplingControls};
 
 /// Temperatures below this sample greedily (vLLM's threshold).
 const GREEDY_EPSILON: f64 = 1e-5;
@@ -30,6 +31,8 @@ pub struct ChatParams {
     pub sampling: Sampling,
     /// Explicit completion budget; `None` = whatever context is left after the prompt.
     pub max_tokens: Option<usize>,
+    /// Logits processors, min_tokens, repetition detection, token-id logprobs.
+    pub controls: SamplingControls,
     pub stop: StopOptions,
     /// `Some(k)`: logprobs of each sampled token plus `k` alternatives.
     pub logprobs: Option<usize>,
@@ -182,6 +185,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         (None, Some(m)) => Some(positive_tokens("max_tokens", m)?),
         (None, None) => None,
     };
+    let controls = sampling_controls(&req, limits.vocab_size, max_tokens)?;
 
     let stop = match req.stop {
         None => Vec::new(),
@@ -267,6 +271,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
             seed,
         },
         max_tokens,
+        controls,
         stop: StopOptions {
             stop,
             stop_token_ids,
@@ -292,6 +297,8 @@ impl ChatParams {
         max_model_len: usize,
     ) -> Result<GenerationRequest, ApiError> {
         let max_tokens = check_context(prompt.len(), self.max_tokens, max_model_len)?;
+        check_min_tokens(self.controls.min_tokens, max_tokens)?;
+        let c = &self.controls;
         Ok(GenerationRequest {
             request_id,
             prompt,
@@ -302,6 +309,12 @@ impl ChatParams {
                 top_k: self.sampling.top_k,
                 min_p: self.sampling.min_p,
                 seed: self.sampling.seed,
+                logit_bias: c.logit_bias.clone(),
+                allowed_token_ids: c.allowed_token_ids.clone(),
+                bad_words: c.bad_words.clone(),
+                repetition_penalty: c.repetition_penalty,
+                frequency_penalty: c.frequency_penalty,
+                presence_penalty: c.presence_penalty,
             },
             stopping: StopParams {
                 max_tokens,
@@ -311,6 +324,8 @@ impl ChatParams {
                 include_stop_str_in_output: self.stop.include_stop_str_in_output,
                 skip_special_tokens: self.stop.skip_special_tokens,
                 spaces_between_special_tokens: self.stop.spaces_between_special_tokens,
+                min_tokens: c.min_tokens,
+                repetition_detection: c.repetition_detection,
             },
             logprobs: self.logprobs,
         })
@@ -456,27 +471,11 @@ pub fn convert_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>,
 /// Fields of the interface without an implementation yet, each with "was a non-default value
 /// sent". Such a value is a 400, never silently ignored. The README lists the same names (a test
 /// keeps them in sync).
-pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> [(&'static str, bool); 25] {
+pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> [(&'static str, bool); 16] {
     [
-        (
-            "frequency_penalty",
-            req.frequency_penalty.is_some_and(|v| v != 0.0),
-        ),
-        (
-            "presence_penalty",
-            req.presence_penalty.is_some_and(|v| v != 0.0),
-        ),
-        (
-            "repetition_penalty",
-            req.repetition_penalty.is_some_and(|v| v != 1.0),
-        ),
         (
             "length_penalty",
             req.length_penalty.is_some_and(|v| v != 1.0),
-        ),
-        (
-            "logit_bias",
-            req.logit_bias.as_ref().is_some_and(|m| !m.is_empty()),
         ),
         (
             "response_format",
@@ -498,17 +497,11 @@ pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> [(&'static str,
             req.parallel_tool_calls == Some(false),
         ),
         ("use_beam_search", req.use_beam_search == Some(true)),
-        ("min_tokens", req.min_tokens.is_some_and(|v| v != 0)),
         (
             "truncate_prompt_tokens",
             req.truncate_prompt_tokens.is_some(),
         ),
         ("prompt_logprobs", req.prompt_logprobs.is_some()),
-        ("allowed_token_ids", req.allowed_token_ids.is_some()),
-        (
-            "bad_words",
-            req.bad_words.as_ref().is_some_and(|v| !v.is_empty()),
-        ),
         ("echo", req.echo == Some(true)),
         ("documents", req.documents.is_some()),
         (
@@ -517,14 +510,9 @@ pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> [(&'static str,
                 .as_ref()
                 .is_some_and(|m| !m.is_empty()),
         ),
-        (
-            "return_tokens_as_token_ids",
-            req.return_tokens_as_token_ids == Some(true),
-        ),
         ("cache_salt", req.cache_salt.is_some()),
         ("kv_transfer_params", req.kv_transfer_params.is_some()),
         ("engine_xargs", req.engine_xargs.is_some()),
-        ("repetition_detection", req.repetition_detection.is_some()),
     ]
 }
 
@@ -804,11 +792,7 @@ mod tests {
     #[test]
     fn unsupported_fields_are_rejected_not_ignored() {
         let non_defaults = [
-            ("frequency_penalty", json!(0.5)),
-            ("presence_penalty", json!(-1)),
-            ("repetition_penalty", json!(1.2)),
             ("length_penalty", json!(0.5)),
-            ("logit_bias", json!({"5": 10})),
             ("response_format", json!({"type": "json_object"})),
             ("structured_outputs", json!({"regex": "a+"})),
             (
@@ -819,19 +803,14 @@ mod tests {
             ("include_reasoning", json!(false)),
             ("parallel_tool_calls", json!(false)),
             ("use_beam_search", json!(true)),
-            ("min_tokens", json!(2)),
             ("truncate_prompt_tokens", json!(5)),
             ("prompt_logprobs", json!(1)),
-            ("allowed_token_ids", json!([1, 2])),
-            ("bad_words", json!(["x"])),
             ("echo", json!(true)),
             ("documents", json!([{"title": "t", "text": "x"}])),
             ("mm_processor_kwargs", json!({"a": 1})),
-            ("return_tokens_as_token_ids", json!(true)),
             ("cache_salt", json!("salt")),
             ("kv_transfer_params", json!({})),
             ("engine_xargs", json!({"a": 1})),
-            ("repetition_detection", json!({"max_pattern_size": 3})),
         ];
         let names: Vec<&str> = unsupported_fields(&ChatCompletionRequest::default())
             .iter()

@@ -356,7 +356,7 @@ async fn validation_errors_name_the_param() {
             "stream_options",
         ),
         (
-            json!({"messages": user("x"), "logit_bias": {"5": 1}}),
+            json!({"messages": user("x"), "logit_bias": {"five": 1}}),
             "logit_bias",
         ),
         (

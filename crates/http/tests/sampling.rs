@@ -1,0 +1,192 @@
+//! Sampling controls over HTTP on the tiny model: validation errors name their field, accepted
+//! controls reach the engine, and `return_tokens_as_token_ids` reshapes logprobs (streaming too).
+
+mod common;
+
+use common::{check_stream, options, TestServer};
+use serde_json::{json, Value};
+
+fn body(extra: Value) -> Value {
+    let mut b = json!({"messages": [{"role": "user", "content": "the dog and the cat"}],
+        "max_completion_tokens": 12, "temperature": 0, "ignore_eos": true,
+        "return_token_ids": true});
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn invalid_controls_are_400s_naming_the_field() {
+    let s = TestServer::tiny(options(), None).await;
+    let cases = [
+        (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
+        (json!({"presence_penalty": -2.1}), "presence_penalty"),
+        (json!({"repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"repetition_penalty": -1}), "repetition_penalty"),
+        (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"1000000": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"-1": 1}}), "logit_bias"),
+        (json!({"allowed_token_ids": []}), "allowed_token_ids"),
+        (
+            json!({"allowed_token_ids": [1, 1000000]}),
+            "allowed_token_ids",
+        ),
+        (json!({"min_tokens": -1}), "min_tokens"),
+        (json!({"min_tokens": 13}), "min_tokens"),
+        (
+            json!({"repetition_detection": {"max_pattern_size": -1}}),
+            "repetition_detection.max_pattern_size",
+        ),
+        (
+            json!({"repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}}),
+            "repetition_detection.min_pattern_size",
+        ),
+        (
+            json!({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}),
+            "repetition_detection.min_count",
+        ),
+    ];
+    for (extra, param) in cases {
+        let (status, v) = s.chat(&body(extra.clone())).await;
+        assert_eq!(status, 400, "{extra}: {v}");
+        assert_eq!(v["error"]["param"], param, "{extra}: {v}");
+        assert_eq!(v["error"]["type"], "BadRequestError");
+    }
+    // min_tokens above the implicit budget (context left after the prompt).
+    let s = TestServer::tiny(options(), Some(64)).await;
+    let mut b = body(json!({"min_tokens": 64}));
+    b.as_object_mut().unwrap().remove("max_completion_tokens");
+    let (status, v) = s.chat(&b).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "min_tokens");
+}
+
+#[tokio::test]
+async fn accepted_controls_change_the_output() {
+    let s = TestServer::tiny(options(), None).await;
+    let (status, base) = s.chat(&body(json!({}))).await;
+    assert_eq!(status, 200, "{base}");
+    let base_ids = ids(&base);
+    // A forced token: logit_bias +100 (values beyond 100 are clamped, not rejected).
+    let forced = (5..).find(|t| !base_ids.contains(t)).unwrap();
+    let (status, v) = s
+        .chat(&body(json!({"logit_bias": {forced.to_string(): 250}})))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(ids(&v), vec![forced; 12]);
+    // allowed_token_ids at temperature 1.
+    let (_, v) = s
+        .chat(&body(
+            json!({"allowed_token_ids": [40, 41, 77], "temperature": 1, "seed": 3}),
+        ))
+        .await;
+    assert!(ids(&v).iter().all(|t| [40, 41, 77].contains(t)), "{v}");
+    // Penalties change greedy output.
+    for extra in [
+        json!({"repetition_penalty": 1.8}),
+        json!({"frequency_penalty": 2}),
+        json!({"presence_penalty": 2}),
+    ] {
+        let (status, v) = s.chat(&body(extra.clone())).await;
+        assert_eq!(status, 200, "{v}");
+        assert_ne!(ids(&v), base_ids, "{extra} had no effect");
+    }
+    // bad_words: the first greedy token, as a word, is never generated.
+    let first = base_ids[0];
+    let post = |path: &'static str, b: Value| {
+        let req = s.post(path, &b);
+        async move { req.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let word = post("/detokenize", json!({"tokens": [first]})).await["prompt"]
+        .as_str()
+        .unwrap()
+        .trim_start()
+        .to_owned();
+    let mut one_token = false;
+    for spelling in [word.clone(), format!(" {word}")] {
+        let v = post(
+            "/tokenize",
+            json!({"prompt": spelling, "add_special_tokens": false}),
+        )
+        .await;
+        one_token |= v["tokens"] == json!([first]);
+    }
+    assert!(one_token, "{word:?} does not tokenize back to {first}");
+    let (status, v) = s.chat(&body(json!({"bad_words": [word]}))).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(!ids(&v).contains(&first), "{v}");
+    // Repetition detection on a forced loop.
+    let (status, v) = s
+        .chat(&body(json!({"allowed_token_ids": [forced],
+            "repetition_detection": {"max_pattern_size": 1, "min_count": 3}})))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(ids(&v), vec![forced; 3]);
+    assert_eq!(v["choices"][0]["finish_reason"], "repetition");
+    assert_eq!(v["choices"][0]["stop_reason"], "repetition_detected");
+    let mut streamed = body(json!({"allowed_token_ids": [forced], "stream": true,
+        "repetition_detection": {"max_pattern_size": 1, "min_count": 3}}));
+    streamed["stream"] = json!(true);
+    let events = s.chat_stream(&streamed).await;
+    let (choices, _) = check_stream(&events, 1);
+    assert_eq!(choices[0].finish_reason.as_deref(), Some("repetition"));
+    // max_pattern_size 0 is "off" and accepted.
+    let (status, v) = s
+        .chat(&body(
+            json!({"repetition_detection": {"max_pattern_size": 0}}),
+        ))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(ids(&v), base_ids);
+    // min_tokens within the budget is accepted.
+    let (status, v) = s.chat(&body(json!({"min_tokens": 12}))).await;
+    assert_eq!(status, 200, "{v}");
+}
+
+#[tokio::test]
+async fn return_tokens_as_token_ids_in_logprobs() {
+    let s = TestServer::tiny(options(), None).await;
+    let b = body(json!({"logprobs": true, "top_logprobs": 2,
+        "return_tokens_as_token_ids": true}));
+    let (status, v) = s.chat(&b).await;
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    for (entry, id) in content.iter().zip(ids(&v)) {
+        assert_eq!(entry["token"], format!("token_id:{id}"));
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        for t in top {
+            let token = t["token"].as_str().unwrap();
+            let n = token.strip_prefix("token_id:").expect("token_id form");
+            assert!(n.parse::<u32>().is_ok(), "{token}");
+        }
+        // Greedy: the best alternative is the sampled token.
+        assert_eq!(top[0]["token"], entry["token"]);
+    }
+    // Off: plain token text.
+    let (_, plain) = s
+        .chat(&body(json!({"logprobs": true, "top_logprobs": 2})))
+        .await;
+    let first = &plain["choices"][0]["logprobs"]["content"][0]["token"];
+    assert!(!first.as_str().unwrap().starts_with("token_id:"));
+    // Streaming: the same entries.
+    let mut streamed = b.clone();
+    streamed["stream"] = json!(true);
+    let events = s.chat_stream(&streamed).await;
+    let entries: Vec<Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&entries, content);
+}
