@@ -1,0 +1,473 @@
+//! Training jobs (a durable queue, in order per model) and their events.
+//!
+//! A job is accepted only once its row is committed, so an acknowledged job survives a crash.
+//! State changes are conditional updates: a worker finishing a job that was cancelled (or whose
+//! model was deleted) meanwhile gets [`Error::JobState`] instead of overwriting the outcome.
+
+use std::fmt;
+use std::str::FromStr;
+
+use sqlx::sqlite::SqliteRow;
+use sqlx::Row;
+use uuid::Uuid;
+
+use crate::models::insert_checkpoint;
+use crate::{
+    check_limit, invalid, now, page, parse_json, parse_uuid, Checkpoint, Error, Page, Result, Store,
+};
+
+/// Event types (training.md), and the ones the store itself writes.
+pub mod event {
+    pub const TRAINING_STARTED: &str = "training_started";
+    pub const GRADIENT_STEP: &str = "gradient_step";
+    pub const TRAINING_ENDED: &str = "training_ended";
+    /// Also written on cancellation and model deletion, so a client polling for the end of a
+    /// job always sees one.
+    pub const TRAINING_FAILED: &str = "training_failed";
+    /// A running job put back in the queue after a restart; it is re-run from its start.
+    pub const TRAINING_REQUEUED: &str = "training_requeued";
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobStatus {
+    Queued,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobStatus::Queued => "queued",
+            JobStatus::Running => "running",
+            JobStatus::Succeeded => "succeeded",
+            JobStatus::Failed => "failed",
+            JobStatus::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn is_finished(self) -> bool {
+        matches!(
+            self,
+            JobStatus::Succeeded | JobStatus::Failed | JobStatus::Cancelled
+        )
+    }
+}
+
+impl fmt::Display for JobStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for JobStatus {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "queued" => JobStatus::Queued,
+            "running" => JobStatus::Running,
+            "succeeded" => JobStatus::Succeeded,
+            "failed" => JobStatus::Failed,
+            "cancelled" => JobStatus::Cancelled,
+            _ => return Err(Error::Corrupt(format!("job status {s:?}"))),
+        })
+    }
+}
+
+/// A job without its request payload (see [`Store::job_request`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Job {
+    pub id: Uuid,
+    pub model_id: Uuid,
+    pub team: String,
+    pub status: JobStatus,
+    /// The checkpoint step the job ended at; `None` until it succeeds.
+    pub step: Option<i64>,
+    pub error: Option<String>,
+    pub created_at: i64,
+    pub started_at: Option<i64>,
+    pub finished_at: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    /// Increases over the whole store: the `after` cursor.
+    pub id: i64,
+    pub job_id: Uuid,
+    /// The event's `type`.
+    pub kind: String,
+    pub data: serde_json::Value,
+    pub created_at: i64,
+}
+
+macro_rules! job_columns {
+    () => {
+        "id, model_id, team, status, step, error, created_at, started_at, finished_at"
+    };
+}
+
+fn job(row: &SqliteRow) -> Result<Job> {
+    Ok(Job {
+        id: parse_uuid(row.try_get("id")?)?,
+        model_id: parse_uuid(row.try_get("model_id")?)?,
+        team: row.try_get("team")?,
+        status: row.try_get::<&str, _>("status")?.parse()?,
+        step: row.try_get("step")?,
+        error: row.try_get("error")?,
+        created_at: row.try_get("created_at")?,
+        started_at: row.try_get("started_at")?,
+        finished_at: row.try_get("finished_at")?,
+    })
+}
+
+fn event_row(row: &SqliteRow) -> Result<Event> {
+    Ok(Event {
+        id: row.try_get("id")?,
+        job_id: parse_uuid(row.try_get("job_id")?)?,
+        kind: row.try_get("type")?,
+        data: parse_json(row.try_get("data")?)?,
+        created_at: row.try_get("created_at")?,
+    })
+}
+
+pub(crate) async fn insert_event(
+    conn: &mut sqlx::SqliteConnection,
+    job_id: &str,
+    kind: &str,
+    data: &serde_json::Value,
+    at: i64,
+) -> Result<Event> {
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO job_events (job_id, type, data, created_at) VALUES (?, ?, ?, ?) RETURNING id",
+    )
+    .bind(job_id)
+    .bind(kind)
+    .bind(data.to_string())
+    .bind(at)
+    .fetch_one(conn)
+    .await?;
+    Ok(Event {
+        id,
+        job_id: parse_uuid(job_id)?,
+        kind: kind.to_owned(),
+        data: data.clone(),
+        created_at: at,
+    })
+}
+
+/// The job's current state, to explain a refused transition.
+async fn state_error(conn: &mut sqlx::SqliteConnection, id: Uuid) -> Error {
+    let status: std::result::Result<Option<String>, _> =
+        sqlx::query_scalar("SELECT status FROM training_jobs WHERE id = ?")
+            .bind(id.to_string())
+            .fetch_optional(conn)
+            .await;
+    match status {
+        Ok(Some(s)) => match s.parse() {
+            Ok(status) => Error::JobState { id, status },
+            Err(e) => e,
+        },
+        Ok(None) => Error::NotFound("training job"),
+        Err(e) => e.into(),
+    }
+}
+
+impl Store {
+    /// Queues a job for one of the team's models, storing the request body (JSON) as posted.
+    /// Returns once the job is committed to disk.
+    pub async fn enqueue_job(&self, team: &str, model_id: Uuid, request: &str) -> Result<Job> {
+        serde_json::from_str::<serde::de::IgnoredAny>(request)
+            .map_err(|e| invalid("request", format!("not JSON: {e}")))?;
+        let job = Job {
+            id: Uuid::new_v4(),
+            model_id,
+            team: team.to_owned(),
+            status: JobStatus::Queued,
+            step: None,
+            error: None,
+            created_at: now(),
+            started_at: None,
+            finished_at: None,
+        };
+        // One statement: the model check and the insert cannot race a deletion.
+        let inserted = sqlx::query(
+            "INSERT INTO training_jobs (id, model_id, team, status, request, created_at) \
+             SELECT ?, id, team, 'queued', ?, ? FROM models WHERE id = ? AND team = ?",
+        )
+        .bind(job.id.to_string())
+        .bind(request)
+        .bind(job.created_at)
+        .bind(model_id.to_string())
+        .bind(team)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        if inserted == 0 {
+            return Err(Error::NotFound("model"));
+        }
+        Ok(job)
+    }
+
+    pub async fn get_job(&self, team: &str, id: Uuid) -> Result<Job> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            job_columns!(),
+            " FROM training_jobs WHERE id = ? AND team = ?"
+        ))
+        .bind(id.to_string())
+        .bind(team)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref()
+            .map(job)
+            .unwrap_or(Err(Error::NotFound("training job")))
+    }
+
+    /// A team's jobs, newest first, optionally of one model. `after` is the id of the last job
+    /// of the previous page.
+    pub async fn list_jobs(
+        &self,
+        team: &str,
+        model_id: Option<Uuid>,
+        after: Option<Uuid>,
+        limit: u32,
+    ) -> Result<Page<Job>> {
+        let limit = check_limit(limit)?;
+        let before = match after {
+            None => i64::MAX,
+            Some(after) => {
+                let seq: Option<i64> =
+                    sqlx::query_scalar("SELECT seq FROM training_jobs WHERE id = ? AND team = ?")
+                        .bind(after.to_string())
+                        .bind(team)
+                        .fetch_optional(&self.pool)
+                        .await?;
+                seq.ok_or_else(|| invalid("after", format!("no training job {after}")))?
+            }
+        };
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            job_columns!(),
+            " FROM training_jobs WHERE team = ?1 AND (?2 IS NULL OR model_id = ?2) \
+             AND seq < ?3 ORDER BY seq DESC LIMIT ?4"
+        ))
+        .bind(team)
+        .bind(model_id.map(|m| m.to_string()))
+        .bind(before)
+        .bind(limit + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let items = rows.iter().map(job).collect::<Result<Vec<_>>>()?;
+        Ok(page(items, limit))
+    }
+
+    /// The request body a job was posted with (for the worker).
+    pub async fn job_request(&self, id: Uuid) -> Result<String> {
+        let request: Option<String> =
+            sqlx::query_scalar("SELECT request FROM training_jobs WHERE id = ?")
+                .bind(id.to_string())
+                .fetch_optional(&self.pool)
+                .await?;
+        request.ok_or(Error::NotFound("training job"))
+    }
+
+    /// Marks the oldest runnable queued job running and returns it. A job is runnable when no
+    /// other job of its model is running, so each model's jobs run one at a time, in order.
+    pub async fn claim_next_job(&self) -> Result<Option<Job>> {
+        let row = sqlx::query(concat!(
+            "UPDATE training_jobs SET status = 'running', started_at = ? WHERE seq = \
+             (SELECT q.seq FROM training_jobs q WHERE q.status = 'queued' AND NOT EXISTS \
+               (SELECT 1 FROM training_jobs r WHERE r.model_id = q.model_id \
+                AND r.status = 'running') \
+              ORDER BY q.seq LIMIT 1) \
+             RETURNING ",
+            job_columns!()
+        ))
+        .bind(now())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(job).transpose()
+    }
+
+    /// Appends an event to a running job. A job that is no longer running (cancelled, its model
+    /// deleted) is `JobState`: the worker's signal to stop.
+    pub async fn append_event(
+        &self,
+        job_id: Uuid,
+        kind: &str,
+        data: &serde_json::Value,
+    ) -> Result<Event> {
+        let mut tx = self.write_tx().await?;
+        let running: Option<i64> =
+            sqlx::query_scalar("SELECT 1 FROM training_jobs WHERE id = ? AND status = 'running'")
+                .bind(job_id.to_string())
+                .fetch_optional(&mut *tx)
+                .await?;
+        if running.is_none() {
+            return Err(state_error(&mut tx, job_id).await);
+        }
+        let event = insert_event(&mut tx, &job_id.to_string(), kind, data, now()).await?;
+        tx.commit().await?;
+        Ok(event)
+    }
+
+    /// Ends a running job successfully, in one transaction: records `step`, adds the checkpoint
+    /// at that step with `checkpoint_metrics` (`None`: nothing was learned, no new checkpoint)
+    /// and appends `training_ended` with `data`.
+    pub async fn succeed_job(
+        &self,
+        job_id: Uuid,
+        step: i64,
+        checkpoint_metrics: Option<serde_json::Value>,
+        data: &serde_json::Value,
+    ) -> Result<(Job, Option<Checkpoint>)> {
+        let at = now();
+        let mut tx = self.write_tx().await?;
+        let row = sqlx::query(concat!(
+            "UPDATE training_jobs SET status = 'succeeded', step = ?, finished_at = ? \
+             WHERE id = ? AND status = 'running' RETURNING ",
+            job_columns!()
+        ))
+        .bind(step)
+        .bind(at)
+        .bind(job_id.to_string())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            return Err(state_error(&mut tx, job_id).await);
+        };
+        let job = job(&row)?;
+        let added = match checkpoint_metrics {
+            Some(metrics) => {
+                Some(insert_checkpoint(&mut tx, job.model_id, step, &metrics, at).await?)
+            }
+            None => None,
+        };
+        insert_event(
+            &mut tx,
+            &job_id.to_string(),
+            event::TRAINING_ENDED,
+            data,
+            at,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((job, added))
+    }
+
+    /// Ends a running job as failed and appends `training_failed {error_message}`.
+    pub async fn fail_job(&self, job_id: Uuid, error_message: &str) -> Result<Job> {
+        let at = now();
+        let mut tx = self.write_tx().await?;
+        let row = sqlx::query(concat!(
+            "UPDATE training_jobs SET status = 'failed', error = ?, finished_at = ? \
+             WHERE id = ? AND status = 'running' RETURNING ",
+            job_columns!()
+        ))
+        .bind(error_message)
+        .bind(at)
+        .bind(job_id.to_string())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            return Err(state_error(&mut tx, job_id).await);
+        };
+        let data = serde_json::json!({ "error_message": error_message });
+        insert_event(
+            &mut tx,
+            &job_id.to_string(),
+            event::TRAINING_FAILED,
+            &data,
+            at,
+        )
+        .await?;
+        tx.commit().await?;
+        job(&row)
+    }
+
+    /// Cancels a queued or running job (`training_failed` says so); a finished job is
+    /// `JobState`.
+    pub async fn cancel_job(&self, team: &str, id: Uuid) -> Result<Job> {
+        let at = now();
+        let mut tx = self.write_tx().await?;
+        let row = sqlx::query(concat!(
+            "UPDATE training_jobs SET status = 'cancelled', finished_at = ? \
+             WHERE id = ? AND team = ? AND status IN ('queued', 'running') RETURNING ",
+            job_columns!()
+        ))
+        .bind(at)
+        .bind(id.to_string())
+        .bind(team)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            let owned: Option<i64> =
+                sqlx::query_scalar("SELECT 1 FROM training_jobs WHERE id = ? AND team = ?")
+                    .bind(id.to_string())
+                    .bind(team)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if owned.is_none() {
+                return Err(Error::NotFound("training job"));
+            }
+            return Err(state_error(&mut tx, id).await);
+        };
+        let data = serde_json::json!({ "error_message": "the job was cancelled" });
+        insert_event(&mut tx, &id.to_string(), event::TRAINING_FAILED, &data, at).await?;
+        tx.commit().await?;
+        job(&row)
+    }
+
+    /// A job's events after event id `after` (0 or `None`: from the first), oldest first,
+    /// `limit` 1 to 100. The same `after` gives the same events.
+    pub async fn list_events(
+        &self,
+        team: &str,
+        job_id: Uuid,
+        after: Option<i64>,
+        limit: u32,
+    ) -> Result<Page<Event>> {
+        let limit = check_limit(limit)?;
+        self.get_job(team, job_id).await?;
+        let rows = sqlx::query(
+            "SELECT id, job_id, type, data, created_at FROM job_events \
+             WHERE job_id = ? AND id > ? ORDER BY id LIMIT ?",
+        )
+        .bind(job_id.to_string())
+        .bind(after.unwrap_or(0))
+        .bind(limit + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let items = rows.iter().map(event_row).collect::<Result<Vec<_>>>()?;
+        Ok(page(items, limit))
+    }
+
+    /// At start-up, before any worker runs: jobs left running by a crash go back to the queue
+    /// (they are re-run from their start; their partial weights are the trainer's to discard),
+    /// each with a `training_requeued` event. Returns their ids, oldest first.
+    pub async fn recover_after_crash(&self) -> Result<Vec<Uuid>> {
+        let at = now();
+        let mut tx = self.write_tx().await?;
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM training_jobs WHERE status = 'running' ORDER BY seq",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE training_jobs SET status = 'queued', started_at = NULL, step = NULL \
+             WHERE status = 'running'",
+        )
+        .execute(&mut *tx)
+        .await?;
+        let data = serde_json::json!({
+            "message": "the server restarted while this job was running; it is re-run from its start"
+        });
+        for id in &ids {
+            insert_event(&mut tx, id, event::TRAINING_REQUEUED, &data, at).await?;
+        }
+        tx.commit().await?;
+        ids.iter().map(|s| parse_uuid(s)).collect()
+    }
+}

@@ -1,0 +1,628 @@
+//! The store against real SQLite files in temporary directories.
+
+use serde_json::json;
+use temper_store::{event, Error, JobStatus, Model, NewModel, Order, Store, DB_FILE};
+use uuid::Uuid;
+
+async fn open(dir: &tempfile::TempDir) -> Store {
+    Store::open(dir.path()).await.expect("open store")
+}
+
+async fn model(store: &Store, team: &str, name: &str) -> Model {
+    store
+        .create_model(&NewModel {
+            team,
+            project: "proj",
+            name,
+            base_model: "gemma-3-270m",
+        })
+        .await
+        .expect("create model")
+}
+
+/// Runs one job of `model` to a new checkpoint at `step`.
+async fn train(store: &Store, model: &Model, step: i64) -> Uuid {
+    let job = store
+        .enqueue_job(&model.team, model.id, r#"{"trajectory_groups": []}"#)
+        .await
+        .unwrap();
+    let claimed = store.claim_next_job().await.unwrap().expect("a queued job");
+    assert_eq!(claimed.id, job.id);
+    store
+        .succeed_job(
+            job.id,
+            step,
+            Some(json!({ "reward": step })),
+            &json!({ "step": step }),
+        )
+        .await
+        .unwrap();
+    job.id
+}
+
+fn db_bytes(dir: &tempfile::TempDir) -> Vec<u8> {
+    // The WAL holds recent commits until a checkpoint copies them into the main file.
+    let mut bytes = Vec::new();
+    for name in [DB_FILE.to_owned(), format!("{DB_FILE}-wal")] {
+        if let Ok(b) = std::fs::read(dir.path().join(name)) {
+            bytes.extend(b);
+        }
+    }
+    bytes
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[tokio::test]
+async fn keys_create_authenticate_revoke() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let (key, secret) = store.create_key("acme").await.unwrap();
+    let (other, other_secret) = store.create_key("globex").await.unwrap();
+    assert_eq!(other.team, "globex");
+    assert!(
+        secret.starts_with("tp-") && secret.len() == 3 + 64,
+        "{secret}"
+    );
+    assert!(secret.starts_with(&key.prefix));
+    assert_ne!(secret, other_secret);
+    assert_eq!(key.team, "acme");
+    assert!(!key.revoked);
+
+    let team = store
+        .authenticate(&secret)
+        .await
+        .unwrap()
+        .expect("valid key");
+    assert_eq!(team.name, "acme");
+    assert_eq!(
+        store
+            .authenticate(&other_secret)
+            .await
+            .unwrap()
+            .unwrap()
+            .name,
+        "globex"
+    );
+    assert_eq!(store.authenticate("tp-nope").await.unwrap(), None);
+    assert_eq!(store.authenticate(&secret[..20]).await.unwrap(), None);
+
+    let all = store.list_keys(None).await.unwrap();
+    assert_eq!(all.len(), 2);
+    let acme = store.list_keys(Some("acme")).await.unwrap();
+    assert_eq!(acme, vec![key.clone()]);
+
+    // Only the hash is stored: the secret's bytes are nowhere in the database files.
+    let bytes = db_bytes(&dir);
+    assert!(
+        contains(&bytes, key.prefix.as_bytes()),
+        "the grep must see the rows"
+    );
+    assert!(!contains(&bytes, secret.as_bytes()));
+    assert!(!contains(&bytes, secret[3..].as_bytes()));
+
+    let revoked = store.revoke_key(&key.id).await.unwrap();
+    assert!(revoked.revoked);
+    assert_eq!(store.authenticate(&secret).await.unwrap(), None);
+    assert!(store.authenticate(&other_secret).await.unwrap().is_some());
+    assert!(store.list_keys(Some("acme")).await.unwrap()[0].revoked);
+    // Revoking again is harmless; an unknown id is not found.
+    assert!(store.revoke_key(&key.id).await.unwrap().revoked);
+    assert!(matches!(
+        store.revoke_key("key_missing").await,
+        Err(Error::NotFound("key"))
+    ));
+    assert!(matches!(
+        store.create_key("bad/team").await,
+        Err(Error::Invalid { field: "team", .. })
+    ));
+}
+
+#[tokio::test]
+async fn another_teams_rows_are_not_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let m = model(&store, "acme", "agent").await;
+    let job = store.enqueue_job("acme", m.id, "{}").await.unwrap();
+
+    let nf = |r: Result<_, Error>, what: &str| match r {
+        Err(Error::NotFound(w)) => assert_eq!(w, what),
+        Err(e) => panic!("expected not found, got {e}"),
+        Ok(_) => panic!("expected not found, got a value"),
+    };
+    nf(store.get_model("globex", m.id).await.map(|_| ()), "model");
+    nf(
+        store
+            .get_model_by_name("globex", "proj", "agent")
+            .await
+            .map(|_| ()),
+        "model",
+    );
+    nf(
+        store
+            .list_checkpoints("globex", m.id, None, 20, Order::Asc)
+            .await
+            .map(|_| ()),
+        "model",
+    );
+    nf(
+        store
+            .delete_checkpoints("globex", m.id, &[0])
+            .await
+            .map(|_| ()),
+        "model",
+    );
+    nf(
+        store
+            .log_metrics("globex", m.id, Default::default())
+            .await
+            .map(|_| ()),
+        "model",
+    );
+    nf(
+        store.enqueue_job("globex", m.id, "{}").await.map(|_| ()),
+        "model",
+    );
+    nf(
+        store.get_job("globex", job.id).await.map(|_| ()),
+        "training job",
+    );
+    nf(
+        store
+            .list_events("globex", job.id, None, 20)
+            .await
+            .map(|_| ()),
+        "training job",
+    );
+    nf(
+        store.cancel_job("globex", job.id).await.map(|_| ()),
+        "training job",
+    );
+    nf(
+        store.delete_model("globex", m.id).await.map(|_| ()),
+        "model",
+    );
+    assert!(store.list_models("globex").await.unwrap().is_empty());
+    assert!(store
+        .list_jobs("globex", None, None, 20)
+        .await
+        .unwrap()
+        .items
+        .is_empty());
+
+    // Nothing was touched: the owner still sees everything.
+    assert_eq!(store.get_model("acme", m.id).await.unwrap(), m);
+    assert_eq!(store.list_models("acme").await.unwrap(), vec![m.clone()]);
+    assert_eq!(
+        store.get_job("acme", job.id).await.unwrap().status,
+        JobStatus::Queued
+    );
+}
+
+#[tokio::test]
+async fn model_names_are_unique_per_team() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let m = model(&store, "acme", "agent").await;
+    assert_eq!(m.team, "acme");
+    assert_eq!(m.base_model, "gemma-3-270m");
+    assert!(matches!(
+        store
+            .create_model(&NewModel {
+                team: "acme",
+                project: "proj",
+                name: "agent",
+                base_model: "other",
+            })
+            .await,
+        Err(Error::ModelExists { .. })
+    ));
+    // Same name in another project or another team is another model.
+    let other_team = model(&store, "globex", "agent").await;
+    assert_ne!(other_team.id, m.id);
+    let other_project = store
+        .create_model(&NewModel {
+            team: "acme",
+            project: "proj2",
+            name: "agent",
+            base_model: "gemma-3-270m",
+        })
+        .await
+        .unwrap();
+    assert_ne!(other_project.id, m.id);
+    assert_eq!(
+        store
+            .get_model_by_name("acme", "proj", "agent")
+            .await
+            .unwrap(),
+        m
+    );
+    assert!(matches!(
+        store
+            .create_model(&NewModel {
+                team: "acme",
+                project: "proj",
+                name: "a/b",
+                base_model: "x",
+            })
+            .await,
+        Err(Error::Invalid { field: "name", .. })
+    ));
+}
+
+#[tokio::test]
+async fn checkpoint_pagination() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let m = model(&store, "acme", "agent").await;
+    for step in 1..=5 {
+        train(&store, &m, step).await;
+    }
+    let steps = |p: &temper_store::Page<temper_store::Checkpoint>| {
+        p.items.iter().map(|c| c.step).collect::<Vec<_>>()
+    };
+
+    let p1 = store
+        .list_checkpoints("acme", m.id, None, 2, Order::Asc)
+        .await
+        .unwrap();
+    assert_eq!((steps(&p1), p1.has_more), (vec![0, 1], true));
+    assert_eq!(p1.items[0].metrics, json!({}));
+    assert_eq!(p1.items[1].metrics, json!({ "reward": 1 }));
+    let p2 = store
+        .list_checkpoints("acme", m.id, Some(p1.items[1].id), 2, Order::Asc)
+        .await
+        .unwrap();
+    assert_eq!((steps(&p2), p2.has_more), (vec![2, 3], true));
+    let p3 = store
+        .list_checkpoints("acme", m.id, Some(p2.items[1].id), 2, Order::Asc)
+        .await
+        .unwrap();
+    assert_eq!((steps(&p3), p3.has_more), (vec![4, 5], false));
+
+    let d1 = store
+        .list_checkpoints("acme", m.id, None, 4, Order::Desc)
+        .await
+        .unwrap();
+    assert_eq!((steps(&d1), d1.has_more), (vec![5, 4, 3, 2], true));
+    let d2 = store
+        .list_checkpoints("acme", m.id, Some(d1.items[3].id), 4, Order::Desc)
+        .await
+        .unwrap();
+    assert_eq!((steps(&d2), d2.has_more), (vec![1, 0], false));
+    let all = store
+        .list_checkpoints("acme", m.id, None, 100, Order::Asc)
+        .await
+        .unwrap();
+    assert_eq!((steps(&all), all.has_more), (vec![0, 1, 2, 3, 4, 5], false));
+
+    for bad in [0, 101] {
+        assert!(matches!(
+            store
+                .list_checkpoints("acme", m.id, None, bad, Order::Asc)
+                .await,
+            Err(Error::Invalid { field: "limit", .. })
+        ));
+    }
+    assert!(matches!(
+        store
+            .list_checkpoints("acme", m.id, Some(Uuid::new_v4()), 2, Order::Asc)
+            .await,
+        Err(Error::Invalid { field: "after", .. })
+    ));
+    assert_eq!("desc".parse::<Order>().unwrap(), Order::Desc);
+    assert!("up".parse::<Order>().is_err());
+
+    assert_eq!(
+        store
+            .latest_checkpoint("acme", m.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .step,
+        5
+    );
+    assert_eq!(
+        store.get_checkpoint("acme", m.id, 3).await.unwrap().metrics,
+        json!({ "reward": 3 })
+    );
+    // /log merges into the latest checkpoint.
+    let mut metrics = serde_json::Map::new();
+    metrics.insert("val/reward".into(), json!(0.5));
+    let logged = store.log_metrics("acme", m.id, metrics).await.unwrap();
+    assert_eq!(logged.step, 5);
+    assert_eq!(
+        store.get_checkpoint("acme", m.id, 5).await.unwrap().metrics,
+        json!({ "reward": 5, "val/reward": 0.5 })
+    );
+}
+
+#[tokio::test]
+async fn delete_checkpoints_reports_missing_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let m = model(&store, "acme", "agent").await;
+    for step in 1..=3 {
+        train(&store, &m, step).await;
+    }
+    let r = store
+        .delete_checkpoints("acme", m.id, &[1, 42, 3, 3])
+        .await
+        .unwrap();
+    assert_eq!(r.deleted_count, 2);
+    assert_eq!(r.not_found_steps, vec![42, 3]);
+    let left = store
+        .list_checkpoints("acme", m.id, None, 20, Order::Asc)
+        .await
+        .unwrap();
+    assert_eq!(
+        left.items.iter().map(|c| c.step).collect::<Vec<_>>(),
+        vec![0, 2]
+    );
+    assert!(matches!(
+        store.get_checkpoint("acme", m.id, 1).await,
+        Err(Error::NotFound("checkpoint"))
+    ));
+
+    // Deleting the model removes what is left and fails its pending jobs.
+    let queued = store.enqueue_job("acme", m.id, "{}").await.unwrap();
+    let d = store.delete_model("acme", m.id).await.unwrap();
+    assert_eq!(d.deleted_checkpoints, 2);
+    assert_eq!(d.failed_jobs, vec![queued.id]);
+    let job = store.get_job("acme", queued.id).await.unwrap();
+    assert_eq!(job.status, JobStatus::Failed);
+    let events = store
+        .list_events("acme", queued.id, None, 20)
+        .await
+        .unwrap();
+    assert_eq!(events.items[0].kind, event::TRAINING_FAILED);
+    assert!(matches!(
+        store.get_model("acme", m.id).await,
+        Err(Error::NotFound("model"))
+    ));
+    assert_eq!(store.claim_next_job().await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn jobs_run_in_order_per_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let a = model(&store, "acme", "a").await;
+    let b = model(&store, "acme", "b").await;
+    let a1 = store.enqueue_job("acme", a.id, "{\"n\": 1}").await.unwrap();
+    let a2 = store.enqueue_job("acme", a.id, "{\"n\": 2}").await.unwrap();
+    let b1 = store.enqueue_job("acme", b.id, "{\"n\": 3}").await.unwrap();
+    assert_eq!(a1.status, JobStatus::Queued);
+
+    let first = store.claim_next_job().await.unwrap().unwrap();
+    assert_eq!(first.id, a1.id);
+    assert_eq!(first.status, JobStatus::Running);
+    assert!(first.started_at.is_some());
+    // a2 waits for a1; b1 (another model) may run meanwhile.
+    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, b1.id);
+    assert_eq!(store.claim_next_job().await.unwrap(), None);
+    let (done, ckpt) = store
+        .succeed_job(a1.id, 1, Some(json!({})), &json!({ "step": 1 }))
+        .await
+        .unwrap();
+    assert_eq!(done.status, JobStatus::Succeeded);
+    assert_eq!(done.step, Some(1));
+    assert!(done.finished_at.is_some());
+    assert_eq!(ckpt.unwrap().step, 1);
+    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, a2.id);
+    assert_eq!(store.job_request(a2.id).await.unwrap(), "{\"n\": 2}");
+
+    // A step that already has a checkpoint is refused, and the job stays running.
+    assert!(matches!(
+        store
+            .succeed_job(a2.id, 1, Some(json!({})), &json!({}))
+            .await,
+        Err(Error::CheckpointExists { step: 1, .. })
+    ));
+    assert_eq!(
+        store.get_job("acme", a2.id).await.unwrap().status,
+        JobStatus::Running
+    );
+    let failed = store.fail_job(a2.id, "out of memory").await.unwrap();
+    assert_eq!(failed.status, JobStatus::Failed);
+    assert_eq!(failed.error.as_deref(), Some("out of memory"));
+
+    // Cancelling a running job: the worker's next write is refused.
+    let cancelled = store.cancel_job("acme", b1.id).await.unwrap();
+    assert_eq!(cancelled.status, JobStatus::Cancelled);
+    assert!(matches!(
+        store
+            .append_event(b1.id, event::GRADIENT_STEP, &json!({}))
+            .await,
+        Err(Error::JobState {
+            status: JobStatus::Cancelled,
+            ..
+        })
+    ));
+    assert!(matches!(
+        store.succeed_job(b1.id, 1, None, &json!({})).await,
+        Err(Error::JobState {
+            status: JobStatus::Cancelled,
+            ..
+        })
+    ));
+    assert!(matches!(
+        store.cancel_job("acme", a1.id).await,
+        Err(Error::JobState {
+            status: JobStatus::Succeeded,
+            ..
+        })
+    ));
+    assert!(matches!(
+        store.enqueue_job("acme", a.id, "not json").await,
+        Err(Error::Invalid {
+            field: "request",
+            ..
+        })
+    ));
+
+    let all = store.list_jobs("acme", None, None, 2).await.unwrap();
+    assert_eq!(
+        all.items.iter().map(|j| j.id).collect::<Vec<_>>(),
+        vec![b1.id, a2.id]
+    );
+    assert!(all.has_more);
+    let rest = store.list_jobs("acme", None, Some(a2.id), 2).await.unwrap();
+    assert_eq!(
+        rest.items.iter().map(|j| j.id).collect::<Vec<_>>(),
+        vec![a1.id]
+    );
+    assert!(!rest.has_more);
+    let of_b = store.list_jobs("acme", Some(b.id), None, 20).await.unwrap();
+    assert_eq!(
+        of_b.items.iter().map(|j| j.id).collect::<Vec<_>>(),
+        vec![b1.id]
+    );
+}
+
+#[tokio::test]
+async fn events_after_is_idempotent() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let m = model(&store, "acme", "agent").await;
+    let job = store.enqueue_job("acme", m.id, "{}").await.unwrap();
+    // Not running yet: no events can be appended.
+    assert!(matches!(
+        store
+            .append_event(job.id, event::TRAINING_STARTED, &json!({}))
+            .await,
+        Err(Error::JobState {
+            status: JobStatus::Queued,
+            ..
+        })
+    ));
+    store.claim_next_job().await.unwrap().unwrap();
+    let started = store
+        .append_event(
+            job.id,
+            event::TRAINING_STARTED,
+            &json!({ "num_sequences": 2 }),
+        )
+        .await
+        .unwrap();
+    let s1 = store
+        .append_event(
+            job.id,
+            event::GRADIENT_STEP,
+            &json!({ "step": 1, "loss": 0.5 }),
+        )
+        .await
+        .unwrap();
+    assert!(s1.id > started.id);
+    store
+        .succeed_job(job.id, 1, Some(json!({})), &json!({ "step": 1 }))
+        .await
+        .unwrap();
+
+    let first = store.list_events("acme", job.id, None, 2).await.unwrap();
+    assert_eq!(
+        first
+            .items
+            .iter()
+            .map(|e| e.kind.as_str())
+            .collect::<Vec<_>>(),
+        vec![event::TRAINING_STARTED, event::GRADIENT_STEP]
+    );
+    assert!(first.has_more);
+    assert_eq!(first.items[1].data, json!({ "step": 1, "loss": 0.5 }));
+    let after = first.items[1].id;
+    let again = store
+        .list_events("acme", job.id, Some(after), 20)
+        .await
+        .unwrap();
+    let twice = store
+        .list_events("acme", job.id, Some(after), 20)
+        .await
+        .unwrap();
+    assert_eq!(again, twice);
+    assert_eq!(again.items.len(), 1);
+    assert_eq!(again.items[0].kind, event::TRAINING_ENDED);
+    assert!(!again.has_more);
+    let none = store
+        .list_events("acme", job.id, Some(again.items[0].id), 20)
+        .await
+        .unwrap();
+    assert!(none.items.is_empty() && !none.has_more);
+    assert_eq!(
+        store
+            .list_events("acme", job.id, None, 20)
+            .await
+            .unwrap()
+            .items
+            .len(),
+        3
+    );
+}
+
+#[tokio::test]
+async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model_id, running, queued) = {
+        let store = open(&dir).await;
+        let m = model(&store, "acme", "agent").await;
+        let running = store
+            .enqueue_job("acme", m.id, r#"{"n": 1}"#)
+            .await
+            .unwrap();
+        let queued = store
+            .enqueue_job("acme", m.id, r#"{"n": 2}"#)
+            .await
+            .unwrap();
+        store.claim_next_job().await.unwrap().unwrap();
+        store
+            .append_event(
+                running.id,
+                event::TRAINING_STARTED,
+                &json!({ "num_sequences": 1 }),
+            )
+            .await
+            .unwrap();
+        // A crash: no close, no WAL checkpoint, connections never shut down.
+        std::mem::forget(store);
+        (m.id, running.id, queued.id)
+    };
+
+    let store = open(&dir).await;
+    assert_eq!(
+        store.get_job("acme", queued).await.unwrap().status,
+        JobStatus::Queued
+    );
+    assert_eq!(store.job_request(queued).await.unwrap(), r#"{"n": 2}"#);
+    assert_eq!(
+        store.get_job("acme", running).await.unwrap().status,
+        JobStatus::Running
+    );
+    assert_eq!(store.recover_after_crash().await.unwrap(), vec![running]);
+    let job = store.get_job("acme", running).await.unwrap();
+    assert_eq!(job.status, JobStatus::Queued);
+    assert_eq!(job.started_at, None);
+    let events = store.list_events("acme", running, None, 20).await.unwrap();
+    assert_eq!(
+        events
+            .items
+            .iter()
+            .map(|e| e.kind.as_str())
+            .collect::<Vec<_>>(),
+        vec![event::TRAINING_STARTED, event::TRAINING_REQUEUED]
+    );
+    // Nothing more to recover; the re-queued job runs first again, then the other.
+    assert!(store.recover_after_crash().await.unwrap().is_empty());
+    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, running);
+    store
+        .succeed_job(running, 1, Some(json!({})), &json!({ "step": 1 }))
+        .await
+        .unwrap();
+    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, queued);
+    assert_eq!(
+        store.get_model("acme", model_id).await.unwrap().id,
+        model_id
+    );
+    store.close().await;
+}
