@@ -2,6 +2,7 @@
 
 mod bench;
 mod config;
+mod keys;
 
 use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -29,6 +30,8 @@ enum Command {
     Serve(ServeArgs),
     /// Measure prompt and decode throughput and print a table next to llama.cpp's figures.
     Bench(bench::BenchArgs),
+    /// Create, list and revoke team API keys (stored in the data directory).
+    Keys(keys::KeysArgs),
 }
 
 fn main() -> ExitCode {
@@ -43,6 +46,7 @@ fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Command::Serve(args) => serve(args),
         Command::Bench(args) => bench::run(args, temper_model::paths::default_model_path()),
+        Command::Keys(args) => keys::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
