@@ -358,6 +358,82 @@ mod tests {
         assert!(!repeats(&[5, 5, 5], &rd(0, 0, 3)));
     }
 
+    /// Per-token cost on Gemma 3's vocabulary (a measurement, not a check):
+    /// `cargo test --release -p temper-engine -- --ignored --nocapture processing_cost`.
+    #[test]
+    #[ignore]
+    fn processing_cost_on_a_262k_row() {
+        let v = 262_144;
+        let mut lrng = crate::rng::Rng::new(3);
+        let raw: Vec<f32> = (0..v)
+            .map(|_| lrng.next_f64() as f32 * 20.0 - 10.0)
+            .collect();
+        let output: Vec<u32> = (0..512).map(|i| (i * 7919) % v as u32).collect();
+        let h = hist(&output);
+        let prompt: Vec<u32> = (0..2048).map(|i| (i * 104_729) % v as u32).collect();
+        let cases: Vec<(&str, Processors)> = vec![
+            ("none (raw row)", procs(|_| {})),
+            (
+                "logit_bias x100",
+                procs(|p| p.logit_bias = (0..100).map(|i| (i * 31, 1.0)).collect()),
+            ),
+            (
+                "allowed_token_ids x1000",
+                procs(|p| p.allowed = Some((0..1000).map(|i| i * 97).collect())),
+            ),
+            (
+                "penalties (2048-token prompt, 512 output)",
+                procs(|p| {
+                    p.repetition_penalty = 1.1;
+                    p.frequency_penalty = 0.5;
+                    p.presence_penalty = 0.5;
+                    p.prompt_tokens = prompt.clone();
+                    p.prompt_tokens.sort_unstable();
+                    p.prompt_tokens.dedup();
+                }),
+            ),
+            (
+                "bad_words x20",
+                procs(|p| p.bad_words = (0..20).map(|i| vec![i, i + 1, i + 2]).collect()),
+            ),
+        ];
+        let mut sampler = crate::sampler::Sampler::default();
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            top_k: 50,
+            ..SamplingParams::default()
+        };
+        let mut out = Vec::new();
+        let mut rng = crate::rng::Rng::new(1);
+        for (name, p) in &cases {
+            let n = 200;
+            let t0 = std::time::Instant::now();
+            for _ in 0..n {
+                let row: &[f32] = if p.apply(&raw, &h, &mut out) {
+                    &out
+                } else {
+                    &raw
+                };
+                std::hint::black_box(row[0]);
+            }
+            let proc_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+            let t0 = std::time::Instant::now();
+            for _ in 0..n {
+                let row: &[f32] = if p.apply(&raw, &h, &mut out) {
+                    &out
+                } else {
+                    &raw
+                };
+                std::hint::black_box(sampler.sample(row, &params, &mut rng));
+            }
+            let total_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+            println!(
+                "{name}: processors {proc_us:.0} µs, with sampling {total_us:.0} µs per token"
+            );
+        }
+    }
+
     fn tiny_tokenizer() -> Tokenizer {
         let dir = std::env::temp_dir().join(format!("temper-logits-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");

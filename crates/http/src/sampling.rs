@@ -64,8 +64,14 @@ pub fn sampling_controls(
         logit_bias.push((id, bias.clamp(-100.0, 100.0) as f32));
     }
     logit_bias.sort_by_key(|&(id, _)| id);
-    // "5" and "05" name the same token; keep one entry per token (the last in id order).
-    logit_bias.dedup_by_key(|&mut (id, _)| id);
+    // "5" and "05" name the same token; which bias was meant is ambiguous (JSON objects have
+    // no order we keep), so that is an error rather than a silent pick.
+    if let Some(w) = logit_bias.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::bad(
+            "logit_bias",
+            format!("`logit_bias` names token {} more than once.", w[0].0),
+        ));
+    }
 
     let allowed_token_ids = match &req.allowed_token_ids {
         None => None,

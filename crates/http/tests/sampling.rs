@@ -36,6 +36,7 @@ async fn invalid_controls_are_400s_naming_the_field() {
         (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
         (json!({"logit_bias": {"1000000": 1}}), "logit_bias"),
         (json!({"logit_bias": {"-1": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"5": 1, "05": 2}}), "logit_bias"),
         (json!({"allowed_token_ids": []}), "allowed_token_ids"),
         (
             json!({"allowed_token_ids": [1, 1000000]}),
