@@ -12,14 +12,15 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Serialize;
 use temper_engine::{FinishReason, GenerationEvent, StopReason};
-use temper_text::Tokenizer;
+use temper_text::{ReasoningDelta, ReasoningParser, Tokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
 
 use crate::auth::RequestContext;
 use crate::error::ApiError;
 use crate::extract::ValidJson;
-use crate::prompt::{chat_prompt, logprob_entry};
+use crate::extras::ServiceTier;
+use crate::prompt::{chat_prompt, logprob_entry, reasoning_parser};
 use crate::protocol::{
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
     ChunkChoice, Delta, FinishReasonJson, LogprobEntry, ResponseMessage, StopReasonJson, Usage,
@@ -41,6 +42,14 @@ pub struct Completion {
     pub return_token_ids: bool,
     /// Logprob tokens as `"token_id:<id>"`.
     pub return_tokens_as_token_ids: bool,
+    /// Put in front of every choice's content (`echo`).
+    pub echo: Option<String>,
+    /// Splits `<think>…</think>` output into `reasoning` (the template marks thinking); cloned
+    /// per choice.
+    pub reasoning_parser: Option<ReasoningParser>,
+    /// `include_reasoning`: when false, the split-off reasoning is dropped.
+    pub include_reasoning: bool,
+    pub service_tier: Option<ServiceTier>,
 }
 
 pub async fn chat_completions(
@@ -54,7 +63,11 @@ pub async fn chat_completions(
         .request_id
         .clone()
         .unwrap_or_else(|| ctx.request_id.clone());
-    let prompt_ids = chat_prompt(&model, &params.prompt)?;
+    state.options().request_hook.on_request(&params)?;
+    let mut prompt_ids = chat_prompt(&model, &params.prompt)?;
+    if let Some(keep) = params.truncate_prompt_tokens {
+        prompt_ids.drain(..prompt_ids.len().saturating_sub(keep));
+    }
     let generation =
         params.generation_request(request_id.clone(), prompt_ids.clone(), model.max_model_len)?;
     tracing::info!(
@@ -65,9 +78,12 @@ pub async fn chat_completions(
         n = params.n,
         stream = params.stream.is_some(),
         user = params.user.as_deref(),
+        parallel_tool_calls = params.extras.parallel_tool_calls,
+        service_tier = ?params.extras.service_tier,
         "chat completion"
     );
     let rx = model.engine.submit(generation)?;
+    let reasoning_parser = reasoning_parser(&model, &params.prompt, &prompt_ids);
     let completion = Completion {
         id: format!("chatcmpl-{request_id}"),
         created: unix_now(),
@@ -78,6 +94,10 @@ pub async fn chat_completions(
         logprobs: params.logprobs.is_some(),
         return_token_ids: params.return_token_ids,
         return_tokens_as_token_ids: params.controls.return_tokens_as_token_ids,
+        reasoning_parser,
+        include_reasoning: params.include_reasoning,
+        service_tier: params.extras.service_tier,
+        echo: params.echo,
     };
     match params.stream {
         Some(opts) => Ok(sse_response(rx, completion, opts)),
@@ -178,11 +198,19 @@ pub async fn collect(
             .map(|(index, acc)| {
                 let (finish_reason, stop_reason) =
                     acc.finish.unwrap_or((FinishReasonJson::Abort, None));
+                let (reasoning, content) = match &c.reasoning_parser {
+                    Some(parser) => parser.clone().split(&acc.text),
+                    None => (None, acc.text),
+                };
                 ChatChoice {
                     index,
                     message: ResponseMessage {
                         role: "assistant",
-                        content: acc.text,
+                        content: match &c.echo {
+                            Some(echo) => format!("{echo}{content}"),
+                            None => content,
+                        },
+                        reasoning: reasoning.filter(|_| c.include_reasoning),
                     },
                     logprobs: c.logprobs.then_some(ChoiceLogprobs {
                         content: acc.logprobs,
@@ -195,6 +223,7 @@ pub async fn collect(
             .collect(),
         usage: Usage::new(c.prompt_ids.len(), completion_tokens),
         system_fingerprint: SYSTEM_FINGERPRINT,
+        service_tier: c.service_tier,
         prompt_token_ids: c.return_token_ids.then(|| c.prompt_ids.clone()),
     })
 }
@@ -226,6 +255,8 @@ struct SseState {
     pending: VecDeque<Bytes>,
     completion_tokens: Vec<usize>,
     finished: Vec<bool>,
+    /// One per choice when the reasoning parser is on, else empty.
+    parsers: Vec<ReasoningParser>,
     done: bool,
     span: tracing::Span,
 }
@@ -233,6 +264,11 @@ struct SseState {
 impl SseState {
     fn new(rx: UnboundedReceiver<GenerationEvent>, c: Completion, opts: StreamOptions) -> Self {
         let n = c.n;
+        let parsers = c
+            .reasoning_parser
+            .as_ref()
+            .map(|p| vec![p.clone(); n])
+            .unwrap_or_default();
         let mut s = SseState {
             rx,
             c,
@@ -240,6 +276,7 @@ impl SseState {
             pending: VecDeque::new(),
             completion_tokens: vec![0; n],
             finished: vec![false; n],
+            parsers,
             done: false,
             span: tracing::Span::current(),
         };
@@ -251,6 +288,7 @@ impl SseState {
                     delta: Delta {
                         role: Some("assistant"),
                         content: Some(String::new()),
+                        reasoning: None,
                     },
                     logprobs: None,
                     finish_reason: None,
@@ -261,7 +299,52 @@ impl SseState {
             );
             s.pending.push_back(chunk);
         }
+        // As vLLM: the echoed prefill is each choice's first content chunk, after the role chunks.
+        if let Some(echo) = s.c.echo.clone().filter(|e| !e.is_empty()) {
+            for index in 0..n {
+                let chunk = s.chunk(
+                    ChunkChoice {
+                        index,
+                        delta: Delta {
+                            role: None,
+                            content: Some(echo.clone()),
+                            reasoning: None,
+                        },
+                        logprobs: None,
+                        finish_reason: None,
+                        stop_reason: None,
+                        token_ids: None,
+                    },
+                    false,
+                );
+                s.pending.push_back(chunk);
+            }
+        }
         s
+    }
+
+    /// A choice's new text through its reasoning parser (when on); `end` flushes what the parser
+    /// held back. Reasoning is dropped when the request does not want it.
+    fn split(&mut self, choice: usize, text: &str, end: bool) -> ReasoningDelta {
+        let mut d = match self.parsers.get_mut(choice) {
+            Some(p) => {
+                let mut d = p.push(text);
+                if end {
+                    let tail = p.finish();
+                    d.reasoning.push_str(&tail.reasoning);
+                    d.content.push_str(&tail.content);
+                }
+                d
+            }
+            None => ReasoningDelta {
+                reasoning: String::new(),
+                content: text.to_owned(),
+            },
+        };
+        if !self.c.include_reasoning {
+            d.reasoning.clear();
+        }
+        d
     }
 
     fn usage(&self) -> Usage {
@@ -301,7 +384,12 @@ impl SseState {
                     return self.fail(bad_choice(choice));
                 };
                 *count += 1;
-                if text.is_empty() && logprob.is_none() && !self.c.return_token_ids {
+                let d = self.split(choice, &text, false);
+                if d.content.is_empty()
+                    && d.reasoning.is_empty()
+                    && logprob.is_none()
+                    && !self.c.return_token_ids
+                {
                     return;
                 }
                 let logprobs = logprob.map(|lp| ChoiceLogprobs {
@@ -317,7 +405,10 @@ impl SseState {
                         index: choice,
                         delta: Delta {
                             role: None,
-                            content: Some(text),
+                            // Content stays present (maybe empty) unless the chunk is reasoning.
+                            content: (!d.content.is_empty() || d.reasoning.is_empty())
+                                .then_some(d.content),
+                            reasoning: (!d.reasoning.is_empty()).then_some(d.reasoning),
                         },
                         logprobs,
                         finish_reason: None,
@@ -343,12 +434,14 @@ impl SseState {
                     None => return self.fail(bad_choice(choice)),
                 }
                 self.completion_tokens[choice] = completion_tokens;
+                let d = self.split(choice, &text, true);
                 let chunk = self.chunk(
                     ChunkChoice {
                         index: choice,
                         delta: Delta {
                             role: None,
-                            content: (!text.is_empty()).then_some(text),
+                            content: (!d.content.is_empty()).then_some(d.content),
+                            reasoning: (!d.reasoning.is_empty()).then_some(d.reasoning),
                         },
                         logprobs: None,
                         finish_reason: Some(finish_json(reason)),
@@ -455,6 +548,10 @@ mod tests {
             logprobs,
             return_token_ids,
             return_tokens_as_token_ids: false,
+            echo: None,
+            reasoning_parser: None,
+            include_reasoning: true,
+            service_tier: None,
         }
     }
 

@@ -7,6 +7,7 @@ pub mod auth;
 pub mod chat;
 pub mod error;
 pub mod extract;
+pub mod extras;
 pub mod prompt;
 pub mod protocol;
 pub mod sampling;
@@ -22,6 +23,7 @@ use axum::routing::{get, post};
 use axum::{middleware, Json, Router};
 
 pub use error::ApiError;
+pub use extras::{NoHook, RequestHook};
 pub use state::{AppState, LoadError, ModelSpec, ServedModel, ServerOptions};
 
 use protocol::{ModelCard, ModelList};

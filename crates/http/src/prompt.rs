@@ -4,9 +4,12 @@
 use std::borrow::Cow;
 
 use temper_engine::TokenLogprob;
-use temper_text::{ChatTemplate, TemplateInput, Tokenizer};
+use temper_text::{
+    ChatTemplate, DecodeOptions, ReasoningParser, TemplateInput, Tokenizer, THINK_START,
+};
 
 use crate::error::ApiError;
+use crate::extras::ReasoningEffort;
 use crate::protocol::{LogprobEntry, TopLogprob};
 use crate::state::ServedModel;
 use crate::validation::PromptParams;
@@ -41,11 +44,11 @@ pub fn chat_prompt(model: &ServedModel, p: &PromptParams) -> Result<Vec<u32>, Ap
     let text = template
         .render(&TemplateInput {
             messages: &p.messages,
-            tools: None,
-            documents: None,
+            tools: p.tools.as_deref(),
+            documents: p.documents.as_deref(),
             add_generation_prompt: p.add_generation_prompt,
             continue_final_message: p.continue_final_message,
-            reasoning_effort: None,
+            reasoning_effort: p.reasoning_effort.map(ReasoningEffort::as_str),
             kwargs: &p.chat_template_kwargs,
         })
         .map_err(|e| ApiError::bad("messages", e.to_string()))?;
@@ -54,6 +57,36 @@ pub fn chat_prompt(model: &ServedModel, p: &PromptParams) -> Result<Vec<u32>, Ap
         prepend_bos(tok, &mut ids);
     }
     Ok(ids)
+}
+
+/// The reasoning parser for this request's output, when the template it renders with writes
+/// `<think>` (the rule the README documents). It starts inside the reasoning when the prompt
+/// itself ends with `<think>` (templates that open the thinking in the generation prompt).
+pub fn reasoning_parser(
+    model: &ServedModel,
+    p: &PromptParams,
+    prompt_ids: &[u32],
+) -> Option<ReasoningParser> {
+    let marks = match &p.chat_template {
+        Some(src) => src.contains(THINK_START),
+        None => model
+            .chat_template
+            .as_ref()
+            .is_some_and(|t| t.marks_thinking()),
+    };
+    if !marks {
+        return None;
+    }
+    // `<think>` is a few tokens at most; decoding a short tail is enough to see it.
+    let tail = &prompt_ids[prompt_ids.len().saturating_sub(16)..];
+    let text = model.tokenizer.decode(
+        tail,
+        DecodeOptions {
+            skip_special_tokens: false,
+            spaces_between_special_tokens: false,
+        },
+    );
+    Some(ReasoningParser::new(text.trim_end().ends_with(THINK_START)))
 }
 
 /// `add_special_tokens`: BOS in front, as Hugging Face tokenizers of these models add it.

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::extras::ServiceTier;
+
 pub type JsonObject = Map<String, Value>;
 
 /// `POST /v1/chat/completions` body as sent. Fields of `interface.md` that are not implemented
@@ -43,6 +45,7 @@ pub struct ChatCompletionRequest {
     pub user: Option<String>,
     pub priority: Option<i64>,
     pub tool_choice: Option<Value>,
+    pub service_tier: Option<String>,
 
     // Not implemented yet: any value other than the default is a 400.
     pub frequency_penalty: Option<f64>,
@@ -138,6 +141,8 @@ pub struct ChatCompletionResponse {
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
     pub system_fingerprint: &'static str,
+    /// The request's `service_tier`, echoed (null when it sent none), as vLLM does.
+    pub service_tier: Option<ServiceTier>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
 }
@@ -157,6 +162,9 @@ pub struct ChatChoice {
 pub struct ResponseMessage {
     pub role: &'static str,
     pub content: String,
+    /// What the reasoning parser split off (models whose template marks thinking).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -251,6 +259,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -279,6 +289,7 @@ pub struct TokenizeRequest {
     pub continue_final_message: Option<bool>,
     pub chat_template: Option<String>,
     pub chat_template_kwargs: Option<JsonObject>,
+    pub tools: Option<Vec<Value>>,
     pub return_token_strs: Option<bool>,
 }
 

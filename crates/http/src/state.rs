@@ -8,6 +8,7 @@ use temper_engine::{Engine, EngineConfig};
 use temper_text::{ChatTemplate, Tokenizer};
 
 use crate::error::ApiError;
+use crate::extras::{NoHook, RequestHook};
 use crate::validation::Limits;
 
 /// One model the server answers for, with its own engine (scheduler thread).
@@ -176,6 +177,8 @@ pub struct ServerOptions {
     /// Most `top_logprobs` per token; `None` = the whole vocabulary may be requested.
     pub max_logprobs: Option<usize>,
     pub max_n: usize,
+    /// Sees every validated chat completion request (extensions; the default does nothing).
+    pub request_hook: Arc<dyn RequestHook>,
 }
 
 impl Default for ServerOptions {
@@ -186,6 +189,7 @@ impl Default for ServerOptions {
             max_body_bytes: 4 * 1024 * 1024,
             max_logprobs: Some(20),
             max_n: 16,
+            request_hook: Arc::new(NoHook),
         }
     }
 }
@@ -255,6 +259,7 @@ impl AppState {
             max_logprobs: self.inner.options.max_logprobs,
             max_n: self.inner.options.max_n,
             trust_request_chat_template: self.inner.options.trust_request_chat_template,
+            max_model_len: model.max_model_len,
         }
     }
 }

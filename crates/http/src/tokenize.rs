@@ -12,7 +12,7 @@ use crate::state::AppState;
 use crate::validation::{convert_messages, request_template, token_ids, PromptParams};
 
 /// `{model, prompt, add_special_tokens=true}` or `{model, messages, add_generation_prompt=true,
-/// continue_final_message, add_special_tokens=false, chat_template, chat_template_kwargs}`.
+/// continue_final_message, add_special_tokens=false, chat_template, chat_template_kwargs, tools}`.
 pub async fn tokenize(
     State(state): State<AppState>,
     ValidJson(req): ValidJson<TokenizeRequest>,
@@ -43,6 +43,10 @@ pub async fn tokenize(
                 chat_template: request_template(req.chat_template, &state.limits(&model))?,
                 chat_template_kwargs: req.chat_template_kwargs.unwrap_or_default(),
                 add_special_tokens: req.add_special_tokens.unwrap_or(false),
+                tools: crate::extras::tools(req.tools)?,
+                // vLLM's chat tokenize request has no `documents` or `reasoning_effort`.
+                documents: None,
+                reasoning_effort: None,
             };
             chat_prompt(&model, &params)?
         }

@@ -2,9 +2,10 @@
 //! naming the field. Nothing downstream re-checks or sees the raw JSON.
 
 use temper_engine::{GenerationRequest, SamplingParams, StopParams};
-use temper_text::{ChatMessage, ContentPart, FunctionCall, MessageContent, ToolCall};
+use temper_text::{ChatMessage, ContentPart, FunctionCall, MessageContent, ToolCall, ToolDef};
 
 use crate::error::ApiError;
+use crate::extras::{self, ReasoningEffort, RequestExtras};
 use crate::protocol::{
     ChatCompletionRequest, JsonObject, MessageContentField, RequestMessage, StopField,
 };
@@ -21,6 +22,7 @@ pub struct Limits {
     pub max_logprobs: Option<usize>,
     pub max_n: usize,
     pub trust_request_chat_template: bool,
+    pub max_model_len: usize,
 }
 
 /// A validated chat completion request.
@@ -41,6 +43,13 @@ pub struct ChatParams {
     pub stream: Option<StreamOptions>,
     pub request_id: Option<String>,
     pub user: Option<String>,
+    /// Keep only this many last prompt tokens.
+    pub truncate_prompt_tokens: Option<usize>,
+    /// Text put in front of every choice's content (`echo` of a continued assistant message).
+    pub echo: Option<String>,
+    /// `false` drops the reasoning parser's `reasoning` from the response.
+    pub include_reasoning: bool,
+    pub extras: RequestExtras,
 }
 
 /// Everything that turns messages into prompt tokens (shared with `/tokenize`).
@@ -54,6 +63,9 @@ pub struct PromptParams {
     pub chat_template_kwargs: JsonObject,
     /// Prepend BOS on top of whatever the template adds.
     pub add_special_tokens: bool,
+    pub tools: Option<Vec<ToolDef>>,
+    pub documents: Option<Vec<JsonObject>>,
+    pub reasoning_effort: Option<ReasoningEffort>,
 }
 
 /// Sampling knobs after defaults and range checks (the engine's `SamplingParams` in our types).
@@ -246,6 +258,21 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         ));
     }
 
+    let tools = extras::tools(req.tools)?;
+    let documents = extras::documents(req.documents)?;
+    let reasoning_effort = extras::reasoning_effort(req.reasoning_effort)?;
+    let truncate_prompt_tokens =
+        extras::truncate_prompt_tokens(req.truncate_prompt_tokens, limits.max_model_len)?;
+    extras::mm_processor_kwargs(req.mm_processor_kwargs.as_ref())?;
+    let echo = extras::echo(req.echo, &messages);
+    let request_extras = RequestExtras {
+        cache_salt: extras::cache_salt(req.cache_salt)?,
+        kv_transfer_params: req.kv_transfer_params,
+        engine_xargs: extras::engine_xargs(req.engine_xargs)?,
+        service_tier: extras::service_tier(req.service_tier)?,
+        parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
+    };
+
     if req.request_id.as_deref() == Some("") {
         return Err(ApiError::bad(
             "request_id",
@@ -261,6 +288,9 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
             chat_template,
             chat_template_kwargs: req.chat_template_kwargs.unwrap_or_default(),
             add_special_tokens: req.add_special_tokens.unwrap_or(false),
+            tools,
+            documents,
+            reasoning_effort,
         },
         n,
         sampling: Sampling {
@@ -285,6 +315,10 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         stream: stream_options,
         request_id: req.request_id,
         user: req.user,
+        truncate_prompt_tokens,
+        echo,
+        include_reasoning: req.include_reasoning.unwrap_or(true),
+        extras: request_extras,
     })
 }
 
@@ -471,8 +505,8 @@ pub fn convert_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>,
 /// Fields of the interface without an implementation yet, each with "was a non-default value
 /// sent". Such a value is a 400, never silently ignored. The README lists the same names (a test
 /// keeps them in sync).
-pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> [(&'static str, bool); 16] {
-    [
+pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> Vec<(&'static str, bool)> {
+    vec![
         (
             "length_penalty",
             req.length_penalty.is_some_and(|v| v != 1.0),
@@ -489,30 +523,8 @@ pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> [(&'static str,
                 .as_ref()
                 .is_some_and(|m| !m.is_empty()),
         ),
-        ("tools", req.tools.is_some()),
-        ("reasoning_effort", req.reasoning_effort.is_some()),
-        ("include_reasoning", req.include_reasoning == Some(false)),
-        (
-            "parallel_tool_calls",
-            req.parallel_tool_calls == Some(false),
-        ),
         ("use_beam_search", req.use_beam_search == Some(true)),
-        (
-            "truncate_prompt_tokens",
-            req.truncate_prompt_tokens.is_some(),
-        ),
         ("prompt_logprobs", req.prompt_logprobs.is_some()),
-        ("echo", req.echo == Some(true)),
-        ("documents", req.documents.is_some()),
-        (
-            "mm_processor_kwargs",
-            req.mm_processor_kwargs
-                .as_ref()
-                .is_some_and(|m| !m.is_empty()),
-        ),
-        ("cache_salt", req.cache_salt.is_some()),
-        ("kv_transfer_params", req.kv_transfer_params.is_some()),
-        ("engine_xargs", req.engine_xargs.is_some()),
     ]
 }
 
@@ -534,6 +546,7 @@ mod tests {
         max_logprobs: Some(20),
         max_n: 8,
         trust_request_chat_template: false,
+        max_model_len: 100,
     };
 
     fn request(extra: Value) -> ChatCompletionRequest {
@@ -795,22 +808,8 @@ mod tests {
             ("length_penalty", json!(0.5)),
             ("response_format", json!({"type": "json_object"})),
             ("structured_outputs", json!({"regex": "a+"})),
-            (
-                "tools",
-                json!([{"type": "function", "function": {"name": "f"}}]),
-            ),
-            ("reasoning_effort", json!("low")),
-            ("include_reasoning", json!(false)),
-            ("parallel_tool_calls", json!(false)),
             ("use_beam_search", json!(true)),
-            ("truncate_prompt_tokens", json!(5)),
             ("prompt_logprobs", json!(1)),
-            ("echo", json!(true)),
-            ("documents", json!([{"title": "t", "text": "x"}])),
-            ("mm_processor_kwargs", json!({"a": 1})),
-            ("cache_salt", json!("salt")),
-            ("kv_transfer_params", json!({})),
-            ("engine_xargs", json!({"a": 1})),
         ];
         let names: Vec<&str> = unsupported_fields(&ChatCompletionRequest::default())
             .iter()
@@ -829,9 +828,8 @@ mod tests {
         ok(json!({
             "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
             "length_penalty": 1, "logit_bias": {}, "response_format": {"type": "text"},
-            "structured_outputs": {}, "include_reasoning": true, "parallel_tool_calls": true,
-            "use_beam_search": false, "min_tokens": 0, "bad_words": [], "echo": false,
-            "mm_processor_kwargs": {}, "return_tokens_as_token_ids": false, "tools": null,
+            "structured_outputs": {}, "use_beam_search": false, "min_tokens": 0, "bad_words": [],
+            "return_tokens_as_token_ids": false,
         }));
     }
 

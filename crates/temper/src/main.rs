@@ -99,6 +99,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             max_body_bytes: cfg.max_body_bytes,
             max_logprobs: cfg.max_logprobs,
             max_n: cfg.max_n,
+            ..ServerOptions::default()
         },
     )
     .map_err(|e| e.to_string())?;

@@ -3,7 +3,8 @@
 //! Rule (the same whole or streamed, so concatenated deltas equal the non-streamed split): output
 //! that begins with `<think>` is reasoning up to `</think>` and content after it; an unclosed
 //! `<think>` makes the rest reasoning (generation stopped while thinking); output that does not
-//! begin with `<think>` is all content.
+//! begin with `<think>` is all content. Templates that open `<think>` in the prompt themselves
+//! (the generation prompt ends with it) start the parser inside the reasoning: `new(true)`.
 
 pub const THINK_START: &str = "<think>";
 pub const THINK_END: &str = "</think>";
@@ -11,13 +12,7 @@ pub const THINK_END: &str = "</think>";
 /// Reasoning and content of one whole output; `reasoning` is `None` when the output has no
 /// `<think>` opener.
 pub fn split_reasoning(text: &str) -> (Option<String>, String) {
-    let mut parser = ReasoningParser::default();
-    let mut first = parser.push(text);
-    let last = parser.finish();
-    first.reasoning.push_str(&last.reasoning);
-    first.content.push_str(&last.content);
-    let reasoning = parser.saw_start.then_some(first.reasoning);
-    (reasoning, first.content)
+    ReasoningParser::default().split(text)
 }
 
 /// What one pushed piece of text turned into (either part may be empty).
@@ -46,6 +41,29 @@ pub struct ReasoningParser {
 }
 
 impl ReasoningParser {
+    /// `opened_by_prompt`: the prompt already ends with `<think>`, so output starts as reasoning.
+    pub fn new(opened_by_prompt: bool) -> Self {
+        if opened_by_prompt {
+            ReasoningParser {
+                state: State::Reasoning,
+                held: String::new(),
+                saw_start: true,
+            }
+        } else {
+            ReasoningParser::default()
+        }
+    }
+
+    /// One whole output: reasoning (`None` without a `<think>` opener) and content.
+    pub fn split(mut self, text: &str) -> (Option<String>, String) {
+        let mut first = self.push(text);
+        let last = self.finish();
+        first.reasoning.push_str(&last.reasoning);
+        first.content.push_str(&last.content);
+        let reasoning = self.saw_start.then_some(first.reasoning);
+        (reasoning, first.content)
+    }
+
     pub fn push(&mut self, text: &str) -> ReasoningDelta {
         self.held.push_str(text);
         let mut out = ReasoningDelta::default();
@@ -169,6 +187,21 @@ mod tests {
         let pieces: Vec<String> = text.chars().map(String::from).collect();
         let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
         assert_eq!(streamed(&refs), (reasoning.unwrap(), content));
+    }
+
+    #[test]
+    fn opened_by_the_prompt() {
+        assert_eq!(
+            ReasoningParser::new(true).split("why</think>so"),
+            (Some("why".into()), "so".into())
+        );
+        assert_eq!(
+            ReasoningParser::new(true).split("still thinking"),
+            (Some("still thinking".into()), String::new())
+        );
+        let mut p = ReasoningParser::new(true);
+        assert_eq!(p.push("a</th").reasoning, "a");
+        assert_eq!(p.push("ink>b").content, "b");
     }
 
     #[test]

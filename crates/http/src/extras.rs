@@ -1,0 +1,359 @@
+//! The prompt- and response-side fields of a chat completion beyond sampling: tools, documents,
+//! reasoning, echo, truncation, and the fields that only extensions act on (`cache_salt`,
+//! `kv_transfer_params`, `engine_xargs`, `service_tier`, …). `validation` calls these checks as
+//! part of its one step; nothing downstream re-checks.
+
+use std::fmt::Debug;
+
+use serde::Serialize;
+use serde_json::Value;
+use temper_text::{ChatMessage, ToolDef};
+
+use crate::error::ApiError;
+use crate::protocol::JsonObject;
+use crate::validation::ChatParams;
+
+/// `reasoning_effort`, handed to the chat template as its string.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningEffort {
+    Low,
+    Medium,
+    High,
+}
+
+impl ReasoningEffort {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReasoningEffort::Low => "low",
+            ReasoningEffort::Medium => "medium",
+            ReasoningEffort::High => "high",
+        }
+    }
+}
+
+/// `service_tier`: recorded and echoed in the response (every tier is served the same way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServiceTier {
+    Auto,
+    Default,
+    Flex,
+    Scale,
+    Priority,
+}
+
+/// Fields no built-in code acts on; a `RequestHook` sees them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestExtras {
+    /// Will key the prefix cache; there is no prefix cache yet, so today it has no other effect.
+    pub cache_salt: Option<String>,
+    pub kv_transfer_params: Option<JsonObject>,
+    /// Values are strings, numbers or lists of them (checked).
+    pub engine_xargs: JsonObject,
+    pub service_tier: Option<ServiceTier>,
+    pub parallel_tool_calls: bool,
+}
+
+/// An extension point: sees every validated chat completion request (with its `engine_xargs` and
+/// `kv_transfer_params`) before it reaches the engine, and may refuse it with an error.
+pub trait RequestHook: Send + Sync + Debug {
+    fn on_request(&self, params: &ChatParams) -> Result<(), ApiError>;
+}
+
+/// The default hook: does nothing.
+#[derive(Debug, Default)]
+pub struct NoHook;
+
+impl RequestHook for NoHook {
+    fn on_request(&self, _: &ChatParams) -> Result<(), ApiError> {
+        Ok(())
+    }
+}
+
+pub fn tools(tools: Option<Vec<Value>>) -> Result<Option<Vec<ToolDef>>, ApiError> {
+    let Some(tools) = tools else { return Ok(None) };
+    if tools.is_empty() {
+        return Err(ApiError::bad(
+            "tools",
+            "`tools` must not be empty: omit it when there are no tools.",
+        ));
+    }
+    tools
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let def: ToolDef = serde_json::from_value(t).map_err(|e| {
+                ApiError::bad(
+                    format!("tools[{i}]"),
+                    format!("A tool is `{{type: \"function\", function: {{name, description?, parameters?, strict?}}}}`: {e}."),
+                )
+            })?;
+            if def.r#type != "function" {
+                return Err(ApiError::bad(
+                    format!("tools[{i}].type"),
+                    "The only tool type is \"function\".",
+                ));
+            }
+            if def.function.name.is_empty() {
+                return Err(ApiError::bad(
+                    format!("tools[{i}].function.name"),
+                    "A function needs a non-empty `name`.",
+                ));
+            }
+            if def.function.parameters.as_ref().is_some_and(|p| !p.is_object()) {
+                return Err(ApiError::bad(
+                    format!("tools[{i}].function.parameters"),
+                    "`parameters` must be a JSON Schema object.",
+                ));
+            }
+            Ok(def)
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+/// vLLM types documents as string-to-string maps (`title`, `text`, …).
+pub fn documents(docs: Option<Vec<JsonObject>>) -> Result<Option<Vec<JsonObject>>, ApiError> {
+    if let Some(docs) = &docs {
+        for (i, doc) in docs.iter().enumerate() {
+            if let Some((key, _)) = doc.iter().find(|(_, v)| !v.is_string()) {
+                return Err(ApiError::bad(
+                    format!("documents[{i}].{key}"),
+                    "Document fields (`title`, `text`, …) must be strings.",
+                ));
+            }
+        }
+    }
+    Ok(docs)
+}
+
+pub fn reasoning_effort(effort: Option<String>) -> Result<Option<ReasoningEffort>, ApiError> {
+    effort
+        .map(|e| match e.as_str() {
+            "low" => Ok(ReasoningEffort::Low),
+            "medium" => Ok(ReasoningEffort::Medium),
+            "high" => Ok(ReasoningEffort::High),
+            other => Err(ApiError::bad(
+                "reasoning_effort",
+                format!("`reasoning_effort` must be low, medium or high, got {other:?}."),
+            )),
+        })
+        .transpose()
+}
+
+pub fn service_tier(tier: Option<String>) -> Result<Option<ServiceTier>, ApiError> {
+    tier.map(|t| match t.as_str() {
+        "auto" => Ok(ServiceTier::Auto),
+        "default" => Ok(ServiceTier::Default),
+        "flex" => Ok(ServiceTier::Flex),
+        "scale" => Ok(ServiceTier::Scale),
+        "priority" => Ok(ServiceTier::Priority),
+        other => Err(ApiError::bad(
+            "service_tier",
+            format!(
+                "`service_tier` must be auto, default, flex, scale or priority, got {other:?}."
+            ),
+        )),
+    })
+    .transpose()
+}
+
+/// Number of last prompt tokens to keep: -1 = the context length. 0 would leave nothing to
+/// continue from, so it is refused like values above the context.
+pub fn truncate_prompt_tokens(
+    k: Option<i64>,
+    max_model_len: usize,
+) -> Result<Option<usize>, ApiError> {
+    match k {
+        None => Ok(None),
+        Some(-1) => Ok(Some(max_model_len)),
+        Some(k) if k >= 1 && k as u64 <= max_model_len as u64 => Ok(Some(k as usize)),
+        Some(k) => Err(ApiError::bad(
+            "truncate_prompt_tokens",
+            format!(
+                "`truncate_prompt_tokens` must be -1 (the context length) or in [1, \
+                 {max_model_len}], got {k}."
+            ),
+        )),
+    }
+}
+
+/// The served models are text-only: multimodal processor options cannot apply.
+pub fn mm_processor_kwargs(kwargs: Option<&JsonObject>) -> Result<(), ApiError> {
+    match kwargs {
+        Some(k) if !k.is_empty() => Err(ApiError::bad(
+            "mm_processor_kwargs",
+            "`mm_processor_kwargs` has no effect on a text-only model: omit it or send {}.",
+        )),
+        _ => Ok(()),
+    }
+}
+
+pub fn cache_salt(salt: Option<String>) -> Result<Option<String>, ApiError> {
+    if salt.as_deref() == Some("") {
+        return Err(ApiError::bad(
+            "cache_salt",
+            "`cache_salt` must not be empty.",
+        ));
+    }
+    Ok(salt)
+}
+
+/// Each value a string, a number, or a list of strings and numbers.
+pub fn engine_xargs(xargs: Option<JsonObject>) -> Result<JsonObject, ApiError> {
+    let xargs = xargs.unwrap_or_default();
+    let scalar = |v: &Value| v.is_string() || v.is_number();
+    for (key, value) in &xargs {
+        let ok = scalar(value) || value.as_array().is_some_and(|a| a.iter().all(scalar));
+        if !ok {
+            return Err(ApiError::bad(
+                format!("engine_xargs.{key}"),
+                "`engine_xargs` values must be strings, numbers or lists of them.",
+            ));
+        }
+    }
+    Ok(xargs)
+}
+
+/// `echo`: the text to put in front of every choice's content: the last message's, when it has
+/// the response's role (a prefill being continued).
+pub fn echo(echo: Option<bool>, messages: &[ChatMessage]) -> Option<String> {
+    if !echo.unwrap_or(false) {
+        return None;
+    }
+    messages.last().filter(|m| m.role == "assistant").map(|m| {
+        m.content
+            .as_ref()
+            .map(|c| c.text().into_owned())
+            .unwrap_or_default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::protocol::ChatCompletionRequest;
+    use crate::validation::{validate_chat, Limits};
+
+    const LIMITS: Limits = Limits {
+        vocab_size: 1000,
+        max_logprobs: Some(20),
+        max_n: 8,
+        trust_request_chat_template: false,
+        max_model_len: 100,
+    };
+
+    fn validate(extra: Value) -> Result<ChatParams, ApiError> {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let req: ChatCompletionRequest = serde_json::from_value(body).unwrap();
+        validate_chat(req, &LIMITS)
+    }
+
+    fn param(extra: Value) -> String {
+        let e = validate(extra.clone()).expect_err(&extra.to_string());
+        serde_json::to_value(e.envelope()).unwrap()["error"]["param"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+
+    #[test]
+    fn prompt_fields_become_typed() {
+        let p = validate(json!({
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "documents": [{"title": "t", "text": "x"}],
+            "reasoning_effort": "medium",
+        }))
+        .unwrap();
+        assert_eq!(p.prompt.tools.as_ref().unwrap()[0].function.name, "f");
+        assert_eq!(p.prompt.documents.as_ref().unwrap()[0]["text"], "x");
+        assert_eq!(p.prompt.reasoning_effort, Some(ReasoningEffort::Medium));
+        let p = validate(json!({})).unwrap();
+        assert!(p.prompt.tools.is_none() && p.prompt.documents.is_none());
+        assert_eq!(p.prompt.reasoning_effort, None);
+        assert_eq!(param(json!({"tools": []})), "tools");
+        assert_eq!(
+            param(json!({"reasoning_effort": "none"})),
+            "reasoning_effort"
+        );
+        assert_eq!(
+            param(json!({"documents": [{"text": ["x"]}]})),
+            "documents[0].text"
+        );
+    }
+
+    #[test]
+    fn truncation_and_echo() {
+        assert_eq!(validate(json!({})).unwrap().truncate_prompt_tokens, None);
+        let p = validate(json!({"truncate_prompt_tokens": -1})).unwrap();
+        assert_eq!(p.truncate_prompt_tokens, Some(100));
+        let p = validate(json!({"truncate_prompt_tokens": 100})).unwrap();
+        assert_eq!(p.truncate_prompt_tokens, Some(100));
+        for k in [101, 0, -2] {
+            assert_eq!(
+                param(json!({"truncate_prompt_tokens": k})),
+                "truncate_prompt_tokens"
+            );
+        }
+        let prefill = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "He"}, {"type": "text", "text": "l"}]}]);
+        let p = validate(json!({"messages": prefill, "echo": true,
+            "continue_final_message": true, "add_generation_prompt": false}))
+        .unwrap();
+        assert_eq!(p.echo.as_deref(), Some("Hel"));
+        assert_eq!(
+            validate(json!({"messages": prefill, "add_generation_prompt": false}))
+                .unwrap()
+                .echo,
+            None
+        );
+        assert_eq!(validate(json!({"echo": true})).unwrap().echo, None);
+    }
+
+    #[test]
+    fn extension_fields() {
+        let p = validate(json!({
+            "cache_salt": "s", "kv_transfer_params": {"a": {"b": 1}},
+            "engine_xargs": {"s": "x", "n": 1.5, "l": ["a", 2]},
+            "service_tier": "priority", "parallel_tool_calls": false,
+            "mm_processor_kwargs": {}, "include_reasoning": false,
+        }))
+        .unwrap();
+        assert_eq!(p.extras.cache_salt.as_deref(), Some("s"));
+        assert_eq!(p.extras.kv_transfer_params.unwrap()["a"]["b"], 1);
+        assert_eq!(p.extras.engine_xargs["l"], json!(["a", 2]));
+        assert_eq!(p.extras.service_tier, Some(ServiceTier::Priority));
+        assert!(!p.extras.parallel_tool_calls && !p.include_reasoning);
+        let d = validate(json!({})).unwrap();
+        assert_eq!(
+            d.extras,
+            RequestExtras {
+                parallel_tool_calls: true,
+                ..RequestExtras::default()
+            }
+        );
+        assert!(d.include_reasoning);
+        assert_eq!(param(json!({"cache_salt": ""})), "cache_salt");
+        assert_eq!(
+            param(json!({"engine_xargs": {"x": null}})),
+            "engine_xargs.x"
+        );
+        assert_eq!(
+            param(json!({"engine_xargs": {"x": [[1]]}})),
+            "engine_xargs.x"
+        );
+        assert_eq!(
+            param(json!({"engine_xargs": {"x": false}})),
+            "engine_xargs.x"
+        );
+        assert_eq!(
+            param(json!({"mm_processor_kwargs": {"a": 1}})),
+            "mm_processor_kwargs"
+        );
+        assert_eq!(param(json!({"service_tier": "fast"})), "service_tier");
+    }
+}
