@@ -390,8 +390,18 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else {
-            self.get_model(team, model_id).await?;
-            return Err(Error::NotFound("checkpoint"));
+            // Checked on this transaction: a second pool connection could wait on this one.
+            let exists: Option<i64> =
+                sqlx::query_scalar("SELECT 1 FROM models WHERE id = ? AND team = ?")
+                    .bind(model_id.to_string())
+                    .bind(team)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            return Err(Error::NotFound(if exists.is_some() {
+                "checkpoint"
+            } else {
+                "model"
+            }));
         };
         let mut latest = checkpoint(&row)?;
         if let serde_json::Value::Object(map) = &mut latest.metrics {

@@ -101,7 +101,7 @@ async fn keys_create_authenticate_revoke() {
         "the grep must see the rows"
     );
     assert!(!contains(&bytes, secret.as_bytes()));
-    assert!(!contains(&bytes, secret[3..].as_bytes()));
+    assert!(!contains(&bytes, &secret.as_bytes()[3..]));
 
     let revoked = store.revoke_key(&key.id).await.unwrap();
     assert!(revoked.revoked);
@@ -625,4 +625,98 @@ async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
         model_id
     );
     store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claims_take_one_job_per_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let mut models = Vec::new();
+    for name in ["a", "b", "c"] {
+        let m = model(&store, "acme", name).await;
+        for _ in 0..2 {
+            store.enqueue_job("acme", m.id, "{}").await.unwrap();
+        }
+        models.push(m.id);
+    }
+    let claims: Vec<_> = (0..6)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim_next_job().await.unwrap() })
+        })
+        .collect();
+    let mut claimed = Vec::new();
+    for c in claims {
+        if let Some(job) = c.await.unwrap() {
+            claimed.push(job.model_id);
+        }
+    }
+    claimed.sort();
+    models.sort();
+    // One running job per model, never two of the same model nor the same job twice.
+    assert_eq!(claimed, models);
+}
+
+/// Set in the child process of `a_killed_process_loses_no_accepted_job`.
+const CHILD_DIR: &str = "TEMPER_STORE_TEST_CHILD_DIR";
+
+/// The child: accepts two jobs, starts one, reports their ids and waits to be killed.
+#[tokio::test]
+#[ignore = "run by a_killed_process_loses_no_accepted_job"]
+async fn crash_child() {
+    let Some(dir) = std::env::var_os(CHILD_DIR) else {
+        return;
+    };
+    let store = Store::open(std::path::Path::new(&dir)).await.unwrap();
+    let m = model(&store, "acme", "agent").await;
+    let running = store
+        .enqueue_job("acme", m.id, r#"{"n": 1}"#)
+        .await
+        .unwrap();
+    let queued = store
+        .enqueue_job("acme", m.id, r#"{"n": 2}"#)
+        .await
+        .unwrap();
+    store.claim_next_job().await.unwrap().unwrap();
+    println!("JOBS {} {}", running.id, queued.id);
+    tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+}
+
+#[test]
+fn a_killed_process_loses_no_accepted_job() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["crash_child", "--exact", "--ignored", "--nocapture"])
+        .env(CHILD_DIR, dir.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let line = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("JOBS "))
+        .expect("the child reports its jobs");
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let ids: Vec<Uuid> = line[5..].split(' ').map(|s| s.parse().unwrap()).collect();
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = open(&dir).await;
+        assert_eq!(store.recover_after_crash().await.unwrap(), vec![ids[0]]);
+        for id in &ids {
+            assert_eq!(
+                store.get_job("acme", *id).await.unwrap().status,
+                JobStatus::Queued
+            );
+        }
+        assert_eq!(store.job_request(ids[1]).await.unwrap(), r#"{"n": 2}"#);
+        assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, ids[0]);
+        store.close().await;
+    });
 }
