@@ -231,3 +231,23 @@ pub(crate) fn page<T>(mut items: Vec<T>, limit: i64) -> Page<T> {
     items.truncate(limit as usize);
     Page { items, has_more }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Migrations are listed by hand in `migrator()`: a new file there must be listed too.
+    #[test]
+    fn every_migration_file_is_embedded() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".sql"))
+            .collect();
+        files.sort();
+        let embedded: Vec<String> = super::migrator()
+            .iter()
+            .map(|m| format!("{:04}_{}.sql", m.version, m.description))
+            .collect();
+        assert_eq!(files, embedded);
+    }
+}
