@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use common::{check_stream, options, TestServer};
 use serde_json::{json, Value};
+use temper_http::extras::{RequestExtras, ServiceTier};
 use temper_http::validation::ChatParams;
 use temper_http::{ApiError, RequestHook, ServerOptions};
 
@@ -265,7 +266,7 @@ async fn reasoning_is_split_off_when_the_template_thinks() {
 
 #[derive(Debug, Default)]
 struct Recorder {
-    seen: Mutex<Vec<(Value, Option<Value>, Option<String>)>>,
+    seen: Mutex<Vec<RequestExtras>>,
 }
 
 impl RequestHook for Recorder {
@@ -273,11 +274,7 @@ impl RequestHook for Recorder {
         if params.extras.engine_xargs.contains_key("refuse") {
             return Err(ApiError::bad("engine_xargs.refuse", "refused by the hook"));
         }
-        self.seen.lock().unwrap().push((
-            Value::Object(params.extras.engine_xargs.clone()),
-            params.extras.kv_transfer_params.clone().map(Value::Object),
-            params.extras.cache_salt.clone(),
-        ));
+        self.seen.lock().unwrap().push(params.extras.clone());
         Ok(())
     }
 }
@@ -305,14 +302,18 @@ async fn a_registered_hook_sees_the_extension_fields() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["service_tier"], "flex");
     assert!(v.get("kv_transfer_params").is_none());
-    assert_eq!(
-        hook.seen.lock().unwrap().as_slice(),
-        [(
-            xargs,
-            Some(json!({"remote": "h:1"})),
-            Some("s3cret".to_owned())
-        )]
-    );
+    {
+        let seen = hook.seen.lock().unwrap();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(Value::Object(seen[0].engine_xargs.clone()), xargs);
+        assert_eq!(
+            seen[0].kv_transfer_params.clone().map(Value::Object),
+            Some(json!({"remote": "h:1"}))
+        );
+        assert_eq!(seen[0].cache_salt.as_deref(), Some("s3cret"));
+        assert_eq!(seen[0].service_tier, Some(ServiceTier::Flex));
+        assert!(!seen[0].parallel_tool_calls);
+    }
     let (status, v) = s
         .chat(&json!({"messages": [{"role": "user", "content": "hi"}],
             "engine_xargs": {"refuse": 1}}))
