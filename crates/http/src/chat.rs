@@ -750,4 +750,49 @@ mod tests {
         assert_eq!(entry["top_logprobs"][1]["logprob"], -9999.0);
         assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
     }
+
+    #[test]
+    fn stream_splits_reasoning_and_echoes_after_the_role_chunks() {
+        let c = Completion {
+            echo: Some("Pre".into()),
+            reasoning_parser: Some(ReasoningParser::default()),
+            ..completion(2, false, false)
+        };
+        let out = run(
+            c,
+            StreamOptions::default(),
+            vec![
+                Some(token(0, 10, "<th")),
+                Some(token(0, 11, "ink>a</thi")),
+                Some(token(0, 12, "nk>b")),
+                Some(finished(0, FinishReason::Stop, None, 3)),
+                Some(token(1, 13, "plain")),
+                Some(finished(1, FinishReason::Length, None, 1)),
+            ],
+        );
+        let deltas: Vec<(u64, Value)> = out[..out.len() - 1]
+            .iter()
+            .map(|e| {
+                (
+                    e["choices"][0]["index"].as_u64().unwrap(),
+                    e["choices"][0]["delta"].clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            deltas,
+            [
+                (0, json!({"role": "assistant", "content": ""})),
+                (1, json!({"role": "assistant", "content": ""})),
+                (0, json!({"content": "Pre"})),
+                (1, json!({"content": "Pre"})),
+                // "<th" is held back: only "<think>" or not can decide; the chunk is skipped.
+                (0, json!({"reasoning": "a"})),
+                (0, json!({"content": "b"})),
+                (0, json!({})),
+                (1, json!({"content": "plain"})),
+                (1, json!({})),
+            ]
+        );
+    }
 }
