@@ -14,11 +14,17 @@ use crate::state::AppState;
 pub const PROJECT_HEADER: &str = "openai-project";
 const REQUEST_ID_HEADER: &str = "x-request-id";
 
+/// The team of keys given on the command line (`--api-key`), and of every request when the
+/// server needs no key.
+pub const DEFAULT_TEAM: &str = "default";
+
 /// Per-request facts that handlers need, set by the middleware.
 #[derive(Debug, Clone)]
 pub struct RequestContext {
     pub request_id: String,
     pub project: Option<Project>,
+    /// The team the key belongs to: what the request may see of models, checkpoints and jobs.
+    pub team: String,
 }
 
 /// `OpenAI-Project: <team>/<project>`: usage attribution.
@@ -72,6 +78,7 @@ pub async fn request_context(mut req: Request, next: Next) -> Response {
     req.extensions_mut().insert(RequestContext {
         request_id: request_id.clone(),
         project: None,
+        team: DEFAULT_TEAM.to_owned(),
     });
     let start = Instant::now();
     let mut response = next.run(req).instrument(span.clone()).await;
@@ -94,7 +101,8 @@ pub async fn authorize(
     mut req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    check_key(req.headers(), &state.options().api_keys)?;
+    let team = authenticate(&state, req.headers()).await?;
+    tracing::Span::current().record("team", team.as_str());
     let project = match req.headers().get(PROJECT_HEADER) {
         None => None,
         Some(v) => Some(Project::parse(v.to_str().map_err(|_| {
@@ -102,39 +110,61 @@ pub async fn authorize(
         })?)?),
     };
     if let Some(p) = &project {
-        let span = tracing::Span::current();
-        span.record("team", p.team.as_str());
-        span.record("project", p.project.as_str());
+        tracing::Span::current().record("project", p.project.as_str());
     }
     if let Some(ctx) = req.extensions_mut().get_mut::<RequestContext>() {
         ctx.project = project;
+        ctx.team = team;
     }
     Ok(next.run(req).await)
 }
 
-fn check_key(headers: &HeaderMap, keys: &[String]) -> Result<(), ApiError> {
-    if keys.is_empty() {
-        return Ok(());
+/// The team a request acts for. Keys given on the command line belong to `default`; any other
+/// key is looked up in the store on every request, so keys created or revoked while the server
+/// runs take effect at once. A request without a valid key is refused unless the server needs
+/// none: no command-line key, `require_key` off and no active key in the store.
+async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<String, ApiError> {
+    let options = state.options();
+    let store = state.training().map(|t| &t.store);
+    let presented = bearer(headers);
+    if let Some(key) = presented {
+        if matches_any(&options.api_keys, key) {
+            return Ok(DEFAULT_TEAM.to_owned());
+        }
+        if let Some(store) = store {
+            if let Some(team) = store.authenticate(key).await? {
+                return Ok(team.name);
+            }
+        }
     }
-    let presented = headers
+    let open = options.api_keys.is_empty()
+        && !options.require_key
+        && match store {
+            Some(store) => !store.has_active_keys().await?,
+            None => true,
+        };
+    match (open, presented) {
+        (true, _) => Ok(DEFAULT_TEAM.to_owned()),
+        (false, None) => Err(ApiError::Unauthorized(
+            "Missing API key: send `Authorization: Bearer <key>`.".to_owned(),
+        )),
+        (false, Some(_)) => Err(ApiError::Unauthorized("Invalid API key.".to_owned())),
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    let Some(presented) = presented else {
-        return Err(ApiError::Unauthorized(
-            "Missing API key: send `Authorization: Bearer <key>`.".to_owned(),
-        ));
-    };
-    // Compare against every key without early exit so timing does not reveal a prefix match.
-    let ok = keys.iter().fold(false, |acc, k| {
+        .map(str::trim)
+}
+
+/// Compares against every key without early exit so timing does not reveal a prefix match.
+fn matches_any(keys: &[String], presented: &str) -> bool {
+    keys.iter().fold(false, |acc, k| {
         acc | ct_eq(k.as_bytes(), presented.as_bytes())
-    });
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::Unauthorized("Invalid API key.".to_owned()))
-    }
+    })
 }
 
 fn ct_eq(a: &[u8], b: &[u8]) -> bool {
@@ -183,8 +213,9 @@ mod tests {
     #[test]
     fn bearer_keys() {
         let keys = vec!["k1".to_owned(), "secret-2".to_owned()];
-        assert!(check_key(&headers(Some("Bearer k1")), &keys).is_ok());
-        assert!(check_key(&headers(Some("Bearer secret-2")), &keys).is_ok());
+        let ok = |auth| bearer(&headers(auth)).is_some_and(|k| matches_any(&keys, k));
+        assert!(ok(Some("Bearer k1")));
+        assert!(ok(Some("Bearer secret-2")));
         for bad in [
             None,
             Some("Bearer k"),
@@ -192,10 +223,7 @@ mod tests {
             Some("k1"),
             Some("Basic k1"),
         ] {
-            let e = check_key(&headers(bad), &keys).unwrap_err();
-            assert_eq!(e.status().as_u16(), 401);
+            assert!(!ok(bad), "{bad:?}");
         }
-        // No keys configured: open (the binary allows that only on loopback).
-        assert!(check_key(&headers(None), &[]).is_ok());
     }
 }

@@ -26,6 +26,7 @@ use crate::protocol::{
     ChunkChoice, Delta, FinishReasonJson, LogprobEntry, ResponseMessage, StopReasonJson, Usage,
 };
 use crate::state::{unix_now, AppState};
+use crate::training::resolve_model;
 use crate::validation::{validate_chat, StreamOptions};
 
 pub const SYSTEM_FINGERPRINT: &str = concat!("temper-", env!("CARGO_PKG_VERSION"));
@@ -57,7 +58,8 @@ pub async fn chat_completions(
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
-    let model = state.model(req.model.as_deref())?;
+    let resolved = resolve_model(&state, req.model.as_deref(), &ctx.team).await?;
+    let model = resolved.base.clone();
     let params = validate_chat(req, &state.limits(&model))?;
     let request_id = params
         .request_id
@@ -72,7 +74,7 @@ pub async fn chat_completions(
         params.generation_request(request_id.clone(), prompt_ids.clone(), model.max_model_len)?;
     tracing::info!(
         completion_id = %request_id,
-        model = %model.name,
+        model = %resolved.name,
         prompt_tokens = prompt_ids.len(),
         max_tokens = generation.stopping.max_tokens,
         n = params.n,
@@ -87,7 +89,7 @@ pub async fn chat_completions(
     let completion = Completion {
         id: format!("chatcmpl-{request_id}"),
         created: unix_now(),
-        model: model.name.clone(),
+        model: resolved.name,
         tokenizer: model.tokenizer.clone(),
         prompt_ids,
         n: params.n,

@@ -19,6 +19,9 @@ pub enum ApiError {
     ModelNotFound(String),
     #[error("{0}")]
     NotFound(String),
+    /// A name that is taken, or a state change the resource's state forbids.
+    #[error("{0}")]
+    Conflict(String),
     #[error("Method {0} is not allowed on this path.")]
     MethodNotAllowed(String),
     #[error("The request body is larger than the limit of {0} bytes.")]
@@ -60,6 +63,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::RequestTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ServiceUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -72,6 +76,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => "AuthenticationError",
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => "NotFoundError",
             ApiError::MethodNotAllowed(_) => "MethodNotAllowedError",
+            ApiError::Conflict(_) => "ConflictError",
             ApiError::RequestTooLarge(_) => "RequestTooLargeError",
             ApiError::ServiceUnavailable(_) => "ServiceUnavailableError",
             ApiError::Internal(_) => "InternalServerError",
@@ -140,6 +145,23 @@ impl From<temper_engine::EngineError> for ApiError {
     }
 }
 
+impl From<temper_store::Error> for ApiError {
+    fn from(e: temper_store::Error) -> Self {
+        use temper_store::Error as E;
+        match e {
+            // The store treats another team's rows as missing: the 404 leaks nothing.
+            E::NotFound(what) => ApiError::NotFound(format!("The {what} does not exist.")),
+            E::Invalid { field, reason } => ApiError::bad(field, format!("Invalid `{field}`: {reason}.")),
+            E::ModelExists { .. } | E::CheckpointExists { .. } | E::JobState { .. } => {
+                ApiError::Conflict(format!("{e}."))
+            }
+            E::DataDir { .. } | E::Db(_) | E::Migrate(_) | E::Random(_) | E::Corrupt(_) => {
+                ApiError::Internal(format!("The store failed: {e}"))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +200,12 @@ mod tests {
                 ApiError::MethodNotAllowed("PUT".into()),
                 405,
                 "MethodNotAllowedError",
+                None,
+            ),
+            (
+                ApiError::Conflict("c".into()),
+                409,
+                "ConflictError",
                 None,
             ),
             (

@@ -2,7 +2,8 @@
 //! wrong field type a 400 naming the field's path, an oversized body a 413.
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Query, Request};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap};
 use serde::de::DeserializeOwned;
 
@@ -10,6 +11,11 @@ use crate::error::ApiError;
 use crate::state::AppState;
 
 pub struct ValidJson<T>(pub T);
+
+/// The body limit a route group sets (with axum's `DefaultBodyLimit`), so a 413 names it;
+/// without it the server-wide `max_body_bytes` applies.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
 
 impl<T: DeserializeOwned> FromRequest<AppState> for ValidJson<T> {
     type Rejection = ApiError;
@@ -20,14 +26,31 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ValidJson<T> {
                 "Expected a JSON body with `Content-Type: application/json`.",
             ));
         }
+        let limit = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map_or(state.options().max_body_bytes, |l| l.0);
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::RequestTooLarge(state.options().max_body_bytes)
+                ApiError::RequestTooLarge(limit)
             } else {
                 ApiError::bad_body(e.body_text())
             }
         })?;
         parse_json(&bytes).map(ValidJson)
+    }
+}
+
+/// A query string with errors in the envelope (an unknown or repeated parameter is a 400).
+pub struct ValidQuery<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ValidQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        Query::<T>::try_from_uri(&parts.uri)
+            .map(|Query(q)| ValidQuery(q))
+            .map_err(|e| ApiError::bad_body(format!("Invalid query string: {}", e.body_text())))
     }
 }
 

@@ -13,6 +13,7 @@ pub mod protocol;
 pub mod sampling;
 pub mod state;
 pub mod tokenize;
+pub mod training;
 pub mod validation;
 
 use std::future::Future;
@@ -20,11 +21,12 @@ use std::future::Future;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
-use axum::{middleware, Json, Router};
+use axum::{middleware, Extension, Json, Router};
 
 pub use error::ApiError;
 pub use extras::{NoHook, RequestHook};
 pub use state::{AppState, LoadError, ModelSpec, ServedModel, ServerOptions};
+pub use training::{Training, TrainingOptions};
 
 use protocol::{ModelCard, ModelList};
 
@@ -36,6 +38,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(list_models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
+        .merge(training_routes(&state))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::authorize,
@@ -48,6 +51,36 @@ pub fn router(state: AppState) -> Router {
         .layer(DefaultBodyLimit::max(state.options().max_body_bytes))
         .layer(middleware::from_fn(auth::request_context))
         .with_state(state)
+}
+
+/// training.md's preview API, with its own (larger) body limit.
+fn training_routes(state: &AppState) -> Router<AppState> {
+    use training::routes as r;
+    let limit = state
+        .training()
+        .map_or(state.options().max_body_bytes, |t| t.options.max_body_bytes);
+    Router::new()
+        .route(
+            "/v1/preview/models",
+            post(r::create_model).get(r::list_models),
+        )
+        .route(
+            "/v1/preview/models/{id}",
+            get(r::get_model).delete(r::delete_model),
+        )
+        .route(
+            "/v1/preview/models/{id}/checkpoints",
+            get(r::list_checkpoints).delete(r::delete_checkpoints),
+        )
+        .route(
+            "/v1/preview/training-jobs",
+            get(r::list_jobs),
+        )
+        .route("/v1/preview/training-jobs/{id}", get(r::get_job))
+        .route("/v1/preview/training-jobs/{id}/events", get(r::list_events))
+        .route("/v1/preview/training-jobs/{id}/cancel", post(r::cancel_job))
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(Extension(extract::BodyLimit(limit)))
 }
 
 /// Serves `router(state)` on `listener` until `shutdown` resolves; in-flight requests finish.
@@ -65,21 +98,73 @@ async fn health() -> StatusCode {
     StatusCode::OK
 }
 
-async fn list_models(State(state): State<AppState>) -> Json<ModelList> {
-    Json(ModelList {
-        object: "list",
-        data: state
-            .models()
-            .iter()
-            .map(|m| ModelCard {
-                id: m.name.clone(),
+/// The base models, then the team's trained models: each under its bare name (the latest
+/// checkpoint) and each checkpoint as `…:step<N>`, with `parent` naming the base model.
+async fn list_models(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<auth::RequestContext>,
+) -> Result<Json<ModelList>, ApiError> {
+    let mut data: Vec<ModelCard> = state
+        .models()
+        .iter()
+        .map(|m| ModelCard {
+            id: m.name.clone(),
+            object: "model",
+            created: state.started(),
+            owned_by: "temper".to_owned(),
+            max_model_len: m.max_model_len,
+            parent: None,
+        })
+        .collect();
+    if let Some(training) = state.training() {
+        for model in training.store.list_models(&ctx.team).await? {
+            let Ok(base) = state.model(Some(&model.base_model)) else {
+                continue;
+            };
+            let card = |id: String, created: i64| ModelCard {
+                id,
                 object: "model",
-                created: state.started(),
-                owned_by: "temper",
-                max_model_len: m.max_model_len,
-            })
-            .collect(),
-    })
+                created: u64::try_from(created).unwrap_or(0),
+                owned_by: model.team.clone(),
+                max_model_len: base.max_model_len,
+                parent: Some(model.base_model.clone()),
+            };
+            data.push(card(
+                format!("{}/{}/{}", model.team, model.project, model.name),
+                model.created_at,
+            ));
+            let mut after = None;
+            loop {
+                let page = training
+                    .store
+                    .list_checkpoints(
+                        &ctx.team,
+                        model.id,
+                        after,
+                        temper_store::MAX_LIMIT,
+                        temper_store::Order::Asc,
+                    )
+                    .await?;
+                after = page.items.last().map(|c| c.id);
+                for c in &page.items {
+                    let id = training::names::checkpoint_name(
+                        &model.team,
+                        &model.project,
+                        &model.name,
+                        c.step,
+                    );
+                    data.push(card(id, c.created_at));
+                }
+                if !page.has_more {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(Json(ModelList {
+        object: "list",
+        data,
+    }))
 }
 
 async fn not_found(req: Request) -> ApiError {

@@ -275,8 +275,11 @@ pub struct ModelCard {
     pub id: String,
     pub object: &'static str,
     pub created: u64,
-    pub owned_by: &'static str,
+    pub owned_by: String,
     pub max_model_len: usize,
+    /// A trained model's base model (vLLM lists LoRA adapters so).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 /// `POST /tokenize`: vLLM's completion form (`prompt`) or chat form (`messages`).

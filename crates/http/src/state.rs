@@ -5,15 +5,19 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use temper_engine::{Engine, EngineConfig};
+use temper_model::Gemma3;
 use temper_text::{ChatTemplate, Tokenizer};
 
 use crate::error::ApiError;
 use crate::extras::{NoHook, RequestHook};
+use crate::training::Training;
 use crate::validation::Limits;
 
 /// One model the server answers for, with its own engine (scheduler thread).
 pub struct ServedModel {
     pub name: String,
+    /// The weights the engine serves, shared with the trainer (read-only).
+    pub model: Arc<Gemma3>,
     pub engine: Engine,
     pub tokenizer: Arc<Tokenizer>,
     /// `None` when neither the operator, the file nor the architecture gives one: such a model
@@ -141,8 +145,9 @@ impl ServedModel {
             None => context,
         };
         let tokenizer = Arc::new(tokenizer);
+        let model = Arc::new(loaded.model);
         let engine = Engine::start(
-            Arc::new(loaded.model),
+            model.clone(),
             tokenizer.clone(),
             EngineConfig {
                 max_batch_tokens: spec.max_batch_tokens,
@@ -152,6 +157,7 @@ impl ServedModel {
         );
         Ok(ServedModel {
             name,
+            model,
             engine,
             tokenizer,
             chat_template,
@@ -170,8 +176,12 @@ fn read_template(path: &Path) -> Result<String, LoadError> {
 /// Server-wide settings that shape request handling.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
-    /// Accepted bearer keys; empty = no authentication (the binary only allows that on loopback).
+    /// Bearer keys of team `default`. With none here and no active key in the store, requests
+    /// need no key (the binary only allows that on loopback).
     pub api_keys: Vec<String>,
+    /// Ask every request for a key even when none is configured (the binary sets it when it
+    /// binds a non-loopback address, so revoking the last store key never opens the server).
+    pub require_key: bool,
     pub trust_request_chat_template: bool,
     pub max_body_bytes: usize,
     /// Most `top_logprobs` per token; `None` = the whole vocabulary may be requested.
@@ -185,6 +195,7 @@ impl Default for ServerOptions {
     fn default() -> Self {
         ServerOptions {
             api_keys: Vec::new(),
+            require_key: false,
             trust_request_chat_template: false,
             max_body_bytes: 4 * 1024 * 1024,
             max_logprobs: Some(20),
@@ -204,12 +215,32 @@ struct Inner {
     /// In order of configuration; the first answers requests that name no model.
     models: Vec<Arc<ServedModel>>,
     options: ServerOptions,
+    /// The training service (store, worker, trained models); `None` serves base models only.
+    training: Option<Arc<Training>>,
     /// Reported as every model's `created`.
     started: u64,
 }
 
 impl AppState {
+    /// Base models only: no store, no training API.
     pub fn new(models: Vec<ServedModel>, options: ServerOptions) -> Result<Self, LoadError> {
+        Self::build(models, options, None)
+    }
+
+    /// Base models plus the training service over `training`'s store.
+    pub fn with_training(
+        models: Vec<ServedModel>,
+        options: ServerOptions,
+        training: Training,
+    ) -> Result<Self, LoadError> {
+        Self::build(models, options, Some(Arc::new(training)))
+    }
+
+    fn build(
+        models: Vec<ServedModel>,
+        options: ServerOptions,
+        training: Option<Arc<Training>>,
+    ) -> Result<Self, LoadError> {
         if models.is_empty() {
             return Err(LoadError::NoModels);
         }
@@ -222,6 +253,7 @@ impl AppState {
             inner: Arc::new(Inner {
                 models: models.into_iter().map(Arc::new).collect(),
                 options,
+                training,
                 started: unix_now(),
             }),
         })
@@ -237,6 +269,19 @@ impl AppState {
 
     pub fn started(&self) -> u64 {
         self.inner.started
+    }
+
+    pub fn training(&self) -> Option<&Arc<Training>> {
+        self.inner.training.as_ref()
+    }
+
+    /// The training service, or a 503 saying the server runs without one.
+    pub fn require_training(&self) -> Result<&Arc<Training>, ApiError> {
+        self.training().ok_or_else(|| {
+            ApiError::ServiceUnavailable(
+                "This server runs without a store: the training API is off.".to_owned(),
+            )
+        })
     }
 
     /// The model a request names; as in vLLM, a request without `model` gets the first one.

@@ -1,10 +1,12 @@
 //! vLLM's `POST /tokenize` and `POST /detokenize`.
 
 use axum::extract::State;
-use axum::Json;
+use axum::{Extension, Json};
 use temper_text::DecodeOptions;
 
+use crate::auth::RequestContext;
 use crate::error::ApiError;
+use crate::training::resolve_model;
 use crate::extract::ValidJson;
 use crate::prompt::{chat_prompt, prepend_bos, token_text};
 use crate::protocol::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
@@ -15,9 +17,11 @@ use crate::validation::{convert_messages, request_template, token_ids, PromptPar
 /// continue_final_message, add_special_tokens=false, chat_template, chat_template_kwargs, tools}`.
 pub async fn tokenize(
     State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
-    let model = state.model(req.model.as_deref())?;
+    // A trained model's name tokenizes as its base model.
+    let model = resolve_model(&state, req.model.as_deref(), &ctx.team).await?.base;
     let tok = &model.tokenizer;
     let tokens = match (req.prompt, req.messages) {
         (Some(prompt), None) => {
@@ -70,9 +74,10 @@ pub async fn tokenize(
 
 pub async fn detokenize(
     State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<DetokenizeRequest>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
-    let model = state.model(req.model.as_deref())?;
+    let model = resolve_model(&state, req.model.as_deref(), &ctx.team).await?.base;
     let ids = token_ids("tokens", req.tokens, model.tokenizer.vocab_size())?;
     // vLLM decodes with special tokens kept, so a round trip of /tokenize output is exact.
     let prompt = model.tokenizer.decode(

@@ -462,7 +462,7 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         let data = serde_json::json!({
-            "message": "the server restarted while this job was running; it is re-run from its start"
+            "message": "the server restarted while this job was running: its partial weights are discarded and it is re-run from its start"
         });
         for id in &ids {
             insert_event(&mut tx, id, event::TRAINING_REQUEUED, &data, at).await?;

@@ -83,6 +83,15 @@ impl Store {
         Ok(team.map(|name| Team { name }))
     }
 
+    /// Whether any unrevoked key exists (then the server asks every request for one).
+    pub async fn has_active_keys(&self) -> Result<bool> {
+        let any: Option<i64> =
+            sqlx::query_scalar("SELECT 1 FROM api_keys WHERE revoked_at IS NULL LIMIT 1")
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(any.is_some())
+    }
+
     /// Keys, oldest first: all of them, or one team's.
     pub async fn list_keys(&self, team: Option<&str>) -> Result<Vec<KeyInfo>> {
         let rows = sqlx::query(

@@ -59,7 +59,9 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 async fn keys_create_authenticate_revoke() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(&dir).await;
+    assert!(!store.has_active_keys().await.unwrap());
     let (key, secret) = store.create_key("acme").await.unwrap();
+    assert!(store.has_active_keys().await.unwrap());
     let (other, other_secret) = store.create_key("globex").await.unwrap();
     assert_eq!(other.team, "globex");
     assert!(
@@ -108,6 +110,9 @@ async fn keys_create_authenticate_revoke() {
     assert_eq!(store.authenticate(&secret).await.unwrap(), None);
     assert!(store.authenticate(&other_secret).await.unwrap().is_some());
     assert!(store.list_keys(Some("acme")).await.unwrap()[0].revoked);
+    assert!(store.has_active_keys().await.unwrap());
+    store.revoke_key(&other.id).await.unwrap();
+    assert!(!store.has_active_keys().await.unwrap());
     // Revoking again is harmless; an unknown id is not found.
     assert!(store.revoke_key(&key.id).await.unwrap().revoked);
     assert!(matches!(

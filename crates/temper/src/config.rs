@@ -74,6 +74,22 @@ pub struct ServeArgs {
     /// Most tokens per batched forward step [default: the engine's].
     #[arg(long, env = "TEMPER_MAX_BATCH_TOKENS", value_name = "N")]
     pub max_batch_tokens: Option<usize>,
+    /// Largest accepted body of the training API (/v1/preview/*) [default: 67108864].
+    #[arg(long, env = "TEMPER_MAX_TRAINING_BODY_BYTES", value_name = "BYTES")]
+    pub max_training_body_bytes: Option<usize>,
+    /// Memory for loaded LoRA adapters of trained checkpoints; the least recently used are
+    /// evicted past it [default: 256].
+    #[arg(long, env = "TEMPER_ADAPTER_CACHE_MB", value_name = "MB")]
+    pub adapter_cache_mb: Option<usize>,
+    /// LoRA rank of trained adapters [default: 8].
+    #[arg(long, env = "TEMPER_LORA_RANK", value_name = "R")]
+    pub lora_rank: Option<usize>,
+    /// LoRA alpha (the update is scaled by alpha / rank) [default: 16].
+    #[arg(long, env = "TEMPER_LORA_ALPHA", value_name = "ALPHA")]
+    pub lora_alpha: Option<f32>,
+    /// Longest packed training sequence in tokens [default: 2048].
+    #[arg(long, env = "TEMPER_MAX_TRAIN_SEQ_LEN", value_name = "N")]
+    pub max_train_seq_len: Option<usize>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -93,6 +109,11 @@ pub struct FileConfig {
     pub max_n: Option<usize>,
     pub max_running: Option<usize>,
     pub max_batch_tokens: Option<usize>,
+    pub max_training_body_bytes: Option<usize>,
+    pub adapter_cache_mb: Option<usize>,
+    pub lora_rank: Option<usize>,
+    pub lora_alpha: Option<f32>,
+    pub max_train_seq_len: Option<usize>,
 }
 
 /// The resolved configuration of `temper serve`.
@@ -112,6 +133,11 @@ pub struct Config {
     pub max_n: usize,
     pub max_running: Option<usize>,
     pub max_batch_tokens: Option<usize>,
+    pub max_training_body_bytes: usize,
+    pub adapter_cache_bytes: usize,
+    pub lora_rank: usize,
+    pub lora_alpha: f32,
+    pub max_train_seq_len: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -132,6 +158,8 @@ pub enum ConfigError {
     MaxLogprobs(i64),
     #[error("{0} must be at least 1")]
     Zero(&'static str),
+    #[error("--lora-alpha must be a positive number, got {0}")]
+    LoraAlpha(f32),
 }
 
 pub use temper_model::paths::temper_home;
@@ -195,6 +223,26 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
     if max_body_bytes == 0 {
         return Err(ConfigError::Zero("--max-body-bytes"));
     }
+    let positive = |v: Option<usize>, default: usize, name: &'static str| match v.unwrap_or(default) {
+        0 => Err(ConfigError::Zero(name)),
+        n => Ok(n),
+    };
+    let max_training_body_bytes = positive(
+        args.max_training_body_bytes.or(file.max_training_body_bytes),
+        64 << 20,
+        "--max-training-body-bytes",
+    )?;
+    let lora_rank = positive(args.lora_rank.or(file.lora_rank), 8, "--lora-rank")?;
+    let max_train_seq_len = positive(
+        args.max_train_seq_len.or(file.max_train_seq_len),
+        2048,
+        "--max-train-seq-len",
+    )?;
+    let lora_alpha = args.lora_alpha.or(file.lora_alpha).unwrap_or(16.0);
+    if !(lora_alpha.is_finite() && lora_alpha > 0.0) {
+        return Err(ConfigError::LoraAlpha(lora_alpha));
+    }
+    let adapter_cache_mb = args.adapter_cache_mb.or(file.adapter_cache_mb).unwrap_or(256);
     Ok(Config {
         host: args
             .host
@@ -222,6 +270,11 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         max_n,
         max_running: args.max_running.or(file.max_running),
         max_batch_tokens: args.max_batch_tokens.or(file.max_batch_tokens),
+        max_training_body_bytes,
+        adapter_cache_bytes: adapter_cache_mb << 20,
+        lora_rank,
+        lora_alpha,
+        max_train_seq_len,
     })
 }
 
@@ -264,6 +317,36 @@ mod tests {
         assert!(!c.trust_request_chat_template);
         assert_eq!(c.max_logprobs, Some(20));
         assert_eq!(c.max_body_bytes, 4 << 20);
+        assert_eq!(c.max_training_body_bytes, 64 << 20);
+        assert_eq!(c.adapter_cache_bytes, 256 << 20);
+        assert_eq!((c.lora_rank, c.lora_alpha), (8, 16.0));
+        assert_eq!(c.max_train_seq_len, 2048);
+    }
+
+    #[test]
+    fn training_settings() {
+        let file: FileConfig = toml::from_str(
+            r#"
+            adapter_cache_mb = 8
+            lora_rank = 4
+            lora_alpha = 8.0
+            max_train_seq_len = 512
+            max_training_body_bytes = 1000
+            "#,
+        )
+        .unwrap();
+        let c = resolve(args(&["--lora-rank", "16"]), file, &home()).unwrap();
+        assert_eq!(c.adapter_cache_bytes, 8 << 20);
+        assert_eq!((c.lora_rank, c.lora_alpha), (16, 8.0));
+        assert_eq!(c.max_train_seq_len, 512);
+        assert_eq!(c.max_training_body_bytes, 1000);
+        for bad in [
+            &["--lora-rank", "0"][..],
+            &["--lora-alpha", "-1"],
+            &["--max-train-seq-len", "0"],
+        ] {
+            assert!(resolve(args(bad), FileConfig::default(), &home()).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use temper_http::{AppState, ModelSpec, ServedModel, ServerOptions};
+use temper_http::{AppState, ModelSpec, ServedModel, ServerOptions, Training, TrainingOptions};
 
 use config::{Config, ServeArgs};
 
@@ -63,10 +63,25 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         None => config::FileConfig::default(),
     };
     let cfg = config::resolve(args, file, &config::temper_home()).map_err(|e| e.to_string())?;
-    let addrs = bind_addresses(&cfg)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting the runtime: {e}"))?;
+    let training = runtime
+        .block_on(Training::open(TrainingOptions {
+            data_dir: cfg.data_dir.clone(),
+            max_body_bytes: cfg.max_training_body_bytes,
+            adapter_cache_bytes: cfg.adapter_cache_bytes,
+            lora_rank: cfg.lora_rank,
+            lora_alpha: cfg.lora_alpha,
+            max_seq_len: cfg.max_train_seq_len,
+        }))
+        .map_err(|e| format!("opening the store in {}: {e}", cfg.data_dir.display()))?;
+    let store_keys = runtime
+        .block_on(training.store.has_active_keys())
+        .map_err(|e| format!("reading the store's keys: {e}"))?;
+    let addrs = bind_addresses(&cfg, store_keys)?;
 
-    std::fs::create_dir_all(&cfg.data_dir)
-        .map_err(|e| format!("creating data dir {}: {e}", cfg.data_dir.display()))?;
     let mut models = Vec::new();
     for (name, path) in &cfg.models {
         if !path.exists() {
@@ -91,23 +106,23 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         models.push(model);
     }
     let names: Vec<String> = models.iter().map(|m| m.name.clone()).collect();
-    let state = AppState::new(
+    let state = AppState::with_training(
         models,
         ServerOptions {
             api_keys: cfg.api_keys.clone(),
+            // Once reachable from the network, never open: not even after the last store key
+            // is revoked.
+            require_key: addrs.iter().any(|a| !a.ip().is_loopback()),
             trust_request_chat_template: cfg.trust_request_chat_template,
             max_body_bytes: cfg.max_body_bytes,
             max_logprobs: cfg.max_logprobs,
             max_n: cfg.max_n,
             ..ServerOptions::default()
         },
+        training,
     )
     .map_err(|e| e.to_string())?;
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| format!("starting the runtime: {e}"))?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addrs.as_slice())
             .await
@@ -115,7 +130,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         let local = listener
             .local_addr()
             .map_err(|e| format!("reading the bound address: {e}"))?;
-        print_banner(&cfg, local, &names);
+        print_banner(&cfg, local, &names, store_keys);
         temper_http::serve(listener, state, shutdown_signal())
             .await
             .map_err(|e| format!("serving: {e}"))
@@ -124,9 +139,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Resolves the host; without a key only loopback addresses are allowed, so an unauthenticated
-/// server is never reachable from the network.
-fn bind_addresses(cfg: &Config) -> Result<Vec<SocketAddr>, String> {
+/// Resolves the host; without a key (none given, none active in the store) only loopback
+/// addresses are allowed, so an unauthenticated server is never reachable from the network.
+fn bind_addresses(cfg: &Config, store_keys: bool) -> Result<Vec<SocketAddr>, String> {
     let addrs: Vec<SocketAddr> = (cfg.host.as_str(), cfg.port)
         .to_socket_addrs()
         .map_err(|e| format!("resolving --host {}: {e}", cfg.host))?
@@ -134,20 +149,22 @@ fn bind_addresses(cfg: &Config) -> Result<Vec<SocketAddr>, String> {
     if addrs.is_empty() {
         return Err(format!("--host {} resolves to no address", cfg.host));
     }
-    if cfg.api_keys.is_empty() && addrs.iter().any(|a| !a.ip().is_loopback()) {
+    if cfg.api_keys.is_empty() && !store_keys && addrs.iter().any(|a| !a.ip().is_loopback()) {
         return Err(format!(
             "refusing to serve on non-loopback address {} without an API key: pass --api-key KEY \
-             (or set TEMPER_API_KEYS), or bind 127.0.0.1",
+             (or set TEMPER_API_KEYS), create one with `temper keys create --team T`, or bind \
+             127.0.0.1",
             cfg.host
         ));
     }
     Ok(addrs)
 }
 
-fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String]) {
+fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String], store_keys: bool) {
     let url = format!("http://{addr}");
     println!("temper serving {} at {url}/v1", names.join(", "));
-    if cfg.api_keys.is_empty() {
+    println!("  state (models, checkpoints, jobs, keys) in {}", cfg.data_dir.display());
+    if cfg.api_keys.is_empty() && !store_keys {
         println!("  no API key configured: open to clients on this machine only");
         println!(
             "  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' \
@@ -156,7 +173,8 @@ fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String]) {
         );
     } else {
         println!(
-            "  authenticate with `Authorization: Bearer <key>` using one of the {} configured key(s)",
+            "  authenticate with `Authorization: Bearer <key>`: a --api-key key (team `default`, \
+             {} given) or a `temper keys create` key",
             cfg.api_keys.len()
         );
         println!(
@@ -215,10 +233,12 @@ mod tests {
 
     #[test]
     fn no_key_means_loopback_only() {
-        assert!(bind_addresses(&cfg("127.0.0.1", &[])).is_ok());
-        assert!(bind_addresses(&cfg("localhost", &[])).is_ok());
-        let e = bind_addresses(&cfg("0.0.0.0", &[])).unwrap_err();
+        assert!(bind_addresses(&cfg("127.0.0.1", &[]), false).is_ok());
+        assert!(bind_addresses(&cfg("localhost", &[]), false).is_ok());
+        let e = bind_addresses(&cfg("0.0.0.0", &[]), false).unwrap_err();
         assert!(e.contains("without an API key"), "{e}");
-        assert!(bind_addresses(&cfg("0.0.0.0", &["k"])).is_ok());
+        assert!(bind_addresses(&cfg("0.0.0.0", &["k"]), false).is_ok());
+        // A key in the store is a key.
+        assert!(bind_addresses(&cfg("0.0.0.0", &[]), true).is_ok());
     }
 }

@@ -1,0 +1,167 @@
+//! The training service: models, checkpoints and jobs in the store (the preview API of
+//! training.md), the worker that runs queued jobs, inference names of trained checkpoints and
+//! the cache of their adapters.
+
+pub mod names;
+pub mod routes;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use temper_store::{Checkpoint, Store};
+use uuid::Uuid;
+
+use crate::error::ApiError;
+use crate::state::{AppState, ServedModel};
+use names::StepSelector;
+
+/// Server settings of the training service.
+#[derive(Debug, Clone)]
+pub struct TrainingOptions {
+    /// The store and the adapter files live here.
+    pub data_dir: PathBuf,
+    /// Largest accepted body of the training routes (trajectory groups are large).
+    pub max_body_bytes: usize,
+    /// Memory the cache of loaded adapters may use before it evicts the least recently used.
+    pub adapter_cache_bytes: usize,
+    pub lora_rank: usize,
+    pub lora_alpha: f32,
+    /// Longest packed training sequence, in tokens.
+    pub max_seq_len: usize,
+}
+
+impl TrainingOptions {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        TrainingOptions {
+            data_dir: data_dir.into(),
+            max_body_bytes: 64 << 20,
+            adapter_cache_bytes: 256 << 20,
+            lora_rank: 8,
+            lora_alpha: 16.0,
+            max_seq_len: 2048,
+        }
+    }
+}
+
+/// The store plus what the routes and the worker share.
+pub struct Training {
+    pub store: Store,
+    pub options: TrainingOptions,
+    /// Wakes the worker when a job is queued.
+    pub(crate) wake: tokio::sync::Notify,
+    /// The cancel flag of each job the worker is running.
+    running: Mutex<HashMap<Uuid, Arc<AtomicBool>>>,
+}
+
+impl Training {
+    /// Opens the store under `options.data_dir` and puts back in the queue any job a crash left
+    /// running (the worker then re-runs it from its start).
+    pub async fn open(options: TrainingOptions) -> Result<Training, temper_store::Error> {
+        let store = Store::open(&options.data_dir).await?;
+        let requeued = store.recover_after_crash().await?;
+        for id in &requeued {
+            tracing::warn!(job_id = %id, "re-queued a training job the last run left running");
+        }
+        Ok(Training {
+            store,
+            options,
+            wake: tokio::sync::Notify::new(),
+            running: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Asks the worker to stop a job it is running (cancelled, or its model deleted) before its
+    /// next gradient step. A job not running is left alone.
+    pub fn stop_job(&self, id: Uuid) {
+        if let Some(flag) = self.lock_running().get(&id) {
+            flag.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn lock_running(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<AtomicBool>>> {
+        // The map stays consistent even if a holder panicked: every update is one insert/remove.
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where the adapter of a model's checkpoint is kept.
+    pub fn adapter_path(&self, model_id: Uuid, step: i64) -> PathBuf {
+        self.model_dir(model_id)
+            .join(format!("step-{step}.safetensors"))
+    }
+
+    pub fn model_dir(&self, model_id: Uuid) -> PathBuf {
+        self.options
+            .data_dir
+            .join("adapters")
+            .join(model_id.to_string())
+    }
+}
+
+/// What a request's `model` names: a served base model, and for a trained name the checkpoint
+/// whose adapter goes on top of it.
+pub struct ResolvedModel {
+    pub base: Arc<ServedModel>,
+    /// The name as the request gave it (echoed in the response).
+    pub name: String,
+    pub checkpoint: Option<Checkpoint>,
+}
+
+/// Resolves a request's `model`: a base model's own name first, then a trained name of the
+/// key's team through the store. Unknown names, another team's and missing steps are all the
+/// same 404.
+pub async fn resolve_model(
+    state: &AppState,
+    requested: Option<&str>,
+    team: &str,
+) -> Result<ResolvedModel, ApiError> {
+    let base_err = match state.model(requested) {
+        Ok(base) => {
+            return Ok(ResolvedModel {
+                name: base.name.clone(),
+                base,
+                checkpoint: None,
+            })
+        }
+        Err(e) => e,
+    };
+    let (Some(requested), Some(training)) = (requested, state.training()) else {
+        return Err(base_err);
+    };
+    let Some(parsed) = names::parse(requested).filter(|n| n.entity == team) else {
+        return Err(base_err);
+    };
+    let store = &training.store;
+    let not_found = |e: temper_store::Error| match e {
+        temper_store::Error::NotFound(_) => ApiError::ModelNotFound(requested.to_owned()),
+        e => e.into(),
+    };
+    let model = store
+        .get_model_by_name(team, parsed.project, parsed.name)
+        .await
+        .map_err(not_found)?;
+    let checkpoint = match parsed.step {
+        StepSelector::Latest => store
+            .latest_checkpoint(team, model.id)
+            .await
+            .map_err(not_found)?
+            .ok_or_else(|| ApiError::ModelNotFound(requested.to_owned()))?,
+        StepSelector::Step(step) => store
+            .get_checkpoint(team, model.id, step)
+            .await
+            .map_err(not_found)?,
+    };
+    let base = state.model(Some(&model.base_model)).map_err(|_| {
+        ApiError::ServiceUnavailable(format!(
+            "The base model `{}` of `{requested}` is not served by this server.",
+            model.base_model
+        ))
+    })?;
+    Ok(ResolvedModel {
+        base,
+        name: requested.to_owned(),
+        checkpoint: Some(checkpoint),
+    })
+}

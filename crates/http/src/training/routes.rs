@@ -1,0 +1,273 @@
+//! The preview training API (training.md): models, checkpoints, `/log`, training jobs and their
+//! events. Every call acts for the key's team; another team's resources are 404.
+
+use axum::extract::{Path, State};
+use axum::{Extension, Json};
+use uuid::Uuid;
+
+use crate::auth::RequestContext;
+use crate::error::ApiError;
+use crate::extract::{ValidJson, ValidQuery};
+use crate::state::AppState;
+use crate::training::wire::{
+    CheckpointJson, CheckpointQuery, CreateModelRequest, CursorPage, DeleteCheckpointsRequest,
+    DeletedCheckpointsJson, DeletedModelJson, EventJson, EventListJson, EventQuery, JobJson,
+    JobQuery, ModelJson, ModelListJson,
+};
+
+/// Default page size of the list calls.
+const DEFAULT_LIMIT: u32 = 20;
+
+/// A UUID from a path or query parameter; anything else is a 400 naming it.
+pub fn parse_id(param: &str, value: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(value)
+        .map_err(|_| ApiError::bad(param, format!("`{param}` must be a UUID, got {value:?}.")))
+}
+
+fn parse_limit(value: Option<&str>) -> Result<u32, ApiError> {
+    let Some(value) = value else {
+        return Ok(DEFAULT_LIMIT);
+    };
+    match value.parse::<u32>() {
+        Ok(n) if (1..=temper_store::MAX_LIMIT).contains(&n) => Ok(n),
+        _ => Err(ApiError::bad(
+            "limit",
+            format!(
+                "`limit` must be an integer from 1 to {}, got {value:?}.",
+                temper_store::MAX_LIMIT
+            ),
+        )),
+    }
+}
+
+pub async fn create_model(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    ValidJson(req): ValidJson<CreateModelRequest>,
+) -> Result<Json<ModelJson>, ApiError> {
+    let training = state.require_training()?;
+    if let Some(entity) = req.entity.as_deref().filter(|e| *e != ctx.team) {
+        // Another team's entity is as absent as another team's model.
+        return Err(ApiError::NotFound(format!(
+            "The entity `{entity}` does not exist."
+        )));
+    }
+    if state.model(Some(&req.base_model)).is_err() {
+        return Err(ApiError::bad(
+            "base_model",
+            format!(
+                "`{}` is not a base model this server serves (GET /v1/models lists them).",
+                req.base_model
+            ),
+        ));
+    }
+    let new = temper_store::NewModel {
+        team: &ctx.team,
+        project: &req.project,
+        name: &req.name,
+        base_model: &req.base_model,
+    };
+    let model = match training.store.create_model(&new).await {
+        Err(temper_store::Error::ModelExists { .. }) if req.return_existing => {
+            let existing = training
+                .store
+                .get_model_by_name(&ctx.team, &req.project, &req.name)
+                .await?;
+            if existing.base_model != req.base_model {
+                return Err(ApiError::Conflict(format!(
+                    "The model {}/{}/{} exists with base model `{}`, not `{}`.",
+                    existing.team,
+                    existing.project,
+                    existing.name,
+                    existing.base_model,
+                    req.base_model
+                )));
+            }
+            existing
+        }
+        other => other?,
+    };
+    Ok(Json(ModelJson::from(&model)))
+}
+
+pub async fn list_models(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+) -> Result<Json<ModelListJson>, ApiError> {
+    let training = state.require_training()?;
+    let models = training.store.list_models(&ctx.team).await?;
+    Ok(Json(ModelListJson {
+        object: "list",
+        data: models.iter().map(ModelJson::from).collect(),
+    }))
+}
+
+pub async fn get_model(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    Path(id): Path<String>,
+) -> Result<Json<ModelJson>, ApiError> {
+    let training = state.require_training()?;
+    let model = training
+        .store
+        .get_model(&ctx.team, parse_id("model_id", &id)?)
+        .await?;
+    Ok(Json(ModelJson::from(&model)))
+}
+
+/// Deletes the model, its checkpoints and their adapter files; its queued and running jobs fail.
+pub async fn delete_model(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    Path(id): Path<String>,
+) -> Result<Json<DeletedModelJson>, ApiError> {
+    let training = state.require_training()?;
+    let id = parse_id("model_id", &id)?;
+    let deleted = training.store.delete_model(&ctx.team, id).await?;
+    for job in &deleted.failed_jobs {
+        training.stop_job(*job);
+    }
+    let dir = training.model_dir(id);
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(dir = %dir.display(), error = %e, "removing a deleted model's adapters");
+        }
+    }
+    Ok(Json(DeletedModelJson {
+        model_id: id.to_string(),
+        deleted_checkpoints: deleted.deleted_checkpoints,
+        deleted_run: true,
+    }))
+}
+
+pub async fn list_checkpoints(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    Path(id): Path<String>,
+    ValidQuery(q): ValidQuery<CheckpointQuery>,
+) -> Result<Json<CursorPage<CheckpointJson>>, ApiError> {
+    let training = state.require_training()?;
+    let model_id = parse_id("model_id", &id)?;
+    let after = q.after.as_deref().map(|a| parse_id("after", a)).transpose()?;
+    let limit = parse_limit(q.limit.as_deref())?;
+    let order = q.order.as_deref().unwrap_or("asc").parse()?;
+    let page = training
+        .store
+        .list_checkpoints(&ctx.team, model_id, after, limit, order)
+        .await?;
+    let data = page.items.into_iter().map(CheckpointJson::from).collect();
+    Ok(Json(CursorPage::new(data, page.has_more, |c| &c.id)))
+}
+
+/// Deletes checkpoints by step, with their adapter files.
+pub async fn delete_checkpoints(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    Path(id): Path<String>,
+    ValidJson(req): ValidJson<DeleteCheckpointsRequest>,
+) -> Result<Json<DeletedCheckpointsJson>, ApiError> {
+    let training = state.require_training()?;
+    let model_id = parse_id("model_id", &id)?;
+    let deleted = training
+        .store
+        .delete_checkpoints(&ctx.team, model_id, &req.steps)
+        .await?;
+    for step in req
+        .steps
+        .iter()
+        .filter(|s| !deleted.not_found_steps.contains(s))
+    {
+        let path = training.adapter_path(model_id, *step);
+        if let Err(e) = std::fs::remove_file(&path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %path.display(), error = %e, "removing a deleted checkpoint");
+            }
+        }
+    }
+    Ok(Json(DeletedCheckpointsJson {
+        deleted_count: deleted.deleted_count,
+        not_found_steps: deleted.not_found_steps,
+    }))
+}
+
+pub async fn get_job(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    Path(id): Path<String>,
+) -> Result<Json<JobJson>, ApiError> {
+    let training = state.require_training()?;
+    let job = training
+        .store
+        .get_job(&ctx.team, parse_id("job_id", &id)?)
+        .await?;
+    Ok(Json(job.into()))
+}
+
+/// The team's jobs, newest first; `after` is the last id of the previous page.
+pub async fn list_jobs(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    ValidQuery(q): ValidQuery<JobQuery>,
+) -> Result<Json<CursorPage<JobJson>>, ApiError> {
+    let training = state.require_training()?;
+    let model_id = q
+        .model_id
+        .as_deref()
+        .map(|m| parse_id("model_id", m))
+        .transpose()?;
+    let after = q.after.as_deref().map(|a| parse_id("after", a)).transpose()?;
+    let limit = parse_limit(q.limit.as_deref())?;
+    let page = training
+        .store
+        .list_jobs(&ctx.team, model_id, after, limit)
+        .await?;
+    let data = page.items.into_iter().map(JobJson::from).collect();
+    Ok(Json(CursorPage::new(data, page.has_more, |j| &j.id)))
+}
+
+/// A job's events after event id `after`, oldest first: polling the same `after` again gives
+/// the same events (and any new ones after them).
+pub async fn list_events(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    Path(id): Path<String>,
+    ValidQuery(q): ValidQuery<EventQuery>,
+) -> Result<Json<EventListJson>, ApiError> {
+    let training = state.require_training()?;
+    let job_id = parse_id("job_id", &id)?;
+    let after = match q.after.as_deref() {
+        None => None,
+        Some(a) => Some(a.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
+            ApiError::bad(
+                "after",
+                format!("`after` must be an event id (an integer >= 0), got {a:?}."),
+            )
+        })?),
+    };
+    let limit = parse_limit(q.limit.as_deref())?;
+    let page = training
+        .store
+        .list_events(&ctx.team, job_id, after, limit)
+        .await?;
+    Ok(Json(EventListJson {
+        object: "list",
+        data: page.items.into_iter().map(EventJson::from).collect(),
+        has_more: page.has_more,
+    }))
+}
+
+/// Cancels a queued or running job; a running one stops before its next gradient step and
+/// makes no checkpoint. A finished job is a 409.
+pub async fn cancel_job(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    Path(id): Path<String>,
+) -> Result<Json<JobJson>, ApiError> {
+    let training = state.require_training()?;
+    let job = training
+        .store
+        .cancel_job(&ctx.team, parse_id("job_id", &id)?)
+        .await?;
+    training.stop_job(job.id);
+    Ok(Json(job.into()))
+}
