@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use temper_http::{AppState, ModelSpec, ServedModel, ServerOptions};
+use temper_http::{AppState, ModelSpec, ServedModel, ServerOptions, Training, TrainingOptions};
 
 pub const KEY: &str = "test-key";
 
@@ -34,9 +34,25 @@ impl TestServer {
         Self::start(&ModelSpec::new(name, path), options).await
     }
 
+    /// The tiny model with the training service over a store in `training.data_dir`.
+    pub async fn tiny_training(options: ServerOptions, training: TrainingOptions) -> TestServer {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        temper_model::tiny::write_tiny_gguf(&path, 7).unwrap();
+        let model = ServedModel::load(&ModelSpec::new("tiny", &path)).unwrap();
+        let training = Training::open(training).await.unwrap();
+        let state = AppState::with_training(vec![model], options, training).unwrap();
+        let mut server = Self::serve(state).await;
+        server._dir = Some(dir);
+        server
+    }
+
     async fn start(spec: &ModelSpec, options: ServerOptions) -> TestServer {
         let model = ServedModel::load(spec).unwrap();
-        let state = AppState::new(vec![model], options).unwrap();
+        Self::serve(AppState::new(vec![model], options).unwrap()).await
+    }
+
+    async fn serve(state: AppState) -> TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(temper_http::serve(

@@ -1,0 +1,402 @@
+//! The preview training API through real HTTP on the tiny model with a real store: keys and
+//! teams, tenancy (another team's resources are 404), models, checkpoint pagination, validation.
+
+mod common;
+
+use common::{options, TestServer, KEY};
+use serde_json::{json, Value};
+use temper_http::{ServerOptions, TrainingOptions};
+
+struct Api {
+    server: TestServer,
+    _data: tempfile::TempDir,
+}
+
+async fn api(options: ServerOptions) -> Api {
+    let data = tempfile::tempdir().unwrap();
+    let server = TestServer::tiny_training(options, TrainingOptions::new(data.path())).await;
+    Api {
+        server,
+        _data: data,
+    }
+}
+
+impl Api {
+    fn store(&self) -> &temper_store::Store {
+        &self.server.state.training().unwrap().store
+    }
+
+    async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<Value>) -> (u16, Value) {
+        let mut req = self
+            .server
+            .client
+            .request(method.parse().unwrap(), self.server.url(path));
+        if let Some(key) = key {
+            req = req.bearer_auth(key);
+        }
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    async fn get(&self, path: &str, key: &str) -> (u16, Value) {
+        self.call("GET", path, Some(key), None).await
+    }
+
+    async fn post(&self, path: &str, key: &str, body: Value) -> (u16, Value) {
+        self.call("POST", path, Some(key), Some(body)).await
+    }
+
+    async fn create_model(&self, key: &str, name: &str) -> Value {
+        let (status, body) = self
+            .post(
+                "/v1/preview/models",
+                key,
+                json!({"entity": null, "project": "proj", "name": name, "base_model": "tiny"}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+}
+
+fn param(body: &Value) -> Option<&str> {
+    body["error"]["param"].as_str()
+}
+
+#[tokio::test]
+async fn keys_from_the_store_and_the_command_line() {
+    let api = api(options()).await;
+    let (_, acme) = api.store().create_key("acme").await.unwrap();
+
+    // A command-line key is team `default`; a store key its own team.
+    let m = api.create_model(KEY, "m").await;
+    assert_eq!(m["entity"], "default");
+    let m = api.create_model(&acme, "m").await;
+    assert_eq!(m["entity"], "acme");
+
+    let (status, _) = api.call("GET", "/v1/preview/models", None, None).await;
+    assert_eq!(status, 401);
+    let (status, body) = api.get("/v1/preview/models", "tp-wrong").await;
+    assert_eq!(status, 401);
+    assert_eq!(body["error"]["type"], "AuthenticationError");
+
+    // A key created while the server runs works at once; revoked, it stops at once.
+    let (info, late) = api.store().create_key("acme").await.unwrap();
+    let (status, body) = api.get("/v1/preview/models", &late).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["data"].as_array().unwrap().len(), 1);
+    api.store().revoke_key(&info.id).await.unwrap();
+    let (status, _) = api.get("/v1/preview/models", &late).await;
+    assert_eq!(status, 401);
+}
+
+#[tokio::test]
+async fn without_keys_the_server_is_open_until_the_store_has_one() {
+    let api = api(ServerOptions::default()).await;
+    let (status, body) = api.call("GET", "/v1/preview/models", None, None).await;
+    assert_eq!((status, &body["data"]), (200, &json!([])));
+    let (info, key) = api.store().create_key("acme").await.unwrap();
+    let (status, _) = api.call("GET", "/v1/preview/models", None, None).await;
+    assert_eq!(status, 401);
+    let (status, _) = api.get("/v1/preview/models", &key).await;
+    assert_eq!(status, 200);
+    api.store().revoke_key(&info.id).await.unwrap();
+    let (status, _) = api.call("GET", "/v1/preview/models", None, None).await;
+    assert_eq!(status, 200);
+
+    // `require_key` (a non-loopback bind) never opens.
+    let api = api_requiring_key().await;
+    let (status, _) = api.call("GET", "/v1/preview/models", None, None).await;
+    assert_eq!(status, 401);
+}
+
+async fn api_requiring_key() -> Api {
+    api(ServerOptions {
+        require_key: true,
+        ..ServerOptions::default()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn another_teams_resources_are_not_found() {
+    let api = api(options()).await;
+    let (_, a) = api.store().create_key("team-a").await.unwrap();
+    let (_, b) = api.store().create_key("team-b").await.unwrap();
+    let model = api.create_model(&a, "secret").await;
+    let id = model["id"].as_str().unwrap();
+    let job = api
+        .store()
+        .enqueue_job("team-a", id.parse().unwrap(), "{}")
+        .await
+        .unwrap();
+
+    for path in [
+        format!("/v1/preview/models/{id}"),
+        format!("/v1/preview/models/{id}/checkpoints"),
+        format!("/v1/preview/training-jobs/{}", job.id),
+        format!("/v1/preview/training-jobs/{}/events", job.id),
+    ] {
+        let (status, body) = api.get(&path, &b).await;
+        assert_eq!(status, 404, "{path}: {body}");
+        assert_eq!(body["error"]["type"], "NotFoundError");
+        let (status, _) = api.get(&path, &a).await;
+        assert_eq!(status, 200, "{path}");
+    }
+    let (status, _) = api
+        .post(&format!("/v1/preview/training-jobs/{}/cancel", job.id), &b, json!({}))
+        .await;
+    assert_eq!(status, 404);
+    let (status, _) = api
+        .call("DELETE", &format!("/v1/preview/models/{id}"), Some(&b), None)
+        .await;
+    assert_eq!(status, 404);
+    let (_, listed) = api.get("/v1/preview/models", &b).await;
+    assert_eq!(listed["data"], json!([]));
+    let (_, jobs) = api.get("/v1/preview/training-jobs", &b).await;
+    assert_eq!(jobs["data"], json!([]));
+    // Creating under another team's entity: as absent as its models.
+    let (status, _) = api
+        .post(
+            "/v1/preview/models",
+            &b,
+            json!({"entity": "team-a", "project": "proj", "name": "x", "base_model": "tiny"}),
+        )
+        .await;
+    assert_eq!(status, 404);
+
+    // Serving by name: the owner gets the checkpoint, the other team a 404 like any unknown name.
+    let api = &api;
+    let chat = |key: String, model: &str| {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2});
+        async move { api.post("/v1/chat/completions", &key, body).await }
+    };
+    for name in ["team-a/proj/secret", "team-a/proj/secret:step0", "art:///team-a/proj/secret:latest"] {
+        let (status, body) = chat(a.clone(), name).await;
+        assert_eq!(status, 200, "{name}: {body}");
+        assert_eq!(body["model"], name);
+        let (status, body) = chat(b.clone(), name).await;
+        assert_eq!(status, 404, "{name}");
+        assert_eq!(param(&body), Some("model"));
+    }
+    let (status, _) = chat(a.clone(), "team-a/proj/secret:step1").await;
+    assert_eq!(status, 404);
+    let (_, models) = api.get("/v1/models", &a).await;
+    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["tiny", "team-a/proj/secret", "team-a/proj/secret:step0"]);
+    assert_eq!(models["data"][1]["parent"], "tiny");
+    let (_, models) = api.get("/v1/models", &b).await;
+    assert_eq!(models["data"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn models_create_get_list_delete() {
+    let api = api(options()).await;
+    let body = json!({"entity": "default", "project": "p", "name": "m", "base_model": "tiny"});
+    let (status, created) = api.post("/v1/preview/models", KEY, body.clone()).await;
+    assert_eq!(status, 200);
+    let keys: Vec<&String> = created.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["base_model", "entity", "id", "name", "project", "run_id"]);
+    let id = created["id"].as_str().unwrap();
+    assert!(uuid::Uuid::parse_str(id).is_ok());
+
+    let (status, dup) = api.post("/v1/preview/models", KEY, body.clone()).await;
+    assert_eq!(status, 409, "{dup}");
+    let mut again = body.clone();
+    again["return_existing"] = json!(true);
+    let (status, existing) = api.post("/v1/preview/models", KEY, again).await;
+    assert_eq!((status, &existing), (200, &created));
+
+    let (status, got) = api.get(&format!("/v1/preview/models/{id}"), KEY).await;
+    assert_eq!((status, &got), (200, &created));
+    let (_, list) = api.get("/v1/preview/models", KEY).await;
+    assert_eq!(list, json!({"object": "list", "data": [created.clone()]}));
+
+    let (status, deleted) = api
+        .call("DELETE", &format!("/v1/preview/models/{id}"), Some(KEY), None)
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        deleted,
+        json!({"model_id": id, "deleted_checkpoints": 1, "deleted_run": true})
+    );
+    let (status, _) = api.get(&format!("/v1/preview/models/{id}"), KEY).await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn model_validation() {
+    let api = api(options()).await;
+    let cases = [
+        (json!({"project": "p", "name": "m", "base_model": "nope"}), 400, Some("base_model")),
+        (json!({"project": "p", "name": "a/b", "base_model": "tiny"}), 400, Some("name")),
+        (json!({"project": "", "name": "m", "base_model": "tiny"}), 400, Some("project")),
+        (json!({"project": "p", "base_model": "tiny"}), 400, Some("name")),
+        (json!({"project": "p", "name": "m", "base_model": "tiny", "colour": 1}), 400, Some("colour")),
+        (json!({"project": "p", "name": "m", "base_model": "tiny", "return_existing": "yes"}), 400, Some("return_existing")),
+    ];
+    for (body, status, want) in cases {
+        let (got, err) = api.post("/v1/preview/models", KEY, body.clone()).await;
+        assert_eq!(got, status, "{body}: {err}");
+        assert_eq!(param(&err), want, "{body}: {err}");
+    }
+    for (path, want) in [
+        ("/v1/preview/models/not-a-uuid", "model_id"),
+        ("/v1/preview/training-jobs/42", "job_id"),
+        ("/v1/preview/training-jobs/42/events", "job_id"),
+    ] {
+        let (status, err) = api.get(path, KEY).await;
+        assert_eq!(status, 400, "{path}");
+        assert_eq!(param(&err), Some(want));
+    }
+    let missing = uuid::Uuid::new_v4();
+    let (status, _) = api.get(&format!("/v1/preview/models/{missing}"), KEY).await;
+    assert_eq!(status, 404);
+}
+
+/// Adds checkpoints 1..=n through the store's job path (what the worker records).
+async fn add_checkpoints(api: &Api, model_id: uuid::Uuid, n: i64) {
+    let store = api.store();
+    for step in 1..=n {
+        let job = store.enqueue_job("default", model_id, "{}").await.unwrap();
+        let claimed = store.claim_next_job().await.unwrap().unwrap();
+        assert_eq!(claimed.id, job.id);
+        store
+            .succeed_job(job.id, step, Some(json!({"loss": step})), &json!({"step": step}))
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn checkpoint_pagination_and_deletion() {
+    let api = api(options()).await;
+    let model = api.create_model(KEY, "m").await;
+    let id = model["id"].as_str().unwrap();
+    add_checkpoints(&api, id.parse().unwrap(), 4).await;
+    let base = format!("/v1/preview/models/{id}/checkpoints");
+
+    let (status, page) = api.get(&format!("{base}?limit=2"), KEY).await;
+    assert_eq!(status, 200);
+    let steps = |p: &Value| -> Vec<i64> {
+        p["data"].as_array().unwrap().iter().map(|c| c["step"].as_i64().unwrap()).collect()
+    };
+    assert_eq!(steps(&page), [0, 1]);
+    assert_eq!(page["object"], "list");
+    assert_eq!(page["has_more"], true);
+    assert_eq!(page["first_id"], page["data"][0]["id"]);
+    assert_eq!(page["last_id"], page["data"][1]["id"]);
+    assert_eq!(page["data"][1]["metrics"], json!({"loss": 1}));
+    let keys: Vec<&String> = page["data"][0].as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["id", "metrics", "step"]);
+
+    let after = page["last_id"].as_str().unwrap();
+    let (_, page2) = api.get(&format!("{base}?limit=2&after={after}"), KEY).await;
+    assert_eq!(steps(&page2), [2, 3]);
+    assert_eq!(page2["has_more"], true);
+    let (_, page3) = api
+        .get(&format!("{base}?limit=2&after={}", page2["last_id"].as_str().unwrap()), KEY)
+        .await;
+    assert_eq!(steps(&page3), [4]);
+    assert_eq!(page3["has_more"], false);
+    let (_, desc) = api.get(&format!("{base}?order=desc&limit=3"), KEY).await;
+    assert_eq!(steps(&desc), [4, 3, 2]);
+    let (_, all) = api.get(&base, KEY).await;
+    assert_eq!(steps(&all), [0, 1, 2, 3, 4]);
+
+    for (query, want) in [
+        ("limit=0", Some("limit")),
+        ("limit=101", Some("limit")),
+        ("limit=ten", Some("limit")),
+        ("order=sideways", Some("order")),
+        ("after=nope", Some("after")),
+        (&format!("after={}", uuid::Uuid::new_v4()), Some("after")),
+        ("colour=red", None),
+    ] {
+        let (status, err) = api.get(&format!("{base}?{query}"), KEY).await;
+        assert_eq!(status, 400, "{query}: {err}");
+        assert_eq!(param(&err), want, "{query}");
+    }
+
+    let (status, deleted) = api
+        .call("DELETE", &base, Some(KEY), Some(json!({"steps": [1, 7, 3]})))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(deleted, json!({"deleted_count": 2, "not_found_steps": [7]}));
+    let (_, all) = api.get(&base, KEY).await;
+    assert_eq!(steps(&all), [0, 2, 4]);
+    let (status, err) = api
+        .call("DELETE", &base, Some(KEY), Some(json!({"steps": "all"})))
+        .await;
+    assert_eq!((status, param(&err)), (400, Some("steps")));
+}
+
+#[tokio::test]
+async fn job_reads_events_and_cancel() {
+    let api = api(options()).await;
+    let model = api.create_model(KEY, "m").await;
+    let model_id: uuid::Uuid = model["id"].as_str().unwrap().parse().unwrap();
+    let store = api.store();
+    let first = store.enqueue_job("default", model_id, "{}").await.unwrap();
+    let second = store.enqueue_job("default", model_id, "{}").await.unwrap();
+
+    let (status, job) = api.get(&format!("/v1/preview/training-jobs/{}", first.id), KEY).await;
+    assert_eq!(status, 200);
+    let keys: Vec<&String> = job.as_object().unwrap().keys().collect();
+    assert_eq!(
+        keys,
+        ["created_at", "error", "finished_at", "id", "model_id", "started_at", "status", "step"]
+    );
+    assert_eq!(job["status"], "queued");
+    assert_eq!(job["model_id"], model["id"]);
+
+    // Newest first, with a cursor.
+    let (_, list) = api.get("/v1/preview/training-jobs?limit=1", KEY).await;
+    assert_eq!(list["data"][0]["id"], second.id.to_string());
+    assert_eq!(list["has_more"], true);
+    let (_, list) = api
+        .get(&format!("/v1/preview/training-jobs?limit=1&after={}&model_id={model_id}", second.id), KEY)
+        .await;
+    assert_eq!(list["data"][0]["id"], first.id.to_string());
+    assert_eq!(list["has_more"], false);
+    let (status, err) = api.get("/v1/preview/training-jobs?model_id=x", KEY).await;
+    assert_eq!((status, param(&err)), (400, Some("model_id")));
+
+    // Events: the same `after` twice gives the same events.
+    store.claim_next_job().await.unwrap();
+    for i in 0..3 {
+        store
+            .append_event(first.id, "gradient_step", &json!({"step": i}))
+            .await
+            .unwrap();
+    }
+    let events = format!("/v1/preview/training-jobs/{}/events", first.id);
+    let (_, page) = api.get(&format!("{events}?limit=2"), KEY).await;
+    assert_eq!(page["object"], "list");
+    assert_eq!(page["has_more"], true);
+    let last = page["data"][1]["id"].as_i64().unwrap();
+    let (_, rest) = api.get(&format!("{events}?after={last}"), KEY).await;
+    let (_, again) = api.get(&format!("{events}?after={last}"), KEY).await;
+    assert_eq!(rest, again);
+    assert_eq!(rest["data"].as_array().unwrap().len(), 1);
+    assert_eq!(rest["data"][0]["type"], "gradient_step");
+    assert_eq!(rest["data"][0]["data"], json!({"step": 2}));
+    let (status, err) = api.get(&format!("{events}?after=-1"), KEY).await;
+    assert_eq!((status, param(&err)), (400, Some("after")));
+
+    // Cancel: the job comes back cancelled, a training_failed event says so; again is a 409.
+    let cancel = format!("/v1/preview/training-jobs/{}/cancel", first.id);
+    let (status, job) = api.post(&cancel, KEY, json!({})).await;
+    assert_eq!(status, 200);
+    assert_eq!(job["status"], "cancelled");
+    let (_, rest) = api.get(&format!("{events}?after={last}"), KEY).await;
+    assert_eq!(rest["data"][1]["type"], "training_failed");
+    let (status, _) = api.post(&cancel, KEY, json!({})).await;
+    assert_eq!(status, 409);
+}
