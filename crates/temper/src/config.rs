@@ -342,7 +342,7 @@ mod tests {
         assert_eq!(c.max_training_body_bytes, 1000);
         for bad in [
             &["--lora-rank", "0"][..],
-            &["--lora-alpha", "-1"],
+            &["--lora-alpha", "0"],
             &["--max-train-seq-len", "0"],
         ] {
             assert!(resolve(args(bad), FileConfig::default(), &home()).is_err(), "{bad:?}");

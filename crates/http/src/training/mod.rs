@@ -2,6 +2,7 @@
 //! training.md), the worker that runs queued jobs, inference names of trained checkpoints and
 //! the cache of their adapters.
 
+pub mod lru;
 pub mod names;
 pub mod routes;
 pub mod wire;
@@ -50,8 +51,6 @@ impl TrainingOptions {
 pub struct Training {
     pub store: Store,
     pub options: TrainingOptions,
-    /// Wakes the worker when a job is queued.
-    pub(crate) wake: tokio::sync::Notify,
     /// The cancel flag of each job the worker is running.
     running: Mutex<HashMap<Uuid, Arc<AtomicBool>>>,
 }
@@ -68,7 +67,6 @@ impl Training {
         Ok(Training {
             store,
             options,
-            wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
         })
     }
