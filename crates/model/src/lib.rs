@@ -5,6 +5,7 @@ mod cache;
 mod config;
 mod linear;
 mod loader;
+mod lora;
 mod model;
 mod ops;
 pub mod paths;
@@ -17,6 +18,7 @@ use candle_core::quantized::gguf_file;
 pub use cache::SeqCache;
 pub use config::ModelConfig;
 pub use loader::load_gguf;
+pub use lora::{LoraAdapter, LoraConfig, LoraGrads, LoraTarget};
 pub use model::{Gemma3, Logits, SeqInput};
 
 /// A model loaded from a GGUF file, with the file's metadata (the caller builds the tokenizer
@@ -56,4 +58,8 @@ pub enum ModelError {
     ContextOverflow { len: usize, max: usize },
     #[error("KV cache does not belong to this model")]
     CacheMismatch,
+    #[error("adapter {path}: {reason}")]
+    Adapter { path: String, reason: String },
+    #[error("batch entry {index}: the adapter was made for a model of another shape")]
+    AdapterMismatch { index: usize },
 }

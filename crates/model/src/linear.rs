@@ -42,6 +42,10 @@ impl Linear {
         self.out_dim
     }
 
+    pub(crate) fn in_dim(&self) -> usize {
+        self.in_dim
+    }
+
     /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major.
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
         let rows = x.len() / self.in_dim;

@@ -218,7 +218,7 @@ fn norm(rng: &mut SplitMix64, len: usize, center: f32) -> Result<QTensor, ModelE
     Ok(QTensor::quantize(&t, GgmlDType::F32)?)
 }
 
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
     fn next(&mut self) -> u64 {
@@ -230,7 +230,7 @@ impl SplitMix64 {
     }
 
     /// Uniform on [-1, 1).
-    fn uniform(&mut self) -> f32 {
+    pub(crate) fn uniform(&mut self) -> f32 {
         ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
