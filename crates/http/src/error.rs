@@ -151,7 +151,9 @@ impl From<temper_store::Error> for ApiError {
         match e {
             // The store treats another team's rows as missing: the 404 leaks nothing.
             E::NotFound(what) => ApiError::NotFound(format!("The {what} does not exist.")),
-            E::Invalid { field, reason } => ApiError::bad(field, format!("Invalid `{field}`: {reason}.")),
+            E::Invalid { field, reason } => {
+                ApiError::bad(field, format!("Invalid `{field}`: {reason}."))
+            }
             E::ModelExists { .. } | E::CheckpointExists { .. } | E::JobState { .. } => {
                 ApiError::Conflict(format!("{e}."))
             }
@@ -202,12 +204,7 @@ mod tests {
                 "MethodNotAllowedError",
                 None,
             ),
-            (
-                ApiError::Conflict("c".into()),
-                409,
-                "ConflictError",
-                None,
-            ),
+            (ApiError::Conflict("c".into()), 409, "ConflictError", None),
             (
                 ApiError::RequestTooLarge(10),
                 413,

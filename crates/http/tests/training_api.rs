@@ -26,7 +26,13 @@ impl Api {
         &self.server.state.training().unwrap().store
     }
 
-    async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<Value>) -> (u16, Value) {
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
         let mut req = self
             .server
             .client
@@ -40,7 +46,10 @@ impl Api {
         let resp = req.send().await.unwrap();
         let status = resp.status().as_u16();
         let text = resp.text().await.unwrap();
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     async fn get(&self, path: &str, key: &str) -> (u16, Value) {
@@ -149,11 +158,20 @@ async fn another_teams_resources_are_not_found() {
         assert_eq!(status, 200, "{path}");
     }
     let (status, _) = api
-        .post(&format!("/v1/preview/training-jobs/{}/cancel", job.id), &b, json!({}))
+        .post(
+            &format!("/v1/preview/training-jobs/{}/cancel", job.id),
+            &b,
+            json!({}),
+        )
         .await;
     assert_eq!(status, 404);
     let (status, _) = api
-        .call("DELETE", &format!("/v1/preview/models/{id}"), Some(&b), None)
+        .call(
+            "DELETE",
+            &format!("/v1/preview/models/{id}"),
+            Some(&b),
+            None,
+        )
         .await;
     assert_eq!(status, 404);
     let (_, listed) = api.get("/v1/preview/models", &b).await;
@@ -177,7 +195,11 @@ async fn another_teams_resources_are_not_found() {
             "max_tokens": 2});
         async move { api.post("/v1/chat/completions", &key, body).await }
     };
-    for name in ["team-a/proj/secret", "team-a/proj/secret:step0", "art:///team-a/proj/secret:latest"] {
+    for name in [
+        "team-a/proj/secret",
+        "team-a/proj/secret:step0",
+        "art:///team-a/proj/secret:latest",
+    ] {
         let (status, body) = chat(a.clone(), name).await;
         assert_eq!(status, 200, "{name}: {body}");
         assert_eq!(body["model"], name);
@@ -188,8 +210,16 @@ async fn another_teams_resources_are_not_found() {
     let (status, _) = chat(a.clone(), "team-a/proj/secret:step1").await;
     assert_eq!(status, 404);
     let (_, models) = api.get("/v1/models", &a).await;
-    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, ["tiny", "team-a/proj/secret", "team-a/proj/secret:step0"]);
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        ["tiny", "team-a/proj/secret", "team-a/proj/secret:step0"]
+    );
     assert_eq!(models["data"][1]["parent"], "tiny");
     let (_, models) = api.get("/v1/models", &b).await;
     assert_eq!(models["data"].as_array().unwrap().len(), 1);
@@ -202,7 +232,10 @@ async fn models_create_get_list_delete() {
     let (status, created) = api.post("/v1/preview/models", KEY, body.clone()).await;
     assert_eq!(status, 200);
     let keys: Vec<&String> = created.as_object().unwrap().keys().collect();
-    assert_eq!(keys, ["base_model", "entity", "id", "name", "project", "run_id"]);
+    assert_eq!(
+        keys,
+        ["base_model", "entity", "id", "name", "project", "run_id"]
+    );
     let id = created["id"].as_str().unwrap();
     assert!(uuid::Uuid::parse_str(id).is_ok());
 
@@ -219,7 +252,12 @@ async fn models_create_get_list_delete() {
     assert_eq!(list, json!({"object": "list", "data": [created.clone()]}));
 
     let (status, deleted) = api
-        .call("DELETE", &format!("/v1/preview/models/{id}"), Some(KEY), None)
+        .call(
+            "DELETE",
+            &format!("/v1/preview/models/{id}"),
+            Some(KEY),
+            None,
+        )
         .await;
     assert_eq!(status, 200);
     assert_eq!(
@@ -234,12 +272,36 @@ async fn models_create_get_list_delete() {
 async fn model_validation() {
     let api = api(options()).await;
     let cases = [
-        (json!({"project": "p", "name": "m", "base_model": "nope"}), 400, Some("base_model")),
-        (json!({"project": "p", "name": "a/b", "base_model": "tiny"}), 400, Some("name")),
-        (json!({"project": "", "name": "m", "base_model": "tiny"}), 400, Some("project")),
-        (json!({"project": "p", "base_model": "tiny"}), 400, Some("name")),
-        (json!({"project": "p", "name": "m", "base_model": "tiny", "colour": 1}), 400, Some("colour")),
-        (json!({"project": "p", "name": "m", "base_model": "tiny", "return_existing": "yes"}), 400, Some("return_existing")),
+        (
+            json!({"project": "p", "name": "m", "base_model": "nope"}),
+            400,
+            Some("base_model"),
+        ),
+        (
+            json!({"project": "p", "name": "a/b", "base_model": "tiny"}),
+            400,
+            Some("name"),
+        ),
+        (
+            json!({"project": "", "name": "m", "base_model": "tiny"}),
+            400,
+            Some("project"),
+        ),
+        (
+            json!({"project": "p", "base_model": "tiny"}),
+            400,
+            Some("name"),
+        ),
+        (
+            json!({"project": "p", "name": "m", "base_model": "tiny", "colour": 1}),
+            400,
+            Some("colour"),
+        ),
+        (
+            json!({"project": "p", "name": "m", "base_model": "tiny", "return_existing": "yes"}),
+            400,
+            Some("return_existing"),
+        ),
     ];
     for (body, status, want) in cases {
         let (got, err) = api.post("/v1/preview/models", KEY, body.clone()).await;
@@ -268,7 +330,12 @@ async fn add_checkpoints(api: &Api, model_id: uuid::Uuid, n: i64) {
         let claimed = store.claim_next_job().await.unwrap().unwrap();
         assert_eq!(claimed.id, job.id);
         store
-            .succeed_job(job.id, step, Some(json!({"loss": step})), &json!({"step": step}))
+            .succeed_job(
+                job.id,
+                step,
+                Some(json!({"loss": step})),
+                &json!({"step": step}),
+            )
             .await
             .unwrap();
     }
@@ -285,7 +352,12 @@ async fn checkpoint_pagination_and_deletion() {
     let (status, page) = api.get(&format!("{base}?limit=2"), KEY).await;
     assert_eq!(status, 200);
     let steps = |p: &Value| -> Vec<i64> {
-        p["data"].as_array().unwrap().iter().map(|c| c["step"].as_i64().unwrap()).collect()
+        p["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["step"].as_i64().unwrap())
+            .collect()
     };
     assert_eq!(steps(&page), [0, 1]);
     assert_eq!(page["object"], "list");
@@ -301,7 +373,13 @@ async fn checkpoint_pagination_and_deletion() {
     assert_eq!(steps(&page2), [2, 3]);
     assert_eq!(page2["has_more"], true);
     let (_, page3) = api
-        .get(&format!("{base}?limit=2&after={}", page2["last_id"].as_str().unwrap()), KEY)
+        .get(
+            &format!(
+                "{base}?limit=2&after={}",
+                page2["last_id"].as_str().unwrap()
+            ),
+            KEY,
+        )
         .await;
     assert_eq!(steps(&page3), [4]);
     assert_eq!(page3["has_more"], false);
@@ -325,7 +403,12 @@ async fn checkpoint_pagination_and_deletion() {
     }
 
     let (status, deleted) = api
-        .call("DELETE", &base, Some(KEY), Some(json!({"steps": [1, 7, 3]})))
+        .call(
+            "DELETE",
+            &base,
+            Some(KEY),
+            Some(json!({"steps": [1, 7, 3]})),
+        )
         .await;
     assert_eq!(status, 200);
     assert_eq!(deleted, json!({"deleted_count": 2, "not_found_steps": [7]}));
@@ -346,12 +429,23 @@ async fn job_reads_events_and_cancel() {
     let first = store.enqueue_job("default", model_id, "{}").await.unwrap();
     let second = store.enqueue_job("default", model_id, "{}").await.unwrap();
 
-    let (status, job) = api.get(&format!("/v1/preview/training-jobs/{}", first.id), KEY).await;
+    let (status, job) = api
+        .get(&format!("/v1/preview/training-jobs/{}", first.id), KEY)
+        .await;
     assert_eq!(status, 200);
     let keys: Vec<&String> = job.as_object().unwrap().keys().collect();
     assert_eq!(
         keys,
-        ["created_at", "error", "finished_at", "id", "model_id", "started_at", "status", "step"]
+        [
+            "created_at",
+            "error",
+            "finished_at",
+            "id",
+            "model_id",
+            "started_at",
+            "status",
+            "step"
+        ]
     );
     assert_eq!(job["status"], "queued");
     assert_eq!(job["model_id"], model["id"]);
@@ -361,7 +455,13 @@ async fn job_reads_events_and_cancel() {
     assert_eq!(list["data"][0]["id"], second.id.to_string());
     assert_eq!(list["has_more"], true);
     let (_, list) = api
-        .get(&format!("/v1/preview/training-jobs?limit=1&after={}&model_id={model_id}", second.id), KEY)
+        .get(
+            &format!(
+                "/v1/preview/training-jobs?limit=1&after={}&model_id={model_id}",
+                second.id
+            ),
+            KEY,
+        )
         .await;
     assert_eq!(list["data"][0]["id"], first.id.to_string());
     assert_eq!(list["has_more"], false);
@@ -399,4 +499,43 @@ async fn job_reads_events_and_cancel() {
     assert_eq!(rest["data"][1]["type"], "training_failed");
     let (status, _) = api.post(&cancel, KEY, json!({})).await;
     assert_eq!(status, 409);
+}
+
+#[tokio::test]
+async fn training_routes_have_their_own_body_limit() {
+    let data = tempfile::tempdir().unwrap();
+    let mut training = TrainingOptions::new(data.path());
+    training.max_body_bytes = 2000;
+    let server = TestServer::tiny_training(
+        ServerOptions {
+            max_body_bytes: 500,
+            ..options()
+        },
+        training,
+    )
+    .await;
+    let api = Api {
+        server,
+        _data: data,
+    };
+    // 1000 bytes: over the server-wide limit, under the training one.
+    let padded = |n: usize| {
+        json!({"project": "p", "name": "m", "base_model": "tiny", "entity": null,
+            "return_existing": true, "pad": "x".repeat(n)})
+    };
+    let (status, err) = api.post("/v1/preview/models", KEY, padded(1000)).await;
+    assert_eq!((status, param(&err)), (400, Some("pad")), "{err}");
+    let (status, err) = api.post("/v1/preview/models", KEY, padded(3000)).await;
+    assert_eq!(status, 413);
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("2000"),
+        "{err}"
+    );
+    let chat = json!({"messages": [{"role": "user", "content": "x".repeat(1000)}]});
+    let (status, err) = api.post("/v1/chat/completions", KEY, chat).await;
+    assert_eq!(status, 413);
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("500"),
+        "{err}"
+    );
 }

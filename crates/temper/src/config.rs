@@ -223,12 +223,14 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
     if max_body_bytes == 0 {
         return Err(ConfigError::Zero("--max-body-bytes"));
     }
-    let positive = |v: Option<usize>, default: usize, name: &'static str| match v.unwrap_or(default) {
+    let positive = |v: Option<usize>, default: usize, name: &'static str| match v.unwrap_or(default)
+    {
         0 => Err(ConfigError::Zero(name)),
         n => Ok(n),
     };
     let max_training_body_bytes = positive(
-        args.max_training_body_bytes.or(file.max_training_body_bytes),
+        args.max_training_body_bytes
+            .or(file.max_training_body_bytes),
         64 << 20,
         "--max-training-body-bytes",
     )?;
@@ -242,7 +244,10 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
     if !(lora_alpha.is_finite() && lora_alpha > 0.0) {
         return Err(ConfigError::LoraAlpha(lora_alpha));
     }
-    let adapter_cache_mb = args.adapter_cache_mb.or(file.adapter_cache_mb).unwrap_or(256);
+    let adapter_cache_mb = args
+        .adapter_cache_mb
+        .or(file.adapter_cache_mb)
+        .unwrap_or(256);
     Ok(Config {
         host: args
             .host
@@ -345,7 +350,10 @@ mod tests {
             &["--lora-alpha", "0"],
             &["--max-train-seq-len", "0"],
         ] {
-            assert!(resolve(args(bad), FileConfig::default(), &home()).is_err(), "{bad:?}");
+            assert!(
+                resolve(args(bad), FileConfig::default(), &home()).is_err(),
+                "{bad:?}"
+            );
         }
     }
 

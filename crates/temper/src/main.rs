@@ -163,7 +163,10 @@ fn bind_addresses(cfg: &Config, store_keys: bool) -> Result<Vec<SocketAddr>, Str
 fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String], store_keys: bool) {
     let url = format!("http://{addr}");
     println!("temper serving {} at {url}/v1", names.join(", "));
-    println!("  state (models, checkpoints, jobs, keys) in {}", cfg.data_dir.display());
+    println!(
+        "  state (models, checkpoints, jobs, keys) in {}",
+        cfg.data_dir.display()
+    );
     if cfg.api_keys.is_empty() && !store_keys {
         println!("  no API key configured: open to clients on this machine only");
         println!(

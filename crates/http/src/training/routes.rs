@@ -148,7 +148,11 @@ pub async fn list_checkpoints(
 ) -> Result<Json<CursorPage<CheckpointJson>>, ApiError> {
     let training = state.require_training()?;
     let model_id = parse_id("model_id", &id)?;
-    let after = q.after.as_deref().map(|a| parse_id("after", a)).transpose()?;
+    let after = q
+        .after
+        .as_deref()
+        .map(|a| parse_id("after", a))
+        .transpose()?;
     let limit = parse_limit(q.limit.as_deref())?;
     let order = q.order.as_deref().unwrap_or("asc").parse()?;
     let page = training
@@ -215,7 +219,11 @@ pub async fn list_jobs(
         .as_deref()
         .map(|m| parse_id("model_id", m))
         .transpose()?;
-    let after = q.after.as_deref().map(|a| parse_id("after", a)).transpose()?;
+    let after = q
+        .after
+        .as_deref()
+        .map(|a| parse_id("after", a))
+        .transpose()?;
     let limit = parse_limit(q.limit.as_deref())?;
     let page = training
         .store
