@@ -21,6 +21,19 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ValidJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        let JsonBody(bytes) = JsonBody::from_request(req, state).await?;
+        parse_json(&bytes).map(ValidJson)
+    }
+}
+
+/// A JSON body's bytes, unparsed (for a handler that keeps the body as posted): the content
+/// type and the size are checked.
+pub struct JsonBody(pub Bytes);
+
+impl FromRequest<AppState> for JsonBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         if !is_json(req.headers()) {
             return Err(ApiError::bad_body(
                 "Expected a JSON body with `Content-Type: application/json`.",
@@ -37,7 +50,7 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ValidJson<T> {
                 ApiError::bad_body(e.body_text())
             }
         })?;
-        parse_json(&bytes).map(ValidJson)
+        Ok(JsonBody(bytes))
     }
 }
 

@@ -500,3 +500,92 @@ async fn job_reads_events_and_cancel() {
     let (status, _) = api.post(&cancel, KEY, json!({})).await;
     assert_eq!(status, 409);
 }
+
+#[tokio::test]
+async fn training_routes_have_their_own_body_limit() {
+    let data = tempfile::tempdir().unwrap();
+    let mut training = TrainingOptions::new(data.path());
+    training.max_body_bytes = 2000;
+    let server = TestServer::tiny_training(
+        ServerOptions {
+            max_body_bytes: 500,
+            ..options()
+        },
+        training,
+    )
+    .await;
+    let api = Api {
+        server,
+        _data: data,
+    };
+    // 1000 bytes: over the server-wide limit, under the training one.
+    let padded = |n: usize| {
+        json!({"project": "p", "name": "m", "base_model": "tiny", "entity": null,
+            "return_existing": true, "pad": "x".repeat(n)})
+    };
+    let (status, err) = api.post("/v1/preview/models", KEY, padded(1000)).await;
+    assert_eq!((status, param(&err)), (400, Some("pad")), "{err}");
+    let (status, err) = api.post("/v1/preview/models", KEY, padded(3000)).await;
+    assert_eq!(status, 413);
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("2000"),
+        "{err}"
+    );
+    let chat = json!({"messages": [{"role": "user", "content": "x".repeat(1000)}]});
+    let (status, err) = api.post("/v1/chat/completions", KEY, chat).await;
+    assert_eq!(status, 413);
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("500"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn log_stores_split_metrics_on_the_latest_checkpoint() {
+    let api = api(options()).await;
+    let model = api.create_model(KEY, "m").await;
+    let id = model["id"].as_str().unwrap();
+    let log = format!("/v1/preview/models/{id}/log");
+    let traj = |reward: f64, acc: f64| {
+        json!({"messages_and_choices": [{"role": "user", "content": "q"}], "reward": reward,
+            "metrics": {"accuracy": acc, "label": "x"}})
+    };
+    let body = json!({"model_id": id, "split": "val", "trajectory_groups": [
+        {"trajectories": [traj(1.0, 1.0), traj(0.0, 0.0)]},
+        {"trajectories": [traj(0.5, 1.0)]},
+    ]});
+    let (status, answer) = api.post(&log, KEY, body.clone()).await;
+    assert_eq!((status, &answer), (200, &json!({})));
+    let (_, page) = api
+        .get(&format!("/v1/preview/models/{id}/checkpoints"), KEY)
+        .await;
+    let metrics = &page["data"][0]["metrics"];
+    assert_eq!(metrics["val/reward"], 0.5);
+    let std = metrics["val/reward_std_dev"].as_f64().unwrap();
+    assert!((std - (1.0f64 / 6.0).sqrt()).abs() < 1e-12, "{std}");
+    assert_eq!(metrics["val/num_trajectories"], 3);
+    assert_eq!(metrics["val/num_groups"], 2);
+    assert!((metrics["val/accuracy"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-12);
+    assert!(metrics.get("val/label").is_none());
+
+    let mut bad = body.clone();
+    bad["split"] = json!("a/b");
+    let mut other_model = body.clone();
+    other_model["model_id"] = json!(uuid::Uuid::new_v4().to_string());
+    let mut empty = body.clone();
+    empty["trajectory_groups"] = json!([]);
+    let mut empty_group = body.clone();
+    empty_group["trajectory_groups"][1]["trajectories"] = json!([]);
+    for (body, want) in [
+        (bad, "split"),
+        (other_model, "model_id"),
+        (empty, "trajectory_groups"),
+        (empty_group, "trajectory_groups[1].trajectories"),
+    ] {
+        let (status, err) = api.post(&log, KEY, body).await;
+        assert_eq!((status, param(&err)), (400, Some(want)), "{err}");
+    }
+    let (_, b) = api.store().create_key("other").await.unwrap();
+    let (status, _) = api.post(&log, &b, body).await;
+    assert_eq!(status, 404);
+}

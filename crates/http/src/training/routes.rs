@@ -12,7 +12,7 @@ use crate::state::AppState;
 use crate::training::wire::{
     CheckpointJson, CheckpointQuery, CreateModelRequest, CursorPage, DeleteCheckpointsRequest,
     DeletedCheckpointsJson, DeletedModelJson, EventJson, EventListJson, EventQuery, JobJson,
-    JobQuery, ModelJson, ModelListJson,
+    JobQuery, LogGroup, LogRequest, ModelJson, ModelListJson,
 };
 
 /// Default page size of the list calls.
@@ -192,6 +192,92 @@ pub async fn delete_checkpoints(
         deleted_count: deleted.deleted_count,
         not_found_steps: deleted.not_found_steps,
     }))
+}
+
+/// `/log`: reward statistics and the trajectories' own metrics of one split (e.g. `val`),
+/// merged into the latest checkpoint's metrics as `<split>/<name>`.
+pub async fn log_metrics(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    Path(id): Path<String>,
+    ValidJson(req): ValidJson<LogRequest>,
+) -> Result<Json<serde_json::Map<String, serde_json::Value>>, ApiError> {
+    let training = state.require_training()?;
+    let model_id = parse_id("model_id", &id)?;
+    if parse_id("model_id", &req.model_id)? != model_id {
+        return Err(ApiError::bad(
+            "model_id",
+            "`model_id` must be the model of the path.",
+        ));
+    }
+    let split = &req.split;
+    let valid_split = !split.is_empty()
+        && split.len() <= 64
+        && split
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if !valid_split {
+        return Err(ApiError::bad(
+            "split",
+            "`split` must be 1-64 of A-Z a-z 0-9 - _ . (e.g. `val`).",
+        ));
+    }
+    let metrics = split_metrics(split, &req.trajectory_groups)?;
+    training
+        .store
+        .log_metrics(&ctx.team, model_id, metrics)
+        .await?;
+    Ok(Json(serde_json::Map::new()))
+}
+
+/// `<split>/reward` (mean), `<split>/reward_std_dev` (population), `<split>/num_trajectories`,
+/// `<split>/num_groups`, and the mean of each numeric trajectory metric as `<split>/<name>`.
+fn split_metrics(
+    split: &str,
+    groups: &[LogGroup],
+) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
+    use serde_json::json;
+    if groups.is_empty() {
+        return Err(ApiError::bad(
+            "trajectory_groups",
+            "`trajectory_groups` must not be empty.",
+        ));
+    }
+    if let Some(i) = groups.iter().position(|g| g.trajectories.is_empty()) {
+        return Err(ApiError::bad(
+            format!("trajectory_groups[{i}].trajectories"),
+            "A group must have at least one trajectory.",
+        ));
+    }
+    let trajectories: Vec<_> = groups.iter().flat_map(|g| &g.trajectories).collect();
+    let n = trajectories.len() as f64;
+    let mean = trajectories.iter().map(|t| t.reward).sum::<f64>() / n;
+    let var = trajectories
+        .iter()
+        .map(|t| (t.reward - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let mut out = serde_json::Map::new();
+    out.insert(format!("{split}/reward"), json!(mean));
+    out.insert(format!("{split}/reward_std_dev"), json!(var.sqrt()));
+    out.insert(
+        format!("{split}/num_trajectories"),
+        json!(trajectories.len()),
+    );
+    out.insert(format!("{split}/num_groups"), json!(groups.len()));
+    let mut sums: std::collections::BTreeMap<&str, (f64, f64)> = Default::default();
+    for t in &trajectories {
+        for (name, value) in &t.metrics {
+            if let Some(x) = value.as_f64().or_else(|| value.as_bool().map(f64::from)) {
+                let entry = sums.entry(name).or_default();
+                *entry = (entry.0 + x, entry.1 + 1.0);
+            }
+        }
+    }
+    for (name, (sum, count)) in sums {
+        out.insert(format!("{split}/{name}"), json!(sum / count));
+    }
+    Ok(out)
 }
 
 pub async fn get_job(

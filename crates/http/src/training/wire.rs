@@ -192,3 +192,26 @@ pub struct EventListJson {
     pub data: Vec<EventJson>,
     pub has_more: bool,
 }
+
+/// `POST /v1/preview/models/{id}/log`: only what the metrics need is read of each trajectory
+/// (its reward and numeric `metrics`); the rest of it is accepted as the training body has it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogRequest {
+    pub model_id: String,
+    pub trajectory_groups: Vec<LogGroup>,
+    pub split: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct LogGroup {
+    pub trajectories: Vec<LogTrajectory>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct LogTrajectory {
+    #[serde(default)]
+    pub reward: f64,
+    #[serde(default)]
+    pub metrics: serde_json::Map<String, Value>,
+}
