@@ -6,12 +6,19 @@
 //! dropping that receiver cancels the request.
 
 mod logits;
+mod mask_workers;
 mod rng;
 mod sampler;
 mod scheduler;
 mod stop;
+mod structured;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+
+pub use structured::{
+    Grammar, GrammarCompiler, GrammarError, GrammarMatcher, JsonOptions, OutputConstraint,
+    TagStructure, TokenMask,
+};
 
 use temper_model::{Gemma3, LoraAdapter};
 use temper_text::Tokenizer;
@@ -53,6 +60,9 @@ pub struct GenerationRequest {
     pub logprobs: Option<usize>,
     /// LoRA adapter every choice applies (n > 1 forks share it); `None` = the base weights.
     pub adapter: Option<Arc<LoraAdapter>>,
+    /// Structured output: every choice's output matches this grammar (compiled by
+    /// `Engine::grammar_compiler`); `None` = free text.
+    pub constraint: Option<Grammar>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -238,6 +248,8 @@ pub struct Engine {
     max_model_len: usize,
     vocab_size: usize,
     tokenizer: Arc<Tokenizer>,
+    /// Built on first use: it walks the whole vocabulary.
+    grammar_compiler: Arc<OnceLock<Result<GrammarCompiler, GrammarError>>>,
 }
 
 impl Engine {
@@ -269,7 +281,20 @@ impl Engine {
             max_model_len,
             vocab_size,
             tokenizer,
+            grammar_compiler: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// Compiles structured-output constraints for this model's vocabulary. The first call
+    /// builds the compiler (a pass over the vocabulary; ~1 s for 262k tokens), later ones share it.
+    pub fn grammar_compiler(&self) -> Result<&GrammarCompiler, GrammarError> {
+        self.grammar_compiler
+            .get_or_init(|| {
+                let end_tokens = scheduler::EndTokens::of(&self.tokenizer).ids();
+                GrammarCompiler::new(self.tokenizer.clone(), &end_tokens)
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// Queues a request; events arrive on the receiver. Dropping the receiver cancels the

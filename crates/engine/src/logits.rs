@@ -1,5 +1,6 @@
-//! Logits processors that run before the sampler, in vLLM's order: allowed_token_ids, bad_words,
-//! min_tokens masking, logit_bias, then repetition / frequency / presence penalties. Everything
+//! Logits processors that run before the sampler, in vLLM's order: the structured-output mask,
+//! allowed_token_ids, bad_words, min_tokens masking, logit_bias, then repetition / frequency /
+//! presence penalties. Everything
 //! per request is prepared once at submission; per token only the touched entries are written
 //! (seen tokens, biased tokens, banned tokens) on top of one copy of the raw row into a reused
 //! buffer. Logprobs are taken from the raw row, never from this one.
@@ -8,6 +9,7 @@ use std::collections::HashMap;
 
 use temper_text::Tokenizer;
 
+use crate::structured::{masked_copy, TokenMask};
 use crate::{RepetitionDetection, SamplingParams, StopParams};
 
 /// What a request asks of the processors, prepared once and shared by its choices.
@@ -104,8 +106,9 @@ impl Processors {
         }
     }
 
-    fn active(&self, hist: &History) -> bool {
-        self.allowed.is_some()
+    fn active(&self, hist: &History, grammar: Option<&TokenMask>) -> bool {
+        grammar.is_some()
+            || self.allowed.is_some()
             || !self.bad_words.is_empty()
             || (hist.output.len() < self.min_tokens && !self.stop_ids.is_empty())
             || !self.logit_bias.is_empty()
@@ -115,23 +118,33 @@ impl Processors {
     }
 
     /// Writes the processed row into `out` and returns true, or returns false (leaving `out`
-    /// alone) when nothing would change the raw row. Token ids outside the row are skipped.
-    pub(crate) fn apply(&self, raw: &[f32], hist: &History, out: &mut Vec<f32>) -> bool {
-        if !self.active(hist) {
+    /// alone) when nothing would change the raw row. `grammar`: the structured-output mask of
+    /// this step. Token ids outside the row are skipped.
+    pub(crate) fn apply(
+        &self,
+        raw: &[f32],
+        hist: &History,
+        grammar: Option<&TokenMask>,
+        out: &mut Vec<f32>,
+    ) -> bool {
+        if !self.active(hist, grammar) {
             return false;
         }
         out.clear();
-        match &self.allowed {
+        match (&self.allowed, grammar) {
             // The allowed set is usually small: start from all-masked and copy it in.
-            Some(ids) => {
+            (Some(ids), _) => {
                 out.resize(raw.len(), f32::NEG_INFINITY);
                 for &t in ids {
                     if let Some(&l) = raw.get(t as usize) {
-                        out[t as usize] = l;
+                        if grammar.is_none_or(|m| m.is_allowed(t)) {
+                            out[t as usize] = l;
+                        }
                     }
                 }
             }
-            None => out.extend_from_slice(raw),
+            (None, Some(mask)) => masked_copy(raw, mask, out),
+            (None, None) => out.extend_from_slice(raw),
         }
         let mut set = |t: u32, f: &dyn Fn(f32) -> f32| {
             if let Some(l) = out.get_mut(t as usize) {
@@ -221,7 +234,7 @@ mod tests {
 
     fn run(p: &Processors, raw: &[f32], output: &[u32]) -> Vec<f32> {
         let mut out = vec![7.0; 3];
-        assert!(p.apply(raw, &hist(output), &mut out));
+        assert!(p.apply(raw, &hist(output), None, &mut out));
         out
     }
 
@@ -231,10 +244,10 @@ mod tests {
     fn nothing_active_leaves_the_raw_row() {
         let p = procs(|_| {});
         let mut out = Vec::new();
-        assert!(!p.apply(&[1.0, 2.0], &hist(&[0, 1]), &mut out));
+        assert!(!p.apply(&[1.0, 2.0], &hist(&[0, 1]), None, &mut out));
         // min_tokens with nothing to mask is not active either.
         let p = procs(|p| p.min_tokens = 5);
-        assert!(!p.apply(&[1.0, 2.0], &hist(&[]), &mut out));
+        assert!(!p.apply(&[1.0, 2.0], &hist(&[]), None, &mut out));
     }
 
     #[test]
@@ -265,7 +278,7 @@ mod tests {
         let raw = [5.0, 1.0, 5.0];
         assert_eq!(run(&p, &raw, &[1]), vec![NEG, 1.0, NEG]);
         let mut out = Vec::new();
-        assert!(!p.apply(&raw, &hist(&[1, 1]), &mut out));
+        assert!(!p.apply(&raw, &hist(&[1, 1]), None, &mut out));
     }
 
     #[test]
@@ -327,7 +340,7 @@ mod tests {
         let p = procs(|p| p.logit_bias = vec![(2, 5.0)]);
         let raw = [3.0, 1.0, 0.0, 2.0];
         let mut out = Vec::new();
-        assert!(p.apply(&raw, &hist(&[]), &mut out));
+        assert!(p.apply(&raw, &hist(&[]), None, &mut out));
         let mut s = crate::sampler::Sampler::default();
         let mut rng = crate::rng::Rng::new(1);
         let params = SamplingParams {
@@ -410,7 +423,7 @@ mod tests {
             let n = 200;
             let t0 = std::time::Instant::now();
             for _ in 0..n {
-                let row: &[f32] = if p.apply(&raw, &h, &mut out) {
+                let row: &[f32] = if p.apply(&raw, &h, None, &mut out) {
                     &out
                 } else {
                     &raw
@@ -420,7 +433,7 @@ mod tests {
             let proc_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
             let t0 = std::time::Instant::now();
             for _ in 0..n {
-                let row: &[f32] = if p.apply(&raw, &h, &mut out) {
+                let row: &[f32] = if p.apply(&raw, &h, None, &mut out) {
                     &out
                 } else {
                     &raw

@@ -17,9 +17,11 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, error, trace, warn};
 
 use crate::logits::{self, History, Processors};
+use crate::mask_workers::{MaskDone, MaskKey, MaskWorkers};
 use crate::rng::{random_seed, Rng};
 use crate::sampler::{self, Sampler};
 use crate::stop::StopMatcher;
+use crate::structured::{GrammarMatcher, TokenMask};
 use crate::{
     EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest, StopReason,
 };
@@ -90,6 +92,18 @@ struct Seq {
     generated: usize,
     history: History,
     finished: bool,
+    /// Structured output: where this choice is in its grammar.
+    grammar: Option<SeqGrammar>,
+    /// This step's logits, kept until the mask they need comes back from a worker (the choice
+    /// sits out of the batch meanwhile; nobody else waits).
+    waiting_row: Option<Vec<f32>>,
+}
+
+/// A choice's grammar state: the matcher and the mask of its next token. Both are `None` while
+/// a worker computes that mask.
+struct SeqGrammar {
+    matcher: Option<GrammarMatcher>,
+    mask: Option<TokenMask>,
 }
 
 enum Phase {
@@ -105,6 +119,9 @@ enum Phase {
 
 /// An admitted request.
 struct Group {
+    /// Stable while the group lives (indices shift as groups finish): mask results find their
+    /// choice by it.
+    id: u64,
     req: GenerationRequest,
     procs: Processors,
     tx: UnboundedSender<GenerationEvent>,
@@ -154,7 +171,12 @@ pub(crate) struct Scheduler {
     sampler: Sampler,
     /// Reused buffer for the processed logits row.
     processed: Vec<f32>,
+    masks: MaskWorkers,
+    next_group_id: u64,
 }
+
+/// Threads computing structured-output masks while the model runs.
+const MASK_THREADS: usize = 2;
 
 impl Scheduler {
     pub(crate) fn new(
@@ -176,6 +198,8 @@ impl Scheduler {
             end_tokens,
             sampler: Sampler::default(),
             processed: Vec::new(),
+            masks: MaskWorkers::start(MASK_THREADS),
+            next_group_id: 0,
         }
     }
 
@@ -196,7 +220,13 @@ impl Scheduler {
             self.drop_cancelled();
             self.admit();
             self.publish_counts();
+            self.take_masks(false);
             if self.groups.is_empty() {
+                continue;
+            }
+            if !self.has_rows_to_feed() {
+                // Every running choice waits for its mask: block until one arrives.
+                self.take_masks(true);
                 continue;
             }
             // A bug in a step must not take the thread (and every later request) down.
@@ -256,7 +286,9 @@ impl Scheduler {
             };
             debug!(request_id = %s.req.request_id, "admitted");
             running += n;
+            self.next_group_id += 1;
             self.groups.push(Group {
+                id: self.next_group_id,
                 phase: Phase::Prefill {
                     cache: self.model.new_cache(),
                     done: 0,
@@ -294,6 +326,9 @@ impl Scheduler {
             match phase {
                 Phase::Decode { seqs } => {
                     for (si, s) in seqs.iter_mut().enumerate() {
+                        if s.waiting_row.is_some() {
+                            continue;
+                        }
                         inputs.push(SeqInput {
                             tokens: std::slice::from_ref(&s.next),
                             cache: &mut s.cache,
@@ -354,6 +389,8 @@ impl Scheduler {
             }
         };
 
+        // Masks that came back during the forward pass serve this step's rows.
+        self.take_masks(false);
         for (row, out) in rows.iter().zip(&logits) {
             match *row {
                 Row::Decode { group, seq } => self.decode_row(group, seq, out),
@@ -393,14 +430,27 @@ impl Scheduler {
             self.groups[gi].dropped = true;
             return;
         };
+        self.sample_seq(gi, si, row);
+    }
+
+    /// Samples choice `si` of group `gi` from `row` and sends its events; a constrained
+    /// choice whose mask is not back yet keeps the row for later instead.
+    fn sample_seq(&mut self, gi: usize, si: usize, row: &[f32]) {
         let g = &mut self.groups[gi];
+        if g.dropped {
+            return;
+        }
         let Phase::Decode { seqs } = &mut g.phase else {
             return;
         };
         let Some(seq) = seqs.get_mut(si) else {
             return;
         };
-        let events = emit_token(
+        if seq.grammar.as_ref().is_some_and(|gr| gr.mask.is_none()) {
+            seq.waiting_row = Some(row.to_vec());
+            return;
+        }
+        let emitted = emit_token(
             seq,
             &g.req,
             &g.procs,
@@ -410,9 +460,73 @@ impl Scheduler {
             &self.tokenizer,
             &self.end_tokens,
         );
-        for ev in events {
-            g.send(ev);
+        // The next mask depends only on the tokens sampled so far: start it now, while the
+        // next forward pass runs.
+        if !seq.finished {
+            if let Some(matcher) = seq.grammar.as_mut().and_then(|gr| gr.matcher.take()) {
+                let key = MaskKey {
+                    group: g.id,
+                    choice: seq.choice,
+                };
+                self.masks.submit(key, matcher);
+            }
         }
+        match emitted {
+            Ok(events) => {
+                for ev in events {
+                    g.send(ev);
+                }
+            }
+            Err(message) => {
+                g.fail(&message);
+                g.dropped = true;
+            }
+        }
+    }
+
+    /// Hands finished masks back to their choices, sampling the ones that were waiting. With
+    /// `wait`, blocks for the first one.
+    fn take_masks(&mut self, wait: bool) {
+        let mut wait = wait;
+        while let Some(MaskDone { key, result }) = self.masks.next_done(wait) {
+            wait = false;
+            // The request may be gone (cancelled, failed): then so is its result.
+            let Some(gi) = self.groups.iter().position(|g| g.id == key.group) else {
+                continue;
+            };
+            let g = &mut self.groups[gi];
+            let Phase::Decode { seqs } = &mut g.phase else {
+                continue;
+            };
+            let Some(si) = seqs.iter().position(|s| s.choice == key.choice) else {
+                continue;
+            };
+            let (matcher, mask) = match result {
+                Ok(r) => r,
+                Err(e) => {
+                    g.fail(&e.to_string());
+                    g.dropped = true;
+                    continue;
+                }
+            };
+            let seq = &mut seqs[si];
+            if let Some(gr) = &mut seq.grammar {
+                gr.matcher = Some(matcher);
+                gr.mask = Some(mask);
+            }
+            if let Some(row) = seq.waiting_row.take() {
+                self.sample_seq(gi, si, &row);
+            }
+        }
+    }
+
+    /// Whether the next step has any row: a prompt to prefill or a choice not waiting for
+    /// its mask.
+    fn has_rows_to_feed(&self) -> bool {
+        self.groups.iter().any(|g| match &g.phase {
+            Phase::Prefill { .. } => true,
+            Phase::Decode { seqs } => seqs.iter().any(|s| s.waiting_row.is_none()),
+        })
     }
 
     fn prefill_row(&mut self, gi: usize, end: usize, out: &Logits) {
@@ -459,25 +573,19 @@ impl Scheduler {
                 generated: 0,
                 history: History::default(),
                 finished: false,
+                // Every choice starts from the compiled grammar's first mask.
+                grammar: g.req.constraint.as_ref().map(|gr| SeqGrammar {
+                    matcher: Some(gr.matcher()),
+                    mask: Some(gr.first_mask().clone()),
+                }),
+                waiting_row: None,
             });
         }
         debug!(request_id = %g.req.request_id, prompt_tokens = end, "prefilled");
-        for seq in &mut seqs {
-            let events = emit_token(
-                seq,
-                &g.req,
-                &g.procs,
-                row,
-                &mut self.sampler,
-                &mut self.processed,
-                &self.tokenizer,
-                &self.end_tokens,
-            );
-            for ev in events {
-                g.send(ev);
-            }
-        }
         g.phase = Phase::Decode { seqs };
+        for si in 0..n {
+            self.sample_seq(gi, si, row);
+        }
     }
 }
 
@@ -489,7 +597,8 @@ fn last_row(out: &Logits) -> Option<&[f32]> {
 }
 
 /// Samples the next token of `seq` from `row` and returns the events it produces (a Token, and
-/// a Finished when generation ends).
+/// a Finished when generation ends). A constrained choice samples under its grammar's mask,
+/// which this consumes, and advances its matcher; `Err` fails the request.
 #[allow(clippy::too_many_arguments)]
 fn emit_token(
     seq: &mut Seq,
@@ -500,13 +609,31 @@ fn emit_token(
     processed: &mut Vec<f32>,
     tokenizer: &Tokenizer,
     end_tokens: &EndTokens,
-) -> Vec<GenerationEvent> {
+) -> Result<Vec<GenerationEvent>, String> {
     let stopping = &req.stopping;
-    let token = if procs.apply(row, &seq.history, processed) {
+    let mask = seq.grammar.as_mut().and_then(|g| g.mask.take());
+    let token = if procs.apply(row, &seq.history, mask.as_ref(), processed) {
         sampler.sample(processed, &req.sampling, &mut seq.rng)
     } else {
         sampler.sample(row, &req.sampling, &mut seq.rng)
     };
+    // The grammar ends the choice when it cannot be extended further.
+    let mut grammar_done = false;
+    if let (Some(g), Some(mask)) = (&mut seq.grammar, &mask) {
+        if !mask.is_allowed(token) {
+            // The sampler found no finite logit: the other processors masked every token
+            // the grammar allows.
+            return Err("structured output: no token satisfies both the grammar and the other \
+                        sampling constraints"
+                .into());
+        }
+        let matcher = g
+            .matcher
+            .as_mut()
+            .ok_or("structured output: the matcher is missing")?;
+        matcher.consume(token).map_err(|e| e.to_string())?;
+        grammar_done = matcher.is_stopped();
+    }
     // Logprobs stay the model's raw distribution, before any processor.
     let logprob = req.logprobs.map(|k| sampler::logprobs(row, token, k));
     seq.generated += 1;
@@ -531,6 +658,8 @@ fn emit_token(
         let (mut text, matched) = seq.matcher.push(&delta, may_stop);
         if let Some(s) = matched {
             (text, Some((FinishReason::Stop, Some(StopReason::Text(s)))))
+        } else if grammar_done {
+            (text, Some((FinishReason::Stop, None)))
         } else if seq.generated >= stopping.max_tokens {
             // A stop string may still complete in the detokenizer's held-back bytes.
             let (tail, matched) = seq.matcher.push(&seq.decode.flush(), may_stop);
@@ -584,7 +713,7 @@ fn emit_token(
             completion_tokens: seq.generated,
         });
     }
-    events
+    Ok(events)
 }
 
 /// Logs a scheduler thread that could not be started; `submit` then reports `Stopped`.

@@ -71,6 +71,7 @@ fn greedy_request(i: usize, prompt: &[u32]) -> GenerationRequest {
         },
         logprobs: Some(3),
         adapter: None,
+        constraint: None,
     }
 }
 

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::gguf_file;
 use temper_engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, GenerationEvent,
-    GenerationRequest, RepetitionDetection, SamplingParams, StopParams, StopReason, TokenLogprob,
+    GenerationRequest, GrammarError, JsonOptions, OutputConstraint, RepetitionDetection,
+    SamplingParams, StopParams, StopReason, TokenLogprob,
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig};
 use temper_text::{DecodeOptions, Tokenizer};
@@ -78,6 +79,7 @@ fn request(text: &str, max_tokens: usize, sampling: SamplingParams) -> Generatio
         },
         logprobs: None,
         adapter: None,
+        constraint: None,
     }
 }
 
@@ -894,4 +896,225 @@ fn repetition_detection_stops_a_loop() {
         min_count: 15,
     });
     assert_eq!(run(&e, req)[0].reason, Some(FinishReason::Length));
+}
+
+// Structured outputs: each choice samples under its own grammar matcher's mask.
+
+fn constrained(
+    engine: &Engine,
+    text: &str,
+    max_tokens: usize,
+    sampling: SamplingParams,
+    constraint: OutputConstraint,
+) -> GenerationRequest {
+    let grammar = engine
+        .grammar_compiler()
+        .expect("compiler")
+        .compile(&constraint)
+        .expect("compile");
+    let mut req = request(text, max_tokens, sampling);
+    req.stopping.ignore_eos = false;
+    req.constraint = Some(grammar);
+    req
+}
+
+/// `(cat|dog) [0-9]{1,3}!` without a regex engine.
+fn matches_pet_number(s: &str) -> bool {
+    let Some(rest) = s.strip_prefix("cat ").or_else(|| s.strip_prefix("dog ")) else {
+        return false;
+    };
+    let Some(digits) = rest.strip_suffix('!') else {
+        return false;
+    };
+    (1..=3).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit())
+}
+
+#[test]
+fn regex_constraint_holds_over_20_samples_at_temperature_1() {
+    let e = default_engine();
+    let rxs: Vec<_> = (0..20)
+        .map(|i| {
+            let req = constrained(
+                &e,
+                "the",
+                30,
+                seeded(1000 + i),
+                OutputConstraint::Regex("(cat|dog) [0-9]{1,3}!".into()),
+            );
+            e.submit(req).expect("submit")
+        })
+        .collect();
+    let mut distinct = std::collections::HashSet::new();
+    for rx in rxs {
+        let c = collect(rx, 1).remove(0);
+        assert!(matches_pet_number(&c.text), "{:?}", c.text);
+        // The grammar is complete after "!": the choice stops there, without EOS.
+        assert_eq!(c.reason, Some(FinishReason::Stop), "{:?}", c.text);
+        assert_eq!(c.stop_reason, None);
+        distinct.insert(c.text);
+    }
+    // Temperature 1 really sampled.
+    assert!(distinct.len() > 3, "{distinct:?}");
+}
+
+#[test]
+fn choice_constraint_gives_each_of_n_choices_its_own_matcher() {
+    let e = default_engine();
+    let options = ["yes", "no", "the dog sat", "Paris"];
+    let mut req = constrained(
+        &e,
+        "question",
+        20,
+        seeded(5),
+        OutputConstraint::Choice(options.iter().map(|s| s.to_string()).collect()),
+    );
+    req.n = 8;
+    let choices = run(&e, req);
+    for c in &choices {
+        assert!(options.contains(&c.text.as_str()), "{:?}", c.text);
+        assert_eq!(c.reason, Some(FinishReason::Stop));
+    }
+    let distinct: std::collections::HashSet<_> = choices.iter().map(|c| &c.text).collect();
+    assert!(distinct.len() > 1, "{distinct:?}");
+}
+
+#[test]
+fn json_schema_output_parses_and_validates() {
+    let e = default_engine();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer", "minimum": 0, "maximum": 999},
+            "pet": {"enum": ["cat", "dog"]},
+            "ok": {"type": "boolean"}
+        },
+        "required": ["count", "pet", "ok"],
+        "additionalProperties": false
+    });
+    for (i, temperature) in [(0u64, 0.0f32), (1, 1.0), (2, 1.0), (3, 1.0)] {
+        let sampling = SamplingParams {
+            temperature,
+            seed: Some(i),
+            ..SamplingParams::default()
+        };
+        let req = constrained(
+            &e,
+            "the cat",
+            80,
+            sampling,
+            OutputConstraint::Json {
+                schema: schema.clone(),
+                options: JsonOptions {
+                    disable_any_whitespace: true,
+                    ..JsonOptions::default()
+                },
+            },
+        );
+        let c = run(&e, req).remove(0);
+        let v: serde_json::Value = serde_json::from_str(&c.text)
+            .unwrap_or_else(|err| panic!("{:?} does not parse: {err}", c.text));
+        let count = v["count"].as_u64().expect("count");
+        assert!(count <= 999);
+        assert!(v["pet"] == "cat" || v["pet"] == "dog", "{v}");
+        assert!(v["ok"].is_boolean(), "{v}");
+        assert_eq!(v.as_object().map(|o| o.len()), Some(3), "{v}");
+        // disable_any_whitespace: compact JSON.
+        assert!(!c.text.contains(' '), "{:?}", c.text);
+        assert_eq!(c.reason, Some(FinishReason::Stop));
+    }
+}
+
+#[test]
+fn lark_grammar_constraint() {
+    let e = default_engine();
+    let grammar = "start: \"the \" ANIMAL \" sat on the \" THING\nANIMAL: \"cat\" | \"dog\"\nTHING: \"mat\" | \"day\"\n";
+    for seed in 0..5 {
+        let req = constrained(
+            &e,
+            "hello",
+            30,
+            seeded(seed),
+            OutputConstraint::Grammar(grammar.into()),
+        );
+        let c = run(&e, req).remove(0);
+        let ok = ["cat", "dog"].iter().any(|a| {
+            ["mat", "day"]
+                .iter()
+                .any(|t| c.text == format!("the {a} sat on the {t}"))
+        });
+        assert!(ok, "{:?}", c.text);
+    }
+}
+
+#[test]
+fn constrained_and_unconstrained_requests_share_a_batch() {
+    let e = default_engine();
+    let free = || request("what is the capital of France", 40, seeded(77));
+    let pets = || {
+        constrained(
+            &e,
+            "the",
+            30,
+            seeded(3),
+            OutputConstraint::Regex("(cat|dog) [0-9]{1,3}!".into()),
+        )
+    };
+    let free_alone = run(&e, free()).remove(0);
+    let pets_alone = run(&e, pets()).remove(0);
+    let rx_pets = e.submit(pets()).expect("submit");
+    let rx_free = e.submit(free()).expect("submit");
+    let pets_batched = collect(rx_pets, 1).remove(0);
+    let free_batched = collect(rx_free, 1).remove(0);
+    assert_eq!(free_batched.ids, free_alone.ids);
+    assert_eq!(free_batched.reason, Some(FinishReason::Length));
+    assert_eq!(pets_batched.ids, pets_alone.ids);
+    assert!(matches_pet_number(&pets_batched.text));
+    let s = wait_idle(&e);
+    assert!(s.max_rows_in_step >= 2, "{s:?}");
+}
+
+#[test]
+fn a_grammar_the_other_processors_rule_out_fails_the_request() {
+    let e = default_engine();
+    let t = tiny();
+    let dog = t.tokenizer.encode("dog", false)[0];
+    let mut req = constrained(
+        &e,
+        "the",
+        10,
+        seeded(1),
+        OutputConstraint::Regex("cat".into()),
+    );
+    req.sampling.allowed_token_ids = Some(vec![dog]);
+    let mut rx = e.submit(req).expect("submit");
+    let mut failed = false;
+    while let Some(ev) = rx.blocking_recv() {
+        if let GenerationEvent::Error { message } = ev {
+            assert!(message.contains("structured output"), "{message}");
+            failed = true;
+        }
+    }
+    assert!(failed);
+    // The engine carries on.
+    assert_eq!(run(&e, request("the", 3, greedy()))[0].ids.len(), 3);
+}
+
+#[test]
+fn invalid_constraints_are_compile_errors() {
+    let e = default_engine();
+    let c = e.grammar_compiler().expect("compiler");
+    for bad in [
+        OutputConstraint::Regex("(unclosed".into()),
+        OutputConstraint::Grammar("start: undefined_rule\n".into()),
+        OutputConstraint::Json {
+            schema: serde_json::json!({"type": "no-such-type"}),
+            options: JsonOptions::default(),
+        },
+        OutputConstraint::Choice(vec![]),
+    ] {
+        assert!(
+            matches!(c.compile(&bad), Err(GrammarError::Invalid(_))),
+            "{bad:?}"
+        );
+    }
 }

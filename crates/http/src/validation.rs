@@ -363,6 +363,7 @@ impl ChatParams {
             },
             logprobs: self.logprobs,
             adapter: None,
+            constraint: None,
         })
     }
 }

@@ -213,6 +213,7 @@ fn generate(
             },
             logprobs: None,
             adapter: None,
+            constraint: None,
         };
         receivers.push(engine.submit(request).map_err(|e| e.to_string())?);
     }
