@@ -11,7 +11,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Serialize;
-use temper_engine::{FinishReason, GenerationEvent, StopReason};
+use temper_engine::{FinishReason, GenerationEvent, OutputConstraint, StopReason};
 use temper_text::{ReasoningDelta, ReasoningParser, Tokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
@@ -60,7 +60,8 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let resolved = resolve_model(&state, req.model.as_deref(), &ctx.team).await?;
     let model = resolved.base.clone();
-    let params = validate_chat(req, &state.limits(&model))?;
+    let compile = |c: &OutputConstraint| model.engine.grammar_compiler()?.compile(c);
+    let params = validate_chat(req, &state.limits(&model), &compile)?;
     let request_id = params
         .request_id
         .clone()

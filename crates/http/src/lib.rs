@@ -12,6 +12,7 @@ pub mod prompt;
 pub mod protocol;
 pub mod sampling;
 pub mod state;
+pub mod structured;
 pub mod tokenize;
 pub mod training;
 pub mod validation;

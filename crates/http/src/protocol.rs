@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::extras::ServiceTier;
+use crate::structured::{ResponseFormat, StructuredOutputs};
 
 pub type JsonObject = Map<String, Value>;
 
@@ -54,8 +55,8 @@ pub struct ChatCompletionRequest {
     pub repetition_penalty: Option<f64>,
     pub length_penalty: Option<f64>,
     pub logit_bias: Option<HashMap<String, f64>>,
-    pub response_format: Option<JsonObject>,
-    pub structured_outputs: Option<JsonObject>,
+    pub response_format: Option<ResponseFormat>,
+    pub structured_outputs: Option<StructuredOutputs>,
     pub tools: Option<Vec<Value>>,
     pub reasoning_effort: Option<String>,
     pub include_reasoning: Option<bool>,

@@ -1,7 +1,7 @@
 //! One validation step: a parsed `ChatCompletionRequest` becomes typed `ChatParams`, or a 400
 //! naming the field. Nothing downstream re-checks or sees the raw JSON.
 
-use temper_engine::{GenerationRequest, SamplingParams, StopParams};
+use temper_engine::{GenerationRequest, Grammar, SamplingParams, StopParams};
 use temper_text::{ChatMessage, ContentPart, FunctionCall, MessageContent, ToolCall, ToolDef};
 
 use crate::error::ApiError;
@@ -10,6 +10,7 @@ use crate::protocol::{
     ChatCompletionRequest, JsonObject, MessageContentField, RequestMessage, StopField,
 };
 use crate::sampling::{check_min_tokens, sampling_controls, SamplingControls};
+use crate::structured::{compile_structured_output, CompileGrammar};
 
 /// Temperatures below this sample greedily (vLLM's threshold).
 const GREEDY_EPSILON: f64 = 1e-5;
@@ -50,6 +51,8 @@ pub struct ChatParams {
     /// `false` drops the reasoning parser's `reasoning` from the response.
     pub include_reasoning: bool,
     pub extras: RequestExtras,
+    /// `response_format` / `structured_outputs`, compiled for the served model.
+    pub constraint: Option<Grammar>,
 }
 
 /// Everything that turns messages into prompt tokens (shared with `/tokenize`).
@@ -96,7 +99,12 @@ pub struct StreamOptions {
     pub continuous_usage_stats: bool,
 }
 
-pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<ChatParams, ApiError> {
+/// `compile` compiles a structured-output constraint for the served model.
+pub fn validate_chat(
+    req: ChatCompletionRequest,
+    limits: &Limits,
+    compile: CompileGrammar<'_>,
+) -> Result<ChatParams, ApiError> {
     reject_unsupported(&req)?;
 
     if let Some(p) = req.priority {
@@ -273,6 +281,9 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
     };
 
+    let constraint =
+        compile_structured_output(req.response_format, req.structured_outputs, compile)?;
+
     if req.request_id.as_deref() == Some("") {
         return Err(ApiError::bad(
             "request_id",
@@ -319,6 +330,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         echo,
         include_reasoning: req.include_reasoning.unwrap_or(true),
         extras: request_extras,
+        constraint,
     })
 }
 
@@ -363,7 +375,7 @@ impl ChatParams {
             },
             logprobs: self.logprobs,
             adapter: None,
-            constraint: None,
+            constraint: self.constraint.clone(),
         })
     }
 }
@@ -513,18 +525,6 @@ pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> Vec<(&'static s
             "length_penalty",
             req.length_penalty.is_some_and(|v| v != 1.0),
         ),
-        (
-            "response_format",
-            req.response_format
-                .as_ref()
-                .is_some_and(|f| f.get("type").and_then(|t| t.as_str()) != Some("text")),
-        ),
-        (
-            "structured_outputs",
-            req.structured_outputs
-                .as_ref()
-                .is_some_and(|m| !m.is_empty()),
-        ),
         ("use_beam_search", req.use_beam_search == Some(true)),
         ("prompt_logprobs", req.prompt_logprobs.is_some()),
     ]
@@ -540,6 +540,7 @@ fn reject_unsupported(req: &ChatCompletionRequest) -> Result<(), ApiError> {
 #[cfg(test)]
 mod tests {
     use serde_json::{json, Value};
+    use temper_engine::{GrammarError, OutputConstraint};
 
     use super::*;
 
@@ -559,8 +560,14 @@ mod tests {
         serde_json::from_value(body).unwrap()
     }
 
+    /// Structured outputs are compiled by the engine; `crate::structured` and the server
+    /// tests cover them.
+    fn no_grammar(_: &OutputConstraint) -> Result<Grammar, GrammarError> {
+        panic!("no structured output expected")
+    }
+
     fn ok(extra: Value) -> ChatParams {
-        validate_chat(request(extra), &LIMITS).unwrap()
+        validate_chat(request(extra), &LIMITS, &no_grammar).unwrap()
     }
 
     fn rejected(extra: Value, param: &str) {
@@ -568,7 +575,7 @@ mod tests {
     }
 
     fn rejected_with(extra: Value, limits: &Limits, param: &str) {
-        match validate_chat(request(extra.clone()), limits) {
+        match validate_chat(request(extra.clone()), limits, &no_grammar) {
             Ok(_) => panic!("{extra} was accepted"),
             Err(e) => {
                 assert_eq!(e.status().as_u16(), 400, "{extra}");
@@ -653,6 +660,7 @@ mod tests {
         let p = validate_chat(
             request(json!({"logprobs": true, "top_logprobs": -1})),
             &unlimited,
+            &no_grammar,
         )
         .unwrap();
         assert_eq!(p.logprobs, Some(1000));
@@ -685,7 +693,7 @@ mod tests {
             trust_request_chat_template: true,
             ..LIMITS
         };
-        let p = validate_chat(request(json!({"chat_template": "{{ 'x' }}"})), &trusted).unwrap();
+        let p = validate_chat(request(json!({"chat_template": "{{ 'x' }}"})), &trusted, &no_grammar).unwrap();
         assert_eq!(p.prompt.chat_template.as_deref(), Some("{{ 'x' }}"));
         let p = ok(json!({"chat_template_kwargs": {"a": 1}, "add_special_tokens": true}));
         assert_eq!(p.prompt.chat_template_kwargs["a"], 1);
@@ -808,8 +816,6 @@ mod tests {
     fn unsupported_fields_are_rejected_not_ignored() {
         let non_defaults = [
             ("length_penalty", json!(0.5)),
-            ("response_format", json!({"type": "json_object"})),
-            ("structured_outputs", json!({"regex": "a+"})),
             ("use_beam_search", json!(true)),
             ("prompt_logprobs", json!(1)),
         ];

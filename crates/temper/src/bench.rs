@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use temper_engine::{
-    Engine, EngineConfig, GenerationEvent, GenerationRequest, SamplingParams, StopParams,
+    Engine, EngineConfig, GenerationEvent, GenerationRequest, Grammar, GrammarMatcher,
+    JsonOptions, OutputConstraint, SamplingParams, StopParams,
 };
 use temper_model::{Gemma3, SeqInput};
 use temper_text::Tokenizer;
@@ -79,7 +80,9 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         },
     );
     let prompt = prompt_tokens(&tokenizer, 16);
-    let single = best_of(repeat, || generate(&engine, &prompt, 1, args.decode_tokens))?;
+    let single = best_of(repeat, || {
+        generate(&engine, &prompt, 1, args.decode_tokens, None)
+    })?;
     let decode_tok_s = (args.decode_tokens - 1) as f64 / single.decode.as_secs_f64();
     rows.push(Row {
         what: format!("decode, 1 stream, {} tokens", args.decode_tokens),
@@ -88,7 +91,9 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         ratio: format!("{:.2}x", decode_tok_s / LLAMA_CPP_DECODE_TOK_S),
     });
     let n = args.concurrency.max(1);
-    let batched = best_of(repeat, || generate(&engine, &prompt, n, args.decode_tokens))?;
+    let batched = best_of(repeat, || {
+        generate(&engine, &prompt, n, args.decode_tokens, None)
+    })?;
     let total = (n * args.decode_tokens) as f64;
     rows.push(Row {
         what: format!(
@@ -105,6 +110,14 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         llama_cpp: "-".into(),
         ratio: "-".into(),
     });
+    rows.extend(structured_output_rows(
+        &engine,
+        &tokenizer,
+        &prompt,
+        args.decode_tokens,
+        repeat,
+        decode_tok_s,
+    )?);
     let stats = engine.stats();
 
     println!(
@@ -166,6 +179,8 @@ struct Generation {
     wall: Duration,
     /// From the first token of the single stream to its last: decoding without the prefill.
     decode: Duration,
+    /// Tokens received.
+    tokens: usize,
 }
 
 impl Timed for Generation {
@@ -188,12 +203,14 @@ fn prefill(model: &Gemma3, prompt: &[u32]) -> Result<Duration, String> {
     Ok(started.elapsed())
 }
 
-/// `n` greedy requests submitted at once, each generating exactly `tokens` tokens.
+/// `n` greedy requests submitted at once, each generating exactly `tokens` tokens (or until
+/// the grammar of `constraint` is complete).
 fn generate(
     engine: &Engine,
     prompt: &[u32],
     n: usize,
     tokens: usize,
+    constraint: Option<&Grammar>,
 ) -> Result<Generation, String> {
     let started = Instant::now();
     let mut receivers = Vec::with_capacity(n);
@@ -213,16 +230,18 @@ fn generate(
             },
             logprobs: None,
             adapter: None,
-            constraint: None,
+            constraint: constraint.cloned(),
         };
         receivers.push(engine.submit(request).map_err(|e| e.to_string())?);
     }
     let mut first_token = None;
     let mut last_token = started;
+    let mut generated = 0;
     for rx in &mut receivers {
         loop {
             match rx.blocking_recv() {
                 Some(GenerationEvent::Token { .. }) => {
+                    generated += 1;
                     let now = Instant::now();
                     first_token.get_or_insert(now);
                     last_token = now;
@@ -235,5 +254,137 @@ fn generate(
     }
     let wall = started.elapsed();
     let decode = last_token.duration_since(first_token.unwrap_or(started));
-    Ok(Generation { wall, decode })
+    Ok(Generation {
+        wall,
+        decode,
+        tokens: generated,
+    })
+}
+
+/// The JSON schema of the structured-output measurements: an object with a bounded string, an
+/// integer and an array of enums (the shape of a typical extraction schema).
+fn bench_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "city": {"type": "string"},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+            "notes": {"type": "array", "items": {"type": "string"}, "minItems": 64}
+        },
+        "required": ["name", "age", "city", "tags", "notes"],
+        "additionalProperties": false
+    })
+}
+
+/// Per-token mask cost on the model's vocabulary and single-stream decode under a JSON schema.
+fn structured_output_rows(
+    engine: &Engine,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    decode_tokens: usize,
+    repeat: usize,
+    free_tok_s: f64,
+) -> Result<Vec<Row>, String> {
+    let started = Instant::now();
+    let compiler = engine.grammar_compiler().map_err(|e| e.to_string())?;
+    let compiler_time = started.elapsed();
+    let constraint = OutputConstraint::Json {
+        schema: bench_schema(),
+        options: JsonOptions::default(),
+    };
+    let started = Instant::now();
+    let grammar = compiler.compile(&constraint).map_err(|e| e.to_string())?;
+    let compile_time = started.elapsed();
+    let notes: Vec<String> = (1..=64).map(|i| format!("note number {i}")).collect();
+    let instance = serde_json::json!({"name": "Ada Lovelace", "age": 36, "city": "London",
+        "tags": ["red", "blue"], "notes": notes})
+    .to_string();
+    let costs = best_of(repeat, || mask_costs(grammar.matcher(), tokenizer, &instance))?;
+    let mut sorted = costs.per_token.clone();
+    sorted.sort();
+    let mean = costs.total / costs.per_token.len().max(1) as u32;
+    let p99 = sorted[(sorted.len() * 99 / 100).min(sorted.len() - 1)];
+    let constrained = best_of(repeat, || {
+        generate(engine, prompt, 1, decode_tokens, Some(&grammar))
+    })?;
+    let tok_s = constrained.tokens.saturating_sub(1) as f64 / constrained.decode.as_secs_f64();
+    Ok(vec![
+        Row {
+            what: format!(
+                "structured-output mask, JSON schema, {}-token vocabulary ({} tokens; compiler built in {:.2} s, schema compiled in {:.1} ms)",
+                tokenizer.vocab_size(),
+                sorted.len(),
+                compiler_time.as_secs_f64(),
+                compile_time.as_secs_f64() * 1e3
+            ),
+            ours: format!(
+                "{:.0} µs/token mean, {:.0} µs p99, {:.0} µs max",
+                mean.as_secs_f64() * 1e6,
+                p99.as_secs_f64() * 1e6,
+                sorted.last().map_or(0.0, |d| d.as_secs_f64() * 1e6)
+            ),
+            llama_cpp: "-".into(),
+            ratio: "-".into(),
+        },
+        Row {
+            what: format!(
+                "decode, 1 stream, JSON schema ({} tokens; masks on worker threads during the forward)",
+                constrained.tokens
+            ),
+            ours: format!(
+                "{tok_s:.1} tok/s ({:.2}x unconstrained)",
+                tok_s / free_tok_s
+            ),
+            llama_cpp: "-".into(),
+            ratio: "-".into(),
+        },
+    ])
+}
+
+struct MaskCosts {
+    total: Duration,
+    per_token: Vec<Duration>,
+}
+
+impl Timed for MaskCosts {
+    fn key(&self) -> Duration {
+        self.total
+    }
+}
+
+/// Walks the grammar along `target`: at each step computes the mask (timed), then consumes
+/// the allowed token covering the most of what is left of `target`.
+fn mask_costs(
+    mut matcher: GrammarMatcher,
+    tokenizer: &Tokenizer,
+    target: &str,
+) -> Result<MaskCosts, String> {
+    let mut rest = target.as_bytes();
+    let mut per_token = Vec::new();
+    while !rest.is_empty() && !matcher.is_stopped() {
+        let started = Instant::now();
+        let mask = matcher.compute_mask().map_err(|e| e.to_string())?;
+        per_token.push(started.elapsed());
+        let best = (0..tokenizer.vocab_size() as u32)
+            .filter(|&t| mask.is_allowed(t))
+            .filter_map(|t| {
+                let bytes = tokenizer.token_bytes(t)?;
+                (!bytes.is_empty() && rest.starts_with(&bytes)).then_some((bytes.len(), t))
+            })
+            .max();
+        let Some((len, token)) = best else {
+            return Err(format!(
+                "the bench schema does not accept {:?}",
+                String::from_utf8_lossy(rest)
+            ));
+        };
+        matcher.consume(token).map_err(|e| e.to_string())?;
+        rest = &rest[len..];
+    }
+    Ok(MaskCosts {
+        total: per_token.iter().sum(),
+        per_token,
+    })
 }
