@@ -36,7 +36,8 @@ pub enum OutputConstraint {
 /// Options of the JSON grammar.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct JsonOptions {
-    /// No whitespace between JSON tokens (compact separators).
+    /// No whitespace between JSON tokens (compact separators). Otherwise whitespace between
+    /// tokens matches `FLEXIBLE_WHITESPACE`.
     pub disable_any_whitespace: bool,
     /// Objects with `properties` and no `additionalProperties` get `additionalProperties: false`.
     pub disable_additional_properties: bool,
@@ -244,6 +245,12 @@ pub(crate) fn masked_copy(raw: &[f32], mask: &TokenMask, out: &mut Vec<f32>) {
     }
 }
 
+/// Whitespace allowed between JSON tokens by default: one space or tab, or one line break
+/// with up to 32 spaces or tabs of indentation. That covers compact, one-space and
+/// pretty-printed JSON; unbounded whitespace (llguidance's own default) lets a small model at
+/// temperature 1 emit blank lines until it runs out of tokens, and the output never parses.
+pub const FLEXIBLE_WHITESPACE: &str = r"[ \t]|\r?\n[ \t]{0,32}";
+
 fn top_level_grammar(constraint: &OutputConstraint) -> Result<TopLevelGrammar, GrammarError> {
     Ok(match constraint {
         OutputConstraint::Json { schema, options } => {
@@ -293,9 +300,14 @@ fn json_schema(schema: &Value, options: &JsonOptions) -> Result<Value, GrammarEr
     }
     if let Value::Object(map) = &mut schema {
         if !map.contains_key("x-guidance") {
+            let whitespace_pattern = match (&options.whitespace_pattern, options.disable_any_whitespace) {
+                (Some(p), _) => Some(p.clone()),
+                (None, false) => Some(FLEXIBLE_WHITESPACE.to_owned()),
+                (None, true) => None,
+            };
             let compile = JsonCompileOptions {
                 whitespace_flexible: !options.disable_any_whitespace,
-                whitespace_pattern: options.whitespace_pattern.clone(),
+                whitespace_pattern,
                 ..JsonCompileOptions::default()
             };
             let value = serde_json::to_value(&compile)
@@ -474,6 +486,8 @@ mod tests {
         let s = json_schema(&serde_json::json!({"type": "integer"}), &opts).unwrap();
         assert_eq!(s["x-guidance"]["whitespace_flexible"], false);
         assert_eq!(s["x-guidance"]["whitespace_pattern"], " ?");
+        let flexible = json_schema(&serde_json::json!({}), &JsonOptions::default()).unwrap();
+        assert_eq!(flexible["x-guidance"]["whitespace_pattern"], FLEXIBLE_WHITESPACE);
         let own = serde_json::json!({"x-guidance": {"lenient": true}});
         assert_eq!(json_schema(&own, &opts).unwrap(), own);
         assert!(json_schema(&serde_json::json!(false), &opts).is_err());

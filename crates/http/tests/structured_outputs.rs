@@ -73,21 +73,21 @@ async fn json_schema_output_parses_and_validates_at_temperature_0_and_1() {
         "json_schema": {"name": "person", "schema": person_schema(), "strict": true}});
     let body = |temperature: f64, seed: i64, n: usize| {
         json!({"messages": user("Describe a person as JSON."), "temperature": temperature,
-            "seed": seed, "n": n, "max_completion_tokens": 200, "response_format": response_format})
+            "seed": seed, "n": n, "max_completion_tokens": 120, "response_format": response_format})
     };
     for (text, finish) in contents(&s, body(0.0, 0, 1)).await {
         check_person(&text);
         assert_eq!(finish, "stop");
     }
     for seed in [1, 2] {
-        for (text, finish) in contents(&s, body(1.0, seed, 4)).await {
+        for (text, finish) in contents(&s, body(1.0, seed, 3)).await {
             check_person(&text);
             assert_eq!(finish, "stop");
         }
     }
     // The same constraint through structured_outputs.json (a string), compact.
     let compact = json!({"messages": user("Describe a person as JSON."), "temperature": 1.0,
-        "seed": 3, "n": 4, "max_completion_tokens": 200,
+        "seed": 3, "n": 3, "max_completion_tokens": 120,
         "structured_outputs": {"json": person_schema().to_string(), "disable_any_whitespace": true}});
     for (text, _) in contents(&s, compact).await {
         check_person(&text);
