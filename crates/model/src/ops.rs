@@ -150,8 +150,8 @@ pub(crate) fn gelu_mul_backward(gate: &[f32], up: &[f32], dy: &[f32]) -> (Vec<f3
     for ((&x, &u), &d) in gate.iter().zip(up).zip(dy) {
         let t = (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh();
         let gelu = 0.5 * x * (1.0 + t);
-        let dgelu =
-            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF_A * x * x);
+        let dgelu = 0.5 * (1.0 + t)
+            + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF_A * x * x);
         dg.push(d * u * dgelu);
         du.push(d * gelu);
     }

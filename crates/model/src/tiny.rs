@@ -63,7 +63,12 @@ fn write(path: &Path, seed: u64, all_f32: bool) -> Result<(), ModelError> {
     // around 6 gives the tied LM head logits with a spread of a few units.
     tensors.push((
         "token_embd.weight".into(),
-        random(&mut rng, &[vocab_size, HIDDEN], 0.05, dtype(GgmlDType::Q8_0))?,
+        random(
+            &mut rng,
+            &[vocab_size, HIDDEN],
+            0.05,
+            dtype(GgmlDType::Q8_0),
+        )?,
     ));
     tensors.push(("output_norm.weight".into(), norm(&mut rng, HIDDEN, 6.0)?));
     let q_dim = HEADS * HEAD_DIM;

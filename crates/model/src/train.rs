@@ -170,7 +170,10 @@ impl Gemma3 {
             start += len;
         }
         let spans: Vec<AdapterSpan> = adapter
-            .map(|adapter| AdapterSpan { rows: 0..n, adapter })
+            .map(|adapter| AdapterSpan {
+                rows: 0..n,
+                adapter,
+            })
             .into_iter()
             .collect();
         let ropes = Ropes::new(&layout.pos, cfg);
@@ -222,7 +225,7 @@ impl Gemma3 {
                 scores.entropies.push(h);
             }
         }
-        let tape = record.then(|| TrainTape {
+        let tape = record.then_some(TrainTape {
             layout,
             segments,
             layers: tapes,
@@ -334,7 +337,11 @@ impl Gemma3 {
         let hidden = cfg.hidden_size;
         let n = tape.layout.pos.len();
         let mut grads = LoraGrads {
-            grads: adapter.params().iter().map(|p| vec![0f32; p.len()]).collect(),
+            grads: adapter
+                .params()
+                .iter()
+                .map(|p| vec![0f32; p.len()])
+                .collect(),
         };
 
         // LM head, chunk by chunk: d hidden = dlogp · (onehot(target) - softmax) · E.
@@ -397,7 +404,10 @@ impl Gemma3 {
         let d_act = lin(LoraTarget::Down, &lt.act, &d_down)?;
         let (d_gate, d_up) = ops::gelu_mul_backward(&lt.gate, &lt.up, &d_act);
         let mut d_ffn_normed = lin(LoraTarget::Gate, &lt.ffn_normed, &d_gate)?;
-        add_assign(&mut d_ffn_normed, &lin(LoraTarget::Up, &lt.ffn_normed, &d_up)?);
+        add_assign(
+            &mut d_ffn_normed,
+            &lin(LoraTarget::Up, &lt.ffn_normed, &d_up)?,
+        );
         let mut d_mid = d_out;
         add_assign(
             &mut d_mid,
@@ -416,8 +426,14 @@ impl Gemma3 {
         let dq_pre = ops::rms_norm_backward(&lt.q_pre, &layer.q_norm, eps, &dq);
         let dk_pre = ops::rms_norm_backward(&lt.k_pre, &layer.k_norm, eps, &dk);
         let mut d_attn_normed = lin(LoraTarget::Q, &lt.attn_normed, &dq_pre)?;
-        add_assign(&mut d_attn_normed, &lin(LoraTarget::K, &lt.attn_normed, &dk_pre)?);
-        add_assign(&mut d_attn_normed, &lin(LoraTarget::V, &lt.attn_normed, &dv)?);
+        add_assign(
+            &mut d_attn_normed,
+            &lin(LoraTarget::K, &lt.attn_normed, &dk_pre)?,
+        );
+        add_assign(
+            &mut d_attn_normed,
+            &lin(LoraTarget::V, &lt.attn_normed, &dv)?,
+        );
         if need_input_grad {
             add_assign(
                 &mut d_mid,
@@ -469,7 +485,11 @@ impl Gemma3 {
                     .map(|j| ops::dot(dout, &lt.v[j * kv_width + g * d..][..d]))
                     .collect();
                 let mean: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                *ds = p.iter().zip(&dp).map(|(pj, dpj)| pj * (dpj - mean)).collect();
+                *ds = p
+                    .iter()
+                    .zip(&dp)
+                    .map(|(pj, dpj)| pj * (dpj - mean))
+                    .collect();
                 for (j, &s) in (lo..=t).zip(ds.iter()) {
                     ops::axpy(s * scale, &lt.k[j * kv_width + g * d..][..d], dqr);
                 }
@@ -493,7 +513,11 @@ impl Gemma3 {
                         let off = j - lo;
                         let qrow = &lt.q[idx * d..(idx + 1) * d];
                         let dout = &d_attn[idx * d..(idx + 1) * d];
-                        ops::axpy(dscores[idx][off] * scale, qrow, &mut dkr[g * d..(g + 1) * d]);
+                        ops::axpy(
+                            dscores[idx][off] * scale,
+                            qrow,
+                            &mut dkr[g * d..(g + 1) * d],
+                        );
                         ops::axpy(probs[idx][off], dout, &mut dvr[g * d..(g + 1) * d]);
                     }
                 }
@@ -534,7 +558,10 @@ fn linear_backward(
     add_assign(&mut dx, &dx_lora);
     let base = (li * LoraTarget::ALL.len() + target as usize) * 2;
     add_assign(&mut grads.grads[base], &da.flatten_all()?.to_vec1::<f32>()?);
-    add_assign(&mut grads.grads[base + 1], &db.flatten_all()?.to_vec1::<f32>()?);
+    add_assign(
+        &mut grads.grads[base + 1],
+        &db.flatten_all()?.to_vec1::<f32>()?,
+    );
     Ok(dx)
 }
 

@@ -42,7 +42,8 @@ fn serving_scores(model: &Gemma3, toks: &[u32], adapter: Option<&LoraAdapter>) -
                 -lp.exp() * lp
             })
             .sum();
-        out.logprobs.push((row[toks[t] as usize] as f64 - lse) as f32);
+        out.logprobs
+            .push((row[toks[t] as usize] as f64 - lse) as f32);
         out.entropies.push(entropy as f32);
     }
     out
@@ -51,14 +52,27 @@ fn serving_scores(model: &Gemma3, toks: &[u32], adapter: Option<&LoraAdapter>) -
 /// Max and mean |a - b|.
 fn diffs(a: &[f32], b: &[f32]) -> (f32, f64) {
     assert_eq!(a.len(), b.len());
-    let max = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    let mean = a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).sum::<f64>() / a.len() as f64;
+    let max = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    let mean = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() as f64)
+        .sum::<f64>()
+        / a.len() as f64;
     (max, mean)
 }
 
 /// Scores two segments packed together and compares them with each segment served alone.
 /// Returns the (max, mean) |logprob diff|.
-fn compare_with_serving(model: &Gemma3, segs: &[Vec<u32>], adapter: Option<&LoraAdapter>) -> (f32, f64) {
+fn compare_with_serving(
+    model: &Gemma3,
+    segs: &[Vec<u32>],
+    adapter: Option<&LoraAdapter>,
+) -> (f32, f64) {
     let toks: Vec<u32> = segs.concat();
     let lens: Vec<usize> = segs.iter().map(Vec::len).collect();
     let scored = scored_all(&lens);
@@ -90,8 +104,14 @@ fn score_equals_the_serving_log_softmax() {
     let segs = [tokens(19, 1), tokens(12, 2)];
     for a in [None, Some(&adapter)] {
         let (max, mean) = compare_with_serving(&model, &segs, a);
-        eprintln!("tiny model, adapter {}: max |diff| {max:e}, mean {mean:e}", a.is_some());
-        assert_eq!(max, 0.0, "the training forward should reproduce serving bit for bit");
+        eprintln!(
+            "tiny model, adapter {}: max |diff| {max:e}, mean {mean:e}",
+            a.is_some()
+        );
+        assert_eq!(
+            max, 0.0,
+            "the training forward should reproduce serving bit for bit"
+        );
     }
     // The training forward scores the same.
     let toks = segs.concat();
@@ -102,7 +122,9 @@ fn score_equals_the_serving_log_softmax() {
         segment_lens: &lens,
         scored: &scored,
     };
-    let (scores, _) = model.train_forward(&packed, &adapter).expect("train_forward");
+    let (scores, _) = model
+        .train_forward(&packed, &adapter)
+        .expect("train_forward");
     assert_eq!(scores, model.score(&packed, Some(&adapter)).expect("score"));
 }
 
@@ -114,12 +136,19 @@ fn score_equals_serving_on_the_default_model() {
     let model = temper_model::load_gguf(&path).expect("load").model;
     let adapter = trained_adapter(&model, 4, 0.01);
     let segs = [
-        vec![2, 105, 2364, 107, 3689, 563, 506, 92900, 10565, 580, 106, 107, 105, 4368, 107],
-        vec![2, 105, 2364, 107, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799],
+        vec![
+            2, 105, 2364, 107, 3689, 563, 506, 92900, 10565, 580, 106, 107, 105, 4368, 107,
+        ],
+        vec![
+            2, 105, 2364, 107, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799,
+        ],
     ];
     for a in [None, Some(&adapter)] {
         let (max, mean) = compare_with_serving(&model, &segs, a);
-        eprintln!("default model, adapter {}: max |diff| {max:e}, mean {mean:e}", a.is_some());
+        eprintln!(
+            "default model, adapter {}: max |diff| {max:e}, mean {mean:e}",
+            a.is_some()
+        );
         assert!(mean < 1e-3, "mean |diff| {mean}");
     }
 }
@@ -169,7 +198,10 @@ fn bad_packing_is_an_error() {
             },
             None,
         );
-        assert!(matches!(r, Err(ModelError::Packing(_))), "{lens:?} {scored:?}: {r:?}");
+        assert!(
+            matches!(r, Err(ModelError::Packing(_))),
+            "{lens:?} {scored:?}: {r:?}"
+        );
     };
     check(&[3, 2], &scored_all(&[3, 3]));
     check(&[3, 3], &scored_all(&[3, 2]));
@@ -195,7 +227,10 @@ fn bad_packing_is_an_error() {
         },
         None,
     );
-    assert!(matches!(r, Err(ModelError::TokenOutOfRange { .. })), "{r:?}");
+    assert!(
+        matches!(r, Err(ModelError::TokenOutOfRange { .. })),
+        "{r:?}"
+    );
 }
 
 /// Deterministic values in [-1, 1).
@@ -232,7 +267,11 @@ fn backward_matches_finite_differences() {
     let coef = pseudo_random(scored.iter().filter(|&&s| s).count(), 3);
     let loss = |adapter: &LoraAdapter| -> f64 {
         let s = model.score(&packed, Some(adapter)).expect("score");
-        s.logprobs.iter().zip(&coef).map(|(&l, &c)| l as f64 * c as f64).sum()
+        s.logprobs
+            .iter()
+            .zip(&coef)
+            .map(|(&l, &c)| l as f64 * c as f64)
+            .sum()
     };
     let (_, tape) = model.train_forward(&packed, &adapter).expect("forward");
     let grads = model.backward(tape, &adapter, &coef).expect("backward");
