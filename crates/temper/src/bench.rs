@@ -127,9 +127,10 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         rows.push(Row {
             what: format!(
                 "trainer step (forward + backward), {seqs}x{len} tokens packed: {:.1} s \
-                 (forward {:.1} s), peak RSS {:.1} GiB",
+                 (forward {:.1} s; {:.1} CPU-s), peak RSS {:.1} GiB",
                 step.wall.as_secs_f64(),
                 step.forward.as_secs_f64(),
+                step.cpu.as_secs_f64(),
                 step.peak_rss_bytes as f64 / (1u64 << 30) as f64,
             ),
             ours: format!("{tok_s:.0} trainable tok/s"),
@@ -281,6 +282,8 @@ fn parse_shape(shape: &str) -> Result<(usize, usize), String> {
 struct TrainStep {
     wall: Duration,
     forward: Duration,
+    /// CPU time of the process over the step (all threads): the cost when the machine is shared.
+    cpu: Duration,
     /// Scored tokens: all but each sequence's first.
     trainable: usize,
     peak_rss_bytes: u64,
@@ -307,6 +310,7 @@ fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, 
     // Linux: writing 5 resets the peak RSS to the current RSS.
     let _ = std::fs::write("/proc/self/clear_refs", "5");
     let started = Instant::now();
+    let cpu_start = process_cpu_time();
     let (scores, tape) = model
         .train_forward(&packed, &adapter)
         .map_err(|e| format!("train_forward: {e}"))?;
@@ -318,6 +322,7 @@ fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, 
     Ok(TrainStep {
         wall: started.elapsed(),
         forward,
+        cpu: process_cpu_time().saturating_sub(cpu_start),
         trainable: scores.logprobs.len(),
         peak_rss_bytes: peak_rss_bytes(),
     })
@@ -333,4 +338,19 @@ fn peak_rss_bytes() -> u64 {
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+/// User + system time of this process so far (zero where /proc is absent).
+fn process_cpu_time() -> Duration {
+    // Fields 14 and 15 of /proc/self/stat (after the parenthesised name), in clock ticks.
+    const TICKS_PER_S: f64 = 100.0;
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let rest = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0);
+    Duration::from_secs_f64(ticks as f64 / TICKS_PER_S)
 }
