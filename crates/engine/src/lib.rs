@@ -13,7 +13,7 @@ mod stop;
 
 use std::sync::Arc;
 
-use temper_model::Gemma3;
+use temper_model::{Gemma3, LoraAdapter};
 use temper_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -51,6 +51,8 @@ pub struct GenerationRequest {
     /// Logprobs of each sampled token plus this many top alternatives; `Some(0)` = the sampled
     /// token's only; `None` = no logprobs.
     pub logprobs: Option<usize>,
+    /// LoRA adapter every choice applies (n > 1 forks share it); `None` = the base weights.
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -298,6 +298,7 @@ impl Scheduler {
                             tokens: std::slice::from_ref(&s.next),
                             cache: &mut s.cache,
                             all_logits: false,
+                            adapter: req.adapter.as_deref(),
                         });
                         rows.push(Row::Decode { group: gi, seq: si });
                     }
@@ -312,6 +313,7 @@ impl Scheduler {
                         tokens: &req.prompt[*done..end],
                         cache,
                         all_logits: false,
+                        adapter: req.adapter.as_deref(),
                     });
                     rows.push(Row::Prefill { group: gi, end });
                 }

@@ -70,6 +70,7 @@ fn greedy_request(i: usize, prompt: &[u32]) -> GenerationRequest {
             ..StopParams::default()
         },
         logprobs: Some(3),
+        adapter: None,
     }
 }
 

@@ -10,7 +10,7 @@ use temper_engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, GenerationEvent,
     GenerationRequest, RepetitionDetection, SamplingParams, StopParams, StopReason, TokenLogprob,
 };
-use temper_model::Gemma3;
+use temper_model::{Gemma3, LoraAdapter, LoraConfig};
 use temper_text::{DecodeOptions, Tokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -77,6 +77,7 @@ fn request(text: &str, max_tokens: usize, sampling: SamplingParams) -> Generatio
             ..StopParams::default()
         },
         logprobs: None,
+        adapter: None,
     }
 }
 
@@ -207,25 +208,25 @@ fn greedy_alone_equals_greedy_in_a_busy_batch() {
     assert!(e.stats().max_rows_in_step >= 2);
 }
 
-#[test]
-fn greedy_equals_a_plain_loop_over_the_model() {
+/// Greedy decoding by calling the model directly: the ids and each one's logprob.
+fn greedy_loop(
+    prompt: &[u32],
+    steps: usize,
+    adapter: Option<&LoraAdapter>,
+) -> (Vec<u32>, Vec<f32>) {
     let t = tiny();
-    let e = default_engine();
-    let mut req = request("what is the answer to the question", 16, greedy());
-    req.logprobs = Some(2);
-    let c = run(&e, req.clone());
-
     let mut cache = t.model.new_cache();
-    let mut input = req.prompt.clone();
+    let mut input = prompt.to_vec();
     let mut ids = Vec::new();
     let mut best = Vec::new();
-    for _ in 0..16 {
+    for _ in 0..steps {
         let logits = t
             .model
             .forward(&mut [temper_model::SeqInput {
                 tokens: &input,
                 cache: &mut cache,
                 all_logits: false,
+                adapter,
             }])
             .expect("forward");
         let row = logits[0].row(0);
@@ -249,6 +250,62 @@ fn greedy_equals_a_plain_loop_over_the_model() {
         best.push((l as f64 - lse) as f32);
         input = vec![id];
     }
+    (ids, best)
+}
+
+/// An adapter with nonzero B (as after training), so it changes what the model says.
+fn changed_adapter(seed: u64) -> LoraAdapter {
+    let mut a = LoraAdapter::new(tiny().model.config(), LoraConfig::default(), seed);
+    for (i, p) in a
+        .params_mut()
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| i % 2 == 1)
+    {
+        for (j, v) in p.iter_mut().enumerate() {
+            *v = 0.08 * (((i * 7919 + j * 104_729) % 1000) as f32 / 500.0 - 1.0);
+        }
+    }
+    a
+}
+
+#[test]
+fn adapters_apply_per_request_in_a_shared_batch() {
+    let e = default_engine();
+    let adapter = Arc::new(changed_adapter(1));
+    let text = "Hello world the cat sat on the mat";
+    let (base_ids, _) = greedy_loop(&prompt(text), 20, None);
+    let (want, _) = greedy_loop(&prompt(text), 20, Some(&adapter));
+    assert_ne!(base_ids, want, "the adapter should change greedy output");
+
+    let mut req = request(text, 20, greedy());
+    req.adapter = Some(adapter.clone());
+    assert_eq!(run(&e, req.clone())[0].ids, want);
+    // Next to base-model requests in the same steps.
+    assert_eq!(run_in_busy_batch(&e, req.clone())[0].ids, want);
+    // n = 2 forks share the adapter.
+    req.n = 2;
+    let forks = run(&e, req);
+    assert_eq!(forks[0].ids, want);
+    assert_eq!(forks[1].ids, want);
+    // A fresh adapter (B = 0) is the base model.
+    let mut req = request(text, 20, greedy());
+    req.adapter = Some(Arc::new(LoraAdapter::new(
+        tiny().model.config(),
+        LoraConfig::default(),
+        9,
+    )));
+    assert_eq!(run(&e, req)[0].ids, base_ids);
+}
+
+#[test]
+fn greedy_equals_a_plain_loop_over_the_model() {
+    let e = default_engine();
+    let mut req = request("what is the answer to the question", 16, greedy());
+    req.logprobs = Some(2);
+    let c = run(&e, req.clone());
+
+    let (ids, best) = greedy_loop(&req.prompt, 16, None);
     assert_eq!(c[0].ids, ids);
     for (lp, want) in c[0].logprobs.iter().zip(&best) {
         assert!((lp.logprob - want).abs() < 1e-4, "{} vs {want}", lp.logprob);

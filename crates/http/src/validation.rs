@@ -362,6 +362,7 @@ impl ChatParams {
                 repetition_detection: c.repetition_detection,
             },
             logprobs: self.logprobs,
+            adapter: None,
         })
     }
 }

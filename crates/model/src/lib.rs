@@ -5,10 +5,12 @@ mod cache;
 mod config;
 mod linear;
 mod loader;
+mod lora;
 mod model;
 mod ops;
 pub mod paths;
 pub mod tiny;
+mod train;
 
 use std::collections::HashMap;
 
@@ -17,7 +19,9 @@ use candle_core::quantized::gguf_file;
 pub use cache::SeqCache;
 pub use config::ModelConfig;
 pub use loader::load_gguf;
+pub use lora::{LoraAdapter, LoraConfig, LoraGrads, LoraTarget};
 pub use model::{Gemma3, Logits, SeqInput};
+pub use train::{PackedSequence, TokenScores, TrainTape};
 
 /// A model loaded from a GGUF file, with the file's metadata (the caller builds the tokenizer
 /// from it).
@@ -56,4 +60,10 @@ pub enum ModelError {
     ContextOverflow { len: usize, max: usize },
     #[error("KV cache does not belong to this model")]
     CacheMismatch,
+    #[error("adapter {path}: {reason}")]
+    Adapter { path: String, reason: String },
+    #[error("batch entry {index}: the adapter was made for a model of another shape")]
+    AdapterMismatch { index: usize },
+    #[error("packed sequence: {0}")]
+    Packing(String),
 }

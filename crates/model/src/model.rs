@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use crate::cache::{LayerKv, SeqCache};
 use crate::linear::Linear;
+use crate::lora::{LoraAdapter, LoraTarget};
 use crate::ops::{self, RopeTable};
 use crate::{ModelConfig, ModelError};
 
@@ -15,6 +16,8 @@ pub struct SeqInput<'a> {
     pub cache: &'a mut SeqCache,
     /// Logits for every token (scoring, training) instead of only the last one (generation).
     pub all_logits: bool,
+    /// This sequence's LoRA adapter; `None` = the base weights.
+    pub adapter: Option<&'a LoraAdapter>,
 }
 
 /// Row-major logits, `rows` x `vocab`.
@@ -47,6 +50,49 @@ pub(crate) struct Layer {
     pub(crate) post_ffn_norm: Vec<f32>,
 }
 
+/// Rows of a concatenated batch that apply one adapter.
+pub(crate) struct AdapterSpan<'a> {
+    pub(crate) rows: std::ops::Range<usize>,
+    pub(crate) adapter: &'a LoraAdapter,
+}
+
+impl Layer {
+    pub(crate) fn linear(&self, target: LoraTarget) -> &Linear {
+        match target {
+            LoraTarget::Q => &self.q,
+            LoraTarget::K => &self.k,
+            LoraTarget::V => &self.v,
+            LoraTarget::O => &self.o,
+            LoraTarget::Gate => &self.gate,
+            LoraTarget::Up => &self.up,
+            LoraTarget::Down => &self.down,
+        }
+    }
+
+    /// One projection of layer `index` over all rows of `x` (one batched base matmul), plus each
+    /// span's adapter term on its own rows.
+    pub(crate) fn project(
+        &self,
+        index: usize,
+        target: LoraTarget,
+        x: &[f32],
+        spans: &[AdapterSpan<'_>],
+    ) -> Result<Vec<f32>, ModelError> {
+        let linear = self.linear(target);
+        let mut y = linear.forward(x)?;
+        let (din, dout) = (linear.in_dim(), linear.out_dim());
+        for s in spans {
+            s.adapter.apply(
+                index,
+                target,
+                &x[s.rows.start * din..s.rows.end * din],
+                &mut y[s.rows.start * dout..s.rows.end * dout],
+            );
+        }
+        Ok(y)
+    }
+}
+
 /// Gemma 3 text model over quantized GGUF weights.
 pub struct Gemma3 {
     pub(crate) cfg: ModelConfig,
@@ -56,10 +102,18 @@ pub struct Gemma3 {
     pub(crate) final_norm: Vec<f32>,
 }
 
-/// Where each token of the concatenated batch belongs.
-struct BatchLayout {
-    seq: Vec<usize>,
-    pos: Vec<usize>,
+/// Where each token of the concatenated batch belongs: its sequence (or packed segment) and its
+/// position in it.
+pub(crate) struct BatchLayout {
+    pub(crate) seq: Vec<usize>,
+    pub(crate) pos: Vec<usize>,
+}
+
+/// One sequence's keys and values for a layer, `[len, kv_heads * head_dim]`.
+#[derive(Clone, Copy)]
+pub(crate) struct KvRef<'a> {
+    pub(crate) k: &'a [f32],
+    pub(crate) v: &'a [f32],
 }
 
 impl Gemma3 {
@@ -107,6 +161,9 @@ impl Gemma3 {
             if !s.cache.fits(self.cfg.num_layers, self.kv_width()) {
                 return Err(ModelError::CacheMismatch);
             }
+            if s.adapter.is_some_and(|a| !a.fits(&self.cfg)) {
+                return Err(ModelError::AdapterMismatch { index });
+            }
             let len = s.cache.len() + s.tokens.len();
             if len > self.cfg.context_length {
                 return Err(ModelError::ContextOverflow {
@@ -148,6 +205,18 @@ impl Gemma3 {
             layout.pos.extend(start..start + s.tokens.len());
         }
 
+        let mut spans = Vec::new();
+        let mut off = 0;
+        for s in batch.iter() {
+            if let Some(adapter) = s.adapter {
+                spans.push(AdapterSpan {
+                    rows: off..off + s.tokens.len(),
+                    adapter,
+                });
+            }
+            off += s.tokens.len();
+        }
+
         let mut x = self.embed_tokens(&tokens)?;
         let rope_local = RopeTable::new(&layout.pos, d, cfg.rope_base_local);
         let rope_global = RopeTable::new(&layout.pos, d, cfg.rope_base_global);
@@ -156,9 +225,9 @@ impl Gemma3 {
             let global = cfg.is_global(li);
             let mut hs = x.clone();
             ops::rms_norm(&mut hs, &layer.attn_norm, cfg.rms_eps);
-            let mut q = layer.q.forward(&hs)?;
-            let mut k = layer.k.forward(&hs)?;
-            let v = layer.v.forward(&hs)?;
+            let mut q = layer.project(li, LoraTarget::Q, &hs, &spans)?;
+            let mut k = layer.project(li, LoraTarget::K, &hs, &spans)?;
+            let v = layer.project(li, LoraTarget::V, &hs, &spans)?;
             ops::rms_norm(&mut q, &layer.q_norm, cfg.rms_eps);
             ops::rms_norm(&mut k, &layer.k_norm, cfg.rms_eps);
             let rope = if global { &rope_global } else { &rope_local };
@@ -171,20 +240,26 @@ impl Gemma3 {
                 s.cache.append(li, &k[off..off + n], &v[off..off + n]);
                 off += n;
             }
-            let kvs: Vec<&LayerKv> = batch.iter().map(|s| s.cache.layer(li)).collect();
+            let kvs: Vec<KvRef> = batch
+                .iter()
+                .map(|s| {
+                    let kv: &LayerKv = s.cache.layer(li);
+                    KvRef { k: &kv.k, v: &kv.v }
+                })
+                .collect();
             let window = (!global).then_some(cfg.sliding_window);
             let attn = self.attend(&q, &kvs, &layout, window);
 
-            let mut o = layer.o.forward(&attn)?;
+            let mut o = layer.project(li, LoraTarget::O, &attn, &spans)?;
             ops::rms_norm(&mut o, &layer.post_attn_norm, cfg.rms_eps);
             add_assign(&mut x, &o);
 
             let mut hs = x.clone();
             ops::rms_norm(&mut hs, &layer.ffn_norm, cfg.rms_eps);
-            let mut gate = layer.gate.forward(&hs)?;
-            let up = layer.up.forward(&hs)?;
+            let mut gate = layer.project(li, LoraTarget::Gate, &hs, &spans)?;
+            let up = layer.project(li, LoraTarget::Up, &hs, &spans)?;
             ops::gelu_mul(&mut gate, &up);
-            let mut down = layer.down.forward(&gate)?;
+            let mut down = layer.project(li, LoraTarget::Down, &gate, &spans)?;
             ops::rms_norm(&mut down, &layer.post_ffn_norm, cfg.rms_eps);
             add_assign(&mut x, &down);
         }
@@ -217,7 +292,7 @@ impl Gemma3 {
 
     /// Embedding rows (dequantized one row at a time) times sqrt(hidden), as llama.cpp does
     /// (an f32 scale, not rounded to bf16).
-    fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+    pub(crate) fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
         let mut x = self
             .embed
@@ -233,10 +308,10 @@ impl Gemma3 {
 
     /// Causal attention of every (token, head) against its own sequence's cache, which already
     /// holds the batch's new keys. Local layers see the last `window` positions, self included.
-    fn attend(
+    pub(crate) fn attend(
         &self,
         q: &[f32],
-        kvs: &[&LayerKv],
+        kvs: &[KvRef<'_>],
         layout: &BatchLayout,
         window: Option<usize>,
     ) -> Vec<f32> {
@@ -264,7 +339,7 @@ impl Gemma3 {
     }
 }
 
-fn add_assign(x: &mut [f32], y: &[f32]) {
+pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }

@@ -21,6 +21,7 @@ fn batched_logits_equal_alone_bit_for_bit() {
             tokens: &a,
             cache: &mut alone,
             all_logits: true,
+            adapter: None,
         }])
         .unwrap();
     let (mut ca, mut cb) = (model.new_cache(), model.new_cache());
@@ -30,11 +31,13 @@ fn batched_logits_equal_alone_bit_for_bit() {
                 tokens: &b,
                 cache: &mut cb,
                 all_logits: false,
+                adapter: None,
             },
             SeqInput {
                 tokens: &a,
                 cache: &mut ca,
                 all_logits: true,
+                adapter: None,
             },
         ])
         .unwrap();
@@ -53,6 +56,7 @@ fn batched_logits_equal_alone_bit_for_bit() {
             tokens: &next,
             cache: &mut alone,
             all_logits: false,
+            adapter: None,
         }])
         .unwrap();
     let both = model
@@ -61,11 +65,13 @@ fn batched_logits_equal_alone_bit_for_bit() {
                 tokens: &next,
                 cache: &mut ca,
                 all_logits: false,
+                adapter: None,
             },
             SeqInput {
                 tokens: &[4799],
                 cache: &mut cb,
                 all_logits: false,
+                adapter: None,
             },
         ])
         .unwrap();
@@ -116,6 +122,7 @@ fn greedy_batch_of_five_equals_alone() {
                         tokens: &input,
                         cache: &mut cache,
                         all_logits: false,
+                        adapter: None,
                     }])
                     .unwrap();
                 let t = argmax(l[0].row(0));
@@ -136,6 +143,7 @@ fn greedy_batch_of_five_equals_alone() {
                 tokens: t,
                 cache: c,
                 all_logits: false,
+                adapter: None,
             })
             .collect();
         let logits = model.forward(&mut batch).unwrap();

@@ -82,6 +82,7 @@ fn greedy(model: &Gemma3, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>)
                 tokens: &next,
                 cache: &mut cache,
                 all_logits: false,
+                adapter: None,
             }])
             .expect("forward");
         let row = logits[0].row(0);
@@ -133,6 +134,7 @@ fn greedy_matches_llama_cpp() {
                 tokens: &tokens,
                 cache: &mut cache,
                 all_logits: true,
+                adapter: None,
             }])
             .expect("forward")
             .remove(0);

@@ -43,6 +43,7 @@ fn run(model: &Gemma3, toks: &[u32], cache: &mut temper_model::SeqCache, all: bo
             tokens: toks,
             cache,
             all_logits: all,
+            adapter: None,
         }])
         .expect("forward")
         .remove(0)
@@ -87,16 +88,19 @@ fn batched_ragged_forward_equals_each_sequence_alone() {
                 tokens: &na,
                 cache: &mut ca,
                 all_logits: true,
+                adapter: None,
             },
             SeqInput {
                 tokens: &nb,
                 cache: &mut cb,
                 all_logits: false,
+                adapter: None,
             },
             SeqInput {
                 tokens: &nc,
                 cache: &mut cc,
                 all_logits: true,
+                adapter: None,
             },
         ])
         .expect("batched forward");
@@ -168,6 +172,7 @@ fn bad_inputs_are_rejected_without_touching_the_cache() {
             tokens: &[5, vocab],
             cache: &mut cache,
             all_logits: false,
+            adapter: None,
         }])
         .unwrap_err();
     assert!(matches!(err, ModelError::TokenOutOfRange { token, .. } if token == vocab));
@@ -176,6 +181,7 @@ fn bad_inputs_are_rejected_without_touching_the_cache() {
             tokens: &[],
             cache: &mut cache,
             all_logits: false,
+            adapter: None,
         }])
         .unwrap_err();
     assert!(matches!(err, ModelError::EmptyInput { index: 0 }));

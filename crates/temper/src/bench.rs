@@ -182,6 +182,7 @@ fn prefill(model: &Gemma3, prompt: &[u32]) -> Result<Duration, String> {
             tokens: prompt,
             cache: &mut cache,
             all_logits: false,
+            adapter: None,
         }])
         .map_err(|e| format!("forward: {e}"))?;
     Ok(started.elapsed())
@@ -211,6 +212,7 @@ fn generate(
                 ..StopParams::default()
             },
             logprobs: None,
+            adapter: None,
         };
         receivers.push(engine.submit(request).map_err(|e| e.to_string())?);
     }

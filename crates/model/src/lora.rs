@@ -1,0 +1,331 @@
+//! LoRA adapters over every layer's q/k/v/o/gate/up/down projections: `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`
+//! with `s = alpha / rank`, f32, trainable while the quantized base weights stay frozen.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+
+use crate::tiny::SplitMix64;
+use crate::{ModelConfig, ModelError};
+
+/// The projections an adapter can change, in this order everywhere (params, files, grads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LoraTarget {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl LoraTarget {
+    pub const ALL: [LoraTarget; 7] = [
+        LoraTarget::Q,
+        LoraTarget::K,
+        LoraTarget::V,
+        LoraTarget::O,
+        LoraTarget::Gate,
+        LoraTarget::Up,
+        LoraTarget::Down,
+    ];
+
+    /// The GGUF name of the projection this targets (`blk.N.<name>.weight`).
+    pub fn name(self) -> &'static str {
+        match self {
+            LoraTarget::Q => "attn_q",
+            LoraTarget::K => "attn_k",
+            LoraTarget::V => "attn_v",
+            LoraTarget::O => "attn_output",
+            LoraTarget::Gate => "ffn_gate",
+            LoraTarget::Up => "ffn_up",
+            LoraTarget::Down => "ffn_down",
+        }
+    }
+
+    /// `(out, in)` of the projection in `model`.
+    pub fn dims(self, model: &ModelConfig) -> (usize, usize) {
+        let hidden = model.hidden_size;
+        let q = model.num_heads * model.head_dim;
+        let kv = model.num_kv_heads * model.head_dim;
+        let ffn = model.intermediate_size;
+        match self {
+            LoraTarget::Q => (q, hidden),
+            LoraTarget::K | LoraTarget::V => (kv, hidden),
+            LoraTarget::O => (hidden, q),
+            LoraTarget::Gate | LoraTarget::Up => (ffn, hidden),
+            LoraTarget::Down => (hidden, ffn),
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LoraConfig {
+    pub rank: usize,
+    pub alpha: f32,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+        }
+    }
+}
+
+/// One projection's pair: `a` is `[rank, in]`, `b` is `[out, rank]`, row-major.
+#[derive(Clone, Debug)]
+pub(crate) struct LoraPair {
+    pub(crate) a: Vec<f32>,
+    pub(crate) b: Vec<f32>,
+    pub(crate) in_dim: usize,
+    pub(crate) out_dim: usize,
+}
+
+/// A LoRA adapter for one model shape. `Send + Sync`; shared between requests behind an `Arc`.
+#[derive(Clone)]
+pub struct LoraAdapter {
+    cfg: LoraConfig,
+    /// `layers[l][target.index()]`.
+    layers: Vec<[LoraPair; 7]>,
+}
+
+/// Requests are logged with `{:?}`: the shape, not millions of weights.
+impl std::fmt::Debug for LoraAdapter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoraAdapter")
+            .field("rank", &self.cfg.rank)
+            .field("alpha", &self.cfg.alpha)
+            .field("layers", &self.layers.len())
+            .finish()
+    }
+}
+
+const ALPHA_KEY: &str = "lora_alpha";
+
+fn tensor_name(layer: usize, target: LoraTarget, matrix: &str) -> String {
+    format!("blk.{layer}.{}.lora_{matrix}", target.name())
+}
+
+fn adapter_err(path: &Path, reason: impl Into<String>) -> ModelError {
+    ModelError::Adapter {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl LoraAdapter {
+    /// A seeded small random (uniform with bound 1/sqrt(in), as PEFT's default Kaiming init),
+    /// B = 0: a fresh adapter changes nothing (step 0 == base weights).
+    pub fn new(model: &ModelConfig, cfg: LoraConfig, seed: u64) -> Self {
+        let mut rng = SplitMix64(seed ^ 0x4c6f_5241_2d41_4441);
+        let layers = (0..model.num_layers)
+            .map(|_| {
+                LoraTarget::ALL.map(|t| {
+                    let (out_dim, in_dim) = t.dims(model);
+                    let bound = 1.0 / (in_dim as f32).sqrt();
+                    LoraPair {
+                        a: (0..cfg.rank * in_dim)
+                            .map(|_| bound * rng.uniform())
+                            .collect(),
+                        b: vec![0.0; out_dim * cfg.rank],
+                        in_dim,
+                        out_dim,
+                    }
+                })
+            })
+            .collect();
+        LoraAdapter { cfg, layers }
+    }
+
+    pub fn config(&self) -> LoraConfig {
+        self.cfg
+    }
+
+    /// `alpha / rank`.
+    pub fn scale(&self) -> f32 {
+        self.cfg.alpha / self.cfg.rank as f32
+    }
+
+    pub(crate) fn pair(&self, layer: usize, target: LoraTarget) -> &LoraPair {
+        &self.layers[layer][target.index()]
+    }
+
+    /// True when this adapter was made for a model of `model`'s shape.
+    pub fn fits(&self, model: &ModelConfig) -> bool {
+        self.layers.len() == model.num_layers
+            && self.layers.iter().all(|l| {
+                LoraTarget::ALL.iter().all(|&t| {
+                    let p = &l[t.index()];
+                    (p.out_dim, p.in_dim) == t.dims(model)
+                })
+            })
+    }
+
+    /// Safetensors, written to a temporary file beside `path` then renamed over it, so a reader
+    /// never sees a half-written adapter.
+    pub fn save(&self, path: &Path) -> Result<(), ModelError> {
+        let mut tensors = HashMap::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            for t in LoraTarget::ALL {
+                let p = &layer[t.index()];
+                let a = Tensor::from_slice(&p.a, (self.cfg.rank, p.in_dim), &Device::Cpu)?;
+                let b = Tensor::from_slice(&p.b, (p.out_dim, self.cfg.rank), &Device::Cpu)?;
+                tensors.insert(tensor_name(l, t, "a"), a);
+                tensors.insert(tensor_name(l, t, "b"), b);
+            }
+        }
+        tensors.insert(
+            ALPHA_KEY.to_string(),
+            Tensor::from_slice(&[self.cfg.alpha], 1, &Device::Cpu)?,
+        );
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".tmp{}", std::process::id()));
+        let tmp = std::path::PathBuf::from(tmp);
+        candle_core::safetensors::save(&tensors, &tmp)?;
+        std::fs::rename(&tmp, path).map_err(|source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+
+    /// Loads an adapter saved by [`LoraAdapter::save`]; every tensor's shape is checked against
+    /// `model`.
+    pub fn load(path: &Path, model: &ModelConfig) -> Result<Self, ModelError> {
+        if let Err(source) = std::fs::metadata(path) {
+            return Err(ModelError::Io {
+                path: path.display().to_string(),
+                source,
+            });
+        }
+        let mut tensors = candle_core::safetensors::load(path, &Device::Cpu)
+            .map_err(|e| adapter_err(path, format!("not a safetensors file: {e}")))?;
+        let alpha = tensors
+            .remove(ALPHA_KEY)
+            .ok_or_else(|| adapter_err(path, format!("tensor {ALPHA_KEY} is missing")))?
+            .flatten_all()?
+            .to_vec1::<f32>()
+            .map_err(|e| adapter_err(path, format!("{ALPHA_KEY}: {e}")))?;
+        let [alpha] = alpha[..] else {
+            return Err(adapter_err(
+                path,
+                format!("{ALPHA_KEY} must hold one value"),
+            ));
+        };
+        let first = tensor_name(0, LoraTarget::Q, "a");
+        let rank = match tensors.get(&first).map(|t| t.dims()) {
+            Some(&[r, _]) if r > 0 => r,
+            Some(dims) => return Err(adapter_err(path, format!("{first} has shape {dims:?}"))),
+            None => return Err(adapter_err(path, format!("tensor {first} is missing"))),
+        };
+        let mut layers = Vec::with_capacity(model.num_layers);
+        for l in 0..model.num_layers {
+            let mut pairs = Vec::with_capacity(7);
+            for t in LoraTarget::ALL {
+                let (out_dim, in_dim) = t.dims(model);
+                let mut read = |matrix: &str, shape: [usize; 2]| -> Result<Vec<f32>, ModelError> {
+                    let name = tensor_name(l, t, matrix);
+                    let tensor = tensors
+                        .remove(&name)
+                        .ok_or_else(|| adapter_err(path, format!("tensor {name} is missing")))?;
+                    if tensor.dims() != shape {
+                        return Err(ModelError::TensorShape {
+                            name,
+                            expected: shape.to_vec(),
+                            got: tensor.dims().to_vec(),
+                        });
+                    }
+                    tensor
+                        .flatten_all()?
+                        .to_vec1::<f32>()
+                        .map_err(|e| adapter_err(path, format!("{name}: {e}")))
+                };
+                let a = read("a", [rank, in_dim])?;
+                let b = read("b", [out_dim, rank])?;
+                pairs.push(LoraPair {
+                    a,
+                    b,
+                    in_dim,
+                    out_dim,
+                });
+            }
+            let pairs: [LoraPair; 7] = pairs
+                .try_into()
+                .map_err(|_| adapter_err(path, "wrong number of targets"))?;
+            layers.push(pairs);
+        }
+        if let Some(extra) = tensors.keys().next() {
+            return Err(adapter_err(
+                path,
+                format!("unexpected tensor {extra} (an adapter for a model with more layers?)"),
+            ));
+        }
+        Ok(LoraAdapter {
+            cfg: LoraConfig { rank, alpha },
+            layers,
+        })
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.params().iter().map(|p| p.len()).sum()
+    }
+
+    pub fn memory_bytes(&self) -> usize {
+        self.num_params() * std::mem::size_of::<f32>()
+    }
+
+    /// Every trainable tensor as one flat slice, fixed order (per layer, per target in
+    /// [`LoraTarget::ALL`] order: A then B); optimizer state and [`LoraGrads`] are parallel to it.
+    pub fn params(&self) -> Vec<&[f32]> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.iter())
+            .flat_map(|p| [p.a.as_slice(), p.b.as_slice()])
+            .collect()
+    }
+
+    pub fn params_mut(&mut self) -> Vec<&mut [f32]> {
+        self.layers
+            .iter_mut()
+            .flat_map(|l| l.iter_mut())
+            .flat_map(|p| [p.a.as_mut_slice(), p.b.as_mut_slice()])
+            .collect()
+    }
+
+    /// Adds this adapter's term for `target` of `layer` to `y` (rows of the projection's output)
+    /// from `x` (the same rows of its input). Row by row, so a row's numbers never depend on the
+    /// other rows (serving and training agree bit for bit).
+    pub(crate) fn apply(&self, layer: usize, target: LoraTarget, x: &[f32], y: &mut [f32]) {
+        let p = self.pair(layer, target);
+        let scale = self.scale();
+        let mut t = vec![0f32; self.cfg.rank];
+        for (xr, yr) in x.chunks_exact(p.in_dim).zip(y.chunks_exact_mut(p.out_dim)) {
+            p.down_project(xr, &mut t);
+            for (yo, brow) in yr.iter_mut().zip(p.b.chunks_exact(self.cfg.rank)) {
+                *yo += scale * crate::ops::dot(&t, brow);
+            }
+        }
+    }
+}
+
+impl LoraPair {
+    /// `t = x·Aᵀ` for one row.
+    pub(crate) fn down_project(&self, x: &[f32], t: &mut [f32]) {
+        for (tr, arow) in t.iter_mut().zip(self.a.chunks_exact(self.in_dim)) {
+            *tr = crate::ops::dot(x, arow);
+        }
+    }
+}
+
+/// Gradients parallel to [`LoraAdapter::params`].
+#[derive(Clone, Debug)]
+pub struct LoraGrads {
+    pub grads: Vec<Vec<f32>>,
+}
