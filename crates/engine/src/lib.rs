@@ -20,7 +20,7 @@ pub use structured::{
     TagStructure, TokenMask,
 };
 
-use temper_model::{Gemma3, LoraAdapter};
+use temper_model::{Gemma3, LoraAdapter, ModelConfig};
 use temper_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -221,6 +221,8 @@ pub enum EngineError {
     TokenOutOfRange { token: u32, vocab_size: usize },
     #[error("the engine is not running")]
     Stopped,
+    #[error("the LoRA adapter was made for a model of another shape")]
+    AdapterMismatch,
 }
 
 /// A snapshot of the scheduler's counters.
@@ -247,6 +249,7 @@ pub struct Engine {
     stats: Arc<scheduler::Stats>,
     max_model_len: usize,
     vocab_size: usize,
+    model_config: ModelConfig,
     tokenizer: Arc<Tokenizer>,
     /// Built on first use: it walks the whole vocabulary.
     grammar_compiler: Arc<OnceLock<Result<GrammarCompiler, GrammarError>>>,
@@ -256,7 +259,8 @@ impl Engine {
     /// Spawns the scheduler thread for `model`. It runs until every handle is dropped and its
     /// work is done.
     pub fn start(model: Arc<Gemma3>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Engine {
-        let model_cfg = model.config();
+        let model_config = model.config().clone();
+        let model_cfg = &model_config;
         let vocab_size = model_cfg.vocab_size;
         // Limits that could never be met are raised to the smallest workable values; requests
         // cannot outgrow the model's context.
@@ -280,6 +284,7 @@ impl Engine {
             stats,
             max_model_len,
             vocab_size,
+            model_config,
             tokenizer,
             grammar_compiler: Arc::new(OnceLock::new()),
         }
@@ -311,6 +316,14 @@ impl Engine {
         }
         if req.stopping.max_tokens == 0 {
             return Err(EngineError::NoTokens);
+        }
+        // Refused here: inside a step it would fail every row of the batch.
+        if req
+            .adapter
+            .as_ref()
+            .is_some_and(|a| !a.fits(&self.model_config))
+        {
+            return Err(EngineError::AdapterMismatch);
         }
         if req.prompt.len().saturating_add(req.stopping.max_tokens) > self.max_model_len {
             return Err(EngineError::TooLong {

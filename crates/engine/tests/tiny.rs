@@ -298,6 +298,13 @@ fn adapters_apply_per_request_in_a_shared_batch() {
         9,
     )));
     assert_eq!(run(&e, req)[0].ids, base_ids);
+
+    // An adapter for another model shape is refused at submit, not inside a shared step.
+    let mut other = tiny().model.config().clone();
+    other.num_layers += 1;
+    let mut req = request(text, 4, greedy());
+    req.adapter = Some(Arc::new(LoraAdapter::new(&other, LoraConfig::default(), 1)));
+    assert!(matches!(e.submit(req), Err(EngineError::AdapterMismatch)));
 }
 
 #[test]

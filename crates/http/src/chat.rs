@@ -71,8 +71,11 @@ pub async fn chat_completions(
     if let Some(keep) = params.truncate_prompt_tokens {
         prompt_ids.drain(..prompt_ids.len().saturating_sub(keep));
     }
-    let generation =
+    let mut generation =
         params.generation_request(request_id.clone(), prompt_ids.clone(), model.max_model_len)?;
+    if let (Some(checkpoint), Some(training)) = (&resolved.checkpoint, state.training()) {
+        generation.adapter = training.adapter(&model, checkpoint).await?;
+    }
     tracing::info!(
         completion_id = %request_id,
         model = %resolved.name,

@@ -324,8 +324,12 @@ async fn model_validation() {
 
 /// Adds checkpoints 1..=n through the store's job path (what the worker records).
 async fn add_checkpoints(api: &Api, model_id: uuid::Uuid, n: i64) {
+    add_checkpoints_from(api, model_id, 1, n).await;
+}
+
+async fn add_checkpoints_from(api: &Api, model_id: uuid::Uuid, first: i64, last: i64) {
     let store = api.store();
-    for step in 1..=n {
+    for step in first..=last {
         let job = store.enqueue_job("default", model_id, "{}").await.unwrap();
         let claimed = store.claim_next_job().await.unwrap().unwrap();
         assert_eq!(claimed.id, job.id);
@@ -588,4 +592,79 @@ async fn log_stores_split_metrics_on_the_latest_checkpoint() {
     let (_, b) = api.store().create_key("other").await.unwrap();
     let (status, _) = api.post(&log, &b, body).await;
     assert_eq!(status, 404);
+}
+
+/// A checkpoint's adapter as the worker leaves it: a file under the data dir and a store row.
+/// Its weights are set by hand (a fresh adapter changes nothing) so that it visibly differs.
+async fn checkpoint_with_adapter(api: &Api, model_id: uuid::Uuid, step: i64, scale: f32) {
+    add_checkpoints_from(api, model_id, step, step).await;
+    let training = api.server.state.training().unwrap();
+    let config = api.server.state.models()[0].model.config().clone();
+    let mut adapter =
+        temper_model::LoraAdapter::new(&config, temper_model::LoraConfig::default(), 3);
+    for p in adapter.params_mut() {
+        for (i, x) in p.iter_mut().enumerate() {
+            *x = ((i % 7) as f32 - 3.0) * scale;
+        }
+    }
+    std::fs::create_dir_all(training.model_dir(model_id)).unwrap();
+    adapter
+        .save(&training.adapter_path(model_id, step))
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_are_served_with_their_adapters_in_one_batch() {
+    let api = api(options()).await;
+    let model = api.create_model(KEY, "m").await;
+    let id: uuid::Uuid = model["id"].as_str().unwrap().parse().unwrap();
+    checkpoint_with_adapter(&api, id, 1, 0.05).await;
+    checkpoint_with_adapter(&api, id, 2, -0.03).await;
+
+    let greedy = |model: &str| {
+        json!({"model": model, "messages": [{"role": "user", "content": "the cat"}],
+            "temperature": 0.0, "max_tokens": 6, "logprobs": true, "ignore_eos": true})
+    };
+    let logprobs = |v: &Value| -> Vec<f64> {
+        v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{v}"))
+            .iter()
+            .map(|t| t["logprob"].as_f64().unwrap())
+            .collect()
+    };
+    let names = [
+        "tiny",
+        "default/proj/m:step0",
+        "default/proj/m:step1",
+        "default/proj/m:step2",
+        "default/proj/m",
+    ];
+    let mut alone = Vec::new();
+    for name in names {
+        let (status, body) = api.post("/v1/chat/completions", KEY, greedy(name)).await;
+        assert_eq!(status, 200, "{name}: {body}");
+        alone.push(logprobs(&body));
+    }
+    assert_eq!(alone[1], alone[0], "step 0 is the base model");
+    assert_ne!(alone[2], alone[0], "step 1's adapter changes the outputs");
+    assert_ne!(alone[3], alone[2]);
+    assert_eq!(alone[4], alone[3], "the bare name is the latest checkpoint");
+
+    // All at once: the engine batches the rows (each with its own adapter or none) and every
+    // answer is what it was alone.
+    let before = api.server.engine_stats();
+    let together = futures_util::future::join_all(
+        names.map(|name| api.post("/v1/chat/completions", KEY, greedy(name))),
+    )
+    .await;
+    for ((status, body), want) in together.iter().zip(&alone) {
+        assert_eq!(*status, 200);
+        let got = logprobs(body);
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-4, "{got:?} vs {want:?}");
+        }
+    }
+    let after = api.server.engine_stats();
+    assert!(after.max_rows_in_step >= 2, "{before:?} -> {after:?}");
 }

@@ -10,6 +10,7 @@ mod model;
 mod ops;
 pub mod paths;
 pub mod tiny;
+mod train;
 
 use std::collections::HashMap;
 
@@ -20,6 +21,7 @@ pub use config::ModelConfig;
 pub use loader::load_gguf;
 pub use lora::{LoraAdapter, LoraConfig, LoraGrads, LoraTarget};
 pub use model::{Gemma3, Logits, SeqInput};
+pub use train::{PackedSequence, TokenScores, TrainTape};
 
 /// A model loaded from a GGUF file, with the file's metadata (the caller builds the tokenizer
 /// from it).
@@ -62,4 +64,6 @@ pub enum ModelError {
     Adapter { path: String, reason: String },
     #[error("batch entry {index}: the adapter was made for a model of another shape")]
     AdapterMismatch { index: usize },
+    #[error("packed sequence: {0}")]
+    Packing(String),
 }

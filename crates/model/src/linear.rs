@@ -1,5 +1,5 @@
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -18,6 +18,9 @@ pub(crate) struct Linear {
     /// round differently; a sequence's numbers must not depend on what else is in the batch, so
     /// a single row is run as two.
     pad_single_row: bool,
+    /// The weight dequantized to f32, made on the first backward (training only): the gradient
+    /// to the input goes through the frozen weight's values.
+    dequantized: OnceLock<Tensor>,
 }
 
 impl Linear {
@@ -35,6 +38,7 @@ impl Linear {
             inner: QMatMul::from_arc(weight)?,
             in_dim,
             out_dim,
+            dequantized: OnceLock::new(),
         })
     }
 
@@ -56,6 +60,35 @@ impl Linear {
             return Ok(y);
         }
         self.forward_rows(x, rows)
+    }
+
+    /// `dx = dy · W` for rows of `dy` (`[rows, out]`); W stays frozen.
+    pub(crate) fn backward_input(&self, dy: &[f32]) -> Result<Vec<f32>, ModelError> {
+        let w = self.dequantized()?;
+        let rows = dy.len() / self.out_dim;
+        let dy = Tensor::from_slice(dy, (rows, self.out_dim), &Device::Cpu)?;
+        Ok(dy.matmul(w)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    /// The f32 weight `[out, in]`.
+    pub(crate) fn dequantized(&self) -> Result<&Tensor, ModelError> {
+        if let Some(w) = self.dequantized.get() {
+            return Ok(w);
+        }
+        let w = match &self.inner {
+            QMatMul::QTensor(q) => q.dequantize(&Device::Cpu)?,
+            QMatMul::Tensor(t) => t.clone(),
+            QMatMul::TensorF16(t) => t.to_dtype(candle_core::DType::F32)?,
+        };
+        // Two threads racing here build the same tensor; either copy is kept.
+        Ok(self.dequantized.get_or_init(|| w))
+    }
+
+    /// Bytes of f32 weights cached for training (0 until the first backward).
+    pub(crate) fn dequantized_bytes(&self) -> usize {
+        self.dequantized
+            .get()
+            .map_or(0, |_| self.in_dim * self.out_dim * 4)
     }
 
     fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {

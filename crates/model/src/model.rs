@@ -102,10 +102,18 @@ pub struct Gemma3 {
     pub(crate) final_norm: Vec<f32>,
 }
 
-/// Where each token of the concatenated batch belongs.
-struct BatchLayout {
-    seq: Vec<usize>,
-    pos: Vec<usize>,
+/// Where each token of the concatenated batch belongs: its sequence (or packed segment) and its
+/// position in it.
+pub(crate) struct BatchLayout {
+    pub(crate) seq: Vec<usize>,
+    pub(crate) pos: Vec<usize>,
+}
+
+/// One sequence's keys and values for a layer, `[len, kv_heads * head_dim]`.
+#[derive(Clone, Copy)]
+pub(crate) struct KvRef<'a> {
+    pub(crate) k: &'a [f32],
+    pub(crate) v: &'a [f32],
 }
 
 impl Gemma3 {
@@ -232,7 +240,13 @@ impl Gemma3 {
                 s.cache.append(li, &k[off..off + n], &v[off..off + n]);
                 off += n;
             }
-            let kvs: Vec<&LayerKv> = batch.iter().map(|s| s.cache.layer(li)).collect();
+            let kvs: Vec<KvRef> = batch
+                .iter()
+                .map(|s| {
+                    let kv: &LayerKv = s.cache.layer(li);
+                    KvRef { k: &kv.k, v: &kv.v }
+                })
+                .collect();
             let window = (!global).then_some(cfg.sliding_window);
             let attn = self.attend(&q, &kvs, &layout, window);
 
@@ -278,7 +292,7 @@ impl Gemma3 {
 
     /// Embedding rows (dequantized one row at a time) times sqrt(hidden), as llama.cpp does
     /// (an f32 scale, not rounded to bf16).
-    fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+    pub(crate) fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
         let mut x = self
             .embed
@@ -294,10 +308,10 @@ impl Gemma3 {
 
     /// Causal attention of every (token, head) against its own sequence's cache, which already
     /// holds the batch's new keys. Local layers see the last `window` positions, self included.
-    fn attend(
+    pub(crate) fn attend(
         &self,
         q: &[f32],
-        kvs: &[&LayerKv],
+        kvs: &[KvRef<'_>],
         layout: &BatchLayout,
         window: Option<usize>,
     ) -> Vec<f32> {
@@ -325,7 +339,7 @@ impl Gemma3 {
     }
 }
 
-fn add_assign(x: &mut [f32], y: &[f32]) {
+pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }

@@ -43,6 +43,31 @@ pub(crate) fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// Backward of [`rms_norm`]: `x` the rows it normalised, `dy` the gradient of its output;
+/// returns the gradient of `x`. With `r = 1/sqrt(mean(x²) + eps)`, `y = x·r·w`:
+/// `dx = r·w·dy - x·r³/n · Σ(dy·w·x)`.
+pub(crate) fn rms_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+    let n = weight.len();
+    let mut dx = vec![0f32; x.len()];
+    for ((xr, dyr), dxr) in x
+        .chunks_exact(n)
+        .zip(dy.chunks_exact(n))
+        .zip(dx.chunks_exact_mut(n))
+    {
+        let mean = dot(xr, xr) / n as f32;
+        let r = 1.0 / (mean + eps).sqrt();
+        let mut s = 0f32;
+        for ((xi, di), wi) in xr.iter().zip(dyr).zip(weight) {
+            s += di * wi * xi;
+        }
+        let c = s * r * r * r / n as f32;
+        for (((d, xi), di), wi) in dxr.iter_mut().zip(xr).zip(dyr).zip(weight) {
+            *d = r * wi * di - xi * c;
+        }
+    }
+    dx
+}
+
 /// Cos/sin tables, one row of `head_dim / 2` per position. Built like ggml's rope cache (the
 /// angle advanced by repeated f32 multiplication) so angles match llama.cpp's bit for bit.
 pub(crate) struct RopeTable {
@@ -85,17 +110,52 @@ impl RopeTable {
             }
         }
     }
+
+    /// Backward of [`RopeTable::apply`]: the rotation is orthogonal, so its gradient is the
+    /// inverse rotation.
+    pub(crate) fn apply_inverse(&self, x: &mut [f32], heads: usize) {
+        let d = 2 * self.half;
+        for (t, tok) in x.chunks_exact_mut(heads * d).enumerate() {
+            let cos = &self.cos[t * self.half..(t + 1) * self.half];
+            let sin = &self.sin[t * self.half..(t + 1) * self.half];
+            for head in tok.chunks_exact_mut(d) {
+                let (lo, hi) = head.split_at_mut(self.half);
+                for i in 0..self.half {
+                    let (y0, y1) = (lo[i], hi[i]);
+                    lo[i] = y0 * cos[i] + y1 * sin[i];
+                    hi[i] = -y0 * sin[i] + y1 * cos[i];
+                }
+            }
+        }
+    }
 }
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const COEF_A: f32 = 0.044_715;
 
 /// `gate <- gelu_tanh(gate) * up`
 pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const COEF_A: f32 = 0.044_715;
     for (g, u) in gate.iter_mut().zip(up) {
         let x = *g;
         let y = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
         *g = y * u;
     }
+}
+
+/// Backward of [`gelu_mul`] at inputs `gate`, `up` for output gradient `dy`: returns
+/// (d gate, d up).
+pub(crate) fn gelu_mul_backward(gate: &[f32], up: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let mut dg = Vec::with_capacity(gate.len());
+    let mut du = Vec::with_capacity(gate.len());
+    for ((&x, &u), &d) in gate.iter().zip(up).zip(dy) {
+        let t = (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh();
+        let gelu = 0.5 * x * (1.0 + t);
+        let dgelu = 0.5 * (1.0 + t)
+            + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF_A * x * x);
+        dg.push(d * u * dgelu);
+        du.push(d * gelu);
+    }
+    (dg, du)
 }
 
 /// Softmax over `x` in place.

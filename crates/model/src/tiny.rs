@@ -42,6 +42,17 @@ const WORDS: &[&str] = &[
 
 /// Writes the tiny model to `path`. The same `seed` always gives the same file.
 pub fn write_tiny_gguf(path: &Path, seed: u64) -> Result<(), ModelError> {
+    write(path, seed, false)
+}
+
+/// The same model with every weight stored as F32 (exact f32 matmuls, no activation
+/// quantization): a smooth function of the adapter, for finite-difference gradient checks.
+pub fn write_tiny_gguf_f32(path: &Path, seed: u64) -> Result<(), ModelError> {
+    write(path, seed, true)
+}
+
+fn write(path: &Path, seed: u64, all_f32: bool) -> Result<(), ModelError> {
+    let dtype = |d: GgmlDType| if all_f32 { GgmlDType::F32 } else { d };
     let (pieces, scores, types) = vocab();
     let vocab_size = pieces.len();
     let mut rng = SplitMix64(seed ^ 0x9e37_79b9_7f4a_7c15);
@@ -52,7 +63,12 @@ pub fn write_tiny_gguf(path: &Path, seed: u64) -> Result<(), ModelError> {
     // around 6 gives the tied LM head logits with a spread of a few units.
     tensors.push((
         "token_embd.weight".into(),
-        random(&mut rng, &[vocab_size, HIDDEN], 0.05, GgmlDType::Q8_0)?,
+        random(
+            &mut rng,
+            &[vocab_size, HIDDEN],
+            0.05,
+            dtype(GgmlDType::Q8_0),
+        )?,
     ));
     tensors.push(("output_norm.weight".into(), norm(&mut rng, HIDDEN, 6.0)?));
     let q_dim = HEADS * HEAD_DIM;
@@ -73,10 +89,10 @@ pub fn write_tiny_gguf(path: &Path, seed: u64) -> Result<(), ModelError> {
             ("ffn_up", FFN, HIDDEN, GgmlDType::Q5_0),
             ("ffn_down", HIDDEN, FFN, down_type),
         ];
-        for (name, out_dim, in_dim, dtype) in linears {
+        for (name, out_dim, in_dim, wtype) in linears {
             // Uniform with std 1/sqrt(in): keeps each projection's output at the input's scale.
             let std = 1.0 / (in_dim as f32).sqrt();
-            let t = random(&mut rng, &[out_dim, in_dim], std, dtype)?;
+            let t = random(&mut rng, &[out_dim, in_dim], std, dtype(wtype))?;
             tensors.push((format!("{p}.{name}.weight"), t));
         }
         for (name, len) in [

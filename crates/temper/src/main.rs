@@ -27,7 +27,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve chat completions over HTTP.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Measure prompt and decode throughput and print a table next to llama.cpp's figures.
     Bench(bench::BenchArgs),
     /// Create, list and revoke team API keys (stored in the data directory).
@@ -44,7 +44,7 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let result = match Cli::parse().command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Bench(args) => bench::run(args, temper_model::paths::default_model_path()),
         Command::Keys(args) => keys::run(args),
     };

@@ -12,11 +12,13 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use temper_model::LoraAdapter;
 use temper_store::{Checkpoint, Store};
 use uuid::Uuid;
 
 use crate::error::ApiError;
 use crate::state::{AppState, ServedModel};
+use lru::ByteLru;
 use names::StepSelector;
 
 /// Server settings of the training service.
@@ -53,6 +55,8 @@ pub struct Training {
     pub options: TrainingOptions,
     /// The cancel flag of each job the worker is running.
     running: Mutex<HashMap<Uuid, Arc<AtomicBool>>>,
+    /// Loaded adapters by checkpoint id (a deleted and re-made step gets a new id).
+    adapters: Mutex<ByteLru<Uuid, Arc<LoraAdapter>>>,
 }
 
 impl Training {
@@ -66,8 +70,9 @@ impl Training {
         }
         Ok(Training {
             store,
-            options,
             running: Mutex::new(HashMap::new()),
+            adapters: Mutex::new(ByteLru::new(options.adapter_cache_bytes)),
+            options,
         })
     }
 
@@ -82,6 +87,43 @@ impl Training {
     fn lock_running(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<AtomicBool>>> {
         // The map stays consistent even if a holder panicked: every update is one insert/remove.
         self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The adapter a checkpoint is served with: none for step 0 (the base weights), else its
+    /// file, loaded once into the LRU cache.
+    pub async fn adapter(
+        &self,
+        base: &ServedModel,
+        checkpoint: &Checkpoint,
+    ) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
+        if checkpoint.step == 0 {
+            return Ok(None);
+        }
+        if let Some(adapter) = self.lock_adapters().get(&checkpoint.id) {
+            return Ok(Some(adapter));
+        }
+        let path = self.adapter_path(checkpoint.model_id, checkpoint.step);
+        let weights = base.model.clone();
+        let loaded =
+            tokio::task::spawn_blocking(move || LoraAdapter::load(&path, weights.config()))
+                .await
+                .map_err(|e| ApiError::Internal(format!("loading an adapter panicked: {e}")))?
+                .map_err(|e| {
+                    ApiError::Internal(format!(
+                        "The adapter of checkpoint step {} cannot be loaded: {e}",
+                        checkpoint.step
+                    ))
+                })?;
+        let adapter = Arc::new(loaded);
+        let bytes = adapter.memory_bytes();
+        self.lock_adapters()
+            .insert(checkpoint.id, adapter.clone(), bytes);
+        Ok(Some(adapter))
+    }
+
+    fn lock_adapters(&self) -> std::sync::MutexGuard<'_, ByteLru<Uuid, Arc<LoraAdapter>>> {
+        // Each cache operation leaves it consistent, so a panic elsewhere cannot corrupt it.
+        self.adapters.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Where the adapter of a model's checkpoint is kept.

@@ -1,13 +1,24 @@
 //! Helpers shared by the adapter and training tests.
 #![allow(dead_code)] // each test binary uses its own subset
 
-use temper_model::{load_gguf, tiny, Gemma3, LoraAdapter, LoraConfig};
+use std::path::Path;
+
+use temper_model::{load_gguf, tiny, Gemma3, LoraAdapter, LoraConfig, ModelError};
 
 /// The tiny random model through the real GGUF writer and loader.
 pub fn tiny_model(name: &str) -> Gemma3 {
+    load_tiny(name, tiny::write_tiny_gguf)
+}
+
+/// The tiny model with F32 weights (exact matmuls).
+pub fn tiny_model_f32(name: &str) -> Gemma3 {
+    load_tiny(name, tiny::write_tiny_gguf_f32)
+}
+
+fn load_tiny(name: &str, write: fn(&Path, u64) -> Result<(), ModelError>) -> Gemma3 {
     let path =
         std::env::temp_dir().join(format!("temper-model-{}-{name}.gguf", std::process::id()));
-    tiny::write_tiny_gguf(&path, 7).expect("write tiny model");
+    write(&path, 7).expect("write tiny model");
     let model = load_gguf(&path).expect("load tiny model").model;
     let _ = std::fs::remove_file(&path);
     model

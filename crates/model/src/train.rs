@@ -1,0 +1,617 @@
+//! Scoring and LoRA training over packed sequences.
+//!
+//! The forward runs the serving kernels (the quantized `Linear::forward`, the same norm, rope,
+//! attention and gelu arithmetic, the same per-row adapter term), so the trainer's logprobs are
+//! the server's. The backward is written by hand on f32 slices: gradients reach the input of a
+//! frozen linear through its dequantized weight (activation quantization in the forward is
+//! treated as identity, the usual straight-through choice), and only the adapters get grads.
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
+use crate::model::{add_assign, AdapterSpan, BatchLayout, Gemma3, KvRef, Layer};
+use crate::ops::{self, RopeTable};
+use crate::ModelError;
+
+/// Rows of the LM head computed at once: `HEAD_CHUNK x vocab` logits exist at a time
+/// (32 x 262,144 x 4 B = 32 MiB on Gemma 3), never the whole sequence's. The training forward
+/// turns each chunk's logits into the logprob's gradient to the hidden state right away.
+const HEAD_CHUNK: usize = 32;
+
+/// Segments packed into one sequence: each attends only within itself; positions restart at 0.
+pub struct PackedSequence<'a> {
+    pub tokens: &'a [u32],
+    /// Sums to `tokens.len()`.
+    pub segment_lens: &'a [usize],
+    /// Per token: compute log p(token | earlier tokens of its segment); never a segment's first
+    /// token.
+    pub scored: &'a [bool],
+}
+
+/// One entry per scored token, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenScores {
+    pub logprobs: Vec<f32>,
+    /// Entropy (nats) of the model's distribution for that token's position.
+    pub entropies: Vec<f32>,
+}
+
+/// What the backward needs from a training forward.
+pub struct TrainTape {
+    layout: BatchLayout,
+    /// Token range of each segment.
+    segments: Vec<std::ops::Range<usize>>,
+    layers: Vec<LayerTape>,
+    /// The row whose hidden state predicts each scored token (the token before it).
+    head_rows: Vec<usize>,
+    targets: Vec<u32>,
+    /// Hidden states of `head_rows` before the final norm.
+    head_in: Vec<f32>,
+    /// d logprob / d (normed hidden state) of each scored token, `(onehot - softmax)·E`: made in
+    /// the forward while the chunk's logits exist, so the backward never recomputes them.
+    head_grad: Vec<f32>,
+}
+
+/// One layer's activations, each `[tokens, width]`.
+struct LayerTape {
+    x_in: Vec<f32>,
+    attn_normed: Vec<f32>,
+    q_pre: Vec<f32>,
+    k_pre: Vec<f32>,
+    /// After norm and rope.
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    o: Vec<f32>,
+    x_mid: Vec<f32>,
+    ffn_normed: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+    down: Vec<f32>,
+}
+
+impl Gemma3 {
+    /// Forward only: the same numbers the serving path returns for these tokens (same kernels).
+    pub fn score(
+        &self,
+        seq: &PackedSequence<'_>,
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<TokenScores, ModelError> {
+        Ok(self.run_packed(seq, adapter, false)?.0)
+    }
+
+    /// Forward that records what the backward needs. The LM head runs in chunks of rows: the
+    /// full-vocabulary logits of the whole sequence never exist at once.
+    pub fn train_forward(
+        &self,
+        seq: &PackedSequence<'_>,
+        adapter: &LoraAdapter,
+    ) -> Result<(TokenScores, TrainTape), ModelError> {
+        let (scores, tape) = self.run_packed(seq, Some(adapter), true)?;
+        let tape = tape.ok_or_else(|| ModelError::Packing("no tape recorded".into()))?;
+        Ok((scores, tape))
+    }
+
+    /// Bytes of dequantized f32 weights cached for the backward (about 1.1 GB on Gemma 3 270M,
+    /// the tied embedding included), 0 before the first backward.
+    pub fn training_cache_bytes(&self) -> usize {
+        self.lm_head.dequantized_bytes()
+            + self
+                .layers
+                .iter()
+                .flat_map(|l| LoraTarget::ALL.map(|t| l.linear(t).dequantized_bytes()))
+                .sum::<usize>()
+    }
+
+    fn validate_packed(&self, seq: &PackedSequence<'_>) -> Result<(), ModelError> {
+        let bad = |reason: String| Err(ModelError::Packing(reason));
+        let n = seq.tokens.len();
+        if n == 0 {
+            return bad("no tokens".into());
+        }
+        if seq.scored.len() != n {
+            return bad(format!("{} scored flags for {n} tokens", seq.scored.len()));
+        }
+        if seq.segment_lens.iter().sum::<usize>() != n {
+            return bad(format!("segment lengths do not sum to {n} tokens"));
+        }
+        let mut start = 0;
+        for (i, &len) in seq.segment_lens.iter().enumerate() {
+            if len == 0 {
+                return bad(format!("segment {i} is empty"));
+            }
+            if len > self.cfg.context_length {
+                return Err(ModelError::ContextOverflow {
+                    len,
+                    max: self.cfg.context_length,
+                });
+            }
+            if seq.scored[start] {
+                return bad(format!("segment {i}'s first token is scored"));
+            }
+            start += len;
+        }
+        if let Some(&token) = seq
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.cfg.vocab_size)
+        {
+            return Err(ModelError::TokenOutOfRange {
+                token,
+                vocab: self.cfg.vocab_size,
+            });
+        }
+        Ok(())
+    }
+
+    fn run_packed(
+        &self,
+        seq: &PackedSequence<'_>,
+        adapter: Option<&LoraAdapter>,
+        record: bool,
+    ) -> Result<(TokenScores, Option<TrainTape>), ModelError> {
+        self.validate_packed(seq)?;
+        if adapter.is_some_and(|a| !a.fits(&self.cfg)) {
+            return Err(ModelError::AdapterMismatch { index: 0 });
+        }
+        let cfg = &self.cfg;
+        let n = seq.tokens.len();
+        let mut segments = Vec::with_capacity(seq.segment_lens.len());
+        let mut layout = BatchLayout {
+            seq: Vec::with_capacity(n),
+            pos: Vec::with_capacity(n),
+        };
+        let mut start = 0;
+        for (i, &len) in seq.segment_lens.iter().enumerate() {
+            segments.push(start..start + len);
+            layout.seq.extend(std::iter::repeat_n(i, len));
+            layout.pos.extend(0..len);
+            start += len;
+        }
+        let spans: Vec<AdapterSpan> = adapter
+            .map(|adapter| AdapterSpan {
+                rows: 0..n,
+                adapter,
+            })
+            .into_iter()
+            .collect();
+        let ropes = Ropes::new(&layout.pos, cfg);
+
+        let mut x = self.embed_tokens(seq.tokens)?;
+        let mut tapes = Vec::new();
+        for li in 0..self.layers.len() {
+            let LayerOut { output, tape } =
+                self.layer_forward(li, &x, &layout, &segments, &ropes, &spans)?;
+            x = output;
+            if record {
+                tapes.push(tape);
+            }
+        }
+
+        let head_rows: Vec<usize> = (0..n).filter(|&t| seq.scored[t]).map(|t| t - 1).collect();
+        let targets: Vec<u32> = (0..n)
+            .filter(|&t| seq.scored[t])
+            .map(|t| seq.tokens[t])
+            .collect();
+        let hidden = cfg.hidden_size;
+        let mut head_in = Vec::with_capacity(head_rows.len() * hidden);
+        for &r in &head_rows {
+            head_in.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
+        }
+        let mut head_normed = head_in.clone();
+        ops::rms_norm(&mut head_normed, &self.final_norm, cfg.rms_eps);
+
+        let mut scores = TokenScores {
+            logprobs: Vec::with_capacity(targets.len()),
+            entropies: Vec::with_capacity(targets.len()),
+        };
+        let mut head_grad = Vec::with_capacity(if record { head_normed.len() } else { 0 });
+        let vocab = self.lm_head.out_dim();
+        for (rows, tgt) in head_normed
+            .chunks(HEAD_CHUNK * hidden)
+            .zip(targets.chunks(HEAD_CHUNK))
+        {
+            let mut logits = self.lm_head.forward(rows)?;
+            let stats: Vec<(f32, f32)> = logits
+                .par_chunks_mut(vocab)
+                .zip(tgt.par_iter())
+                .map(|(row, &t)| {
+                    let s = RowSoftmax::new(row);
+                    let lp = (row[t as usize] as f64 - s.lse) as f32;
+                    if record {
+                        // The row becomes onehot(t) - softmax.
+                        for z in row.iter_mut() {
+                            *z = -((*z as f64 - s.lse).exp() as f32);
+                        }
+                        row[t as usize] += 1.0;
+                    }
+                    (lp, s.entropy as f32)
+                })
+                .collect();
+            for (lp, h) in stats {
+                scores.logprobs.push(lp);
+                scores.entropies.push(h);
+            }
+            if record {
+                head_grad.extend(self.lm_head.backward_input(&logits)?);
+            }
+        }
+        let tape = record.then_some(TrainTape {
+            layout,
+            segments,
+            layers: tapes,
+            head_rows,
+            targets,
+            head_in,
+            head_grad,
+        });
+        Ok((scores, tape))
+    }
+
+    /// One decoder layer over the packed rows, the serving path's arithmetic in the serving
+    /// path's order, keeping every intermediate.
+    fn layer_forward(
+        &self,
+        li: usize,
+        x: &[f32],
+        layout: &BatchLayout,
+        segments: &[std::ops::Range<usize>],
+        ropes: &Ropes,
+        spans: &[AdapterSpan<'_>],
+    ) -> Result<LayerOut, ModelError> {
+        let cfg = &self.cfg;
+        let layer = &self.layers[li];
+        let global = cfg.is_global(li);
+        let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
+        let kv_width = hkv * cfg.head_dim;
+
+        let mut attn_normed = x.to_vec();
+        ops::rms_norm(&mut attn_normed, &layer.attn_norm, cfg.rms_eps);
+        let q_pre = layer.project(li, LoraTarget::Q, &attn_normed, spans)?;
+        let k_pre = layer.project(li, LoraTarget::K, &attn_normed, spans)?;
+        let v = layer.project(li, LoraTarget::V, &attn_normed, spans)?;
+        let mut q = q_pre.clone();
+        let mut k = k_pre.clone();
+        ops::rms_norm(&mut q, &layer.q_norm, cfg.rms_eps);
+        ops::rms_norm(&mut k, &layer.k_norm, cfg.rms_eps);
+        let rope = ropes.get(global);
+        rope.apply(&mut q, h);
+        rope.apply(&mut k, hkv);
+        let kvs: Vec<KvRef> = segments
+            .iter()
+            .map(|s| KvRef {
+                k: &k[s.start * kv_width..s.end * kv_width],
+                v: &v[s.start * kv_width..s.end * kv_width],
+            })
+            .collect();
+        let window = (!global).then_some(cfg.sliding_window);
+        let attn = self.attend(&q, &kvs, layout, window);
+
+        let o = layer.project(li, LoraTarget::O, &attn, spans)?;
+        let mut o_normed = o.clone();
+        ops::rms_norm(&mut o_normed, &layer.post_attn_norm, cfg.rms_eps);
+        let mut x_mid = x.to_vec();
+        add_assign(&mut x_mid, &o_normed);
+
+        let mut ffn_normed = x_mid.clone();
+        ops::rms_norm(&mut ffn_normed, &layer.ffn_norm, cfg.rms_eps);
+        let gate = layer.project(li, LoraTarget::Gate, &ffn_normed, spans)?;
+        let up = layer.project(li, LoraTarget::Up, &ffn_normed, spans)?;
+        let mut act = gate.clone();
+        ops::gelu_mul(&mut act, &up);
+        let down = layer.project(li, LoraTarget::Down, &act, spans)?;
+        let mut down_normed = down.clone();
+        ops::rms_norm(&mut down_normed, &layer.post_ffn_norm, cfg.rms_eps);
+        let mut output = x_mid.clone();
+        add_assign(&mut output, &down_normed);
+
+        Ok(LayerOut {
+            output,
+            tape: LayerTape {
+                x_in: x.to_vec(),
+                attn_normed,
+                q_pre,
+                k_pre,
+                q,
+                k,
+                v,
+                attn,
+                o,
+                x_mid,
+                ffn_normed,
+                gate,
+                up,
+                act,
+                down,
+            },
+        })
+    }
+
+    /// d loss / d adapter parameters from d loss / d logprob of each scored token.
+    pub fn backward(
+        &self,
+        tape: TrainTape,
+        adapter: &LoraAdapter,
+        dlogprobs: &[f32],
+    ) -> Result<LoraGrads, ModelError> {
+        if dlogprobs.len() != tape.targets.len() {
+            return Err(ModelError::Packing(format!(
+                "{} logprob gradients for {} scored tokens",
+                dlogprobs.len(),
+                tape.targets.len()
+            )));
+        }
+        if !adapter.fits(&self.cfg) || tape.layers.len() != self.cfg.num_layers {
+            return Err(ModelError::AdapterMismatch { index: 0 });
+        }
+        let cfg = &self.cfg;
+        let hidden = cfg.hidden_size;
+        let n = tape.layout.pos.len();
+        let mut grads = LoraGrads {
+            grads: adapter
+                .params()
+                .iter()
+                .map(|p| vec![0f32; p.len()])
+                .collect(),
+        };
+
+        // LM head: d normed hidden = dlogp · (onehot(target) - softmax)·E, from the forward.
+        let mut d_normed = tape.head_grad.clone();
+        for (row, &g) in d_normed.chunks_exact_mut(hidden).zip(dlogprobs) {
+            for v in row.iter_mut() {
+                *v *= g;
+            }
+        }
+        let d_head_in =
+            ops::rms_norm_backward(&tape.head_in, &self.final_norm, cfg.rms_eps, &d_normed);
+        let mut dx = vec![0f32; n * hidden];
+        for (&r, d) in tape.head_rows.iter().zip(d_head_in.chunks_exact(hidden)) {
+            add_assign(&mut dx[r * hidden..(r + 1) * hidden], d);
+        }
+
+        let ropes = Ropes::new(&tape.layout.pos, cfg);
+        for (li, lt) in tape.layers.iter().enumerate().rev() {
+            dx = self.layer_backward(li, lt, &tape, &ropes, adapter, &mut grads, dx, li > 0)?;
+        }
+        Ok(grads)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_backward(
+        &self,
+        li: usize,
+        lt: &LayerTape,
+        tape: &TrainTape,
+        ropes: &Ropes,
+        adapter: &LoraAdapter,
+        grads: &mut LoraGrads,
+        d_out: Vec<f32>,
+        need_input_grad: bool,
+    ) -> Result<Vec<f32>, ModelError> {
+        let cfg = &self.cfg;
+        let layer = &self.layers[li];
+        let eps = cfg.rms_eps;
+        let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
+        let mut lin = |target, x: &[f32], dy: &[f32]| -> Result<Vec<f32>, ModelError> {
+            linear_backward(layer, li, target, adapter, grads, x, dy)
+        };
+
+        // Feed-forward branch: out = x_mid + norm(down(gelu(gate) * up)).
+        let d_down = ops::rms_norm_backward(&lt.down, &layer.post_ffn_norm, eps, &d_out);
+        let d_act = lin(LoraTarget::Down, &lt.act, &d_down)?;
+        let (d_gate, d_up) = ops::gelu_mul_backward(&lt.gate, &lt.up, &d_act);
+        let mut d_ffn_normed = lin(LoraTarget::Gate, &lt.ffn_normed, &d_gate)?;
+        add_assign(
+            &mut d_ffn_normed,
+            &lin(LoraTarget::Up, &lt.ffn_normed, &d_up)?,
+        );
+        let mut d_mid = d_out;
+        add_assign(
+            &mut d_mid,
+            &ops::rms_norm_backward(&lt.x_mid, &layer.ffn_norm, eps, &d_ffn_normed),
+        );
+
+        // Attention branch: x_mid = x_in + norm(o(attention(rope(norm(q)), rope(norm(k)), v))).
+        let d_o = ops::rms_norm_backward(&lt.o, &layer.post_attn_norm, eps, &d_mid);
+        let d_attn = lin(LoraTarget::O, &lt.attn, &d_o)?;
+        let global = cfg.is_global(li);
+        let window = (!global).then_some(cfg.sliding_window);
+        let (mut dq, mut dk, dv) = self.attend_backward(lt, tape, window, &d_attn);
+        let rope = ropes.get(global);
+        rope.apply_inverse(&mut dq, h);
+        rope.apply_inverse(&mut dk, hkv);
+        let dq_pre = ops::rms_norm_backward(&lt.q_pre, &layer.q_norm, eps, &dq);
+        let dk_pre = ops::rms_norm_backward(&lt.k_pre, &layer.k_norm, eps, &dk);
+        let mut d_attn_normed = lin(LoraTarget::Q, &lt.attn_normed, &dq_pre)?;
+        add_assign(
+            &mut d_attn_normed,
+            &lin(LoraTarget::K, &lt.attn_normed, &dk_pre)?,
+        );
+        add_assign(
+            &mut d_attn_normed,
+            &lin(LoraTarget::V, &lt.attn_normed, &dv)?,
+        );
+        if need_input_grad {
+            add_assign(
+                &mut d_mid,
+                &ops::rms_norm_backward(&lt.x_in, &layer.attn_norm, eps, &d_attn_normed),
+            );
+        }
+        Ok(d_mid)
+    }
+
+    /// Gradients of causal (windowed, segment-isolated) attention to q, k and v. The softmax is
+    /// recomputed from q and k exactly as the forward computed it.
+    fn attend_backward(
+        &self,
+        lt: &LayerTape,
+        tape: &TrainTape,
+        window: Option<usize>,
+        d_attn: &[f32],
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (h, hkv, d) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let group = h / hkv;
+        let kv_width = hkv * d;
+        let scale = 1.0 / (d as f32).sqrt();
+        let layout = &tape.layout;
+        let first_key = |t: usize| {
+            let pos = layout.pos[t];
+            let seg_start = tape.segments[layout.seq[t]].start;
+            seg_start + window.map_or(0, |w| (pos + 1).saturating_sub(w))
+        };
+
+        // Per (token, head): dq, and the probabilities and score gradients over its keys
+        // `first_key(t)..=t`, kept for the key/value pass.
+        let mut dq = vec![0f32; lt.q.len()];
+        let mut probs: Vec<Vec<f32>> = vec![Vec::new(); lt.q.len() / d];
+        let mut dscores: Vec<Vec<f32>> = vec![Vec::new(); lt.q.len() / d];
+        dq.par_chunks_mut(d)
+            .zip(probs.par_iter_mut().zip(dscores.par_iter_mut()))
+            .enumerate()
+            .for_each(|(idx, (dqr, (p, ds)))| {
+                let (t, head) = (idx / h, idx % h);
+                let g = head / group;
+                let lo = first_key(t);
+                let qrow = &lt.q[idx * d..(idx + 1) * d];
+                let dout = &d_attn[idx * d..(idx + 1) * d];
+                *p = (lo..=t)
+                    .map(|j| ops::dot(qrow, &lt.k[j * kv_width + g * d..][..d]) * scale)
+                    .collect();
+                ops::softmax(p);
+                let dp: Vec<f32> = (lo..=t)
+                    .map(|j| ops::dot(dout, &lt.v[j * kv_width + g * d..][..d]))
+                    .collect();
+                let mean: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                *ds = p
+                    .iter()
+                    .zip(&dp)
+                    .map(|(pj, dpj)| pj * (dpj - mean))
+                    .collect();
+                for (j, &s) in (lo..=t).zip(ds.iter()) {
+                    ops::axpy(s * scale, &lt.k[j * kv_width + g * d..][..d], dqr);
+                }
+            });
+
+        // Per key: the queries that saw it are the later tokens of its segment, up to the
+        // window.
+        let mut dk = vec![0f32; lt.k.len()];
+        let mut dv = vec![0f32; lt.v.len()];
+        dk.par_chunks_mut(kv_width)
+            .zip(dv.par_chunks_mut(kv_width))
+            .enumerate()
+            .for_each(|(j, (dkr, dvr))| {
+                let seg_end = tape.segments[layout.seq[j]].end;
+                let last = window.map_or(seg_end, |w| seg_end.min(j + w));
+                for t in j..last {
+                    let lo = first_key(t);
+                    for head in 0..h {
+                        let g = head / group;
+                        let idx = t * h + head;
+                        let off = j - lo;
+                        let qrow = &lt.q[idx * d..(idx + 1) * d];
+                        let dout = &d_attn[idx * d..(idx + 1) * d];
+                        ops::axpy(
+                            dscores[idx][off] * scale,
+                            qrow,
+                            &mut dkr[g * d..(g + 1) * d],
+                        );
+                        ops::axpy(probs[idx][off], dout, &mut dvr[g * d..(g + 1) * d]);
+                    }
+                }
+            });
+        (dq, dk, dv)
+    }
+}
+
+/// Backward of `layer.project(target)` at input rows `x` with output gradient `dy`: adds the
+/// adapter's grads and returns d x (through the frozen weight and the adapter).
+/// With `t = x·Aᵀ`, `y += s·t·Bᵀ`: `dB = s·dyᵀ·t`, `dt = s·dy·B`, `dA = dtᵀ·x`, `dx += dt·A`.
+fn linear_backward(
+    layer: &Layer,
+    li: usize,
+    target: LoraTarget,
+    adapter: &LoraAdapter,
+    grads: &mut LoraGrads,
+    x: &[f32],
+    dy: &[f32],
+) -> Result<Vec<f32>, ModelError> {
+    let linear = layer.linear(target);
+    let mut dx = linear.backward_input(dy)?;
+    let pair = adapter.pair(li, target);
+    let rank = adapter.config().rank;
+    let s = adapter.scale();
+    let (din, dout) = (pair.in_dim, pair.out_dim);
+    let rows = x.len() / din;
+    let cpu = &Device::Cpu;
+    let x_t = Tensor::from_slice(x, (rows, din), cpu)?;
+    let dy_t = Tensor::from_slice(dy, (rows, dout), cpu)?;
+    let a = Tensor::from_slice(&pair.a, (rank, din), cpu)?;
+    let b = Tensor::from_slice(&pair.b, (dout, rank), cpu)?;
+    let t = x_t.matmul(&a.t()?)?; // [rows, rank]
+    let dt = (dy_t.matmul(&b)? * s as f64)?; // [rows, rank]
+    let db = (dy_t.t()?.matmul(&t)? * s as f64)?; // [out, rank]
+    let da = dt.t()?.matmul(&x_t)?; // [rank, in]
+    let dx_lora = dt.matmul(&a)?.flatten_all()?.to_vec1::<f32>()?;
+    add_assign(&mut dx, &dx_lora);
+    let base = (li * LoraTarget::ALL.len() + target as usize) * 2;
+    add_assign(&mut grads.grads[base], &da.flatten_all()?.to_vec1::<f32>()?);
+    add_assign(
+        &mut grads.grads[base + 1],
+        &db.flatten_all()?.to_vec1::<f32>()?,
+    );
+    Ok(dx)
+}
+
+struct LayerOut {
+    output: Vec<f32>,
+    tape: LayerTape,
+}
+
+struct Ropes {
+    local: RopeTable,
+    global: RopeTable,
+}
+
+impl Ropes {
+    fn new(pos: &[usize], cfg: &crate::ModelConfig) -> Self {
+        Ropes {
+            local: RopeTable::new(pos, cfg.head_dim, cfg.rope_base_local),
+            global: RopeTable::new(pos, cfg.head_dim, cfg.rope_base_global),
+        }
+    }
+
+    fn get(&self, global: bool) -> &RopeTable {
+        if global {
+            &self.global
+        } else {
+            &self.local
+        }
+    }
+}
+
+/// Log-sum-exp and entropy of one row of logits, summed in f64 like the server's logprobs.
+struct RowSoftmax {
+    lse: f64,
+    entropy: f64,
+}
+
+impl RowSoftmax {
+    fn new(row: &[f32]) -> Self {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let (mut sum, mut weighted) = (0f64, 0f64);
+        for &z in row {
+            let e = (z as f64 - max).exp();
+            sum += e;
+            weighted += e * (z as f64 - max);
+        }
+        let lse = max + sum.ln();
+        // H = lse - E[z] = ln(sum) - E[z - max].
+        RowSoftmax {
+            lse,
+            entropy: sum.ln() - weighted / sum,
+        }
+    }
+}
