@@ -231,7 +231,7 @@ async fn models_create_get_list_delete() {
     let body = json!({"entity": "default", "project": "p", "name": "m", "base_model": "tiny"});
     let (status, created) = api.post("/v1/preview/models", KEY, body.clone()).await;
     assert_eq!(status, 200);
-    let keys: Vec<&String> = created.as_object().unwrap().keys().collect();
+    let keys = sorted_keys(&created);
     assert_eq!(
         keys,
         ["base_model", "entity", "id", "name", "project", "run_id"]
@@ -369,7 +369,7 @@ async fn checkpoint_pagination_and_deletion() {
     assert_eq!(page["first_id"], page["data"][0]["id"]);
     assert_eq!(page["last_id"], page["data"][1]["id"]);
     assert_eq!(page["data"][1]["metrics"], json!({"loss": 1}));
-    let keys: Vec<&String> = page["data"][0].as_object().unwrap().keys().collect();
+    let keys = sorted_keys(&page["data"][0]);
     assert_eq!(keys, ["id", "metrics", "step"]);
 
     let after = page["last_id"].as_str().unwrap();
@@ -437,7 +437,7 @@ async fn job_reads_events_and_cancel() {
         .get(&format!("/v1/preview/training-jobs/{}", first.id), KEY)
         .await;
     assert_eq!(status, 200);
-    let keys: Vec<&String> = job.as_object().unwrap().keys().collect();
+    let keys = sorted_keys(&job);
     assert_eq!(
         keys,
         [
@@ -667,4 +667,12 @@ async fn checkpoints_are_served_with_their_adapters_in_one_batch() {
     }
     let after = api.server.engine_stats();
     assert!(after.max_rows_in_step >= 2, "{before:?} -> {after:?}");
+}
+
+/// An object's keys in sorted order (serde_json keeps insertion order: llguidance enables its
+/// `preserve_order`).
+fn sorted_keys(v: &Value) -> Vec<&String> {
+    let mut keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+    keys.sort();
+    keys
 }
