@@ -200,3 +200,47 @@ fn a_cancelled_job_stops_before_its_first_step() {
     );
     assert!(matches!(result, Err(temper_train::TrainError::Cancelled)), "{result:?}");
 }
+
+/// Without the sampler's logprobs, lp_old is the trainer's own (rho = 1): the job still learns,
+/// and `probs_corr` has nothing to correlate.
+#[test]
+fn missing_sampler_logprobs_train_on_policy() {
+    let t = tiny();
+    let p = prompt(&t, "q");
+    let (good, bad) = (t.tokenizer.encode("a", false)[0], t.tokenizer.encode("b", false)[0]);
+    let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
+    let mut group = vec![trajectory("q", good, 0.0, 1.0), trajectory("q", bad, 0.0, 0.0)];
+    for traj in &mut group {
+        traj["messages_and_choices"][1]["logprobs"]["content"][0]["logprob"] = Value::Null;
+    }
+    let req: TrainingRequest = serde_json::from_value(json!({
+        "trajectory_groups": [{"trajectories": group}],
+        "experimental_config": {"learning_rate": 1e-2}}))
+    .expect("request");
+    let job = tokenize_job(&req, &t.tokenizer, &t.template).expect("tokenize");
+    for s in &job.sequences {
+        let sampled: Vec<f32> = (0..s.tokens.len())
+            .filter(|&i| s.mask[i])
+            .map(|i| s.old_logprobs[i])
+            .collect();
+        assert!(sampled.len() == 1 && sampled[0].is_nan(), "{sampled:?}");
+    }
+    let mut steps = Vec::new();
+    let trained = run_job(
+        &t.model,
+        &start,
+        &job,
+        &TrainerConfig::default(),
+        &AtomicBool::new(false),
+        &mut |e| {
+            if let TrainEvent::GradientStep(m) = e {
+                steps.push(m)
+            }
+        },
+    )
+    .expect("run_job")
+    .expect("something to learn");
+    assert_eq!(steps.len(), 1);
+    assert!(steps[0].loss.is_finite() && steps[0].probs_corr.is_none(), "{:?}", steps[0]);
+    assert!(answer_logprob(&t, &p, good, &trained) > answer_logprob(&t, &p, good, &start));
+}
