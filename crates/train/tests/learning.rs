@@ -91,7 +91,7 @@ fn a_reward_for_one_token_raises_its_logprob() {
     let group = |seed: usize| {
         let trajectories: Vec<Value> = (0..4)
             .map(|i| {
-                let (answer, lp, reward) = if (i + seed) % 2 == 0 {
+                let (answer, lp, reward) = if (i + seed).is_multiple_of(2) {
                     (good, before.0, 1.0)
                 } else {
                     (bad, before.1, 0.0)
