@@ -160,7 +160,7 @@ async fn groups(server: &Server, model: &str, prompts: &[&str]) -> Value {
                 let first = choice["logprobs"]["content"][0]["token"].as_str().unwrap();
                 let id: u32 = first.strip_prefix("token_id:").unwrap().parse().unwrap();
                 // Reward the even first tokens; break ties so no group is all equal.
-                let reward = if id % 2 == 0 { 1.0 } else { 0.0 } + j as f64 * 1e-3;
+                let reward = if id.is_multiple_of(2) { 1.0 } else { 0.0 } + j as f64 * 1e-3;
                 json!({"messages_and_choices": [user(prompt)[0].clone(), choice], "reward": reward})
             })
             .collect();
@@ -419,4 +419,103 @@ async fn a_killed_server_reruns_its_running_job_and_runs_the_queued_one() {
     assert_eq!(kinds[requeued + 1], "training_started", "{kinds:?}");
     assert_eq!(kinds.last().unwrap(), "training_ended");
     assert_eq!(kinds.iter().filter(|k| *k == "training_ended").count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_a_running_job_and_equal_rewards_learn_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let data = dir.path().join("data");
+    let server = Server::start(&model, &data, &["--max-train-seq-len", "64"]);
+    let model_id = create_model(&server).await;
+    let name = "default/proj/agent";
+    let small = groups(&server, name, PROMPTS).await;
+    let mut big = Vec::new();
+    for _ in 0..40 {
+        big.extend(small.as_array().unwrap().iter().cloned());
+    }
+    let post_job = |groups: Value| json!({"model_id": model_id, "trajectory_groups": groups});
+    let job = server
+        .post("/v1/preview/training-jobs", &post_job(Value::Array(big)))
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let start = Instant::now();
+    while !server
+        .events(&job)
+        .await
+        .iter()
+        .any(|e| e["type"] == "gradient_step")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no gradient step"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let cancelled = server
+        .post(
+            &format!("/v1/preview/training-jobs/{job}/cancel"),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(cancelled["status"], "cancelled");
+
+    // Equal rewards in every group: the job ends with nothing learned and no checkpoint. It
+    // runs after the cancelled one has stopped (one model's jobs run in order).
+    let mut equal = small.clone();
+    for g in equal.as_array_mut().unwrap() {
+        for t in g["trajectories"].as_array_mut().unwrap() {
+            t["reward"] = json!(0.5);
+        }
+    }
+    let flat = server
+        .post("/v1/preview/training-jobs", &post_job(equal))
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let done = server
+        .wait_for_status(&flat, &["succeeded", "failed"], Duration::from_secs(120))
+        .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["step"], 0);
+    let ended = server.events(&flat).await;
+    let last = ended.last().unwrap();
+    assert_eq!(last["type"], "training_ended");
+    assert_eq!(last["data"]["step"], 0);
+    assert!(last["data"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("nothing to learn"));
+
+    // The cancelled job stopped between steps and made no checkpoint; its last event says so.
+    let events = server.events(&job).await;
+    assert_eq!(events.last().unwrap()["type"], "training_failed");
+    let steps_after_cancel = events
+        .iter()
+        .skip_while(|e| e["type"] != "training_failed")
+        .filter(|e| e["type"] == "gradient_step")
+        .count();
+    assert_eq!(steps_after_cancel, 0);
+    assert_eq!(
+        server
+            .get(&format!("/v1/preview/training-jobs/{job}"))
+            .await["status"],
+        "cancelled"
+    );
+    let checkpoints = server
+        .get(&format!("/v1/preview/models/{model_id}/checkpoints"))
+        .await;
+    assert_eq!(
+        checkpoints["data"].as_array().unwrap().len(),
+        1,
+        "{checkpoints}"
+    );
+    assert!(!data
+        .join("adapters")
+        .join(&model_id)
+        .join("step-1.safetensors")
+        .exists());
 }
