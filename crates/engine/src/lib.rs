@@ -13,7 +13,7 @@ mod stop;
 
 use std::sync::Arc;
 
-use temper_model::{Gemma3, LoraAdapter};
+use temper_model::{Gemma3, LoraAdapter, ModelConfig};
 use temper_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -211,6 +211,8 @@ pub enum EngineError {
     TokenOutOfRange { token: u32, vocab_size: usize },
     #[error("the engine is not running")]
     Stopped,
+    #[error("the LoRA adapter was made for a model of another shape")]
+    AdapterMismatch,
 }
 
 /// A snapshot of the scheduler's counters.
@@ -237,6 +239,7 @@ pub struct Engine {
     stats: Arc<scheduler::Stats>,
     max_model_len: usize,
     vocab_size: usize,
+    model_config: ModelConfig,
     tokenizer: Arc<Tokenizer>,
 }
 
@@ -244,7 +247,8 @@ impl Engine {
     /// Spawns the scheduler thread for `model`. It runs until every handle is dropped and its
     /// work is done.
     pub fn start(model: Arc<Gemma3>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Engine {
-        let model_cfg = model.config();
+        let model_config = model.config().clone();
+        let model_cfg = &model_config;
         let vocab_size = model_cfg.vocab_size;
         // Limits that could never be met are raised to the smallest workable values; requests
         // cannot outgrow the model's context.
@@ -268,6 +272,7 @@ impl Engine {
             stats,
             max_model_len,
             vocab_size,
+            model_config,
             tokenizer,
         }
     }
@@ -286,6 +291,14 @@ impl Engine {
         }
         if req.stopping.max_tokens == 0 {
             return Err(EngineError::NoTokens);
+        }
+        // Refused here: inside a step it would fail every row of the batch.
+        if req
+            .adapter
+            .as_ref()
+            .is_some_and(|a| !a.fits(&self.model_config))
+        {
+            return Err(EngineError::AdapterMismatch);
         }
         if req.prompt.len().saturating_add(req.stopping.max_tokens) > self.max_model_len {
             return Err(EngineError::TooLong {

@@ -296,6 +296,49 @@ fn adapters_apply_per_request_in_a_shared_batch() {
         9,
     )));
     assert_eq!(run(&e, req)[0].ids, base_ids);
+
+    // An adapter for another model shape is refused at submit, not inside a shared step.
+    let mut other = tiny().model.config().clone();
+    other.num_layers += 1;
+    let mut req = request(text, 4, greedy());
+    req.adapter = Some(Arc::new(LoraAdapter::new(&other, LoraConfig::default(), 1)));
+    assert!(matches!(e.submit(req), Err(EngineError::AdapterMismatch)));
+}
+
+/// Issue 4 item 6: the logprobs the engine returns for sampled tokens are the trainer's
+/// (`Gemma3::score`) for the same tokens and adapter.
+#[test]
+fn sampled_logprobs_equal_the_trainers_scores() {
+    let e = default_engine();
+    let adapter = Arc::new(changed_adapter(3));
+    for a in [None, Some(adapter)] {
+        let mut req = request("the cat sat on the mat and", 24, seeded(5));
+        req.logprobs = Some(0);
+        req.adapter = a.clone();
+        let c = run(&e, req.clone()).remove(0);
+        let tokens: Vec<u32> = req.prompt.iter().chain(&c.ids).copied().collect();
+        let scored: Vec<bool> = (0..tokens.len()).map(|i| i >= req.prompt.len()).collect();
+        let scores = tiny()
+            .model
+            .score(
+                &temper_model::PackedSequence {
+                    tokens: &tokens,
+                    segment_lens: &[tokens.len()],
+                    scored: &scored,
+                },
+                a.as_deref(),
+            )
+            .expect("score");
+        assert_eq!(scores.logprobs.len(), c.logprobs.len());
+        let mean = scores
+            .logprobs
+            .iter()
+            .zip(&c.logprobs)
+            .map(|(s, l)| (s - l.logprob).abs() as f64)
+            .sum::<f64>()
+            / c.logprobs.len() as f64;
+        assert!(mean < 1e-5, "mean |engine - trainer| = {mean}");
+    }
 }
 
 #[test]

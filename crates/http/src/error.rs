@@ -138,6 +138,9 @@ impl From<temper_engine::EngineError> for ApiError {
                 ApiError::ServiceUnavailable(format!("The engine cannot take requests: {e}."))
             }
             E::TooLong { .. } => ApiError::bad("max_completion_tokens", e.to_string()),
+            E::AdapterMismatch => {
+                ApiError::Internal(format!("The model's adapter is unusable: {e}."))
+            }
             E::EmptyPrompt | E::NoChoices | E::NoTokens | E::TokenOutOfRange { .. } => {
                 ApiError::bad_body(e.to_string())
             }

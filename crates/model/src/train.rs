@@ -15,7 +15,8 @@ use crate::ops::{self, RopeTable};
 use crate::ModelError;
 
 /// Rows of the LM head computed at once: `HEAD_CHUNK x vocab` logits exist at a time
-/// (32 x 262,144 x 4 B = 32 MiB on Gemma 3), never the whole sequence's.
+/// (32 x 262,144 x 4 B = 32 MiB on Gemma 3), never the whole sequence's. The training forward
+/// turns each chunk's logits into the logprob's gradient to the hidden state right away.
 const HEAD_CHUNK: usize = 32;
 
 /// Segments packed into one sequence: each attends only within itself; positions restart at 0.
@@ -47,8 +48,9 @@ pub struct TrainTape {
     targets: Vec<u32>,
     /// Hidden states of `head_rows` before the final norm.
     head_in: Vec<f32>,
-    /// ... and after it (the LM head's input).
-    head_normed: Vec<f32>,
+    /// d logprob / d (normed hidden state) of each scored token, `(onehot - softmax)·E`: made in
+    /// the forward while the chunk's logits exist, so the backward never recomputes them.
+    head_grad: Vec<f32>,
 }
 
 /// One layer's activations, each `[tokens, width]`.
@@ -206,23 +208,35 @@ impl Gemma3 {
             logprobs: Vec::with_capacity(targets.len()),
             entropies: Vec::with_capacity(targets.len()),
         };
+        let mut head_grad = Vec::with_capacity(if record { head_normed.len() } else { 0 });
+        let vocab = self.lm_head.out_dim();
         for (rows, tgt) in head_normed
             .chunks(HEAD_CHUNK * hidden)
             .zip(targets.chunks(HEAD_CHUNK))
         {
-            let logits = self.lm_head.forward(rows)?;
-            let vocab = self.lm_head.out_dim();
+            let mut logits = self.lm_head.forward(rows)?;
             let stats: Vec<(f32, f32)> = logits
-                .par_chunks(vocab)
+                .par_chunks_mut(vocab)
                 .zip(tgt.par_iter())
                 .map(|(row, &t)| {
                     let s = RowSoftmax::new(row);
-                    ((row[t as usize] as f64 - s.lse) as f32, s.entropy as f32)
+                    let lp = (row[t as usize] as f64 - s.lse) as f32;
+                    if record {
+                        // The row becomes onehot(t) - softmax.
+                        for z in row.iter_mut() {
+                            *z = -((*z as f64 - s.lse).exp() as f32);
+                        }
+                        row[t as usize] += 1.0;
+                    }
+                    (lp, s.entropy as f32)
                 })
                 .collect();
             for (lp, h) in stats {
                 scores.logprobs.push(lp);
                 scores.entropies.push(h);
+            }
+            if record {
+                head_grad.extend(self.lm_head.backward_input(&logits)?);
             }
         }
         let tape = record.then_some(TrainTape {
@@ -232,7 +246,7 @@ impl Gemma3 {
             head_rows,
             targets,
             head_in,
-            head_normed,
+            head_grad,
         });
         Ok((scores, tape))
     }
@@ -344,26 +358,12 @@ impl Gemma3 {
                 .collect(),
         };
 
-        // LM head, chunk by chunk: d hidden = dlogp · (onehot(target) - softmax) · E.
-        let mut d_normed = Vec::with_capacity(tape.head_normed.len());
-        let vocab = self.lm_head.out_dim();
-        for ((rows, tgt), dlp) in tape
-            .head_normed
-            .chunks(HEAD_CHUNK * hidden)
-            .zip(tape.targets.chunks(HEAD_CHUNK))
-            .zip(dlogprobs.chunks(HEAD_CHUNK))
-        {
-            let mut dz = self.lm_head.forward(rows)?;
-            dz.par_chunks_mut(vocab)
-                .zip(tgt.par_iter().zip(dlp.par_iter()))
-                .for_each(|(row, (&t, &g))| {
-                    let s = RowSoftmax::new(row);
-                    for z in row.iter_mut() {
-                        *z = -g * ((*z as f64 - s.lse).exp() as f32);
-                    }
-                    row[t as usize] += g;
-                });
-            d_normed.extend(self.lm_head.backward_input(&dz)?);
+        // LM head: d normed hidden = dlogp · (onehot(target) - softmax)·E, from the forward.
+        let mut d_normed = tape.head_grad.clone();
+        for (row, &g) in d_normed.chunks_exact_mut(hidden).zip(dlogprobs) {
+            for v in row.iter_mut() {
+                *v *= g;
+            }
         }
         let d_head_in =
             ops::rms_norm_backward(&tape.head_in, &self.final_norm, cfg.rms_eps, &d_normed);

@@ -1,6 +1,6 @@
 //! `temper bench`: prompt and decode throughput of one model on this machine, printed as a
-//! table next to llama.cpp's figures for the default model (design.md). Speed lives here, never
-//! in tests.
+//! table next to llama.cpp's figures for the default model (design.md), and the LoRA trainer's
+//! gradient step next to PyTorch + PEFT's. Speed lives here, never in tests.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,12 +10,16 @@ use clap::Args;
 use temper_engine::{
     Engine, EngineConfig, GenerationEvent, GenerationRequest, SamplingParams, StopParams,
 };
-use temper_model::{Gemma3, SeqInput};
+use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
 use temper_text::Tokenizer;
 
 /// llama.cpp (commit 0c1e570, `-t 2`) on the default model, this machine kind (design.md).
 const LLAMA_CPP_PROMPT_TOK_S: f64 = 1000.0;
 const LLAMA_CPP_DECODE_TOK_S: f64 = 103.0;
+/// PyTorch + PEFT (2 threads, LoRA r=8 on q/k/v/o/gate/up/down, full step with AdamW) on the
+/// default model (design.md): trainable tok/s by shape.
+const PEFT_TRAIN_TOK_S: [((usize, usize), f64); 3] =
+    [((8, 128), 104.0), ((4, 256), 91.0), ((1, 1024), 85.0)];
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -31,6 +35,9 @@ pub struct BenchArgs {
     /// Concurrent requests in the batching measurement (compared with one alone).
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
+    /// Trainer gradient steps measured, as SEQUENCESxTOKENS (sequences packed into one).
+    #[arg(long, value_delimiter = ',', default_values_t = ["1x1024".to_string(), "8x128".to_string()])]
+    pub train_shapes: Vec<String>,
     /// Repetitions of each measurement; the best is reported.
     #[arg(long, default_value_t = 2)]
     pub repeat: usize,
@@ -106,6 +113,31 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         ratio: "-".into(),
     });
     let stats = engine.stats();
+    drop(engine);
+
+    for shape in &args.train_shapes {
+        let (seqs, len) = parse_shape(shape)?;
+        let prompt = prompt_tokens(&tokenizer, len);
+        let step = best_of(repeat, || train_step(&model, &prompt, seqs))?;
+        let tok_s = step.trainable as f64 / step.wall.as_secs_f64();
+        let peft = PEFT_TRAIN_TOK_S
+            .iter()
+            .find(|(s, _)| *s == (seqs, len))
+            .map(|&(_, v)| v);
+        rows.push(Row {
+            what: format!(
+                "trainer step (forward + backward), {seqs}x{len} tokens packed: {:.1} s \
+                 (forward {:.1} s; {:.1} CPU-s), peak RSS {:.1} GiB",
+                step.wall.as_secs_f64(),
+                step.forward.as_secs_f64(),
+                step.cpu.as_secs_f64(),
+                step.peak_rss_bytes as f64 / (1u64 << 30) as f64,
+            ),
+            ours: format!("{tok_s:.0} trainable tok/s"),
+            llama_cpp: peft.map_or("-".into(), |v| format!("PEFT {v:.0} tok/s")),
+            ratio: peft.map_or("-".into(), |v| format!("{:.2}x", tok_s / v)),
+        });
+    }
 
     println!(
         "model: {} ({} layers, width {}), loaded in {:.2} s; {} thread(s); best of {repeat}",
@@ -120,7 +152,7 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         stats.steps, stats.max_rows_in_step
     );
     println!();
-    println!("| measurement | temper | llama.cpp | temper / llama.cpp |");
+    println!("| measurement | temper | llama.cpp (PyTorch + PEFT for training) | ratio |");
     println!("|---|---|---|---|");
     for r in rows {
         println!(
@@ -235,4 +267,90 @@ fn generate(
     let wall = started.elapsed();
     let decode = last_token.duration_since(first_token.unwrap_or(started));
     Ok(Generation { wall, decode })
+}
+
+fn parse_shape(shape: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("train shape {shape:?}: expected SEQUENCESxTOKENS, e.g. 8x128");
+    let (a, b) = shape.split_once('x').ok_or_else(bad)?;
+    let (seqs, len) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+    if seqs == 0 || len < 2 {
+        return Err(bad());
+    }
+    Ok((seqs, len))
+}
+
+struct TrainStep {
+    wall: Duration,
+    forward: Duration,
+    /// CPU time of the process over the step (all threads): the cost when the machine is shared.
+    cpu: Duration,
+    /// Scored tokens: all but each sequence's first.
+    trainable: usize,
+    peak_rss_bytes: u64,
+}
+
+impl Timed for TrainStep {
+    fn key(&self) -> Duration {
+        self.wall
+    }
+}
+
+/// One gradient step (no optimizer) of `seqs` copies of `prompt` packed into one sequence, every
+/// token but each copy's first scored; the peak RSS is measured from the step's start.
+fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, String> {
+    let tokens: Vec<u32> = prompt.repeat(seqs);
+    let lens = vec![prompt.len(); seqs];
+    let scored: Vec<bool> = (0..tokens.len()).map(|i| i % prompt.len() != 0).collect();
+    let packed = PackedSequence {
+        tokens: &tokens,
+        segment_lens: &lens,
+        scored: &scored,
+    };
+    let adapter = LoraAdapter::new(model.config(), LoraConfig::default(), 1);
+    // Linux: writing 5 resets the peak RSS to the current RSS.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    let started = Instant::now();
+    let cpu_start = process_cpu_time();
+    let (scores, tape) = model
+        .train_forward(&packed, &adapter)
+        .map_err(|e| format!("train_forward: {e}"))?;
+    let forward = started.elapsed();
+    let dlogprobs = vec![1.0 / scores.logprobs.len() as f32; scores.logprobs.len()];
+    model
+        .backward(tape, &adapter, &dlogprobs)
+        .map_err(|e| format!("backward: {e}"))?;
+    Ok(TrainStep {
+        wall: started.elapsed(),
+        forward,
+        cpu: process_cpu_time().saturating_sub(cpu_start),
+        trainable: scores.logprobs.len(),
+        peak_rss_bytes: peak_rss_bytes(),
+    })
+}
+
+/// VmHWM of this process (0 where /proc is absent).
+fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// User + system time of this process so far (zero where /proc is absent).
+fn process_cpu_time() -> Duration {
+    // Fields 14 and 15 of /proc/self/stat (after the parenthesised name), in clock ticks.
+    const TICKS_PER_S: f64 = 100.0;
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let rest = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0);
+    Duration::from_secs_f64(ticks as f64 / TICKS_PER_S)
 }
