@@ -20,11 +20,15 @@ struct Server {
 
 impl Server {
     fn start(model: &Path, data_dir: &Path, extra: &[&str]) -> Server {
+        Self::start_named("tiny", model, data_dir, extra)
+    }
+
+    fn start_named(name: &str, model: &Path, data_dir: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_temper"))
             .arg("serve")
             .args(["--port", "0", "--api-key", KEY])
             .arg("--model")
-            .arg(format!("tiny={}", model.display()))
+            .arg(format!("{name}={}", model.display()))
             .arg("--data-dir")
             .arg(data_dir)
             .args(extra)
@@ -170,10 +174,14 @@ async fn groups(server: &Server, model: &str, prompts: &[&str]) -> Value {
 }
 
 async fn create_model(server: &Server) -> String {
+    create_model_on(server, "tiny").await
+}
+
+async fn create_model_on(server: &Server, base: &str) -> String {
     let model = server
         .post(
             "/v1/preview/models",
-            &json!({"project": "proj", "name": "agent", "base_model": "tiny"}),
+            &json!({"project": "proj", "name": "agent", "base_model": base}),
         )
         .await;
     model["id"].as_str().unwrap().to_owned()
@@ -288,6 +296,18 @@ async fn train_and_serve_the_checkpoint_by_name() {
 
     // One model, one set of numbers: the logprobs served for sampled tokens of step 1 are the
     // trainer's scores of the same tokens with the same adapter.
+    let mean = served_vs_trainer(&server, name, &model, &data, &model_id).await;
+    assert!(mean < 1e-3, "mean |diff| {mean}");
+}
+
+/// Mean |served logprob - trainer score| over sampled tokens of `<name>:step1`.
+async fn served_vs_trainer(
+    server: &Server,
+    name: &str,
+    model: &Path,
+    data: &Path,
+    model_id: &str,
+) -> f64 {
     let sampled = server
         .post(
             "/v1/chat/completions",
@@ -296,11 +316,11 @@ async fn train_and_serve_the_checkpoint_by_name() {
                 "return_token_ids": true}),
         )
         .await;
-    let weights = temper_model::load_gguf(&model).unwrap().model;
+    let weights = temper_model::load_gguf(model).unwrap().model;
     let adapter = temper_model::LoraAdapter::load(
         &data
             .join("adapters")
-            .join(&model_id)
+            .join(model_id)
             .join("step-1.safetensors"),
         weights.config(),
     )
@@ -321,7 +341,12 @@ async fn train_and_serve_the_checkpoint_by_name() {
                 Some(&adapter),
             )
             .unwrap();
-        let served = logprobs(&json!({"choices": [choice]}));
+        let served: Vec<f64> = choice["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["logprob"].as_f64().unwrap())
+            .collect();
         assert_eq!(served.len(), scores.logprobs.len());
         for (s, t) in served.iter().zip(&scores.logprobs) {
             diff += (s - f64::from(*t)).abs();
@@ -329,8 +354,10 @@ async fn train_and_serve_the_checkpoint_by_name() {
         }
     }
     let mean = diff / count as f64;
-    eprintln!("served vs trainer logprobs of step 1: mean |diff| {mean:.2e} over {count} tokens");
-    assert!(mean < 1e-3, "mean |diff| {mean}");
+    eprintln!(
+        "served vs trainer logprobs of {name}:step1: mean |diff| {mean:.2e} over {count} tokens"
+    );
+    mean
 }
 
 fn token_ids(v: &Value) -> Vec<u32> {
@@ -518,4 +545,37 @@ async fn cancel_stops_a_running_job_and_equal_rewards_learn_nothing() {
         .join(&model_id)
         .join("step-1.safetensors")
         .exists());
+}
+
+/// The same agreement on the default model (reported in the README), through a real job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_model_served_logprobs_match_the_trainer() {
+    let Some(model) = temper_model::paths::real_model_for_tests() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let base = "gemma-3-270m";
+    let server = Server::start_named(base, &model, &data, &[]);
+    let model_id = create_model_on(&server, base).await;
+    let name = "default/proj/agent";
+    let trajectory_groups = groups(&server, name, &["Hello"]).await;
+    let job = server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model_id, "trajectory_groups": trajectory_groups,
+                "experimental_config": {"learning_rate": 1e-3}}),
+        )
+        .await;
+    let done = server
+        .wait_for_status(
+            job["id"].as_str().unwrap(),
+            &["succeeded", "failed"],
+            Duration::from_secs(900),
+        )
+        .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["step"], 1);
+    let mean = served_vs_trainer(&server, name, &model, &data, &model_id).await;
+    assert!(mean < 1e-3, "mean |diff| {mean}");
 }
