@@ -94,6 +94,33 @@ fn rewarded_tokens_gain_probability() {
         }
     ));
 
+    // precalculate_logprobs: old logprobs recomputed with the current weights (ratio 1), the
+    // sampler's kept for probs_corr; ppo runs the clipped objective.
+    for config in [json!({"precalculate_logprobs": true}), json!({"ppo": true})] {
+        let mut req = req.clone();
+        req.experimental_config = Some(serde_json::from_value(config).unwrap());
+        let job = tokenize_job(&req, &tok, &template).unwrap();
+        let mut steps = Vec::new();
+        let out = run_job(
+            &model,
+            &adapter,
+            &job,
+            &cfg,
+            &AtomicBool::new(false),
+            &mut |e| {
+                if let TrainEvent::GradientStep(m) = e {
+                    steps.push(m)
+                }
+            },
+        )
+        .unwrap();
+        assert!(out.is_some());
+        assert!(
+            steps[0].loss.is_finite() && steps[0].grad_norm > 0.0,
+            "{steps:?}"
+        );
+    }
+
     // Cancelled before its first step: no adapter.
     let cancelled = run_job(
         &model,
