@@ -131,6 +131,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .local_addr()
             .map_err(|e| format!("reading the bound address: {e}"))?;
         print_banner(&cfg, local, &names, store_keys);
+        temper_http::training::worker::spawn(state.clone());
         temper_http::serve(listener, state, shutdown_signal())
             .await
             .map_err(|e| format!("serving: {e}"))

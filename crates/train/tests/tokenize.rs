@@ -65,7 +65,7 @@ fn sampled_tokens_are_spliced_after_the_served_prompt() {
     .unwrap();
     assert_eq!(job.sequences.len(), 1);
     let s = &job.sequences[0];
-    let served = prompt(&tok, &template, &[user.clone()]);
+    let served = prompt(&tok, &template, std::slice::from_ref(&user));
     // The served prompt, the sampled tokens (their end of turn not repeated), then the newline
     // the template writes after the turn.
     let mut want = served.clone();
