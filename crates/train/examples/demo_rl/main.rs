@@ -165,6 +165,11 @@ fn word_probability(model: &Gemma3, prompt: &[u32], word: u32, adapter: &LoraAda
         .unwrap_or(f64::NAN)
 }
 
+/// The reward: the answer begins with the word (case-insensitive).
+fn rewarded(text: &str, word_lowercase: &str) -> bool {
+    text.trim_start().to_lowercase().starts_with(word_lowercase)
+}
+
 fn main() -> Result<(), String> {
     let args = parse_args()?;
     let path = std::env::var_os("TEMPER_MODEL_PATH")
@@ -206,7 +211,7 @@ fn main() -> Result<(), String> {
     println!("| job | p(word first) before | rewarded rollouts | loss | grad_norm | train s | trainable tok/s |");
     println!("|---|---|---|---|---|---|---|");
     let mut probabilities = Vec::new();
-    let mut rewarded = Vec::new();
+    let mut rewarded_fraction = Vec::new();
     let (mut train_seconds, mut train_tokens, mut trained_jobs) = (0.0, 0usize, 0usize);
     for job in 0..args.jobs {
         let p = word_probability(&model, &prompt, word_token, &adapter);
@@ -214,14 +219,14 @@ fn main() -> Result<(), String> {
         let sampled = rollouts(&engine, &prompt, args.group, args.seed * 1000 + job as u64, &adapter)?;
         let rewards: Vec<f64> = sampled
             .iter()
-            .map(|r| f64::from(u8::from(r.text.trim_start().to_lowercase().starts_with(&lower))))
+            .map(|r| f64::from(u8::from(rewarded(&r.text, &lower))))
             .collect();
         if job == 0 {
             let texts: Vec<&str> = sampled.iter().map(|r| r.text.trim()).collect();
             eprintln!("first rollouts: {texts:?}");
         }
         let hits = rewards.iter().sum::<f64>();
-        rewarded.push(hits / args.group as f64);
+        rewarded_fraction.push(hits / args.group as f64);
         let req = request(&sampled, &rewards, args.lr)?;
         let tokenized = tokenize_job(&req, &tokenizer, &template).map_err(|e| e.to_string())?;
         let mut steps = Vec::new();
@@ -261,14 +266,17 @@ fn main() -> Result<(), String> {
     }
     let p = word_probability(&model, &prompt, word_token, &adapter);
     probabilities.push(p);
-    println!("| {} | {p:.4} | | | | | |", args.jobs);
+    let last = rollouts(&engine, &prompt, args.group, args.seed * 1000 + args.jobs as u64, &adapter)?;
+    let hits = last.iter().filter(|r| rewarded(&r.text, &lower)).count();
+    rewarded_fraction.push(hits as f64 / args.group as f64);
+    println!("| {} | {p:.4} | {hits}/{} | | | | |", args.jobs, args.group);
     println!(
         "training: {trained_jobs} jobs, {train_tokens} trainable tokens in {train_seconds:.1} s = \
          {:.1} trainable tok/s, {:.1} s per job",
         train_tokens as f64 / train_seconds,
         train_seconds / trained_jobs as f64
     );
-    png::plot(&args.png, &[(&probabilities, [31, 119, 180]), (&rewarded, [255, 127, 14])])
+    png::plot(&args.png, &[(&probabilities, [31, 119, 180]), (&rewarded_fraction, [255, 127, 14])])
         .map_err(|e| format!("{}: {e}", args.png.display()))?;
     println!("plot: {} (blue: p(word first) per job, orange: rewarded fraction of rollouts)", args.png.display());
     Ok(())
