@@ -579,3 +579,52 @@ async fn default_model_served_logprobs_match_the_trainer() {
     let mean = served_vs_trainer(&server, name, &model, &data, &model_id).await;
     assert!(mean < 1e-3, "mean |diff| {mean}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_model_fails_its_running_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let data = dir.path().join("data");
+    let server = Server::start(&model, &data, &["--max-train-seq-len", "64"]);
+    let model_id = create_model(&server).await;
+    let small = groups(&server, "default/proj/agent", PROMPTS).await;
+    let big: Vec<Value> = (0..40)
+        .flat_map(|_| small.as_array().unwrap().iter().cloned())
+        .collect();
+    let job = server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model_id, "trajectory_groups": big}),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    server
+        .wait_for_status(&job, &["running"], Duration::from_secs(60))
+        .await;
+    let (status, deleted) = server
+        .call("DELETE", &format!("/v1/preview/models/{model_id}"), None)
+        .await;
+    assert_eq!(status, 200, "{deleted}");
+    let failed = server
+        .wait_for_status(&job, &["failed"], Duration::from_secs(10))
+        .await;
+    assert_eq!(failed["error"], "the model was deleted");
+    // The worker stops it and moves on: a new model's job runs.
+    let again = create_model(&server).await;
+    let next = server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": again, "trajectory_groups": small}),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let done = server
+        .wait_for_status(&next, &["succeeded", "failed"], Duration::from_secs(120))
+        .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert!(!data.join("adapters").join(&model_id).exists());
+}
