@@ -170,3 +170,71 @@ fn invalid_trajectories_name_the_field() {
         matches!(tokenize_job(&config, &tok, &template), Err(TrainError::Invalid { param, .. }) if param == "experimental_config.advantage_balance")
     );
 }
+
+/// The tools and a context assistant turn's tool calls reach the template (the shipped Gemma 3
+/// template renders neither, as Hugging Face's does not; this one renders both, and roles that do
+/// not alternate), and the trainable answer after the tool result is spliced in after exactly the
+/// prompt serving would render.
+#[test]
+fn tools_and_tool_calls_are_context() {
+    let (tok, _) = setup();
+    let template = ChatTemplate::new(
+        "{{ bos_token }}{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}\
+         {% for m in messages %}<{{ m.role }}>{% if m.content %}{{ m.content }}{% endif %}\
+         {% for c in m.tool_calls %}[call {{ c.function.name }} {{ c.function.arguments }}]{% endfor %}\
+         </{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+        tok.bos_token().map(str::to_owned),
+        tok.eos_token().map(str::to_owned),
+    )
+    .unwrap();
+    let tools: Vec<temper_text::ToolDef> = serde_json::from_value(json!([{"type": "function",
+        "function": {"name": "get_weather", "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]))
+    .unwrap();
+    let context = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]);
+    let answer = tok.encode("It is sunny", false);
+    let mut items = context.as_array().unwrap().clone();
+    items.push(choice(&answer, "It is sunny"));
+    let mut req = request(Value::Array(items));
+    req.trajectory_groups[0].trajectories[0].tools = Some(tools.clone());
+    let job = tokenize_job(&req, &tok, &template).unwrap();
+    let s = &job.sequences[0];
+
+    let messages: Vec<ChatMessage> = serde_json::from_value(context).unwrap();
+    let served_text = template
+        .render(&TemplateInput {
+            messages: &messages,
+            tools: Some(&tools),
+            documents: None,
+            add_generation_prompt: true,
+            continue_final_message: false,
+            reasoning_effort: None,
+            kwargs: &serde_json::Map::new(),
+        })
+        .unwrap();
+    assert!(
+        served_text.contains("[tool get_weather]")
+            && served_text.contains("[call get_weather {'city': 'Paris'}]")
+            && served_text.contains("<tool>sunny</tool>"),
+        "{served_text}"
+    );
+    let served = tok.encode(&served_text, true);
+    assert_eq!(&s.tokens[..served.len()], served.as_slice());
+    let end = served.len() + answer.len();
+    assert_eq!(&s.tokens[served.len()..end], answer.as_slice());
+    let masked: Vec<usize> = (0..s.tokens.len()).filter(|&i| s.mask[i]).collect();
+    assert_eq!(masked, (served.len()..end).collect::<Vec<_>>());
+    let tail = tok.decode(
+        &s.tokens[end..],
+        temper_text::DecodeOptions {
+            skip_special_tokens: false,
+            spaces_between_special_tokens: false,
+        },
+    );
+    assert_eq!(tail, "</assistant>", "the template's text after the answer is context");
+}
