@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test bench fetch-model build
+.PHONY: serve test bench fetch-model build demo-rl
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -29,3 +29,9 @@ test: fetch-model build
 # Throughput on the default model next to llama.cpp's figures (README, Benchmarks).
 bench: fetch-model build
 	./target/release/temper bench $(ARGS)
+
+# RL learning demo on the default model: rollouts, rewards for answers beginning with a word,
+# one training job per round; prints the table and writes docs/rl-demo.png (README, RL demo).
+demo-rl: fetch-model
+	cargo build --release -p temper-train --example demo_rl
+	./target/release/examples/demo_rl $(ARGS)

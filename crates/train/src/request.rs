@@ -75,7 +75,9 @@ pub struct ChoiceLogprobs {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct TokenLogprob {
     pub token: String,
-    pub logprob: f64,
+    /// Missing or null: the trainer uses its own logprob, detached (rho = 1).
+    #[serde(default)]
+    pub logprob: Option<f64>,
 }
 
 /// Every option of training.md; `None` (or null) is its default.

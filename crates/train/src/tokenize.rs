@@ -17,7 +17,7 @@ pub struct TokenizedSequence {
     pub tokens: Vec<u32>,
     /// Trainable (sampled) tokens.
     pub mask: Vec<bool>,
-    /// The sampler's logprob per token (0 where not trainable).
+    /// The sampler's logprob per token (0 where not trainable, NaN where the request gave none).
     pub old_logprobs: Vec<f32>,
     /// Index of the group and of the trajectory in it.
     pub group: usize,
@@ -269,14 +269,18 @@ fn sampled_tokens(
                 format!("{:?} is not a token of the model's vocabulary", e.token),
             ));
         };
-        if !e.logprob.is_finite() && e.logprob != f64::NEG_INFINITY {
-            return Err(TrainError::invalid(
-                format!("{path}.logprobs.content[{j}].logprob"),
-                "must be a number",
-            ));
-        }
+        let logprob = match e.logprob {
+            Some(lp) if !lp.is_finite() || lp > 0.0 => {
+                return Err(TrainError::invalid(
+                    format!("{path}.logprobs.content[{j}].logprob"),
+                    "must be a finite number <= 0",
+                ));
+            }
+            Some(lp) => lp as f32,
+            None => f32::NAN,
+        };
         ids.push(id);
-        lps.push(e.logprob as f32);
+        lps.push(logprob);
     }
     Ok((ids, lps))
 }

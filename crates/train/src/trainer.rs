@@ -327,7 +327,9 @@ pub fn run_job(
         let mut loss = 0.0;
         let mut dlogprobs = Vec::with_capacity(count);
         for (k, &lp) in scores.logprobs.iter().enumerate() {
-            let (l, dl) = token_loss(f64::from(lp), old[k], advs[k], loss_cfg);
+            // A missing sampler logprob is lp_new detached.
+            let lp_old = if old[k].is_nan() { f64::from(lp) } else { old[k] };
+            let (l, dl) = token_loss(f64::from(lp), lp_old, advs[k], loss_cfg);
             loss += l * weights[k] * norm;
             dlogprobs.push((dl * weights[k] * norm) as f32);
         }
@@ -352,7 +354,13 @@ pub fn run_job(
             .iter()
             .map(|&x| f64::from(x).exp())
             .collect();
-        let old_probs: Vec<f64> = sampler_old.iter().map(|x| x.exp()).collect();
+        // Tokens the sampler gave no logprob for are left out of the correlation.
+        let (old_probs, new_probs): (Vec<f64>, Vec<f64>) = sampler_old
+            .iter()
+            .zip(&new_probs)
+            .filter(|(old, _)| !old.is_nan())
+            .map(|(old, new)| (old.exp(), *new))
+            .unzip();
         let entropy =
             scores.entropies.iter().map(|&e| f64::from(e)).sum::<f64>() / count.max(1) as f64;
         on_event(TrainEvent::GradientStep(StepMetrics {
