@@ -83,6 +83,42 @@ pub fn group_advantages(rewards: &[f64], scale_rewards: bool) -> Vec<f64> {
         .collect()
 }
 
+/// `advantage_balance` b: b > 0 scales negative advantages by (1 - b), b < 0 positive ones by
+/// (1 + b).
+fn balance(advantage: f64, b: f64) -> f64 {
+    if b > 0.0 && advantage < 0.0 {
+        advantage * (1.0 - b)
+    } else if b < 0.0 && advantage > 0.0 {
+        advantage * (1.0 + b)
+    } else {
+        advantage
+    }
+}
+
+/// Per sequence, given (its trajectory, its trainable tokens, its advantage): the token weight
+/// and the advantage to train with. Each trajectory's tokens weigh 1 / (its trainable tokens,
+/// additional histories included), renormalised to mean 1 over all trainable tokens; then
+/// A /= mean(|A| * w) over them.
+fn weights_and_advantages(seqs: &[((usize, usize), usize, f64)]) -> Vec<(f64, f64)> {
+    let mut per_trajectory: std::collections::HashMap<(usize, usize), usize> = Default::default();
+    for &(trajectory, trainable, _) in seqs {
+        *per_trajectory.entry(trajectory).or_default() += trainable;
+    }
+    let total: usize = seqs.iter().map(|s| s.1).sum();
+    let weight_scale = total as f64 / per_trajectory.len() as f64;
+    let weighted: Vec<(f64, f64)> = seqs
+        .iter()
+        .map(|(trajectory, _, a)| (weight_scale / per_trajectory[trajectory] as f64, *a))
+        .collect();
+    let abs_mean = seqs
+        .iter()
+        .zip(&weighted)
+        .map(|((_, n, _), (w, a))| a.abs() * w * *n as f64)
+        .sum::<f64>()
+        / total as f64;
+    weighted.into_iter().map(|(w, a)| (w, a / abs_mean)).collect()
+}
+
 /// The loss of one trainable token and d loss / d lp_new (before the token weight and the
 /// `1 / (sum(mask) + 1e-6)` normalisation).
 pub fn token_loss(lp_new: f64, lp_old: f64, advantage: f64, cfg: &LossConfig) -> (f64, f64) {
@@ -215,6 +251,7 @@ pub fn run_job(
         .sqrt();
 
     let mut prepared: Vec<Prepared> = Vec::new();
+    let mut shares = Vec::new();
     for s in &job.sequences {
         let advantage = advantages[s.group][s.trajectory];
         let keep = s.tokens.len().min(cfg.max_seq_len);
@@ -223,26 +260,19 @@ pub fn run_job(
         if advantage == 0.0 || trainable == 0 {
             continue;
         }
-        let b = loss_cfg.advantage_balance;
-        let advantage = if b > 0.0 && advantage < 0.0 {
-            advantage * (1.0 - b)
-        } else if b < 0.0 && advantage > 0.0 {
-            advantage * (1.0 + b)
-        } else {
-            advantage
-        };
+        shares.push((
+            (s.group, s.trajectory),
+            trainable,
+            balance(advantage, loss_cfg.advantage_balance),
+        ));
         prepared.push(Prepared {
             tokens: s.tokens[..keep].to_vec(),
             mask: mask.to_vec(),
             old: s.old_logprobs[..keep].to_vec(),
-            weight: 1.0 / trainable as f64,
-            advantage,
+            weight: 0.0,
+            advantage: 0.0,
         });
     }
-    let total_tokens: usize = prepared
-        .iter()
-        .map(|p| p.mask.iter().filter(|m| **m).count())
-        .sum();
     if prepared.is_empty() {
         on_event(TrainEvent::Ended {
             step: 0,
@@ -253,16 +283,9 @@ pub fn run_job(
         });
         return Ok(None);
     }
-    // Weights renormalised to mean 1 over the trainable tokens, then A /= mean(|A| * w).
-    let weight_scale = total_tokens as f64 / prepared.len() as f64;
-    let mut abs_sum = 0.0;
-    for p in &mut prepared {
-        p.weight *= weight_scale;
-        abs_sum += p.advantage.abs() * p.weight * p.mask.iter().filter(|m| **m).count() as f64;
-    }
-    let adv_scale = abs_sum / total_tokens as f64;
-    for p in &mut prepared {
-        p.advantage /= adv_scale;
+    for (p, (weight, advantage)) in prepared.iter_mut().zip(weights_and_advantages(&shares)) {
+        p.weight = weight;
+        p.advantage = advantage;
     }
     let trainable_groups = advantages
         .iter()
@@ -481,6 +504,21 @@ mod tests {
                     "{c:?} {lp} {old} {a}: {numeric} vs {analytic}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn weights_and_advantages_by_hand() {
+        assert_eq!(balance(-4.0, 0.5), -2.0);
+        assert_eq!(balance(4.0, 0.5), 4.0);
+        assert_eq!(balance(4.0, -0.25), 3.0);
+        // Trajectory (0, 0): a main sequence of 1 trainable token and a history of 3, A = 1;
+        // trajectory (0, 1): 2 tokens, A = -2. Weights 1/4 and 1/2, times 6 tokens / 2
+        // trajectories: 0.75 and 1.5. mean(|A| w) = (4 * 1 * 0.75 + 2 * 2 * 1.5) / 6 = 1.5.
+        let out = weights_and_advantages(&[((0, 0), 1, 1.0), ((0, 1), 2, -2.0), ((0, 0), 3, 1.0)]);
+        let want = [(0.75, 1.0 / 1.5), (1.5, -2.0 / 1.5), (0.75, 1.0 / 1.5)];
+        for (got, want) in out.iter().zip(want) {
+            assert!((got.0 - want.0).abs() < 1e-12 && (got.1 - want.1).abs() < 1e-12, "{out:?}");
         }
     }
 
