@@ -55,6 +55,7 @@ fn default_engine() -> Engine {
         max_batch_tokens: 256,
         max_running: 16,
         max_model_len: 2048,
+        ..EngineConfig::default()
     })
 }
 
@@ -78,6 +79,7 @@ fn request(text: &str, max_tokens: usize, sampling: SamplingParams) -> Generatio
         },
         logprobs: None,
         adapter: None,
+        priority: 0,
     }
 }
 
@@ -422,6 +424,7 @@ fn max_running_caps_the_batch_and_queues_the_rest() {
         max_batch_tokens: 256,
         max_running: 2,
         max_model_len: 2048,
+        ..EngineConfig::default()
     });
     let rxs: Vec<_> = (0..5)
         .map(|i| {
@@ -446,6 +449,7 @@ fn chunked_prefill_gives_the_same_output() {
         max_batch_tokens: 5,
         max_running: 4,
         max_model_len: 2048,
+        ..EngineConfig::default()
     });
     let narrow = run(&narrow_engine, request(text, 12, greedy()));
     assert_eq!(wide[0].ids, narrow[0].ids);
@@ -461,6 +465,7 @@ fn a_long_prompt_does_not_stall_running_decodes() {
         max_batch_tokens: 8,
         max_running: 4,
         max_model_len: 2048,
+        ..EngineConfig::default()
     });
     let short = e.submit(request("the cat", 40, greedy())).expect("submit");
     let long_text = "the dog and the cat ".repeat(20);
@@ -544,6 +549,7 @@ fn eos_stops_without_text_unless_ignored() {
             max_batch_tokens: 256,
             max_running: 4,
             max_model_len: 2048,
+            ..EngineConfig::default()
         },
     );
     let mut req = request("the cat sat", 12, greedy());
@@ -667,6 +673,7 @@ fn impossible_requests_are_rejected() {
         max_batch_tokens: 64,
         max_running: 4,
         max_model_len: 100,
+        ..EngineConfig::default()
     });
     let mut r = request("hello", 5, greedy());
     r.prompt.clear();
@@ -689,6 +696,7 @@ fn impossible_requests_are_rejected() {
         max_batch_tokens: 64,
         max_running: 4,
         max_model_len: 1 << 20,
+        ..EngineConfig::default()
     });
     assert_eq!(big.max_model_len(), 2048);
     // A valid request still works after the rejections.
@@ -820,6 +828,7 @@ fn min_tokens_delays_eos_stop_tokens_and_stop_strings() {
             max_batch_tokens: 256,
             max_running: 4,
             max_model_len: 2048,
+            ..EngineConfig::default()
         },
     );
     let mut req = request("the cat sat", 16, greedy());

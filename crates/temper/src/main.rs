@@ -100,6 +100,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         if let Some(n) = cfg.max_batch_tokens {
             spec.max_batch_tokens = n;
         }
+        spec.scheduling = cfg.scheduling;
         tracing::info!(model = %name, path = %path.display(), "loading");
         let model = ServedModel::load(&spec).map_err(|e| e.to_string())?;
         tracing::info!(model = %name, max_model_len = model.max_model_len, "loaded");

@@ -89,6 +89,7 @@ fn rollouts(
             },
             logprobs: Some(0),
             adapter: Some(adapter.clone()),
+            priority: 0,
         })
         .map_err(|e| e.to_string())?;
     let mut out: Vec<Rollout> = (0..n)
