@@ -21,12 +21,12 @@ BINARY = os.environ.get("TEMPER_BIN", os.path.join(os.path.dirname(__file__), ".
 class Server:
     """`temper serve` as a child process; stderr (the request log) is kept for the project test."""
 
-    def __init__(self):
+    def __init__(self, *extra_args):
         self.data_dir = tempfile.TemporaryDirectory()
         env = dict(os.environ, RUST_LOG="info")
         env.pop("TEMPER_CONFIG", None)
         self.proc = subprocess.Popen(
-            [BINARY, "serve", "--port", "0", "--api-key", KEY, "--data-dir", self.data_dir.name],
+            [BINARY, "serve", "--port", "0", "--api-key", KEY, "--data-dir", self.data_dir.name, *extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
         self._log_lock = threading.Lock()
@@ -70,8 +70,8 @@ def tearDownModule():
     SERVER.stop()
 
 
-def client(**kwargs):
-    return OpenAI(base_url=SERVER.base_url, api_key=kwargs.pop("api_key", KEY), max_retries=0,
+def client(server=None, **kwargs):
+    return OpenAI(base_url=(server or SERVER).base_url, api_key=kwargs.pop("api_key", KEY), max_retries=0,
                   timeout=120, **kwargs)
 
 
@@ -187,10 +187,30 @@ class ExtraBody(unittest.TestCase):
     def test_use_beam_search(self):
         self._refused({"use_beam_search": True, "n": 2, "temperature": 0}, "use_beam_search")
 
+    def test_priority_needs_priority_scheduling(self):
+        # The suite's server runs the default `--scheduling fcfs`.
+        self._refused({"priority": 2}, "priority")
+        r = client().chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=1,
+                                             extra_body={"priority": 0})
+        self.assertEqual(len(r.choices), 1)
+
     def _refused(self, extra, param):
         with self.assertRaises(openai.BadRequestError) as e:
             client().chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=2, extra_body=extra)
         self.assertEqual(e.exception.body.get("param"), param)
+
+
+class PriorityScheduling(unittest.TestCase):
+    """A second server, started with `--scheduling priority`, takes a non-zero priority."""
+
+    def test_priority_is_accepted(self):
+        server = Server("--scheduling", "priority", "--max-running", "1")
+        try:
+            r = client(server).chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=2,
+                                                       extra_body={"priority": -5})
+            self.assertEqual(len(r.choices), 1)
+        finally:
+            server.stop()
 
 
 # Structured outputs (response_format / structured_outputs) are built on the `structured` branch:
