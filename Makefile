@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test bench fetch-model build
+.PHONY: serve test bench fetch-model build demo-rl
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -16,13 +16,22 @@ build:
 serve: fetch-model build
 	./target/release/temper serve $(ARGS)
 
-# Tests that need the default model fail (not skip) without it. The last line sums every test
-# binary's result (cargo prints one line per binary).
-test: fetch-model
+# Tests that need the default model fail (not skip) without it. Then the openai-SDK client suite
+# (Python, against the built server). The last line sums every test binary's result (cargo prints
+# one line per binary; the Python suite prints one in the same shape).
+test: fetch-model build
 	mkdir -p target
 	TEMPER_REQUIRE_MODEL=1 cargo test --release --workspace --lib --bins --tests 2>&1 | tee target/test.log
-	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log
+	scripts/python-sdk-tests.sh 2>&1 | tee -a target/test.log; status=$$?; \
+	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
+	exit $$status
 
 # Throughput on the default model next to llama.cpp's figures (README, Benchmarks).
 bench: fetch-model build
 	./target/release/temper bench $(ARGS)
+
+# RL learning demo on the default model: rollouts, rewards for answers beginning with a word,
+# one training job per round; prints the table and writes docs/rl-demo.png (README, RL demo).
+demo-rl: fetch-model
+	cargo build --release -p temper-train --example demo_rl
+	./target/release/examples/demo_rl $(ARGS)

@@ -30,10 +30,23 @@ pub struct EngineConfig {
     /// Most tokens (decode rows + prefill chunks) fed to one forward call. Decode rows always
     /// run; prompts are chunked into what is left.
     pub max_batch_tokens: usize,
-    /// Most sequences (choices) running at once; further requests wait, first come first served.
+    /// Most sequences (choices) running at once; further requests wait in `scheduling` order.
     pub max_running: usize,
     /// Longest prompt + completion a request may ask for.
     pub max_model_len: usize,
+    pub scheduling: Scheduling,
+}
+
+/// Order of the waiting queue (vLLM's `--scheduling-policy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Scheduling {
+    /// First come, first served; `GenerationRequest::priority` is not looked at.
+    #[default]
+    Fcfs,
+    /// Lower `priority` first (ties by arrival). A waiting request that does not fit preempts
+    /// running ones of worse priority: they go back to the queue with their output so far and
+    /// later recompute their cache, without losing or repeating a token.
+    Priority,
 }
 
 impl Default for EngineConfig {
@@ -42,6 +55,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running: 32,
             max_model_len: 32768,
+            scheduling: Scheduling::Fcfs,
         }
     }
 }
@@ -63,6 +77,8 @@ pub struct GenerationRequest {
     /// Structured output: every choice's output matches this grammar (compiled by
     /// `Engine::grammar_compiler`); `None` = free text.
     pub constraint: Option<Grammar>,
+    /// Lower runs first under `Scheduling::Priority`; ignored under `Fcfs`.
+    pub priority: i64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -268,6 +284,7 @@ impl Engine {
             max_batch_tokens: config.max_batch_tokens.max(1),
             max_running: config.max_running.max(1),
             max_model_len: config.max_model_len.min(model_cfg.context_length),
+            scheduling: config.scheduling,
         };
         let max_model_len = config.max_model_len;
         let stats = Arc::new(scheduler::Stats::default());

@@ -3,7 +3,9 @@
 //! Each step feeds one token for every decoding sequence and spends what is left of
 //! `max_batch_tokens` on prompt chunks of admitted requests, oldest first. A request whose
 //! prompt is fully prefilled forks its cache into `n` choices. Finished and cancelled sequences
-//! leave the batch (and free their caches) before the next step.
+//! leave the batch (and free their caches) before the next step. Under priority scheduling a
+//! preempted request keeps its choices' state but not their caches; back in the batch, each
+//! choice replays prompt + output in prompt-sized chunks before it samples again.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -23,7 +25,8 @@ use crate::sampler::{self, Sampler};
 use crate::stop::StopMatcher;
 use crate::structured::{GrammarMatcher, TokenMask};
 use crate::{
-    EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest, StopReason,
+    EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest, Scheduling,
+    StopReason,
 };
 
 /// A request on its way to the scheduler.
@@ -97,6 +100,16 @@ struct Seq {
     /// This step's logits, kept until the mask they need comes back from a worker (the choice
     /// sits out of the batch meanwhile; nobody else waits).
     waiting_row: Option<Vec<f32>>,
+    /// After a preemption: the tokens this step feeds to rebuild the cache.
+    replay: Vec<u32>,
+}
+
+impl Seq {
+    /// Prompt + output tokens the cache must hold before `next` is fed: the cache is behind
+    /// this only after a preemption.
+    fn replay_len(&self, prompt: &[u32]) -> usize {
+        prompt.len() + self.history.output.len() - 1
+    }
 }
 
 /// A choice's grammar state: the matcher and the mask of its next token. Both are `None` while
@@ -117,7 +130,7 @@ enum Phase {
     },
 }
 
-/// An admitted request.
+/// A request, waiting or admitted.
 struct Group {
     /// Stable while the group lives (indices shift as groups finish): mask results find their
     /// choice by it.
@@ -128,6 +141,8 @@ struct Group {
     phase: Phase,
     /// The client went away, or its events can no longer be delivered.
     dropped: bool,
+    /// Queue position key: lower runs first.
+    rank: (i64, u64),
 }
 
 impl Group {
@@ -145,6 +160,23 @@ impl Group {
         }
     }
 
+    /// Frees every cache; what was generated stays, to be replayed on readmission.
+    fn preempt(&mut self, model: &Gemma3) {
+        match &mut self.phase {
+            Phase::Prefill { cache, done } => {
+                *cache = model.new_cache();
+                *done = 0;
+            }
+            Phase::Decode { seqs } => {
+                for s in seqs {
+                    s.cache = model.new_cache();
+                    // The replay computes this row again.
+                    s.waiting_row = None;
+                }
+            }
+        }
+    }
+
     fn fail(&mut self, message: &str) {
         error!(request_id = %self.req.request_id, "generation failed: {message}");
         self.send(GenerationEvent::Error {
@@ -157,6 +189,8 @@ impl Group {
 enum Row {
     Decode { group: usize, seq: usize },
     Prefill { group: usize, end: usize },
+    /// A chunk of a preempted choice's replay that does not reach its end: nothing to sample.
+    Replay { group: usize },
 }
 
 pub(crate) struct Scheduler {
@@ -165,14 +199,16 @@ pub(crate) struct Scheduler {
     config: EngineConfig,
     stats: Arc<Stats>,
     rx: Receiver<Submission>,
-    waiting: VecDeque<Submission>,
+    /// Sorted by `Group::rank`.
+    waiting: VecDeque<Group>,
+    /// Arrivals so far: the tie-breaker of `Group::rank`.
+    arrivals: u64,
     groups: Vec<Group>,
     end_tokens: EndTokens,
     sampler: Sampler,
     /// Reused buffer for the processed logits row.
     processed: Vec<f32>,
     masks: MaskWorkers,
-    next_group_id: u64,
 }
 
 /// Threads computing structured-output masks while the model runs.
@@ -194,12 +230,12 @@ impl Scheduler {
             stats,
             rx,
             waiting: VecDeque::new(),
+            arrivals: 0,
             groups: Vec::new(),
             end_tokens,
             sampler: Sampler::default(),
             processed: Vec::new(),
             masks: MaskWorkers::start(MASK_THREADS),
-            next_group_id: 0,
         }
     }
 
@@ -243,7 +279,28 @@ impl Scheduler {
 
     fn enqueue(&mut self, s: Submission) {
         debug!(request_id = %s.req.request_id, prompt_tokens = s.req.prompt.len(), n = s.req.n, "queued");
-        self.waiting.push_back(s);
+        let priority = match self.config.scheduling {
+            Scheduling::Fcfs => 0,
+            Scheduling::Priority => s.req.priority,
+        };
+        self.arrivals += 1;
+        self.requeue(Group {
+            id: self.arrivals,
+            phase: Phase::Prefill {
+                cache: self.model.new_cache(),
+                done: 0,
+            },
+            req: s.req,
+            procs: s.procs,
+            tx: s.tx,
+            dropped: false,
+            rank: (priority, self.arrivals),
+        });
+    }
+
+    fn requeue(&mut self, g: Group) {
+        let at = self.waiting.partition_point(|w| w.rank < g.rank);
+        self.waiting.insert(at, g);
     }
 
     fn publish_counts(&self) {
@@ -256,10 +313,10 @@ impl Scheduler {
 
     /// Removes requests whose receiver is gone, freeing their caches now.
     fn drop_cancelled(&mut self) {
-        self.waiting.retain(|s| {
-            let closed = s.tx.is_closed();
+        self.waiting.retain(|g| {
+            let closed = g.dropped || g.tx.is_closed();
             if closed {
-                debug!(request_id = %s.req.request_id, "cancelled while waiting");
+                debug!(request_id = %g.req.request_id, "cancelled while waiting");
             }
             !closed
         });
@@ -272,33 +329,43 @@ impl Scheduler {
         });
     }
 
-    /// First come, first served while the running sequences fit `max_running`; a request
-    /// wider than the cap runs alone rather than never.
+    /// In queue order while the running sequences fit `max_running`; a request wider than the
+    /// cap runs alone rather than never. Under priority scheduling a request that does not fit
+    /// preempts the worst running request ranked behind it, until it fits or none is left.
     fn admit(&mut self) {
         let mut running: usize = self.groups.iter().map(Group::running).sum();
         while let Some(front) = self.waiting.front() {
-            let n = front.req.n;
+            let n = front.running();
             if running > 0 && running + n > self.config.max_running {
+                if self.config.scheduling == Scheduling::Priority && self.preempt_behind(front.rank)
+                {
+                    running = self.groups.iter().map(Group::running).sum();
+                    continue;
+                }
                 break;
             }
-            let Some(s) = self.waiting.pop_front() else {
+            let Some(g) = self.waiting.pop_front() else {
                 break;
             };
-            debug!(request_id = %s.req.request_id, "admitted");
+            debug!(request_id = %g.req.request_id, "admitted");
             running += n;
-            self.next_group_id += 1;
-            self.groups.push(Group {
-                id: self.next_group_id,
-                phase: Phase::Prefill {
-                    cache: self.model.new_cache(),
-                    done: 0,
-                },
-                req: s.req,
-                procs: s.procs,
-                tx: s.tx,
-                dropped: false,
-            });
+            self.groups.push(g);
         }
+    }
+
+    /// Sends the worst-ranked running request ranked behind `rank` back to the queue.
+    fn preempt_behind(&mut self, rank: (i64, u64)) -> bool {
+        let victim = (0..self.groups.len())
+            .filter(|&i| self.groups[i].rank > rank)
+            .max_by_key(|&i| self.groups[i].rank);
+        let Some(i) = victim else {
+            return false;
+        };
+        let mut g = self.groups.remove(i);
+        debug!(request_id = %g.req.request_id, "preempted");
+        g.preempt(&self.model);
+        self.requeue(g);
+        true
     }
 
     /// One forward call over every active sequence, then sampling and stop handling.
@@ -307,7 +374,10 @@ impl Scheduler {
             .groups
             .iter()
             .map(|g| match &g.phase {
-                Phase::Decode { seqs } => seqs.len(),
+                Phase::Decode { seqs } => seqs
+                    .iter()
+                    .filter(|s| s.cache.len() == s.replay_len(&g.req.prompt))
+                    .count(),
                 Phase::Prefill { .. } => 0,
             })
             .sum();
@@ -329,13 +399,44 @@ impl Scheduler {
                         if s.waiting_row.is_some() {
                             continue;
                         }
+                        let cached = s.cache.len();
+                        let replay_len = s.replay_len(&req.prompt);
+                        if cached == replay_len {
+                            inputs.push(SeqInput {
+                                tokens: std::slice::from_ref(&s.next),
+                                cache: &mut s.cache,
+                                all_logits: false,
+                                adapter: req.adapter.as_deref(),
+                            });
+                            rows.push(Row::Decode { group: gi, seq: si });
+                            continue;
+                        }
+                        // Replaying after a preemption: prompt + output, `next` last, chunked
+                        // like a prompt; the chunk that feeds `next` samples as a decode row.
+                        if budget == 0 {
+                            continue;
+                        }
+                        let end = (cached + budget).min(replay_len + 1);
+                        budget -= end - cached;
+                        s.replay.clear();
+                        s.replay.extend(
+                            req.prompt
+                                .iter()
+                                .chain(&s.history.output)
+                                .skip(cached)
+                                .take(end - cached),
+                        );
                         inputs.push(SeqInput {
-                            tokens: std::slice::from_ref(&s.next),
+                            tokens: &s.replay,
                             cache: &mut s.cache,
                             all_logits: false,
                             adapter: req.adapter.as_deref(),
                         });
-                        rows.push(Row::Decode { group: gi, seq: si });
+                        rows.push(if end == replay_len + 1 {
+                            Row::Decode { group: gi, seq: si }
+                        } else {
+                            Row::Replay { group: gi }
+                        });
                     }
                 }
                 Phase::Prefill { cache, done } => {
@@ -395,6 +496,7 @@ impl Scheduler {
             match *row {
                 Row::Decode { group, seq } => self.decode_row(group, seq, out),
                 Row::Prefill { group, end } => self.prefill_row(group, end, out),
+                Row::Replay { .. } => {}
             }
         }
         // Finished sequences leave now, dropping their caches.
@@ -413,7 +515,8 @@ impl Scheduler {
     fn fail_rows(&mut self, rows: &[Row], message: &str) {
         let mut hit = vec![false; self.groups.len()];
         for r in rows {
-            let (Row::Decode { group, .. } | Row::Prefill { group, .. }) = *r;
+            let (Row::Decode { group, .. } | Row::Prefill { group, .. } | Row::Replay { group }) =
+                *r;
             hit[group] = true;
         }
         for (g, &h) in self.groups.iter_mut().zip(&hit) {
@@ -490,8 +593,21 @@ impl Scheduler {
         let mut wait = wait;
         while let Some(MaskDone { key, result }) = self.masks.next_done(wait) {
             wait = false;
-            // The request may be gone (cancelled, failed): then so is its result.
             let Some(gi) = self.groups.iter().position(|g| g.id == key.group) else {
+                // A preempted request keeps its matcher for when it runs again (its replay
+                // recomputes the row); a cancelled or failed one drops the result.
+                if let Some(g) = self.waiting.iter_mut().find(|g| g.id == key.group) {
+                    if let (Phase::Decode { seqs }, Ok((matcher, mask))) = (&mut g.phase, result) {
+                        if let Some(gr) = seqs
+                            .iter_mut()
+                            .find(|s| s.choice == key.choice)
+                            .and_then(|s| s.grammar.as_mut())
+                        {
+                            gr.matcher = Some(matcher);
+                            gr.mask = Some(mask);
+                        }
+                    }
+                }
                 continue;
             };
             let g = &mut self.groups[gi];
@@ -579,6 +695,7 @@ impl Scheduler {
                     mask: Some(gr.first_mask().clone()),
                 }),
                 waiting_row: None,
+                replay: Vec::new(),
             });
         }
         debug!(request_id = %g.req.request_id, prompt_tokens = end, "prefilled");

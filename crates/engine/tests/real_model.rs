@@ -3,10 +3,12 @@
 //! absent, unless `TEMPER_REQUIRE_MODEL=1`.
 
 use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
 
 use temper_engine::{
     Engine, EngineConfig, FinishReason, GenerationEvent, GenerationRequest, SamplingParams,
-    StopParams,
+    Scheduling, StopParams,
 };
 
 struct Sample {
@@ -72,6 +74,7 @@ fn greedy_request(i: usize, prompt: &[u32]) -> GenerationRequest {
         logprobs: Some(3),
         adapter: None,
         constraint: None,
+        priority: 0,
     }
 }
 
@@ -116,6 +119,7 @@ fn greedy_matches_llama_cpp_alone_and_batched() {
             max_batch_tokens: 512,
             max_running: 8,
             max_model_len: 4096,
+            ..EngineConfig::default()
         },
     );
     let samples = samples();
@@ -161,4 +165,118 @@ fn greedy_matches_llama_cpp_alone_and_batched() {
         }
     }
     eprintln!("{matching} of 5 samples reproduce llama.cpp's first 16 greedy ids");
+}
+
+fn real_engine(max_running: usize, scheduling: Scheduling) -> Option<Engine> {
+    let path = temper_model::paths::real_model_for_tests()?;
+    let loaded = temper_model::load_gguf(&path).expect("load model");
+    let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path).expect("tokenizer");
+    Some(Engine::start(
+        Arc::new(loaded.model),
+        Arc::new(tokenizer),
+        EngineConfig {
+            max_running,
+            scheduling,
+            ..EngineConfig::default()
+        },
+    ))
+}
+
+/// A sampled (temperature 1, seeded) request of `tokens` tokens with this priority.
+fn prioritized(name: &str, priority: i64, tokens: usize) -> GenerationRequest {
+    let prompt = samples().swap_remove(0).prompt;
+    GenerationRequest {
+        request_id: name.to_owned(),
+        sampling: SamplingParams {
+            temperature: 1.0,
+            seed: Some(11),
+            ..SamplingParams::default()
+        },
+        stopping: StopParams {
+            max_tokens: tokens,
+            ignore_eos: true,
+            ..StopParams::default()
+        },
+        logprobs: None,
+        priority,
+        ..greedy_request(0, &prompt)
+    }
+}
+
+/// Collects a request's tokens on its own thread, noting when it finished. Real-model steps
+/// take milliseconds, so with one running request at a time finish instants order the requests.
+fn watch(
+    rx: tokio::sync::mpsc::UnboundedReceiver<GenerationEvent>,
+) -> JoinHandle<(Vec<u32>, Instant)> {
+    std::thread::spawn(move || {
+        let ids = collect(rx).0;
+        (ids, Instant::now())
+    })
+}
+
+#[test]
+fn priority_orders_the_queue_and_fcfs_does_not() {
+    for (scheduling, want) in [
+        (Scheduling::Priority, ["x", "c", "d", "b"]),
+        (Scheduling::Fcfs, ["x", "b", "c", "d"]),
+    ] {
+        let Some(engine) = real_engine(1, scheduling) else {
+            return;
+        };
+        // x (best priority) runs first either way; the others queue behind it.
+        let mut handles = Vec::new();
+        for (name, priority) in [("x", 0), ("b", 5), ("c", 1), ("d", 3)] {
+            let rx = engine
+                .submit(prioritized(name, priority, 6))
+                .expect("submit");
+            handles.push((name, watch(rx)));
+        }
+        let mut finished: Vec<(Instant, &str)> = handles
+            .into_iter()
+            .map(|(name, h)| (h.join().expect("watcher").1, name))
+            .collect();
+        finished.sort();
+        let order: Vec<&str> = finished.iter().map(|f| f.1).collect();
+        assert_eq!(order, want, "{scheduling:?}");
+    }
+}
+
+#[test]
+fn a_better_priority_preempts_and_the_preempted_output_is_unchanged() {
+    let Some(engine) = real_engine(1, Scheduling::Priority) else {
+        return;
+    };
+    let alone = collect(
+        engine
+            .submit(prioritized("low", 5, 24))
+            .expect("submit"),
+    )
+    .0;
+
+    let mut low = engine
+        .submit(prioritized("low", 5, 24))
+        .expect("submit");
+    // Let `low` stream a few tokens, then a better request arrives with the batch full.
+    let mut streamed = Vec::new();
+    while streamed.len() < 3 {
+        match low.blocking_recv() {
+            Some(GenerationEvent::Token { token_id, .. }) => streamed.push(token_id),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let high = watch(
+        engine
+            .submit(prioritized("high", 0, 4))
+            .expect("submit"),
+    );
+    let low = watch(low);
+    let (high_ids, high_done) = high.join().expect("watcher");
+    let (rest, low_done) = low.join().expect("watcher");
+    assert_eq!(high_ids.len(), 4);
+    assert!(high_done < low_done, "the better request finished last");
+    // Preempted after its third token, `low` recomputed its cache and carried on: no token lost
+    // or repeated, the same tokens as alone.
+    streamed.extend(rest);
+    assert_eq!(streamed, alone);
+    assert_eq!(engine.stats().running, 0);
 }

@@ -56,6 +56,7 @@ fn default_engine() -> Engine {
         max_batch_tokens: 256,
         max_running: 16,
         max_model_len: 2048,
+        ..EngineConfig::default()
     })
 }
 
@@ -80,6 +81,7 @@ fn request(text: &str, max_tokens: usize, sampling: SamplingParams) -> Generatio
         logprobs: None,
         adapter: None,
         constraint: None,
+        priority: 0,
     }
 }
 
@@ -307,6 +309,42 @@ fn adapters_apply_per_request_in_a_shared_batch() {
     assert!(matches!(e.submit(req), Err(EngineError::AdapterMismatch)));
 }
 
+/// Issue 4 item 6: the logprobs the engine returns for sampled tokens are the trainer's
+/// (`Gemma3::score`) for the same tokens and adapter.
+#[test]
+fn sampled_logprobs_equal_the_trainers_scores() {
+    let e = default_engine();
+    let adapter = Arc::new(changed_adapter(3));
+    for a in [None, Some(adapter)] {
+        let mut req = request("the cat sat on the mat and", 24, seeded(5));
+        req.logprobs = Some(0);
+        req.adapter = a.clone();
+        let c = run(&e, req.clone()).remove(0);
+        let tokens: Vec<u32> = req.prompt.iter().chain(&c.ids).copied().collect();
+        let scored: Vec<bool> = (0..tokens.len()).map(|i| i >= req.prompt.len()).collect();
+        let scores = tiny()
+            .model
+            .score(
+                &temper_model::PackedSequence {
+                    tokens: &tokens,
+                    segment_lens: &[tokens.len()],
+                    scored: &scored,
+                },
+                a.as_deref(),
+            )
+            .expect("score");
+        assert_eq!(scores.logprobs.len(), c.logprobs.len());
+        let mean = scores
+            .logprobs
+            .iter()
+            .zip(&c.logprobs)
+            .map(|(s, l)| (s - l.logprob).abs() as f64)
+            .sum::<f64>()
+            / c.logprobs.len() as f64;
+        assert!(mean < 1e-5, "mean |engine - trainer| = {mean}");
+    }
+}
+
 #[test]
 fn greedy_equals_a_plain_loop_over_the_model() {
     let e = default_engine();
@@ -388,6 +426,7 @@ fn max_running_caps_the_batch_and_queues_the_rest() {
         max_batch_tokens: 256,
         max_running: 2,
         max_model_len: 2048,
+        ..EngineConfig::default()
     });
     let rxs: Vec<_> = (0..5)
         .map(|i| {
@@ -412,6 +451,7 @@ fn chunked_prefill_gives_the_same_output() {
         max_batch_tokens: 5,
         max_running: 4,
         max_model_len: 2048,
+        ..EngineConfig::default()
     });
     let narrow = run(&narrow_engine, request(text, 12, greedy()));
     assert_eq!(wide[0].ids, narrow[0].ids);
@@ -427,6 +467,7 @@ fn a_long_prompt_does_not_stall_running_decodes() {
         max_batch_tokens: 8,
         max_running: 4,
         max_model_len: 2048,
+        ..EngineConfig::default()
     });
     let short = e.submit(request("the cat", 40, greedy())).expect("submit");
     let long_text = "the dog and the cat ".repeat(20);
@@ -510,6 +551,7 @@ fn eos_stops_without_text_unless_ignored() {
             max_batch_tokens: 256,
             max_running: 4,
             max_model_len: 2048,
+            ..EngineConfig::default()
         },
     );
     let mut req = request("the cat sat", 12, greedy());
@@ -633,6 +675,7 @@ fn impossible_requests_are_rejected() {
         max_batch_tokens: 64,
         max_running: 4,
         max_model_len: 100,
+        ..EngineConfig::default()
     });
     let mut r = request("hello", 5, greedy());
     r.prompt.clear();
@@ -655,6 +698,7 @@ fn impossible_requests_are_rejected() {
         max_batch_tokens: 64,
         max_running: 4,
         max_model_len: 1 << 20,
+        ..EngineConfig::default()
     });
     assert_eq!(big.max_model_len(), 2048);
     // A valid request still works after the rejections.
@@ -786,6 +830,7 @@ fn min_tokens_delays_eos_stop_tokens_and_stop_strings() {
             max_batch_tokens: 256,
             max_running: 4,
             max_model_len: 2048,
+            ..EngineConfig::default()
         },
     );
     let mut req = request("the cat sat", 16, greedy());

@@ -167,6 +167,17 @@ impl From<temper_store::Error> for ApiError {
     }
 }
 
+impl From<temper_train::TrainError> for ApiError {
+    fn from(e: temper_train::TrainError) -> Self {
+        match e {
+            temper_train::TrainError::Invalid { param, message } => {
+                ApiError::bad(param.clone(), format!("Invalid `{param}`: {message}."))
+            }
+            e => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -243,6 +243,7 @@ mod tests {
         max_n: 8,
         trust_request_chat_template: false,
         max_model_len: 100,
+        priority_scheduling: false,
     };
 
     fn validate(extra: Value) -> Result<ChatParams, ApiError> {

@@ -74,7 +74,10 @@ fn training_routes(state: &AppState) -> Router<AppState> {
             get(r::list_checkpoints).delete(r::delete_checkpoints),
         )
         .route("/v1/preview/models/{id}/log", post(r::log_metrics))
-        .route("/v1/preview/training-jobs", get(r::list_jobs))
+        .route(
+            "/v1/preview/training-jobs",
+            get(r::list_jobs).post(r::create_job),
+        )
         .route("/v1/preview/training-jobs/{id}", get(r::get_job))
         .route("/v1/preview/training-jobs/{id}/events", get(r::list_events))
         .route("/v1/preview/training-jobs/{id}/cancel", post(r::cancel_job))

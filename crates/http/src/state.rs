@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use temper_engine::{Engine, EngineConfig};
+use temper_engine::{Engine, EngineConfig, Scheduling};
 use temper_model::Gemma3;
 use temper_text::{ChatTemplate, Tokenizer};
 
@@ -24,6 +24,7 @@ pub struct ServedModel {
     /// needs a request `chat_template`.
     pub chat_template: Option<Arc<ChatTemplate>>,
     pub max_model_len: usize,
+    pub scheduling: Scheduling,
 }
 
 /// How to load one served model from a GGUF file.
@@ -37,6 +38,8 @@ pub struct ModelSpec {
     pub max_model_len: Option<usize>,
     pub max_running: usize,
     pub max_batch_tokens: usize,
+    /// `--scheduling`: waiting-queue order (and whether `priority` is accepted).
+    pub scheduling: Scheduling,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +88,7 @@ impl ModelSpec {
             max_model_len: None,
             max_running: engine.max_running,
             max_batch_tokens: engine.max_batch_tokens,
+            scheduling: engine.scheduling,
         }
     }
 }
@@ -153,6 +157,7 @@ impl ServedModel {
                 max_batch_tokens: spec.max_batch_tokens,
                 max_running: spec.max_running,
                 max_model_len,
+                scheduling: spec.scheduling,
             },
         );
         Ok(ServedModel {
@@ -162,6 +167,7 @@ impl ServedModel {
             tokenizer,
             chat_template,
             max_model_len,
+            scheduling: spec.scheduling,
         })
     }
 }
@@ -305,6 +311,7 @@ impl AppState {
             max_n: self.inner.options.max_n,
             trust_request_chat_template: self.inner.options.trust_request_chat_template,
             max_model_len: model.max_model_len,
+            priority_scheduling: model.scheduling == Scheduling::Priority,
         }
     }
 }

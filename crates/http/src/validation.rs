@@ -24,6 +24,8 @@ pub struct Limits {
     pub max_n: usize,
     pub trust_request_chat_template: bool,
     pub max_model_len: usize,
+    /// The model is served with `--scheduling priority`: `priority` may be non-zero.
+    pub priority_scheduling: bool,
 }
 
 /// A validated chat completion request.
@@ -53,6 +55,8 @@ pub struct ChatParams {
     pub extras: RequestExtras,
     /// `response_format` / `structured_outputs`, compiled for the served model.
     pub constraint: Option<Grammar>,
+    /// Lower runs first (priority scheduling only; always 0 otherwise).
+    pub priority: i64,
 }
 
 /// Everything that turns messages into prompt tokens (shared with `/tokenize`).
@@ -107,13 +111,12 @@ pub fn validate_chat(
 ) -> Result<ChatParams, ApiError> {
     reject_unsupported(&req)?;
 
-    if let Some(p) = req.priority {
-        if p != 0 {
-            return Err(ApiError::bad(
-                "priority",
-                "`priority` other than 0 needs priority scheduling, which this model is not served with.",
-            ));
-        }
+    let priority = req.priority.unwrap_or(0);
+    if priority != 0 && !limits.priority_scheduling {
+        return Err(ApiError::bad(
+            "priority",
+            "`priority` other than 0 needs priority scheduling (`temper serve --scheduling priority`), which this model is not served with.",
+        ));
     }
     if let Some(choice) = &req.tool_choice {
         if !(choice.is_null() || choice.as_str() == Some("none")) {
@@ -331,6 +334,7 @@ pub fn validate_chat(
         include_reasoning: req.include_reasoning.unwrap_or(true),
         extras: request_extras,
         constraint,
+        priority,
     })
 }
 
@@ -376,6 +380,7 @@ impl ChatParams {
             logprobs: self.logprobs,
             adapter: None,
             constraint: self.constraint.clone(),
+            priority: self.priority,
         })
     }
 }
@@ -550,6 +555,7 @@ mod tests {
         max_n: 8,
         trust_request_chat_template: false,
         max_model_len: 100,
+        priority_scheduling: false,
     };
 
     fn request(extra: Value) -> ChatCompletionRequest {
@@ -739,6 +745,12 @@ mod tests {
         ok(json!({"tool_choice": "none"}));
         rejected(json!({"priority": 1}), "priority");
         ok(json!({"priority": 0}));
+        let priority = Limits {
+            priority_scheduling: true,
+            ..LIMITS
+        };
+        let p = validate_chat(request(json!({"priority": -3})), &priority, &no_grammar).unwrap();
+        assert_eq!(p.priority, -3);
     }
 
     #[test]

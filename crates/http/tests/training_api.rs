@@ -676,3 +676,81 @@ fn sorted_keys(v: &Value) -> Vec<&String> {
     keys.sort();
     keys
 }
+
+#[tokio::test]
+async fn training_job_bodies_are_validated_at_the_edge() {
+    let api = api(options()).await;
+    let model = api.create_model(KEY, "m").await;
+    let id = model["id"].as_str().unwrap();
+    let vocab_token = |t: &str| {
+        json!({"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
+            "index": 0, "logprobs": {"content": [{"token": t, "logprob": -0.1}]}})
+    };
+    let trajectory = |choice: Value| json!({"messages_and_choices": [{"role": "user", "content": "q"}, choice], "reward": 1});
+    let body = |groups: Value| json!({"model_id": id, "trajectory_groups": groups});
+    let good = body(json!([{"trajectories": [trajectory(vocab_token("token_id:5"))]}]));
+    let (status, created) = api
+        .post("/v1/preview/training-jobs", KEY, good.clone())
+        .await;
+    assert_eq!(status, 200, "{created}");
+    assert_eq!(created.as_object().unwrap().len(), 1);
+    let job_id = created["id"].as_str().unwrap();
+    // Stored durably before the answer: the store has it, queued.
+    let job = api
+        .store()
+        .get_job("default", job_id.parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(job.status, temper_store::JobStatus::Queued);
+
+    let mut bad_uuid = good.clone();
+    bad_uuid["model_id"] = json!("nope");
+    let mut extra = good.clone();
+    extra["colour"] = json!(1);
+    let mut bad_option = good.clone();
+    bad_option["experimental_config"] = json!({"learning_rate": -1});
+    let mut unknown_option = good.clone();
+    unknown_option["experimental_config"] = json!({"warmup": 1});
+    let mut bad_reward = good.clone();
+    bad_reward["trajectory_groups"][0]["trajectories"][0]["reward"] = json!("high");
+    let unrenderable = json!({"messages_and_choices": [{"role": "user", "content": "q"},
+        {"role": "user", "content": "q"}, vocab_token("token_id:5")], "reward": 1});
+    let cases = [
+        (bad_uuid, "model_id"),
+        (extra, "colour"),
+        (body(json!([])), "trajectory_groups"),
+        (body(json!([{"trajectories": []}])), "trajectory_groups[0].trajectories"),
+        (
+            body(json!([{"trajectories": [trajectory(vocab_token("not-a-piece"))]}])),
+            "trajectory_groups[0].trajectories[0].messages_and_choices[1].logprobs.content[0].token",
+        ),
+        (
+            body(json!([{"trajectories": [trajectory(vocab_token("token_id:999999"))]}])),
+            "trajectory_groups[0].trajectories[0].messages_and_choices[1].logprobs.content[0].token",
+        ),
+        (
+            body(json!([{"trajectories": [unrenderable]}])),
+            "trajectory_groups[0].trajectories[0].messages_and_choices",
+        ),
+        (bad_option, "experimental_config.learning_rate"),
+        (unknown_option, "experimental_config.warmup"),
+        (bad_reward, "trajectory_groups[0].trajectories[0].reward"),
+    ];
+    for (body, want) in cases {
+        let (status, err) = api.post("/v1/preview/training-jobs", KEY, body).await;
+        assert_eq!((status, param(&err)), (400, Some(want)), "{err}");
+    }
+    let mut missing = good.clone();
+    missing["model_id"] = json!(uuid::Uuid::new_v4().to_string());
+    let (status, _) = api.post("/v1/preview/training-jobs", KEY, missing).await;
+    assert_eq!(status, 404);
+    let (_, other) = api.store().create_key("other").await.unwrap();
+    let (status, _) = api.post("/v1/preview/training-jobs", &other, good).await;
+    assert_eq!(status, 404, "another team's model");
+    let (_, jobs) = api.get("/v1/preview/training-jobs", KEY).await;
+    assert_eq!(
+        jobs["data"].as_array().unwrap().len(),
+        1,
+        "only the valid job was stored"
+    );
+}

@@ -124,6 +124,7 @@ fn adapter_err(path: &Path, reason: impl Into<String>) -> ModelError {
 impl LoraAdapter {
     /// A seeded small random (uniform with bound 1/sqrt(in), as PEFT's default Kaiming init),
     /// B = 0: a fresh adapter changes nothing (step 0 == base weights).
+    /// `cfg.rank` must be at least 1 (the server's configuration checks it).
     pub fn new(model: &ModelConfig, cfg: LoraConfig, seed: u64) -> Self {
         let mut rng = SplitMix64(seed ^ 0x4c6f_5241_2d41_4441);
         let layers = (0..model.num_layers)

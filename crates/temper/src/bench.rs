@@ -84,6 +84,7 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
             max_batch_tokens: 4096,
             max_running: args.concurrency.max(1),
             max_model_len: model.config().context_length,
+            ..EngineConfig::default()
         },
     );
     let prompt = prompt_tokens(&tokenizer, 16);
@@ -263,6 +264,7 @@ fn generate(
             logprobs: None,
             adapter: None,
             constraint: constraint.cloned(),
+            priority: 0,
         };
         receivers.push(engine.submit(request).map_err(|e| e.to_string())?);
     }

@@ -3,8 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::Deserialize;
+use temper_engine::Scheduling;
 
 pub const DEFAULT_MODEL_NAME: &str = "gemma-3-270m";
 pub use temper_model::paths::DEFAULT_MODEL_FILE;
@@ -74,6 +75,10 @@ pub struct ServeArgs {
     /// Most tokens per batched forward step [default: the engine's].
     #[arg(long, env = "TEMPER_MAX_BATCH_TOKENS", value_name = "N")]
     pub max_batch_tokens: Option<usize>,
+    /// Waiting-queue order: `fcfs`, or `priority` (a request's lower `priority` runs first and
+    /// preempts worse ones; with `fcfs` a non-zero `priority` is a 400) [default: fcfs].
+    #[arg(long, env = "TEMPER_SCHEDULING", value_name = "POLICY")]
+    pub scheduling: Option<SchedulingPolicy>,
     /// Largest accepted body of the training API (/v1/preview/*) [default: 67108864].
     #[arg(long, env = "TEMPER_MAX_TRAINING_BODY_BYTES", value_name = "BYTES")]
     pub max_training_body_bytes: Option<usize>,
@@ -109,6 +114,7 @@ pub struct FileConfig {
     pub max_n: Option<usize>,
     pub max_running: Option<usize>,
     pub max_batch_tokens: Option<usize>,
+    pub scheduling: Option<SchedulingPolicy>,
     pub max_training_body_bytes: Option<usize>,
     pub adapter_cache_mb: Option<usize>,
     pub lora_rank: Option<usize>,
@@ -133,6 +139,7 @@ pub struct Config {
     pub max_n: usize,
     pub max_running: Option<usize>,
     pub max_batch_tokens: Option<usize>,
+    pub scheduling: Scheduling,
     pub max_training_body_bytes: usize,
     pub adapter_cache_bytes: usize,
     pub lora_rank: usize,
@@ -163,6 +170,23 @@ pub enum ConfigError {
 }
 
 pub use temper_model::paths::temper_home;
+
+/// `--scheduling` / `scheduling = "..."` (the engine's `Scheduling` stays free of clap and serde).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SchedulingPolicy {
+    Fcfs,
+    Priority,
+}
+
+impl SchedulingPolicy {
+    fn engine(self) -> Scheduling {
+        match self {
+            SchedulingPolicy::Fcfs => Scheduling::Fcfs,
+            SchedulingPolicy::Priority => Scheduling::Priority,
+        }
+    }
+}
 
 pub fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -275,6 +299,10 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         max_n,
         max_running: args.max_running.or(file.max_running),
         max_batch_tokens: args.max_batch_tokens.or(file.max_batch_tokens),
+        scheduling: args
+            .scheduling
+            .or(file.scheduling)
+            .map_or(Scheduling::Fcfs, SchedulingPolicy::engine),
         max_training_body_bytes,
         adapter_cache_bytes: adapter_cache_mb << 20,
         lora_rank,
@@ -355,6 +383,20 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn scheduling_from_file_and_flag() {
+        let c = resolve(ServeArgs::default(), FileConfig::default(), &home()).unwrap();
+        assert_eq!(c.scheduling, Scheduling::Fcfs);
+        let file: FileConfig = toml::from_str(r#"scheduling = "priority""#).unwrap();
+        let c = resolve(ServeArgs::default(), file, &home()).unwrap();
+        assert_eq!(c.scheduling, Scheduling::Priority);
+        let file: FileConfig = toml::from_str(r#"scheduling = "priority""#).unwrap();
+        let c = resolve(args(&["--scheduling", "fcfs"]), file, &home()).unwrap();
+        assert_eq!(c.scheduling, Scheduling::Fcfs);
+        assert!(toml::from_str::<FileConfig>(r#"scheduling = "lifo""#).is_err());
+        assert!(Cli::try_parse_from(["temper", "--scheduling", "lifo"]).is_err());
     }
 
     #[test]

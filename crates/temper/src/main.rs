@@ -100,6 +100,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         if let Some(n) = cfg.max_batch_tokens {
             spec.max_batch_tokens = n;
         }
+        spec.scheduling = cfg.scheduling;
         tracing::info!(model = %name, path = %path.display(), "loading");
         let model = ServedModel::load(&spec).map_err(|e| e.to_string())?;
         tracing::info!(model = %name, max_model_len = model.max_model_len, "loaded");
@@ -131,6 +132,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .local_addr()
             .map_err(|e| format!("reading the bound address: {e}"))?;
         print_banner(&cfg, local, &names, store_keys);
+        temper_http::training::worker::spawn(state.clone());
         temper_http::serve(listener, state, shutdown_signal())
             .await
             .map_err(|e| format!("serving: {e}"))

@@ -6,6 +6,7 @@ pub mod lru;
 pub mod names;
 pub mod routes;
 pub mod wire;
+pub mod worker;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -53,6 +54,8 @@ impl TrainingOptions {
 pub struct Training {
     pub store: Store,
     pub options: TrainingOptions,
+    /// Wakes the worker when a job is queued.
+    pub(crate) wake: tokio::sync::Notify,
     /// The cancel flag of each job the worker is running.
     running: Mutex<HashMap<Uuid, Arc<AtomicBool>>>,
     /// Loaded adapters by checkpoint id (a deleted and re-made step gets a new id).
@@ -70,6 +73,7 @@ impl Training {
         }
         Ok(Training {
             store,
+            wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
             adapters: Mutex::new(ByteLru::new(options.adapter_cache_bytes)),
             options,
@@ -82,6 +86,17 @@ impl Training {
         if let Some(flag) = self.lock_running().get(&id) {
             flag.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// The cancel flag of a job the worker starts running.
+    pub(crate) fn register(&self, id: Uuid) -> Arc<AtomicBool> {
+        let flag = Arc::new(AtomicBool::new(false));
+        self.lock_running().insert(id, flag.clone());
+        flag
+    }
+
+    pub(crate) fn unregister(&self, id: Uuid) {
+        self.lock_running().remove(&id);
     }
 
     fn lock_running(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<AtomicBool>>> {

@@ -7,12 +7,12 @@ use uuid::Uuid;
 
 use crate::auth::RequestContext;
 use crate::error::ApiError;
-use crate::extract::{ValidJson, ValidQuery};
+use crate::extract::{parse_json, JsonBody, ValidJson, ValidQuery};
 use crate::state::AppState;
 use crate::training::wire::{
-    CheckpointJson, CheckpointQuery, CreateModelRequest, CursorPage, DeleteCheckpointsRequest,
-    DeletedCheckpointsJson, DeletedModelJson, EventJson, EventListJson, EventQuery, JobJson,
-    JobQuery, LogGroup, LogRequest, ModelJson, ModelListJson,
+    CheckpointJson, CheckpointQuery, CreateJobRequest, CreateModelRequest, CursorPage,
+    DeleteCheckpointsRequest, DeletedCheckpointsJson, DeletedModelJson, EventJson, EventListJson,
+    EventQuery, JobCreatedJson, JobJson, JobQuery, LogGroup, LogRequest, ModelJson, ModelListJson,
 };
 
 /// Default page size of the list calls.
@@ -278,6 +278,56 @@ fn split_metrics(
         out.insert(format!("{split}/{name}"), json!(sum / count));
     }
     Ok(out)
+}
+
+/// Validates the whole body (parsed into the trainer's types and tokenized with the base
+/// model's template, so a job that could not train is a 400 now, not a failed job later), then
+/// stores it as posted and answers once it is on disk.
+pub async fn create_job(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    JsonBody(body): JsonBody,
+) -> Result<Json<JobCreatedJson>, ApiError> {
+    let training = state.require_training()?;
+    let req: CreateJobRequest = parse_json(&body)?;
+    let model_id = parse_id("model_id", &req.model_id)?;
+    let model = training.store.get_model(&ctx.team, model_id).await?;
+    let base = state.model(Some(&model.base_model)).map_err(|_| {
+        ApiError::ServiceUnavailable(format!(
+            "The base model `{}` is not served by this server.",
+            model.base_model
+        ))
+    })?;
+    let template = base.chat_template.clone().ok_or_else(|| {
+        ApiError::bad(
+            "model_id",
+            format!(
+                "The base model `{}` has no chat template.",
+                model.base_model
+            ),
+        )
+    })?;
+    let request = temper_train::TrainingRequest {
+        trajectory_groups: req.trajectory_groups,
+        experimental_config: req.experimental_config,
+    };
+    let tokenizer = base.tokenizer.clone();
+    tokio::task::spawn_blocking(move || {
+        temper_train::tokenize_job(&request, &tokenizer, &template).map(drop)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("validating trajectories panicked: {e}")))??;
+    // parse_json has read it as JSON, so it is UTF-8.
+    let text = String::from_utf8_lossy(&body);
+    let job = training
+        .store
+        .enqueue_job(&ctx.team, model_id, &text)
+        .await?;
+    training.wake.notify_one();
+    tracing::info!(job_id = %job.id, model_id = %model_id, "training job queued");
+    Ok(Json(JobCreatedJson {
+        id: job.id.to_string(),
+    }))
 }
 
 pub async fn get_job(

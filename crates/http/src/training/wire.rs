@@ -117,6 +117,16 @@ pub struct DeletedCheckpointsJson {
     pub not_found_steps: Vec<i64>,
 }
 
+/// `POST /v1/preview/training-jobs`: the trainer's request plus the model.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateJobRequest {
+    pub model_id: String,
+    pub trajectory_groups: Vec<temper_train::TrajectoryGroup>,
+    #[serde(default)]
+    pub experimental_config: Option<temper_train::ExperimentalConfig>,
+}
+
 #[derive(Debug, Serialize)]
 pub struct JobCreatedJson {
     pub id: String,

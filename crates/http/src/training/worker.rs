@@ -1,0 +1,254 @@
+//! The job worker: one per server. It claims queued jobs (in order per model, one job at a time:
+//! the trainer and the serving engine share the machine's cores, and one training job already
+//! keeps them busy), trains from the model's latest checkpoint on a blocking thread, streams the
+//! trainer's events into the store as they come, saves the new adapter and records the
+//! checkpoint in one transaction with the job's success.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Map, Value};
+use temper_model::{LoraAdapter, LoraConfig};
+use temper_store::{event, Job};
+use temper_train::{TrainEvent, TrainerConfig, TrainingRequest};
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::state::AppState;
+use crate::training::Training;
+
+/// How often an idle worker looks at the queue even without a wake-up (jobs queued by another
+/// process sharing the store).
+const IDLE_POLL: Duration = Duration::from_secs(2);
+
+/// Starts the worker on the current runtime (a server with training runs exactly one).
+pub fn spawn(state: AppState) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(run(state))
+}
+
+/// Runs queued jobs until the server stops. Returns at once on a server without training.
+async fn run(state: AppState) {
+    let Some(training) = state.training().cloned() else {
+        return;
+    };
+    loop {
+        match training.store.claim_next_job().await {
+            Ok(Some(job)) => {
+                let id = job.id;
+                if let Err(message) = run_job(&state, &training, job).await {
+                    record_failure(&training, id, &message).await;
+                }
+            }
+            Ok(None) => {
+                let _ = tokio::time::timeout(IDLE_POLL, training.wake.notified()).await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "claiming a training job");
+                tokio::time::sleep(IDLE_POLL).await;
+            }
+        }
+    }
+}
+
+/// Marks a job failed, unless it already ended (cancelled, its model deleted).
+async fn record_failure(training: &Training, id: Uuid, message: &str) {
+    tracing::warn!(job_id = %id, error = message, "training job failed");
+    match training.store.fail_job(id, message).await {
+        Ok(_) | Err(temper_store::Error::JobState { .. }) => {}
+        Err(e) => tracing::error!(job_id = %id, error = %e, "recording a failed training job"),
+    }
+}
+
+/// A seed per model, so a re-run of its first job starts from the same fresh adapter.
+fn adapter_seed(model_id: Uuid) -> u64 {
+    let b = model_id.as_bytes();
+    u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+}
+
+/// Runs one claimed job to its end. `Err` is the message of a failure still to be recorded.
+async fn run_job(state: &AppState, training: &Arc<Training>, job: Job) -> Result<(), String> {
+    let span = tracing::info_span!("training_job", job_id = %job.id, model_id = %job.model_id);
+    run_claimed(state, training, job).instrument(span).await
+}
+
+async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Result<(), String> {
+    let store = &training.store;
+    let request = store.job_request(job.id).await.map_err(|e| e.to_string())?;
+    let request: TrainingRequest = serde_json::from_str(&request)
+        .map_err(|e| format!("the stored request does not parse: {e}"))?;
+    let model = store
+        .get_model(&job.team, job.model_id)
+        .await
+        .map_err(|e| e.to_string())?;
+    let base = state
+        .model(Some(&model.base_model))
+        .map_err(|_| format!("the base model `{}` is not served", model.base_model))?;
+    let template = base
+        .chat_template
+        .clone()
+        .ok_or_else(|| format!("the base model `{}` has no chat template", model.base_model))?;
+    let latest_step = store
+        .latest_checkpoint(&job.team, job.model_id)
+        .await
+        .map_err(|e| e.to_string())?
+        .map_or(0, |c| c.step);
+    let options = &training.options;
+    let lora = LoraConfig {
+        rank: options.lora_rank,
+        alpha: options.lora_alpha,
+    };
+    let start_path = (latest_step > 0).then(|| training.adapter_path(job.model_id, latest_step));
+    let trainer = TrainerConfig {
+        lora,
+        max_seq_len: options.max_seq_len,
+    };
+
+    let cancel = training.register(job.id);
+    let (events_tx, mut events_rx) = tokio::sync::mpsc::unbounded_channel::<TrainEvent>();
+    let weights = base.model.clone();
+    let tokenizer = base.tokenizer.clone();
+    let flag = cancel.clone();
+    let seed = adapter_seed(job.model_id);
+    // The trainer is CPU-bound for seconds to minutes: it runs on a blocking thread while this
+    // task writes its events.
+    let trained = tokio::task::spawn_blocking(move || {
+        let tokenized = temper_train::tokenize_job(&request, &tokenizer, &template)
+            .map_err(|e| e.to_string())?;
+        let start = match start_path {
+            Some(path) => LoraAdapter::load(&path, weights.config())
+                .map_err(|e| format!("loading the adapter of step {latest_step}: {e}"))?,
+            None => LoraAdapter::new(weights.config(), lora, seed),
+        };
+        temper_train::run_job(&weights, &start, &tokenized, &trainer, &flag, &mut |e| {
+            // The receiver only goes away when the worker is dropped with the server.
+            let _ = events_tx.send(e);
+        })
+        .map_err(|e| e.to_string())
+    });
+
+    let mut step_metrics: Vec<Map<String, Value>> = Vec::new();
+    let mut ended_message = None;
+    while let Some(e) = events_rx.recv().await {
+        let (kind, data) = match e {
+            TrainEvent::Started { num_sequences } => (
+                event::TRAINING_STARTED,
+                json!({ "num_sequences": num_sequences }),
+            ),
+            TrainEvent::GradientStep(metrics) => {
+                let data = serde_json::to_value(&metrics).unwrap_or(Value::Null);
+                if let Value::Object(m) = &data {
+                    step_metrics.push(m.clone());
+                }
+                (event::GRADIENT_STEP, data)
+            }
+            // The checkpoint step is the worker's to give: training_ended is written with it.
+            TrainEvent::Ended { message, .. } => {
+                ended_message = message;
+                continue;
+            }
+        };
+        match store.append_event(job.id, kind, &data).await {
+            Ok(_) => {}
+            // Cancelled or its model deleted: stop before the next step.
+            Err(temper_store::Error::JobState { .. }) => cancel.store(true, Ordering::Relaxed),
+            Err(e) => tracing::error!(error = %e, "writing a training event"),
+        }
+    }
+    let trained = trained.await;
+    training.unregister(job.id);
+    let trained = trained.map_err(|e| format!("the trainer panicked: {e}"))?;
+    if cancel.load(Ordering::Relaxed) {
+        // The store already says how it ended (cancelled, or failed with its model deleted).
+        tracing::info!("training job stopped");
+        return Ok(());
+    }
+    match trained? {
+        Some(adapter) => {
+            let step = latest_step + 1;
+            let path = training.adapter_path(job.model_id, step);
+            let saved = path.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Some(dir) = saved.parent() {
+                    std::fs::create_dir_all(dir)?;
+                }
+                adapter.save(&saved).map_err(std::io::Error::other)
+            })
+            .await
+            .map_err(|e| format!("saving the adapter panicked: {e}"))?
+            .map_err(|e| format!("saving the adapter: {e}"))?;
+            let metrics = mean_metrics(&step_metrics);
+            match store
+                .succeed_job(job.id, step, Some(metrics), &json!({ "step": step }))
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(step, "training job made a checkpoint");
+                    Ok(())
+                }
+                Err(e) => {
+                    // No checkpoint row points at the file: it must not outlive this.
+                    let _ = std::fs::remove_file(&path);
+                    match e {
+                        temper_store::Error::JobState { .. } => Ok(()),
+                        e => Err(e.to_string()),
+                    }
+                }
+            }
+        }
+        None => {
+            let message = ended_message.unwrap_or_else(|| {
+                "nothing to learn from: every group has equal rewards or no trainable tokens"
+                    .to_owned()
+            });
+            let data = json!({ "step": latest_step, "message": message });
+            match store.succeed_job(job.id, latest_step, None, &data).await {
+                Ok(_) | Err(temper_store::Error::JobState { .. }) => Ok(()),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+    }
+}
+
+/// A checkpoint's metrics: the mean over the job's gradient steps of every numeric metric.
+fn mean_metrics(steps: &[Map<String, Value>]) -> Value {
+    let mut sums: Map<String, Value> = Map::new();
+    let mut counts: std::collections::HashMap<String, f64> = Default::default();
+    for step in steps {
+        for (k, v) in step.iter().filter(|(k, _)| k.as_str() != "step") {
+            if let Some(x) = v.as_f64() {
+                let sum = sums.get(k).and_then(Value::as_f64).unwrap_or(0.0) + x;
+                sums.insert(k.clone(), json!(sum));
+                *counts.entry(k.clone()).or_default() += 1.0;
+            }
+        }
+    }
+    let mut out = Map::new();
+    for (k, sum) in sums {
+        let n = counts.get(&k).copied().unwrap_or(1.0);
+        out.insert(k, json!(sum.as_f64().unwrap_or(0.0) / n));
+    }
+    out.insert("num_gradient_steps".to_owned(), json!(steps.len()));
+    Value::Object(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_averaged_over_steps() {
+        let steps: Vec<Map<String, Value>> = [
+            json!({"loss": 1.0, "reward": 0.5, "step": 1, "note": "x"}),
+            json!({"loss": 3.0, "reward": 0.5, "step": 2}),
+        ]
+        .into_iter()
+        .map(|v| v.as_object().unwrap().clone())
+        .collect();
+        assert_eq!(
+            mean_metrics(&steps),
+            json!({"loss": 2.0, "reward": 0.5, "num_gradient_steps": 2})
+        );
+        assert_eq!(mean_metrics(&[]), json!({"num_gradient_steps": 0}));
+    }
+}

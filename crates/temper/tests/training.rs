@@ -1,0 +1,630 @@
+//! The training service end to end through the built binary on the tiny model: roll out over
+//! HTTP, train, serve the checkpoint by name; and the crash test (`kill -9` with a job running
+//! and one queued, restart on the same data directory, both finish).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const KEY: &str = "test-key";
+
+/// A `temper serve` child process on an ephemeral port.
+struct Server {
+    child: Child,
+    base: String,
+    client: reqwest::Client,
+}
+
+impl Server {
+    fn start(model: &Path, data_dir: &Path, extra: &[&str]) -> Server {
+        Self::start_named("tiny", model, data_dir, extra)
+    }
+
+    fn start_named(name: &str, model: &Path, data_dir: &Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_temper"))
+            .arg("serve")
+            .args(["--port", "0", "--api-key", KEY])
+            .arg("--model")
+            .arg(format!("{name}={}", model.display()))
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(extra)
+            .env_remove("TEMPER_CONFIG")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start temper serve");
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        stdout.read_line(&mut first).unwrap();
+        // Keep reading: a closed pipe would make the server's next print fail.
+        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+        // "temper serving tiny at http://127.0.0.1:PORT/v1"
+        let url = first
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap_or_else(|| panic!("no URL in {first:?}"));
+        Server {
+            child,
+            base: url.trim_end_matches("/v1").to_owned(),
+            client: reqwest::Client::new(),
+        }
+    }
+
+    async fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        let mut req = self
+            .client
+            .request(method.parse().unwrap(), format!("{}{path}", self.base))
+            .bearer_auth(KEY);
+        if let Some(body) = body {
+            req = req.json(body);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap())
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> Value {
+        let (status, v) = self.call("POST", path, Some(body)).await;
+        assert_eq!(status, 200, "POST {path}: {v}");
+        v
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        let (status, v) = self.call("GET", path, None).await;
+        assert_eq!(status, 200, "GET {path}: {v}");
+        v
+    }
+
+    /// Every event of a job so far, following the `after` cursor.
+    async fn events(&self, job: &str) -> Vec<Value> {
+        let mut all = Vec::new();
+        let mut after = 0;
+        loop {
+            let page = self
+                .get(&format!(
+                    "/v1/preview/training-jobs/{job}/events?after={after}&limit=100"
+                ))
+                .await;
+            let data = page["data"].as_array().unwrap().clone();
+            if let Some(last) = data.last() {
+                after = last["id"].as_i64().unwrap();
+            }
+            all.extend(data);
+            if page["has_more"] != true {
+                return all;
+            }
+        }
+    }
+
+    async fn wait_for_status(&self, job: &str, want: &[&str], within: Duration) -> Value {
+        let start = Instant::now();
+        loop {
+            let j = self.get(&format!("/v1/preview/training-jobs/{job}")).await;
+            if want.contains(&j["status"].as_str().unwrap()) {
+                return j;
+            }
+            assert!(start.elapsed() < within, "job {job} still {}", j["status"]);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn kill(&mut self) {
+        // SIGKILL: no shutdown code runs.
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tiny_model(dir: &Path) -> PathBuf {
+    let path = dir.join("tiny.gguf");
+    temper_model::tiny::write_tiny_gguf(&path, 7).unwrap();
+    path
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+/// `n` sampled completions of `prompt` with logprobs and token ids, as training.md's rollout.
+async fn rollout(server: &Server, model: &str, prompt: &str, n: usize, seed: u64) -> Value {
+    server
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": model, "messages": user(prompt), "n": n, "seed": seed,
+                "temperature": 1.0, "max_tokens": 8, "logprobs": true,
+                "return_tokens_as_token_ids": true}),
+        )
+        .await
+}
+
+/// One group per prompt: each choice a trajectory rewarded by whether its first sampled token
+/// id is even (a behaviour the model can learn), so rewards differ within the group.
+async fn groups(server: &Server, model: &str, prompts: &[&str]) -> Value {
+    let mut groups = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let completion = rollout(server, model, prompt, 4, i as u64).await;
+        let trajectories: Vec<Value> = completion["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(j, choice)| {
+                let first = choice["logprobs"]["content"][0]["token"].as_str().unwrap();
+                let id: u32 = first.strip_prefix("token_id:").unwrap().parse().unwrap();
+                // Reward the even first tokens; break ties so no group is all equal.
+                let reward = if id.is_multiple_of(2) { 1.0 } else { 0.0 } + j as f64 * 1e-3;
+                json!({"messages_and_choices": [user(prompt)[0].clone(), choice], "reward": reward})
+            })
+            .collect();
+        groups.push(json!({"trajectories": trajectories}));
+    }
+    Value::Array(groups)
+}
+
+async fn create_model(server: &Server) -> String {
+    create_model_on(server, "tiny").await
+}
+
+async fn create_model_on(server: &Server, base: &str) -> String {
+    let model = server
+        .post(
+            "/v1/preview/models",
+            &json!({"project": "proj", "name": "agent", "base_model": base}),
+        )
+        .await;
+    model["id"].as_str().unwrap().to_owned()
+}
+
+const PROMPTS: &[&str] = &["Hello", "the cat sat", "what is the capital of France"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn train_and_serve_the_checkpoint_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let data = dir.path().join("data");
+    let server = Server::start(&model, &data, &[]);
+    let model_id = create_model(&server).await;
+    let name = "default/proj/agent";
+
+    let trajectory_groups = groups(&server, name, PROMPTS).await;
+    let job = server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model_id, "trajectory_groups": trajectory_groups,
+                "experimental_config": {"learning_rate": 1e-2}}),
+        )
+        .await;
+    let job_id = job["id"].as_str().unwrap();
+    let done = server
+        .wait_for_status(job_id, &["succeeded", "failed"], Duration::from_secs(120))
+        .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["step"], 1);
+    let events = server.events(job_id).await;
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds.first(), Some(&"training_started"), "{kinds:?}");
+    assert_eq!(kinds.last(), Some(&"training_ended"), "{kinds:?}");
+    assert!(kinds.contains(&"gradient_step"));
+    assert_eq!(events.last().unwrap()["data"]["step"], 1);
+    let step = events
+        .iter()
+        .find(|e| e["type"] == "gradient_step")
+        .unwrap();
+    for field in [
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "reward",
+        "num_trainable_tokens",
+    ] {
+        assert!(step["data"][field].is_number(), "{field}: {step}");
+    }
+
+    // The checkpoint is listed and servable at once; step 0 is the base model.
+    let checkpoints = server
+        .get(&format!("/v1/preview/models/{model_id}/checkpoints"))
+        .await;
+    let steps: Vec<i64> = checkpoints["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["step"].as_i64().unwrap())
+        .collect();
+    assert_eq!(steps, [0, 1]);
+    assert!(checkpoints["data"][1]["metrics"]["loss"].is_number());
+    let listed: Vec<String> = server.get("/v1/models").await["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            "tiny",
+            name,
+            &format!("{name}:step0"),
+            &format!("{name}:step1")
+        ]
+    );
+
+    let greedy = |model: &str| {
+        json!({"model": model, "messages": user("Hello"), "temperature": 0.0, "max_tokens": 8,
+            "logprobs": true, "return_token_ids": true})
+    };
+    let logprobs = |v: &Value| -> Vec<f64> {
+        v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["logprob"].as_f64().unwrap())
+            .collect()
+    };
+    let base = server.post("/v1/chat/completions", &greedy("tiny")).await;
+    let step0 = server
+        .post("/v1/chat/completions", &greedy(&format!("{name}:step0")))
+        .await;
+    let step1 = server
+        .post("/v1/chat/completions", &greedy(&format!("{name}:step1")))
+        .await;
+    let latest = server.post("/v1/chat/completions", &greedy(name)).await;
+    assert_eq!(
+        step0["choices"][0]["token_ids"],
+        base["choices"][0]["token_ids"]
+    );
+    assert_eq!(logprobs(&step0), logprobs(&base));
+    assert_eq!(step1["model"], format!("{name}:step1"));
+    assert_eq!(logprobs(&latest), logprobs(&step1));
+    let changed = logprobs(&step1)
+        .iter()
+        .zip(logprobs(&base))
+        .any(|(a, b)| (a - b).abs() > 1e-4)
+        || step1["choices"][0]["token_ids"] != base["choices"][0]["token_ids"];
+    assert!(changed, "step 1 answers exactly as the base model");
+
+    // One model, one set of numbers: the logprobs served for sampled tokens of step 1 are the
+    // trainer's scores of the same tokens with the same adapter.
+    let mean = served_vs_trainer(&server, name, &model, &data, &model_id).await;
+    assert!(mean < 1e-3, "mean |diff| {mean}");
+}
+
+/// Mean |served logprob - trainer score| over sampled tokens of `<name>:step1`.
+async fn served_vs_trainer(
+    server: &Server,
+    name: &str,
+    model: &Path,
+    data: &Path,
+    model_id: &str,
+) -> f64 {
+    let sampled = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": format!("{name}:step1"), "messages": user("the cat sat"), "n": 4,
+                "seed": 11, "temperature": 1.0, "max_tokens": 12, "logprobs": true,
+                "return_token_ids": true}),
+        )
+        .await;
+    let weights = temper_model::load_gguf(model).unwrap().model;
+    let adapter = temper_model::LoraAdapter::load(
+        &data
+            .join("adapters")
+            .join(model_id)
+            .join("step-1.safetensors"),
+        weights.config(),
+    )
+    .unwrap();
+    let prompt: Vec<u32> = token_ids(&sampled["prompt_token_ids"]);
+    let (mut diff, mut count) = (0.0, 0usize);
+    for choice in sampled["choices"].as_array().unwrap() {
+        let completion = token_ids(&choice["token_ids"]);
+        let tokens: Vec<u32> = prompt.iter().chain(&completion).copied().collect();
+        let scored: Vec<bool> = (0..tokens.len()).map(|i| i >= prompt.len()).collect();
+        let scores = weights
+            .score(
+                &temper_model::PackedSequence {
+                    tokens: &tokens,
+                    segment_lens: &[tokens.len()],
+                    scored: &scored,
+                },
+                Some(&adapter),
+            )
+            .unwrap();
+        let served: Vec<f64> = choice["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["logprob"].as_f64().unwrap())
+            .collect();
+        assert_eq!(served.len(), scores.logprobs.len());
+        for (s, t) in served.iter().zip(&scores.logprobs) {
+            diff += (s - f64::from(*t)).abs();
+            count += 1;
+        }
+    }
+    let mean = diff / count as f64;
+    eprintln!(
+        "served vs trainer logprobs of {name}:step1: mean |diff| {mean:.2e} over {count} tokens"
+    );
+    mean
+}
+
+fn token_ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_server_reruns_its_running_job_and_runs_the_queued_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let data = dir.path().join("data");
+    // Short packed sequences: one optimizer step each, so the big job runs for many steps.
+    let args = ["--max-train-seq-len", "64"];
+    let mut server = Server::start(&model, &data, &args);
+    let model_id = create_model(&server).await;
+    let name = "default/proj/agent";
+    let small = groups(&server, name, PROMPTS).await;
+    let mut big = Vec::new();
+    for _ in 0..40 {
+        big.extend(small.as_array().unwrap().iter().cloned());
+    }
+    let post_job = |groups: Value| json!({"model_id": model_id, "trajectory_groups": groups, "experimental_config": {}});
+    let running = server
+        .post("/v1/preview/training-jobs", &post_job(Value::Array(big)))
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let queued = server
+        .post("/v1/preview/training-jobs", &post_job(small))
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // Kill once the big job has made progress.
+    let start = Instant::now();
+    while !server
+        .events(&running)
+        .await
+        .iter()
+        .any(|e| e["type"] == "gradient_step")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no gradient step"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = server
+        .get(&format!("/v1/preview/training-jobs/{running}"))
+        .await;
+    assert_eq!(before["status"], "running");
+    let queued_before = server
+        .get(&format!("/v1/preview/training-jobs/{queued}"))
+        .await;
+    assert_eq!(queued_before["status"], "queued");
+    server.kill();
+
+    let server = Server::start(&model, &data, &args);
+    for (job, step) in [(&running, 1), (&queued, 2)] {
+        let done = server
+            .wait_for_status(
+                job,
+                &["succeeded", "failed", "cancelled"],
+                Duration::from_secs(300),
+            )
+            .await;
+        assert_eq!(done["status"], "succeeded", "{done}");
+        assert_eq!(done["step"], step);
+    }
+    let kinds: Vec<String> = server
+        .events(&running)
+        .await
+        .iter()
+        .map(|e| e["type"].as_str().unwrap().to_owned())
+        .collect();
+    let requeued = kinds
+        .iter()
+        .position(|k| k == "training_requeued")
+        .expect("requeued event");
+    assert_eq!(kinds[0], "training_started");
+    assert_eq!(kinds[requeued + 1], "training_started", "{kinds:?}");
+    assert_eq!(kinds.last().unwrap(), "training_ended");
+    assert_eq!(kinds.iter().filter(|k| *k == "training_ended").count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_a_running_job_and_equal_rewards_learn_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let data = dir.path().join("data");
+    let server = Server::start(&model, &data, &["--max-train-seq-len", "64"]);
+    let model_id = create_model(&server).await;
+    let name = "default/proj/agent";
+    let small = groups(&server, name, PROMPTS).await;
+    let mut big = Vec::new();
+    for _ in 0..40 {
+        big.extend(small.as_array().unwrap().iter().cloned());
+    }
+    let post_job = |groups: Value| json!({"model_id": model_id, "trajectory_groups": groups});
+    let job = server
+        .post("/v1/preview/training-jobs", &post_job(Value::Array(big)))
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let start = Instant::now();
+    while !server
+        .events(&job)
+        .await
+        .iter()
+        .any(|e| e["type"] == "gradient_step")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no gradient step"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let cancelled = server
+        .post(
+            &format!("/v1/preview/training-jobs/{job}/cancel"),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(cancelled["status"], "cancelled");
+
+    // Equal rewards in every group: the job ends with nothing learned and no checkpoint. It
+    // runs after the cancelled one has stopped (one model's jobs run in order).
+    let mut equal = small.clone();
+    for g in equal.as_array_mut().unwrap() {
+        for t in g["trajectories"].as_array_mut().unwrap() {
+            t["reward"] = json!(0.5);
+        }
+    }
+    let flat = server
+        .post("/v1/preview/training-jobs", &post_job(equal))
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let done = server
+        .wait_for_status(&flat, &["succeeded", "failed"], Duration::from_secs(120))
+        .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["step"], 0);
+    let ended = server.events(&flat).await;
+    let last = ended.last().unwrap();
+    assert_eq!(last["type"], "training_ended");
+    assert_eq!(last["data"]["step"], 0);
+    assert!(last["data"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("nothing to learn"));
+
+    // The cancelled job stopped between steps and made no checkpoint; its last event says so.
+    let events = server.events(&job).await;
+    assert_eq!(events.last().unwrap()["type"], "training_failed");
+    let steps_after_cancel = events
+        .iter()
+        .skip_while(|e| e["type"] != "training_failed")
+        .filter(|e| e["type"] == "gradient_step")
+        .count();
+    assert_eq!(steps_after_cancel, 0);
+    assert_eq!(
+        server
+            .get(&format!("/v1/preview/training-jobs/{job}"))
+            .await["status"],
+        "cancelled"
+    );
+    let checkpoints = server
+        .get(&format!("/v1/preview/models/{model_id}/checkpoints"))
+        .await;
+    assert_eq!(
+        checkpoints["data"].as_array().unwrap().len(),
+        1,
+        "{checkpoints}"
+    );
+    assert!(!data
+        .join("adapters")
+        .join(&model_id)
+        .join("step-1.safetensors")
+        .exists());
+}
+
+/// The same agreement on the default model (reported in the README), through a real job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_model_served_logprobs_match_the_trainer() {
+    let Some(model) = temper_model::paths::real_model_for_tests() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let base = "gemma-3-270m";
+    let server = Server::start_named(base, &model, &data, &[]);
+    let model_id = create_model_on(&server, base).await;
+    let name = "default/proj/agent";
+    let trajectory_groups = groups(&server, name, &["Hello"]).await;
+    let job = server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model_id, "trajectory_groups": trajectory_groups,
+                "experimental_config": {"learning_rate": 1e-3}}),
+        )
+        .await;
+    let done = server
+        .wait_for_status(
+            job["id"].as_str().unwrap(),
+            &["succeeded", "failed"],
+            Duration::from_secs(900),
+        )
+        .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["step"], 1);
+    let mean = served_vs_trainer(&server, name, &model, &data, &model_id).await;
+    assert!(mean < 1e-3, "mean |diff| {mean}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_model_fails_its_running_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let data = dir.path().join("data");
+    let server = Server::start(&model, &data, &["--max-train-seq-len", "64"]);
+    let model_id = create_model(&server).await;
+    let small = groups(&server, "default/proj/agent", PROMPTS).await;
+    let big: Vec<Value> = (0..40)
+        .flat_map(|_| small.as_array().unwrap().iter().cloned())
+        .collect();
+    let job = server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model_id, "trajectory_groups": big}),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    server
+        .wait_for_status(&job, &["running"], Duration::from_secs(60))
+        .await;
+    let (status, deleted) = server
+        .call("DELETE", &format!("/v1/preview/models/{model_id}"), None)
+        .await;
+    assert_eq!(status, 200, "{deleted}");
+    let failed = server
+        .wait_for_status(&job, &["failed"], Duration::from_secs(10))
+        .await;
+    assert_eq!(failed["error"], "the model was deleted");
+    // The worker stops it and moves on: a new model's job runs.
+    let again = create_model(&server).await;
+    let next = server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": again, "trajectory_groups": small}),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let done = server
+        .wait_for_status(&next, &["succeeded", "failed"], Duration::from_secs(120))
+        .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert!(!data.join("adapters").join(&model_id).exists());
+}

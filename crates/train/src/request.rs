@@ -1,0 +1,166 @@
+//! The training request as posted (training.md): trajectory groups and experimental options.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use temper_text::{ChatMessage, ToolDef};
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct TrainingRequest {
+    pub trajectory_groups: Vec<TrajectoryGroup>,
+    #[serde(default)]
+    pub experimental_config: Option<ExperimentalConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct TrajectoryGroup {
+    pub trajectories: Vec<Trajectory>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct Trajectory {
+    pub messages_and_choices: Vec<MessageOrChoice>,
+    #[serde(default)]
+    pub tools: Option<Vec<ToolDef>>,
+    #[serde(default)]
+    pub reward: f64,
+    #[serde(default)]
+    pub additional_histories: Vec<History>,
+    // Stored with the job and echoed in its metrics; training does not read them.
+    #[serde(default)]
+    pub metrics: Map<String, Value>,
+    #[serde(default)]
+    pub metadata: Map<String, Value>,
+    #[serde(default)]
+    pub logs: Vec<Value>,
+    #[serde(default)]
+    pub start_time: Option<String>,
+    #[serde(default)]
+    pub initial_policy_version: Option<i64>,
+    #[serde(default)]
+    pub final_policy_version: Option<i64>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct History {
+    pub messages_and_choices: Vec<MessageOrChoice>,
+    #[serde(default)]
+    pub tools: Option<Vec<ToolDef>>,
+}
+
+/// A Choice object (it has `message`) or an OpenAI message dict (it has `role`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum MessageOrChoice {
+    Choice(Choice),
+    Message(ChatMessage),
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct Choice {
+    pub message: ChatMessage,
+    #[serde(default)]
+    pub finish_reason: Option<String>,
+    #[serde(default)]
+    pub index: Option<i64>,
+    #[serde(default)]
+    pub logprobs: Option<ChoiceLogprobs>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct ChoiceLogprobs {
+    #[serde(default)]
+    pub content: Option<Vec<TokenLogprob>>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    /// Missing or null: the trainer uses its own logprob, detached (rho = 1).
+    #[serde(default)]
+    pub logprob: Option<f64>,
+}
+
+/// Every option of training.md; `None` (or null) is its default.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExperimentalConfig {
+    pub advantage_balance: Option<f64>,
+    pub epsilon: Option<f64>,
+    pub epsilon_high: Option<f64>,
+    #[serde(alias = "kimi_k2_tau")]
+    pub alt_k2_tau: Option<f64>,
+    pub learning_rate: Option<f64>,
+    pub mask_prob_ratio: Option<bool>,
+    pub max_negative_advantage_importance_sampling_weight: Option<f64>,
+    pub ppo: Option<bool>,
+    pub precalculate_logprobs: Option<bool>,
+    pub scale_rewards: Option<bool>,
+}
+
+/// `ExperimentalConfig` with training.md's defaults filled in.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossConfig {
+    pub ppo: bool,
+    pub epsilon: f64,
+    pub epsilon_high: f64,
+    pub advantage_balance: f64,
+    pub alt_k2_tau: Option<f64>,
+    pub learning_rate: f64,
+    pub mask_prob_ratio: bool,
+    pub max_negative_is_weight: Option<f64>,
+    pub precalculate_logprobs: bool,
+    pub scale_rewards: bool,
+}
+
+impl ExperimentalConfig {
+    pub fn resolve(&self) -> Result<LossConfig, crate::TrainError> {
+        let ppo = self.ppo.unwrap_or(false);
+        let epsilon = self.epsilon.unwrap_or(if ppo { 0.2 } else { 1.0 });
+        let epsilon_high = self.epsilon_high.unwrap_or(if ppo { epsilon } else { 4.0 });
+        let bad = |field: &str, why: &str| {
+            Err(crate::TrainError::Invalid {
+                param: format!("experimental_config.{field}"),
+                message: why.to_owned(),
+            })
+        };
+        let advantage_balance = self.advantage_balance.unwrap_or(0.0);
+        if !(-1.0..=1.0).contains(&advantage_balance) {
+            return bad("advantage_balance", "must be in [-1, 1]");
+        }
+        if !(epsilon.is_finite() && epsilon >= 0.0) {
+            return bad("epsilon", "must be a number >= 0");
+        }
+        if !(epsilon_high.is_finite() && epsilon_high >= 0.0) {
+            return bad("epsilon_high", "must be a number >= 0");
+        }
+        let learning_rate = self.learning_rate.unwrap_or(5e-6);
+        if !(learning_rate.is_finite() && learning_rate > 0.0) {
+            return bad("learning_rate", "must be a number > 0");
+        }
+        if let Some(w) = self.max_negative_advantage_importance_sampling_weight {
+            if !(w.is_finite() && w > 0.0) {
+                return bad(
+                    "max_negative_advantage_importance_sampling_weight",
+                    "must be a number > 0",
+                );
+            }
+        }
+        if let Some(tau) = self.alt_k2_tau {
+            if !tau.is_finite() {
+                return bad("alt_k2_tau", "must be a finite number");
+            }
+        }
+        Ok(LossConfig {
+            ppo,
+            epsilon,
+            epsilon_high,
+            advantage_balance,
+            alt_k2_tau: self.alt_k2_tau,
+            learning_rate,
+            mask_prob_ratio: self.mask_prob_ratio.unwrap_or(false),
+            max_negative_is_weight: self.max_negative_advantage_importance_sampling_weight,
+            precalculate_logprobs: self.precalculate_logprobs.unwrap_or(false),
+            scale_rewards: self.scale_rewards.unwrap_or(true),
+        })
+    }
+}

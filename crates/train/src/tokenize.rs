@@ -1,0 +1,286 @@
+//! Trajectories → token sequences (training.md "Trajectory → tokens").
+//!
+//! The conversation up to the last trainable Choice is rendered once with the chat template,
+//! each trainable Choice's content replaced by a unique sentinel. The text between sentinels is
+//! tokenized as the server tokenizes prompts; each sentinel becomes the Choice's exact sampled
+//! tokens (mask 1, old logprobs from the request). When the sampled tokens end with the
+//! template's end-of-turn token, the same text right after the sentinel is not repeated.
+
+use temper_text::{ChatMessage, ChatTemplate, TemplateInput, Tokenizer};
+
+use crate::request::{Choice, MessageOrChoice, TrainingRequest};
+use crate::TrainError;
+
+/// One tokenized conversation (a trajectory or one of its additional histories).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenizedSequence {
+    pub tokens: Vec<u32>,
+    /// Trainable (sampled) tokens.
+    pub mask: Vec<bool>,
+    /// The sampler's logprob per token (0 where not trainable, NaN where the request gave none).
+    pub old_logprobs: Vec<f32>,
+    /// Index of the group and of the trajectory in it.
+    pub group: usize,
+    pub trajectory: usize,
+}
+
+impl TokenizedSequence {
+    pub fn trainable_tokens(&self) -> usize {
+        self.mask.iter().filter(|m| **m).count()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TokenizedJob {
+    pub sequences: Vec<TokenizedSequence>,
+    /// Rewards per group, per trajectory.
+    pub rewards: Vec<Vec<f64>>,
+    pub loss: crate::LossConfig,
+}
+
+const SENTINEL_OPEN: &str = "\u{E000}temper-splice-";
+const SENTINEL_CLOSE: &str = "\u{E001}";
+
+/// Tokenizes every trajectory of the request and resolves its options; anything a job could not
+/// train on is an error naming the field.
+pub fn tokenize_job(
+    req: &TrainingRequest,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+) -> Result<TokenizedJob, TrainError> {
+    let loss = req
+        .experimental_config
+        .clone()
+        .unwrap_or_default()
+        .resolve()?;
+    if req.trajectory_groups.is_empty() {
+        return Err(TrainError::invalid(
+            "trajectory_groups",
+            "must not be empty",
+        ));
+    }
+    let mut sequences = Vec::new();
+    let mut rewards = Vec::new();
+    for (g, group) in req.trajectory_groups.iter().enumerate() {
+        if group.trajectories.is_empty() {
+            return Err(TrainError::invalid(
+                format!("trajectory_groups[{g}].trajectories"),
+                "a group must have at least one trajectory",
+            ));
+        }
+        let mut group_rewards = Vec::new();
+        for (t, traj) in group.trajectories.iter().enumerate() {
+            let path = format!("trajectory_groups[{g}].trajectories[{t}]");
+            if !traj.reward.is_finite() {
+                return Err(TrainError::invalid(
+                    format!("{path}.reward"),
+                    "must be finite",
+                ));
+            }
+            group_rewards.push(traj.reward);
+            let main = std::iter::once((
+                format!("{path}.messages_and_choices"),
+                &traj.messages_and_choices,
+                traj.tools.as_deref(),
+            ));
+            let histories = traj
+                .additional_histories
+                .iter()
+                .enumerate()
+                .map(|(h, hist)| {
+                    (
+                        format!("{path}.additional_histories[{h}].messages_and_choices"),
+                        &hist.messages_and_choices,
+                        hist.tools.as_deref().or(traj.tools.as_deref()),
+                    )
+                });
+            for (items_path, items, tools) in main.chain(histories) {
+                if let Some((tokens, mask, old_logprobs)) =
+                    tokenize_conversation(items, tools, tokenizer, template, &items_path)?
+                {
+                    sequences.push(TokenizedSequence {
+                        tokens,
+                        mask,
+                        old_logprobs,
+                        group: g,
+                        trajectory: t,
+                    });
+                }
+            }
+        }
+        rewards.push(group_rewards);
+    }
+    Ok(TokenizedJob {
+        sequences,
+        rewards,
+        loss,
+    })
+}
+
+type Tokenized = (Vec<u32>, Vec<bool>, Vec<f32>);
+
+/// `None` when the conversation has no trainable Choice.
+fn tokenize_conversation(
+    items: &[MessageOrChoice],
+    tools: Option<&[temper_text::ToolDef]>,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    path: &str,
+) -> Result<Option<Tokenized>, TrainError> {
+    let trainable = |item: &MessageOrChoice| match item {
+        MessageOrChoice::Choice(c) => c
+            .logprobs
+            .as_ref()
+            .and_then(|l| l.content.as_ref())
+            .is_some(),
+        MessageOrChoice::Message(_) => false,
+    };
+    let Some(last) = items.iter().rposition(trainable) else {
+        return Ok(None);
+    };
+    let mut messages = Vec::with_capacity(last + 1);
+    let mut spliced: Vec<(Vec<u32>, Vec<f32>)> = Vec::new();
+    for (i, item) in items[..=last].iter().enumerate() {
+        match item {
+            MessageOrChoice::Message(m) => messages.push(m.clone()),
+            MessageOrChoice::Choice(c) if trainable(item) => {
+                spliced.push(sampled_tokens(c, tokenizer, &format!("{path}[{i}]"))?);
+                messages.push(ChatMessage::text(
+                    "assistant",
+                    format!("{SENTINEL_OPEN}{}{SENTINEL_CLOSE}", spliced.len() - 1),
+                ));
+            }
+            MessageOrChoice::Choice(c) => {
+                let mut m = c.message.clone();
+                m.role = "assistant".to_owned();
+                messages.push(m);
+            }
+        }
+    }
+    let text = template
+        .render(&TemplateInput {
+            messages: &messages,
+            tools,
+            documents: None,
+            add_generation_prompt: false,
+            continue_final_message: false,
+            reasoning_effort: None,
+            kwargs: &serde_json::Map::new(),
+        })
+        .map_err(|e| {
+            TrainError::invalid(path, format!("the chat template cannot render it: {e}"))
+        })?;
+    let (mut tokens, mut mask, mut old) = (Vec::new(), Vec::new(), Vec::new());
+    let mut rest = text.as_str();
+    let mut previous_ended_with: Option<u32> = None;
+    for (k, (ids, lps)) in spliced.iter().enumerate() {
+        let marker = format!("{SENTINEL_OPEN}{k}{SENTINEL_CLOSE}");
+        let Some(at) = rest.find(&marker) else {
+            return Err(TrainError::invalid(
+                path,
+                "the chat template does not render assistant messages verbatim",
+            ));
+        };
+        push_text(
+            &rest[..at],
+            previous_ended_with,
+            tokenizer,
+            &mut tokens,
+            &mut mask,
+            &mut old,
+        );
+        tokens.extend(ids);
+        mask.extend(std::iter::repeat_n(true, ids.len()));
+        old.extend(lps);
+        previous_ended_with = ids.last().copied();
+        rest = &rest[at + marker.len()..];
+    }
+    push_text(
+        rest,
+        previous_ended_with,
+        tokenizer,
+        &mut tokens,
+        &mut mask,
+        &mut old,
+    );
+    if mask.first() == Some(&true) {
+        return Err(TrainError::invalid(
+            path,
+            "a trainable Choice needs context before it (a message)",
+        ));
+    }
+    Ok(Some((tokens, mask, old)))
+}
+
+/// Appends context text as the server tokenizes prompts, minus a leading end-of-turn the
+/// sampled tokens before it already hold (the last sampled token is a control token, such as
+/// Gemma's `<end_of_turn>`, whose text the template writes right after the content).
+fn push_text(
+    mut text: &str,
+    previous: Option<u32>,
+    tokenizer: &Tokenizer,
+    tokens: &mut Vec<u32>,
+    mask: &mut Vec<bool>,
+    old: &mut Vec<f32>,
+) {
+    if let Some(prev) = previous.filter(|&p| tokenizer.is_special(p)) {
+        if let Some(piece) = tokenizer.piece(prev) {
+            text = text.strip_prefix(piece).unwrap_or(text);
+        }
+    }
+    let ids = tokenizer.encode(text, true);
+    mask.extend(std::iter::repeat_n(false, ids.len()));
+    old.extend(std::iter::repeat_n(0.0, ids.len()));
+    tokens.extend(ids);
+}
+
+/// A Choice's sampled token ids (`token_id:<id>`, else the token string looked up) and the
+/// sampler's logprobs.
+fn sampled_tokens(
+    choice: &Choice,
+    tokenizer: &Tokenizer,
+    path: &str,
+) -> Result<(Vec<u32>, Vec<f32>), TrainError> {
+    let entries = choice
+        .logprobs
+        .as_ref()
+        .and_then(|l| l.content.as_ref())
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if entries.is_empty() {
+        return Err(TrainError::invalid(
+            format!("{path}.logprobs.content"),
+            "a trainable Choice needs at least one token",
+        ));
+    }
+    let vocab = tokenizer.vocab_size();
+    let mut ids = Vec::with_capacity(entries.len());
+    let mut lps = Vec::with_capacity(entries.len());
+    for (j, e) in entries.iter().enumerate() {
+        let id = match e.token.strip_prefix("token_id:") {
+            Some(n) => n.parse::<u32>().ok().filter(|&id| (id as usize) < vocab),
+            None => tokenizer
+                .token_id(&e.token)
+                .or_else(|| tokenizer.token_id(&e.token.replace(' ', "\u{2581}"))),
+        };
+        let Some(id) = id else {
+            return Err(TrainError::invalid(
+                format!("{path}.logprobs.content[{j}].token"),
+                format!("{:?} is not a token of the model's vocabulary", e.token),
+            ));
+        };
+        let logprob = match e.logprob {
+            Some(lp) if !lp.is_finite() || lp > 0.0 => {
+                return Err(TrainError::invalid(
+                    format!("{path}.logprobs.content[{j}].logprob"),
+                    "must be a finite number <= 0",
+                ));
+            }
+            Some(lp) => lp as f32,
+            None => f32::NAN,
+        };
+        ids.push(id);
+        lps.push(logprob);
+    }
+    Ok((ids, lps))
+}

@@ -1,0 +1,531 @@
+//! Advantages, the per-token loss and its gradient, packing, AdamW: the LoRA optimisation loop
+//! (training.md "Advantages", "Loss per trainable token", "Optimisation").
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use serde::Serialize;
+use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence};
+
+use crate::request::LossConfig;
+use crate::tokenize::TokenizedJob;
+use crate::TrainError;
+
+/// Server-side trainer settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrainerConfig {
+    pub lora: LoraConfig,
+    /// Longest packed sequence; a longer trajectory is cut to its first `max_seq_len` tokens.
+    pub max_seq_len: usize,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        TrainerConfig {
+            lora: LoraConfig::default(),
+            max_seq_len: 2048,
+        }
+    }
+}
+
+/// `gradient_step` event data (training.md).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepMetrics {
+    pub step: usize,
+    pub loss: f64,
+    pub policy_loss: f64,
+    pub entropy: f64,
+    pub grad_norm: f64,
+    pub learning_rate: f64,
+    pub reward: f64,
+    pub reward_std_dev: f64,
+    pub num_trajectories: usize,
+    pub num_trainable_tokens: usize,
+    pub num_groups_submitted: usize,
+    pub num_groups_trainable: usize,
+    /// Correlation of the sampler's token probabilities with the trainer's (`null` with fewer
+    /// than two tokens or no spread).
+    pub probs_corr: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum TrainEvent {
+    Started {
+        num_sequences: usize,
+    },
+    GradientStep(StepMetrics),
+    /// `step`: gradient steps taken; `message` says why nothing was learned, if so.
+    Ended {
+        step: i64,
+        message: Option<String>,
+    },
+}
+
+const BETAS: (f64, f64) = (0.9, 0.99);
+const WEIGHT_DECAY: f64 = 0.1;
+const ADAM_EPS: f64 = 1e-8;
+const MAX_GRAD_NORM: f64 = 0.1;
+
+/// Per group: `A_i = r_i - mean`, divided by `std + 1e-6` with `scale_rewards`.
+pub fn group_advantages(rewards: &[f64], scale_rewards: bool) -> Vec<f64> {
+    let n = rewards.len() as f64;
+    let mu = rewards.iter().sum::<f64>() / n;
+    let sigma = (rewards.iter().map(|r| (r - mu).powi(2)).sum::<f64>() / n).sqrt();
+    rewards
+        .iter()
+        .map(|r| {
+            let a = r - mu;
+            if scale_rewards {
+                a / (sigma + 1e-6)
+            } else {
+                a
+            }
+        })
+        .collect()
+}
+
+/// `advantage_balance` b: b > 0 scales negative advantages by (1 - b), b < 0 positive ones by
+/// (1 + b).
+fn balance(advantage: f64, b: f64) -> f64 {
+    if b > 0.0 && advantage < 0.0 {
+        advantage * (1.0 - b)
+    } else if b < 0.0 && advantage > 0.0 {
+        advantage * (1.0 + b)
+    } else {
+        advantage
+    }
+}
+
+/// Per sequence, given (its trajectory, its trainable tokens, its advantage): the token weight
+/// and the advantage to train with. Each trajectory's tokens weigh 1 / (its trainable tokens,
+/// additional histories included), renormalised to mean 1 over all trainable tokens; then
+/// A /= mean(|A| * w) over them.
+fn weights_and_advantages(seqs: &[((usize, usize), usize, f64)]) -> Vec<(f64, f64)> {
+    let mut per_trajectory: std::collections::HashMap<(usize, usize), usize> = Default::default();
+    for &(trajectory, trainable, _) in seqs {
+        *per_trajectory.entry(trajectory).or_default() += trainable;
+    }
+    let total: usize = seqs.iter().map(|s| s.1).sum();
+    let weight_scale = total as f64 / per_trajectory.len() as f64;
+    let weighted: Vec<(f64, f64)> = seqs
+        .iter()
+        .map(|(trajectory, _, a)| (weight_scale / per_trajectory[trajectory] as f64, *a))
+        .collect();
+    let abs_mean = seqs
+        .iter()
+        .zip(&weighted)
+        .map(|((_, n, _), (w, a))| a.abs() * w * *n as f64)
+        .sum::<f64>()
+        / total as f64;
+    weighted.into_iter().map(|(w, a)| (w, a / abs_mean)).collect()
+}
+
+/// The loss of one trainable token and d loss / d lp_new (before the token weight and the
+/// `1 / (sum(mask) + 1e-6)` normalisation).
+pub fn token_loss(lp_new: f64, lp_old: f64, advantage: f64, cfg: &LossConfig) -> (f64, f64) {
+    let d = lp_new - lp_old;
+    let mut rho = d.exp();
+    // d rho / d lp_new, zero where rho is replaced by a constant.
+    let mut drho = rho;
+    if let Some(w) = cfg.max_negative_is_weight {
+        if advantage < 0.0 && rho > w {
+            rho = w;
+            drho = 0.0;
+        }
+    }
+    let (lo, hi) = (1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high);
+    if cfg.mask_prob_ratio && !(lo < rho && rho < hi) {
+        rho = 0.0;
+        drho = 0.0;
+    }
+    let a = match cfg.alt_k2_tau {
+        Some(tau) => advantage - tau * d,
+        None => advantage,
+    };
+    let clipped = rho.clamp(lo, hi);
+    if cfg.ppo {
+        let unclipped_term = rho * a;
+        let clipped_term = clipped * a;
+        if unclipped_term <= clipped_term {
+            (-unclipped_term, -a * drho)
+        } else {
+            let inside = lo < rho && rho < hi;
+            (-clipped_term, if inside { -a * drho } else { 0.0 })
+        }
+    } else {
+        (-clipped * a * lp_new, -clipped * a)
+    }
+}
+
+/// One sequence ready to train: tokens, mask, old logprobs, per-token weight and advantage.
+struct Prepared {
+    tokens: Vec<u32>,
+    mask: Vec<bool>,
+    old: Vec<f32>,
+    weight: f64,
+    advantage: f64,
+}
+
+struct AdamW {
+    m: Vec<Vec<f64>>,
+    v: Vec<Vec<f64>>,
+    t: i32,
+}
+
+impl AdamW {
+    fn new(adapter: &LoraAdapter) -> Self {
+        let zeros: Vec<Vec<f64>> = adapter
+            .params()
+            .iter()
+            .map(|p| vec![0.0; p.len()])
+            .collect();
+        AdamW {
+            m: zeros.clone(),
+            v: zeros,
+            t: 0,
+        }
+    }
+
+    fn step(&mut self, adapter: &mut LoraAdapter, grads: &[Vec<f32>], scale: f64, lr: f64) {
+        self.t += 1;
+        let (b1, b2) = BETAS;
+        let (c1, c2) = (1.0 - b1.powi(self.t), 1.0 - b2.powi(self.t));
+        for (((p, g), m), v) in adapter
+            .params_mut()
+            .into_iter()
+            .zip(grads)
+            .zip(&mut self.m)
+            .zip(&mut self.v)
+        {
+            for i in 0..p.len() {
+                let g = f64::from(g[i]) * scale;
+                m[i] = b1 * m[i] + (1.0 - b1) * g;
+                v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+                let x = f64::from(p[i]);
+                let update = (m[i] / c1) / ((v[i] / c2).sqrt() + ADAM_EPS);
+                p[i] = (x - lr * (update + WEIGHT_DECAY * x)) as f32;
+            }
+        }
+    }
+}
+
+fn pearson(x: &[f64], y: &[f64]) -> Option<f64> {
+    let n = x.len() as f64;
+    if x.len() < 2 {
+        return None;
+    }
+    let (mx, my) = (x.iter().sum::<f64>() / n, y.iter().sum::<f64>() / n);
+    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
+    for (a, b) in x.iter().zip(y) {
+        sxy += (a - mx) * (b - my);
+        sxx += (a - mx).powi(2);
+        syy += (b - my).powi(2);
+    }
+    let denom = (sxx * syy).sqrt();
+    (denom > 0.0).then(|| sxy / denom)
+}
+
+/// Runs one job from `start` and returns the new adapter, or `None` (with an `Ended` event
+/// saying why) when nothing can be learned. `cancel` is checked before every step.
+pub fn run_job(
+    model: &Gemma3,
+    start: &LoraAdapter,
+    job: &TokenizedJob,
+    cfg: &TrainerConfig,
+    cancel: &AtomicBool,
+    on_event: &mut dyn FnMut(TrainEvent),
+) -> Result<Option<LoraAdapter>, TrainError> {
+    let loss_cfg = &job.loss;
+    let advantages: Vec<Vec<f64>> = job
+        .rewards
+        .iter()
+        .map(|r| group_advantages(r, loss_cfg.scale_rewards))
+        .collect();
+    let all_rewards: Vec<f64> = job.rewards.iter().flatten().copied().collect();
+    let n = all_rewards.len() as f64;
+    let reward = all_rewards.iter().sum::<f64>() / n;
+    let reward_std_dev = (all_rewards
+        .iter()
+        .map(|r| (r - reward).powi(2))
+        .sum::<f64>()
+        / n)
+        .sqrt();
+
+    let mut prepared: Vec<Prepared> = Vec::new();
+    let mut shares = Vec::new();
+    for s in &job.sequences {
+        let advantage = advantages[s.group][s.trajectory];
+        let keep = s.tokens.len().min(cfg.max_seq_len);
+        let mask = &s.mask[..keep];
+        let trainable = mask.iter().filter(|m| **m).count();
+        if advantage == 0.0 || trainable == 0 {
+            continue;
+        }
+        shares.push((
+            (s.group, s.trajectory),
+            trainable,
+            balance(advantage, loss_cfg.advantage_balance),
+        ));
+        prepared.push(Prepared {
+            tokens: s.tokens[..keep].to_vec(),
+            mask: mask.to_vec(),
+            old: s.old_logprobs[..keep].to_vec(),
+            weight: 0.0,
+            advantage: 0.0,
+        });
+    }
+    if prepared.is_empty() {
+        on_event(TrainEvent::Ended {
+            step: 0,
+            message: Some(
+                "nothing to learn from: every group has equal rewards or no trainable tokens"
+                    .to_owned(),
+            ),
+        });
+        return Ok(None);
+    }
+    for (p, (weight, advantage)) in prepared.iter_mut().zip(weights_and_advantages(&shares)) {
+        p.weight = weight;
+        p.advantage = advantage;
+    }
+    let trainable_groups = advantages
+        .iter()
+        .enumerate()
+        .filter(|(g, a)| a.iter().any(|x| *x != 0.0) && job.sequences.iter().any(|s| s.group == *g))
+        .count();
+
+    // Pack in order: a sequence goes into the current pack while it fits.
+    let mut packs: Vec<Vec<usize>> = Vec::new();
+    let mut len = 0;
+    for (i, p) in prepared.iter().enumerate() {
+        match packs.last_mut() {
+            Some(pack) if len + p.tokens.len() <= cfg.max_seq_len => pack.push(i),
+            _ => {
+                packs.push(vec![i]);
+                len = 0;
+            }
+        }
+        len += p.tokens.len();
+    }
+    on_event(TrainEvent::Started {
+        num_sequences: packs.len(),
+    });
+
+    let mut adapter = start.clone();
+    let mut optimizer = AdamW::new(&adapter);
+    let num_trajectories = all_rewards.len();
+    for (step, pack) in packs.iter().enumerate() {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(TrainError::Cancelled);
+        }
+        let mut tokens = Vec::new();
+        let mut scored = Vec::new();
+        let mut segment_lens = Vec::new();
+        let (mut old, mut weights, mut advs) = (Vec::new(), Vec::new(), Vec::new());
+        for &i in pack {
+            let p = &prepared[i];
+            tokens.extend(&p.tokens);
+            scored.extend(&p.mask);
+            segment_lens.push(p.tokens.len());
+            for (j, m) in p.mask.iter().enumerate() {
+                if *m {
+                    old.push(f64::from(p.old[j]));
+                    weights.push(p.weight);
+                    advs.push(p.advantage);
+                }
+            }
+        }
+        let seq = PackedSequence {
+            tokens: &tokens,
+            segment_lens: &segment_lens,
+            scored: &scored,
+        };
+        let sampler_old = old.clone();
+        if loss_cfg.precalculate_logprobs {
+            let scores = model.score(&seq, Some(&adapter))?;
+            old = scores.logprobs.iter().map(|&x| f64::from(x)).collect();
+        }
+        let (scores, tape) = model.train_forward(&seq, &adapter)?;
+        let count = scores.logprobs.len();
+        let norm = 1.0 / (count as f64 + 1e-6);
+        let mut loss = 0.0;
+        let mut dlogprobs = Vec::with_capacity(count);
+        for (k, &lp) in scores.logprobs.iter().enumerate() {
+            // A missing sampler logprob is lp_new detached.
+            let lp_old = if old[k].is_nan() { f64::from(lp) } else { old[k] };
+            let (l, dl) = token_loss(f64::from(lp), lp_old, advs[k], loss_cfg);
+            loss += l * weights[k] * norm;
+            dlogprobs.push((dl * weights[k] * norm) as f32);
+        }
+        let grads = model.backward(tape, &adapter, &dlogprobs)?;
+        let grad_norm = grads
+            .grads
+            .iter()
+            .flatten()
+            .map(|g| f64::from(*g).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        if !grad_norm.is_finite() {
+            return Err(TrainError::NonFinite(format!(
+                "gradient norm {grad_norm} at step {}",
+                step + 1
+            )));
+        }
+        let clip = (MAX_GRAD_NORM / (grad_norm + 1e-6)).min(1.0);
+        optimizer.step(&mut adapter, &grads.grads, clip, loss_cfg.learning_rate);
+        let new_probs: Vec<f64> = scores
+            .logprobs
+            .iter()
+            .map(|&x| f64::from(x).exp())
+            .collect();
+        // Tokens the sampler gave no logprob for are left out of the correlation.
+        let (old_probs, new_probs): (Vec<f64>, Vec<f64>) = sampler_old
+            .iter()
+            .zip(&new_probs)
+            .filter(|(old, _)| !old.is_nan())
+            .map(|(old, new)| (old.exp(), *new))
+            .unzip();
+        let entropy =
+            scores.entropies.iter().map(|&e| f64::from(e)).sum::<f64>() / count.max(1) as f64;
+        on_event(TrainEvent::GradientStep(StepMetrics {
+            step: step + 1,
+            loss,
+            policy_loss: loss,
+            entropy,
+            grad_norm,
+            learning_rate: loss_cfg.learning_rate,
+            reward,
+            reward_std_dev,
+            num_trajectories,
+            num_trainable_tokens: count,
+            num_groups_submitted: job.rewards.len(),
+            num_groups_trainable: trainable_groups,
+            probs_corr: pearson(&old_probs, &new_probs),
+        }));
+    }
+    on_event(TrainEvent::Ended {
+        step: packs.len() as i64,
+        message: None,
+    });
+    Ok(Some(adapter))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::ExperimentalConfig;
+
+    fn cfg(json: serde_json::Value) -> LossConfig {
+        serde_json::from_value::<ExperimentalConfig>(json)
+            .unwrap()
+            .resolve()
+            .unwrap()
+    }
+
+    #[test]
+    fn advantages_by_hand() {
+        // mean 2, population std sqrt(2/3)
+        let a = group_advantages(&[1.0, 2.0, 3.0], false);
+        assert_eq!(a, vec![-1.0, 0.0, 1.0]);
+        let a = group_advantages(&[1.0, 2.0, 3.0], true);
+        let s = (2.0f64 / 3.0).sqrt() + 1e-6;
+        assert!((a[0] + 1.0 / s).abs() < 1e-12 && a[1] == 0.0 && (a[2] - 1.0 / s).abs() < 1e-12);
+        assert_eq!(group_advantages(&[5.0, 5.0], true), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn defaults() {
+        let c = cfg(serde_json::json!({}));
+        assert_eq!(
+            (c.ppo, c.epsilon, c.epsilon_high, c.learning_rate),
+            (false, 1.0, 4.0, 5e-6)
+        );
+        let c = cfg(serde_json::json!({"ppo": true}));
+        assert_eq!((c.epsilon, c.epsilon_high), (0.2, 0.2));
+        let c = cfg(serde_json::json!({"kimi_k2_tau": 0.5}));
+        assert_eq!(c.alt_k2_tau, Some(0.5));
+        assert!(
+            serde_json::from_value::<ExperimentalConfig>(serde_json::json!({"lr": 1})).is_err()
+        );
+    }
+
+    #[test]
+    fn losses_by_hand() {
+        let ln = |x: f64| x.ln();
+        // CISPO: rho = 2 within [0, 5]: L = -2 * A * lp_new, dL = -2A.
+        let c = cfg(serde_json::json!({}));
+        let (l, d) = token_loss(ln(0.5), ln(0.25), 1.5, &c);
+        assert!((l - (-2.0 * 1.5 * ln(0.5))).abs() < 1e-12 && (d + 3.0).abs() < 1e-12);
+        // rho = 8 clipped to 1 + 4 = 5.
+        let (_, d) = token_loss(ln(0.8), ln(0.1), 1.0, &c);
+        assert!((d + 5.0).abs() < 1e-9);
+        // PPO, A > 0, rho = 1.5 > 1.2: the clipped term is the min, constant: no gradient.
+        let p = cfg(serde_json::json!({"ppo": true}));
+        let (l, d) = token_loss(ln(0.3), ln(0.2), 1.0, &p);
+        assert!((l + 1.2).abs() < 1e-12 && d == 0.0);
+        // PPO, rho = 1.1 inside: L = -rho A, dL = -rho A.
+        let (l, d) = token_loss(ln(0.22), ln(0.2), 2.0, &p);
+        assert!((l + 2.2).abs() < 1e-9 && (d + 2.2).abs() < 1e-9);
+        // W caps rho on negative advantages: rho 4 -> 2, no gradient through it (PPO unclipped
+        // term -rho*A = 2*... picks min(rho A, clip A) = min(-2, -1.2) = -2).
+        let w = cfg(
+            serde_json::json!({"ppo": true, "max_negative_advantage_importance_sampling_weight": 2.0}),
+        );
+        let (l, d) = token_loss(ln(0.4), ln(0.1), -1.0, &w);
+        assert!((l - 2.0).abs() < 1e-12 && d == 0.0);
+        // mask_prob_ratio zeroes rho outside (1 - eps, 1 + eps_high) = (0, 1.5) here.
+        let m = cfg(serde_json::json!({"mask_prob_ratio": true, "epsilon_high": 0.5}));
+        let (l, d) = token_loss(ln(0.8), ln(0.1), 1.0, &m);
+        assert_eq!((l, d), (-0.0, -0.0));
+        let (_, d) = token_loss(ln(0.12), ln(0.1), 1.0, &m);
+        assert!((d + 1.2).abs() < 1e-9);
+        // alt_k2_tau: A' = A - tau * d with d = ln 2.
+        let k = cfg(serde_json::json!({"alt_k2_tau": 0.5}));
+        let (_, d) = token_loss(ln(0.2), ln(0.1), 1.0, &k);
+        assert!((d + 2.0 * (1.0 - 0.5 * ln(2.0))).abs() < 1e-12);
+    }
+
+    /// PPO's loss is differentiable in lp_new; CISPO's detaches rho by design (checked by hand
+    /// above).
+    #[test]
+    fn ppo_gradient_matches_finite_differences() {
+        for json in [
+            serde_json::json!({"ppo": true, "alt_k2_tau": 0.0}),
+            serde_json::json!({"ppo": true}),
+            serde_json::json!({"ppo": true, "epsilon": 0.5}),
+        ] {
+            let c = cfg(json);
+            for (lp, old, a) in [(-1.0, -1.2, 0.7), (-2.0, -1.9, -0.4), (-0.5, -0.45, 1.3)] {
+                let h = 1e-6;
+                let numeric = (token_loss(lp + h, old, a, &c).0 - token_loss(lp - h, old, a, &c).0)
+                    / (2.0 * h);
+                let analytic = token_loss(lp, old, a, &c).1;
+                assert!(
+                    (numeric - analytic).abs() < 1e-5,
+                    "{c:?} {lp} {old} {a}: {numeric} vs {analytic}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn weights_and_advantages_by_hand() {
+        assert_eq!(balance(-4.0, 0.5), -2.0);
+        assert_eq!(balance(4.0, 0.5), 4.0);
+        assert_eq!(balance(4.0, -0.25), 3.0);
+        // Trajectory (0, 0): a main sequence of 1 trainable token and a history of 3, A = 1;
+        // trajectory (0, 1): 2 tokens, A = -2. Weights 1/4 and 1/2, times 6 tokens / 2
+        // trajectories: 0.75 and 1.5. mean(|A| w) = (4 * 1 * 0.75 + 2 * 2 * 1.5) / 6 = 1.5.
+        let out = weights_and_advantages(&[((0, 0), 1, 1.0), ((0, 1), 2, -2.0), ((0, 0), 3, 1.0)]);
+        let want = [(0.75, 1.0 / 1.5), (1.5, -2.0 / 1.5), (0.75, 1.0 / 1.5)];
+        for (got, want) in out.iter().zip(want) {
+            assert!((got.0 - want.0).abs() < 1e-12 && (got.1 - want.1).abs() < 1e-12, "{out:?}");
+        }
+    }
+
+    #[test]
+    fn pearson_by_hand() {
+        assert!((pearson(&[1.0, 2.0, 3.0], &[2.0, 4.0, 6.0]).unwrap() - 1.0).abs() < 1e-12);
+        assert_eq!(pearson(&[1.0], &[1.0]), None);
+        assert_eq!(pearson(&[1.0, 1.0], &[1.0, 2.0]), None);
+    }
+}

@@ -1,0 +1,355 @@
+//! The trainer learns in the rewarded direction on the tiny model (through the real loader):
+//! after a job that rewards one answer over another, the rewarded answer's logprob rises and the
+//! other's falls; packing, metrics, options, equal rewards, missing sampler logprobs, cancel.
+
+use std::sync::atomic::AtomicBool;
+
+use serde_json::{json, Value};
+use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence};
+use temper_text::{ChatMessage, ChatTemplate, TemplateInput, Tokenizer};
+use temper_train::{run_job, tokenize_job, TrainEvent, TrainerConfig, TrainingRequest};
+
+struct Tiny {
+    model: Gemma3,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+}
+
+fn tiny() -> Tiny {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    temper_model::tiny::write_tiny_gguf(&path, 11).expect("write tiny");
+    let loaded = temper_model::load_gguf(&path).expect("load");
+    let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path).expect("tokenizer");
+    let template = ChatTemplate::new(
+        ChatTemplate::GEMMA3,
+        tokenizer.bos_token().map(str::to_owned),
+        tokenizer.eos_token().map(str::to_owned),
+    )
+    .expect("template");
+    Tiny {
+        model: loaded.model,
+        tokenizer,
+        template,
+    }
+}
+
+/// The served prompt's tokens (generation prompt included).
+fn prompt(t: &Tiny, question: &str) -> Vec<u32> {
+    let text = t
+        .template
+        .render(&TemplateInput {
+            messages: &[ChatMessage::text("user", question)],
+            tools: None,
+            documents: None,
+            add_generation_prompt: true,
+            continue_final_message: false,
+            reasoning_effort: None,
+            kwargs: &serde_json::Map::new(),
+        })
+        .expect("render");
+    t.tokenizer.encode(&text, true)
+}
+
+/// log p(answer | prompt) under `adapter`.
+fn answer_logprob(t: &Tiny, prompt: &[u32], answer: u32, adapter: &LoraAdapter) -> f32 {
+    let mut tokens = prompt.to_vec();
+    tokens.push(answer);
+    let mut scored = vec![false; prompt.len()];
+    scored.push(true);
+    let seq = PackedSequence {
+        tokens: &tokens,
+        segment_lens: &[tokens.len()],
+        scored: &scored,
+    };
+    t.model.score(&seq, Some(adapter)).expect("score").logprobs[0]
+}
+
+fn trajectory(question: &str, answer: u32, logprob: f32, reward: f64) -> Value {
+    json!({
+        "messages_and_choices": [
+            {"role": "user", "content": question},
+            {"message": {"role": "assistant", "content": "x"}, "finish_reason": "length", "index": 0,
+             "logprobs": {"content": [{"token": format!("token_id:{answer}"), "logprob": logprob}]}}
+        ],
+        "reward": reward
+    })
+}
+
+#[test]
+fn each_packed_sequence_is_one_step_and_learns() {
+    let t = tiny();
+    let question = "pick one";
+    let p = prompt(&t, question);
+    let (good, bad) = (t.tokenizer.encode("a", false)[0], t.tokenizer.encode("b", false)[0]);
+    assert_ne!(good, bad);
+    let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
+    let before = (
+        answer_logprob(&t, &p, good, &start),
+        answer_logprob(&t, &p, bad, &start),
+    );
+    // Two groups of four rollouts each (on-policy logprobs), the good answer rewarded.
+    let group = |seed: usize| {
+        let trajectories: Vec<Value> = (0..4)
+            .map(|i| {
+                let (answer, lp, reward) = if (i + seed).is_multiple_of(2) {
+                    (good, before.0, 1.0)
+                } else {
+                    (bad, before.1, 0.0)
+                };
+                trajectory(question, answer, lp, reward)
+            })
+            .collect();
+        json!({"trajectories": trajectories})
+    };
+    let req: TrainingRequest = serde_json::from_value(json!({
+        "trajectory_groups": [group(0), group(1)],
+        "experimental_config": {"learning_rate": 1e-2}
+    }))
+    .expect("request");
+    let job = tokenize_job(&req, &t.tokenizer, &t.template).expect("tokenize");
+    // One trajectory per packed sequence: several optimizer steps.
+    let cfg = TrainerConfig {
+        lora: LoraConfig::default(),
+        max_seq_len: p.len() + 1,
+    };
+    let mut events = Vec::new();
+    let trained = run_job(
+        &t.model,
+        &start,
+        &job,
+        &cfg,
+        &AtomicBool::new(false),
+        &mut |e| events.push(e),
+    )
+    .expect("run_job")
+    .expect("something to learn");
+    assert_eq!(events.first(), Some(&TrainEvent::Started { num_sequences: 8 }));
+    assert_eq!(
+        events.last(),
+        Some(&TrainEvent::Ended {
+            step: 8,
+            message: None
+        })
+    );
+    for e in &events[1..events.len() - 1] {
+        let TrainEvent::GradientStep(m) = e else {
+            panic!("expected a gradient step, got {e:?}");
+        };
+        assert!(m.loss.is_finite() && m.grad_norm > 0.0 && m.entropy > 0.0, "{m:?}");
+        assert_eq!((m.num_trajectories, m.num_trainable_tokens), (8, 1));
+        assert_eq!((m.num_groups_submitted, m.num_groups_trainable), (2, 2));
+        assert!((m.reward - 0.5).abs() < 1e-12 && (m.reward_std_dev - 0.5).abs() < 1e-12);
+    }
+    let after = (
+        answer_logprob(&t, &p, good, &trained),
+        answer_logprob(&t, &p, bad, &trained),
+    );
+    eprintln!("logprob good {} -> {}, bad {} -> {}", before.0, after.0, before.1, after.1);
+    assert!(after.0 > before.0 + 0.05, "good: {before:?} -> {after:?}");
+    assert!(after.1 < before.1 - 0.05, "bad: {before:?} -> {after:?}");
+}
+
+#[test]
+fn equal_rewards_learn_nothing_and_say_why() {
+    let t = tiny();
+    let p = prompt(&t, "q");
+    let good = t.tokenizer.encode("a", false)[0];
+    let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
+    let lp = answer_logprob(&t, &p, good, &start);
+    let req: TrainingRequest = serde_json::from_value(json!({"trajectory_groups": [
+        {"trajectories": [trajectory("q", good, lp, 1.0), trajectory("q", good, lp, 1.0)]}]}))
+    .expect("request");
+    let job = tokenize_job(&req, &t.tokenizer, &t.template).expect("tokenize");
+    let mut events = Vec::new();
+    let out = run_job(
+        &t.model,
+        &start,
+        &job,
+        &TrainerConfig::default(),
+        &AtomicBool::new(false),
+        &mut |e| events.push(e),
+    )
+    .expect("run_job");
+    assert!(out.is_none());
+    let [TrainEvent::Ended {
+        step: 0,
+        message: Some(why),
+    }] = events.as_slice()
+    else {
+        panic!("expected one Ended event, got {events:?}");
+    };
+    assert!(why.contains("equal rewards"), "{why}");
+}
+
+/// Without the sampler's logprobs, lp_old is the trainer's own (rho = 1): the job still learns,
+/// and `probs_corr` has nothing to correlate.
+#[test]
+fn missing_sampler_logprobs_train_on_policy() {
+    let t = tiny();
+    let p = prompt(&t, "q");
+    let (good, bad) = (t.tokenizer.encode("a", false)[0], t.tokenizer.encode("b", false)[0]);
+    let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
+    let mut group = vec![trajectory("q", good, 0.0, 1.0), trajectory("q", bad, 0.0, 0.0)];
+    for traj in &mut group {
+        traj["messages_and_choices"][1]["logprobs"]["content"][0]["logprob"] = Value::Null;
+    }
+    let req: TrainingRequest = serde_json::from_value(json!({
+        "trajectory_groups": [{"trajectories": group}],
+        "experimental_config": {"learning_rate": 1e-2}}))
+    .expect("request");
+    let job = tokenize_job(&req, &t.tokenizer, &t.template).expect("tokenize");
+    for s in &job.sequences {
+        let sampled: Vec<f32> = (0..s.tokens.len())
+            .filter(|&i| s.mask[i])
+            .map(|i| s.old_logprobs[i])
+            .collect();
+        assert!(sampled.len() == 1 && sampled[0].is_nan(), "{sampled:?}");
+    }
+    let mut steps = Vec::new();
+    let trained = run_job(
+        &t.model,
+        &start,
+        &job,
+        &TrainerConfig::default(),
+        &AtomicBool::new(false),
+        &mut |e| {
+            if let TrainEvent::GradientStep(m) = e {
+                steps.push(m)
+            }
+        },
+    )
+    .expect("run_job")
+    .expect("something to learn");
+    assert_eq!(steps.len(), 1);
+    assert!(steps[0].loss.is_finite() && steps[0].probs_corr.is_none(), "{:?}", steps[0]);
+    assert!(answer_logprob(&t, &p, good, &trained) > answer_logprob(&t, &p, good, &start));
+}
+
+#[test]
+fn rewarded_tokens_gain_probability() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    temper_model::tiny::write_tiny_gguf(&path, 7).unwrap();
+    let loaded = temper_model::load_gguf(&path).unwrap();
+    let tok = temper_text::load_tokenizer(&loaded.metadata, &path).unwrap();
+    let template = ChatTemplate::new(
+        ChatTemplate::GEMMA3,
+        tok.bos_token().map(str::to_owned),
+        tok.eos_token().map(str::to_owned),
+    )
+    .unwrap();
+    let model = loaded.model;
+    let good = tok.encode("yes", false);
+    let bad = tok.encode("no", false);
+    let choice = |ids: &[u32]| {
+        let content: Vec<_> = ids
+            .iter()
+            .map(|id| json!({"token": format!("token_id:{id}"), "logprob": -2.0}))
+            .collect();
+        json!({"message": {"role": "assistant", "content": ""}, "finish_reason": "stop",
+            "index": 0, "logprobs": {"content": content}})
+    };
+    let trajectory = |ids: &[u32], reward: f64| {
+        json!({"messages_and_choices": [{"role": "user", "content": "question"}, choice(ids)],
+            "reward": reward})
+    };
+    let req: TrainingRequest = serde_json::from_value(json!({
+        "trajectory_groups": [{"trajectories": [trajectory(&good, 1.0), trajectory(&bad, 0.0)]}],
+        "experimental_config": {"learning_rate": 0.02}
+    }))
+    .unwrap();
+    let job = tokenize_job(&req, &tok, &template).unwrap();
+    let score = |adapter: &LoraAdapter, seq: usize| -> f32 {
+        let s = &job.sequences[seq];
+        let scores = model
+            .score(
+                &PackedSequence {
+                    tokens: &s.tokens,
+                    segment_lens: &[s.tokens.len()],
+                    scored: &s.mask,
+                },
+                Some(adapter),
+            )
+            .unwrap();
+        scores.logprobs.iter().sum()
+    };
+    let cfg = TrainerConfig::default();
+    let mut adapter = LoraAdapter::new(model.config(), cfg.lora, 1);
+    let (good0, bad0) = (score(&adapter, 0), score(&adapter, 1));
+    let mut events = Vec::new();
+    for _ in 0..3 {
+        adapter = run_job(
+            &model,
+            &adapter,
+            &job,
+            &cfg,
+            &AtomicBool::new(false),
+            &mut |e| events.push(e),
+        )
+        .unwrap()
+        .expect("a job with different rewards learns");
+    }
+    let (good1, bad1) = (score(&adapter, 0), score(&adapter, 1));
+    assert!(good1 > good0, "rewarded answer: {good0} -> {good1}");
+    assert!(bad1 < bad0, "unrewarded answer: {bad0} -> {bad1}");
+    assert!(matches!(
+        events[0],
+        TrainEvent::Started { num_sequences: 1 }
+    ));
+    let TrainEvent::GradientStep(m) = &events[1] else {
+        panic!("{:?}", events[1]);
+    };
+    assert_eq!(m.num_trajectories, 2);
+    assert_eq!(m.num_trainable_tokens, good.len() + bad.len());
+    assert_eq!((m.num_groups_submitted, m.num_groups_trainable), (1, 1));
+    assert!(m.grad_norm > 0.0 && m.loss.is_finite() && m.entropy > 0.0);
+    assert!(matches!(
+        events[2],
+        TrainEvent::Ended {
+            step: 1,
+            message: None
+        }
+    ));
+
+    // precalculate_logprobs: old logprobs recomputed with the current weights (ratio 1), the
+    // sampler's kept for probs_corr; ppo runs the clipped objective.
+    for config in [json!({"precalculate_logprobs": true}), json!({"ppo": true})] {
+        let mut req = req.clone();
+        req.experimental_config = Some(serde_json::from_value(config).unwrap());
+        let job = tokenize_job(&req, &tok, &template).unwrap();
+        let mut steps = Vec::new();
+        let out = run_job(
+            &model,
+            &adapter,
+            &job,
+            &cfg,
+            &AtomicBool::new(false),
+            &mut |e| {
+                if let TrainEvent::GradientStep(m) = e {
+                    steps.push(m)
+                }
+            },
+        )
+        .unwrap();
+        assert!(out.is_some());
+        assert!(
+            steps[0].loss.is_finite() && steps[0].grad_norm > 0.0,
+            "{steps:?}"
+        );
+    }
+
+    // Cancelled before its first step: no adapter.
+    let cancelled = run_job(
+        &model,
+        &adapter,
+        &job,
+        &cfg,
+        &AtomicBool::new(true),
+        &mut |_| {},
+    );
+    assert!(matches!(
+        cancelled,
+        Err(temper_train::TrainError::Cancelled)
+    ));
+}
