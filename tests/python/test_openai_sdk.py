@@ -2,6 +2,7 @@
 default model (started once, on an ephemeral port, with an API key). Run by scripts/python-sdk-tests.sh
 (which `make test` calls); it prints a cargo-style `test result:` line the Makefile sums."""
 
+import json
 import os
 import subprocess
 import sys
@@ -213,9 +214,36 @@ class PriorityScheduling(unittest.TestCase):
             server.stop()
 
 
-# Structured outputs (response_format / structured_outputs) are built on the `structured` branch:
-# their SDK cases (response_format json_schema through `client.chat.completions.parse`, and
-# extra_body structured_outputs) go in a `StructuredOutputs` class here once that lands.
+class StructuredOutputs(unittest.TestCase):
+    SCHEMA = {"type": "object",
+              "properties": {"name": {"type": "string", "maxLength": 20},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+
+    def test_response_format_json_schema(self):
+        r = client().chat.completions.create(
+            model=MODEL, messages=ask("Describe a person as JSON."), max_tokens=80, temperature=1.0,
+            seed=3, n=2,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": self.SCHEMA, "strict": True}})
+        for choice in r.choices:
+            self.assertEqual(choice.finish_reason, "stop")
+            person = json.loads(choice.message.content)
+            self.assertEqual(sorted(person), ["age", "name"])
+            self.assertTrue(0 <= person["age"] <= 120)
+
+    def test_structured_outputs_choice_through_extra_body(self):
+        r = client().chat.completions.create(
+            model=MODEL, messages=ask("Is the sky blue?"), max_tokens=5, temperature=1.0, n=3,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        for choice in r.choices:
+            self.assertIn(choice.message.content, ("yes", "no"))
+
+    def test_invalid_regex_is_bad_request_naming_it(self):
+        with self.assertRaises(openai.BadRequestError) as e:
+            client().chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=2,
+                                             extra_body={"structured_outputs": {"regex": "(unclosed"}})
+        self.assertEqual(e.exception.body.get("param"), "structured_outputs.regex")
 
 
 if __name__ == "__main__":
