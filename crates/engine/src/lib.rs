@@ -15,6 +15,8 @@ mod structured;
 
 use std::sync::{Arc, OnceLock};
 
+pub use mask_workers::MaskHold;
+
 pub use structured::{
     Grammar, GrammarCompiler, GrammarError, GrammarMatcher, JsonOptions, OutputConstraint,
     TagStructure, TokenMask,
@@ -256,6 +258,11 @@ pub struct EngineStats {
     pub running: usize,
     /// Requests queued and not yet admitted.
     pub waiting: usize,
+    /// Structured-output masks computed by the mask workers (first masks are computed when
+    /// the constraint is compiled).
+    pub masks: u64,
+    /// Mask jobs skipped because the request's client had gone away.
+    pub masks_abandoned: u64,
 }
 
 /// Handle to a model's scheduler thread; cheap to clone, shareable across threads.
@@ -269,6 +276,7 @@ pub struct Engine {
     tokenizer: Arc<Tokenizer>,
     /// Built on first use: it walks the whole vocabulary.
     grammar_compiler: Arc<OnceLock<Result<GrammarCompiler, GrammarError>>>,
+    mask_gate: mask_workers::MaskGate,
 }
 
 impl Engine {
@@ -289,7 +297,15 @@ impl Engine {
         let max_model_len = config.max_model_len;
         let stats = Arc::new(scheduler::Stats::default());
         let (tx, rx) = std::sync::mpsc::channel();
-        let sched = scheduler::Scheduler::new(model, tokenizer.clone(), config, stats.clone(), rx);
+        let mask_gate = mask_workers::MaskGate::default();
+        let sched = scheduler::Scheduler::new(
+            model,
+            tokenizer.clone(),
+            config,
+            stats.clone(),
+            rx,
+            mask_gate.clone(),
+        );
         if let Err(e) = std::thread::Builder::new()
             .name("temper-engine".into())
             .spawn(move || sched.run())
@@ -304,6 +320,7 @@ impl Engine {
             model_config,
             tokenizer,
             grammar_compiler: Arc::new(OnceLock::new()),
+            mask_gate,
         }
     }
 
@@ -317,6 +334,20 @@ impl Engine {
             })
             .as_ref()
             .map_err(Clone::clone)
+    }
+
+    /// Builds the compiler if needed and compiles `constraint`. Both can take long (the first
+    /// build ~1.4 s on a 262k vocabulary; a large schema tens of milliseconds): async callers
+    /// run this on a blocking thread.
+    pub fn compile_grammar(&self, constraint: &OutputConstraint) -> Result<Grammar, GrammarError> {
+        self.grammar_compiler()?.compile(constraint)
+    }
+
+    /// For tests: while the returned hold lives, the mask workers compute no structured-output
+    /// mask, so a test can show what waits for one and what does not.
+    #[doc(hidden)]
+    pub fn hold_masks(&self) -> MaskHold {
+        self.mask_gate.hold()
     }
 
     /// Queues a request; events arrive on the receiver. Dropping the receiver cancels the

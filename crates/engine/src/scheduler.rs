@@ -19,7 +19,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, error, trace, warn};
 
 use crate::logits::{self, History, Processors};
-use crate::mask_workers::{MaskDone, MaskKey, MaskWorkers};
+use crate::mask_workers::{MaskDone, MaskGate, MaskKey, MaskOutcome, MaskWorkers};
 use crate::rng::{random_seed, Rng};
 use crate::sampler::{self, Sampler};
 use crate::stop::StopMatcher;
@@ -45,6 +45,9 @@ pub(crate) struct Stats {
     max_rows_in_step: AtomicUsize,
     running: AtomicUsize,
     waiting: AtomicUsize,
+    /// Counted by the mask workers.
+    pub(crate) masks: AtomicU64,
+    pub(crate) masks_abandoned: AtomicU64,
 }
 
 impl Stats {
@@ -56,6 +59,8 @@ impl Stats {
             max_rows_in_step: self.max_rows_in_step.load(Ordering::Relaxed),
             running: self.running.load(Ordering::Relaxed),
             waiting: self.waiting.load(Ordering::Relaxed),
+            masks: self.masks.load(Ordering::Relaxed),
+            masks_abandoned: self.masks_abandoned.load(Ordering::Relaxed),
         }
     }
 }
@@ -221,8 +226,10 @@ impl Scheduler {
         config: EngineConfig,
         stats: Arc<Stats>,
         rx: Receiver<Submission>,
+        mask_gate: MaskGate,
     ) -> Self {
         let end_tokens = EndTokens::of(&tokenizer);
+        let masks = MaskWorkers::start(MASK_THREADS, mask_gate, stats.clone());
         Scheduler {
             model,
             tokenizer,
@@ -235,7 +242,7 @@ impl Scheduler {
             end_tokens,
             sampler: Sampler::default(),
             processed: Vec::new(),
-            masks: MaskWorkers::start(MASK_THREADS),
+            masks,
         }
     }
 
@@ -571,7 +578,7 @@ impl Scheduler {
                     group: g.id,
                     choice: seq.choice,
                 };
-                self.masks.submit(key, matcher);
+                self.masks.submit(key, matcher, g.tx.clone());
             }
         }
         match emitted {
@@ -591,19 +598,21 @@ impl Scheduler {
     /// `wait`, blocks for the first one.
     fn take_masks(&mut self, wait: bool) {
         let mut wait = wait;
-        while let Some(MaskDone { key, result }) = self.masks.next_done(wait) {
+        while let Some(MaskDone { key, outcome }) = self.masks.next_done(wait) {
             wait = false;
             let Some(gi) = self.groups.iter().position(|g| g.id == key.group) else {
                 // A preempted request keeps its matcher for when it runs again (its replay
                 // recomputes the row); a cancelled or failed one drops the result.
                 if let Some(g) = self.waiting.iter_mut().find(|g| g.id == key.group) {
-                    if let (Phase::Decode { seqs }, Ok((matcher, mask))) = (&mut g.phase, result) {
+                    if let (Phase::Decode { seqs }, MaskOutcome::Ready(matcher, mask)) =
+                        (&mut g.phase, outcome)
+                    {
                         if let Some(gr) = seqs
                             .iter_mut()
                             .find(|s| s.choice == key.choice)
                             .and_then(|s| s.grammar.as_mut())
                         {
-                            gr.matcher = Some(matcher);
+                            gr.matcher = Some(*matcher);
                             gr.mask = Some(mask);
                         }
                     }
@@ -617,13 +626,15 @@ impl Scheduler {
             let Some(si) = seqs.iter().position(|s| s.choice == key.choice) else {
                 continue;
             };
-            let (matcher, mask) = match result {
-                Ok(r) => r,
-                Err(e) => {
+            let (matcher, mask) = match outcome {
+                MaskOutcome::Ready(matcher, mask) => (*matcher, mask),
+                MaskOutcome::Failed(e) => {
                     g.fail(&e.to_string());
                     g.dropped = true;
                     continue;
                 }
+                // Its client is gone: `drop_cancelled` removes the request.
+                MaskOutcome::Abandoned => continue,
             };
             let seq = &mut seqs[si];
             if let Some(gr) = &mut seq.grammar {

@@ -1170,3 +1170,111 @@ fn invalid_constraints_are_compile_errors() {
         );
     }
 }
+
+/// Polls the engine's counters until `done` holds (the scheduler runs on its own thread).
+fn wait_stats(e: &Engine, done: impl Fn(&EngineStats) -> bool) -> EngineStats {
+    let t0 = Instant::now();
+    loop {
+        let s = e.stats();
+        if done(&s) {
+            return s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "still {s:?}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn pets(e: &Engine, seed: u64) -> GenerationRequest {
+    constrained(
+        e,
+        "the",
+        30,
+        seeded(seed),
+        OutputConstraint::Regex("(cat|dog) [0-9]{1,3}!".into()),
+    )
+}
+
+#[test]
+fn a_pending_mask_never_stalls_the_batch() {
+    let e = default_engine();
+    let hold = Arc::new(std::sync::Mutex::new(Some(e.hold_masks())));
+    // If the batch did wait for the held mask, this releases it so the test fails instead of
+    // hanging.
+    let watchdog = {
+        let hold = hold.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(120));
+            hold.lock().unwrap().take().is_some()
+        })
+    };
+    let mut constrained_rx = e.submit(pets(&e, 4)).expect("submit");
+    // The first token samples under the compiled grammar's first mask; the second needs a
+    // mask from a worker, which is held.
+    let Some(GenerationEvent::Token {
+        text: mut pets_text,
+        ..
+    }) = constrained_rx.blocking_recv()
+    else {
+        panic!("no first token");
+    };
+    // Prefill (sampling token 1) and the decode row whose logits wait for the held mask.
+    let before = wait_stats(&e, |s| s.steps >= 2);
+    assert_eq!(before.steps, 2, "{before:?}");
+
+    let free = collect(
+        e.submit(request("the dog sat", 20, greedy()))
+            .expect("submit"),
+        1,
+    );
+    assert_eq!(free[0].ids.len(), 20);
+    let after = e.stats();
+    assert!(
+        hold.lock().unwrap().is_some(),
+        "the batch waited for the held mask"
+    );
+    // The unconstrained request got a token on every step it ran (prefill + 19 decode rows),
+    // one row each, while the constrained choice sat out.
+    assert_eq!(after.steps - before.steps, 20, "{after:?}");
+    assert_eq!(after.rows - before.rows, 20, "{after:?}");
+    assert_eq!(after.masks, 0);
+    assert!(
+        constrained_rx.try_recv().is_err(),
+        "the held choice went on"
+    );
+
+    drop(hold.lock().unwrap().take());
+    while let Some(ev) = constrained_rx.blocking_recv() {
+        match ev {
+            GenerationEvent::Token { text, .. } | GenerationEvent::Finished { text, .. } => {
+                pets_text.push_str(&text)
+            }
+            GenerationEvent::Error { message } => panic!("{message}"),
+        }
+    }
+    assert!(matches_pet_number(&pets_text), "{pets_text:?}");
+    assert!(e.stats().masks > 0);
+    drop(watchdog);
+}
+
+#[test]
+fn a_cancelled_request_skips_its_pending_masks() {
+    let e = default_engine();
+    let hold = e.hold_masks();
+    let mut req = pets(&e, 9);
+    req.n = 4;
+    let mut rx = e.submit(req).expect("submit");
+    // Each choice's first token is out, so its next mask is queued behind the hold.
+    for _ in 0..4 {
+        assert!(matches!(
+            rx.blocking_recv(),
+            Some(GenerationEvent::Token { .. })
+        ));
+    }
+    drop(rx);
+    wait_idle(&e);
+    drop(hold);
+    let s = wait_stats(&e, |s| s.masks_abandoned == 4);
+    assert_eq!(s.masks, 0, "{s:?}");
+    // The engine carries on.
+    assert_eq!(run(&e, request("the", 3, greedy()))[0].ids.len(), 3);
+}

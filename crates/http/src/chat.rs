@@ -11,7 +11,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Serialize;
-use temper_engine::{FinishReason, GenerationEvent, OutputConstraint, StopReason};
+use temper_engine::{FinishReason, GenerationEvent, StopReason};
 use temper_text::{ReasoningDelta, ReasoningParser, Tokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
@@ -26,6 +26,7 @@ use crate::protocol::{
     ChunkChoice, Delta, FinishReasonJson, LogprobEntry, ResponseMessage, StopReasonJson, Usage,
 };
 use crate::state::{unix_now, AppState};
+use crate::structured::compile_constraint;
 use crate::training::resolve_model;
 use crate::validation::{validate_chat, StreamOptions};
 
@@ -60,8 +61,8 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let resolved = resolve_model(&state, req.model.as_deref(), &ctx.team).await?;
     let model = resolved.base.clone();
-    let compile = |c: &OutputConstraint| model.engine.grammar_compiler()?.compile(c);
-    let params = validate_chat(req, &state.limits(&model), &compile)?;
+    let params = validate_chat(req, &state.limits(&model))?;
+    let constraint = compile_constraint(&model.engine, params.constraint.clone()).await?;
     let request_id = params
         .request_id
         .clone()
@@ -71,8 +72,12 @@ pub async fn chat_completions(
     if let Some(keep) = params.truncate_prompt_tokens {
         prompt_ids.drain(..prompt_ids.len().saturating_sub(keep));
     }
-    let mut generation =
-        params.generation_request(request_id.clone(), prompt_ids.clone(), model.max_model_len)?;
+    let mut generation = params.generation_request(
+        request_id.clone(),
+        prompt_ids.clone(),
+        model.max_model_len,
+        constraint,
+    )?;
     if let (Some(checkpoint), Some(training)) = (&resolved.checkpoint, state.training()) {
         generation.adapter = training.adapter(&model, checkpoint).await?;
     }

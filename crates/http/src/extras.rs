@@ -252,7 +252,7 @@ mod tests {
             body[k] = v.clone();
         }
         let req: ChatCompletionRequest = serde_json::from_value(body).unwrap();
-        validate_chat(req, &LIMITS, &|_| panic!("no structured output expected"))
+        validate_chat(req, &LIMITS)
     }
 
     fn param(extra: Value) -> String {

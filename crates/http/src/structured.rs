@@ -3,12 +3,17 @@
 
 use serde::Deserialize;
 use serde_json::Value;
-use temper_engine::{Grammar, GrammarError, JsonOptions, OutputConstraint, TagStructure};
+use temper_engine::{Engine, Grammar, JsonOptions, OutputConstraint, TagStructure};
 
 use crate::error::ApiError;
 
-/// Compiles a constraint for the served model (the engine's grammar compiler).
-pub type CompileGrammar<'a> = &'a dyn Fn(&OutputConstraint) -> Result<Grammar, GrammarError>;
+/// The one structured-output constraint a request asks for, validated in shape but not yet
+/// compiled, with the parameter a compile error is reported against.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestedConstraint {
+    pub param: &'static str,
+    pub constraint: OutputConstraint,
+}
 
 /// `response_format`: `{type: "text" | "json_object" | "json_schema" | "structural_tag", ...}`.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -67,18 +72,32 @@ struct StructuralTagSpec {
     triggers: Vec<String>,
 }
 
-/// Validates both fields and compiles the one constraint they ask for (or none).
-pub fn compile_structured_output(
-    response_format: Option<ResponseFormat>,
-    structured: Option<StructuredOutputs>,
-    compile: CompileGrammar<'_>,
+/// Compiles the request's constraint for `engine`'s model on a blocking thread: building the
+/// model's compiler (first use) and compiling a schema take from milliseconds to over a second,
+/// which must not hold up the async workers serving other requests. A bad schema, regex or
+/// grammar is a 400 naming the parameter it came from.
+pub async fn compile_constraint(
+    engine: &Engine,
+    requested: Option<RequestedConstraint>,
 ) -> Result<Option<Grammar>, ApiError> {
-    let Some((param, constraint)) = output_constraint(response_format, structured)? else {
+    let Some(RequestedConstraint { param, constraint }) = requested else {
         return Ok(None);
     };
-    compile(&constraint)
+    let engine = engine.clone();
+    tokio::task::spawn_blocking(move || engine.compile_grammar(&constraint))
+        .await
+        .map_err(|e| ApiError::Internal(format!("Compiling the structured output failed: {e}")))?
         .map(Some)
         .map_err(|e| ApiError::bad(param, e.to_string()))
+}
+
+/// Validates both fields: the one constraint they ask for (or none).
+pub fn requested_constraint(
+    response_format: Option<ResponseFormat>,
+    structured: Option<StructuredOutputs>,
+) -> Result<Option<RequestedConstraint>, ApiError> {
+    Ok(output_constraint(response_format, structured)?
+        .map(|(param, constraint)| RequestedConstraint { param, constraint }))
 }
 
 /// The requested constraint and the parameter an error in it is reported against.

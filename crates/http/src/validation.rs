@@ -10,7 +10,7 @@ use crate::protocol::{
     ChatCompletionRequest, JsonObject, MessageContentField, RequestMessage, StopField,
 };
 use crate::sampling::{check_min_tokens, sampling_controls, SamplingControls};
-use crate::structured::{compile_structured_output, CompileGrammar};
+use crate::structured::{requested_constraint, RequestedConstraint};
 
 /// Temperatures below this sample greedily (vLLM's threshold).
 const GREEDY_EPSILON: f64 = 1e-5;
@@ -53,8 +53,9 @@ pub struct ChatParams {
     /// `false` drops the reasoning parser's `reasoning` from the response.
     pub include_reasoning: bool,
     pub extras: RequestExtras,
-    /// `response_format` / `structured_outputs`, compiled for the served model.
-    pub constraint: Option<Grammar>,
+    /// `response_format` / `structured_outputs`; compiled for the served model by
+    /// `crate::structured::compile_constraint`.
+    pub constraint: Option<RequestedConstraint>,
     /// Lower runs first (priority scheduling only; always 0 otherwise).
     pub priority: i64,
 }
@@ -103,12 +104,7 @@ pub struct StreamOptions {
     pub continuous_usage_stats: bool,
 }
 
-/// `compile` compiles a structured-output constraint for the served model.
-pub fn validate_chat(
-    req: ChatCompletionRequest,
-    limits: &Limits,
-    compile: CompileGrammar<'_>,
-) -> Result<ChatParams, ApiError> {
+pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<ChatParams, ApiError> {
     reject_unsupported(&req)?;
 
     let priority = req.priority.unwrap_or(0);
@@ -284,8 +280,7 @@ pub fn validate_chat(
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
     };
 
-    let constraint =
-        compile_structured_output(req.response_format, req.structured_outputs, compile)?;
+    let constraint = requested_constraint(req.response_format, req.structured_outputs)?;
 
     if req.request_id.as_deref() == Some("") {
         return Err(ApiError::bad(
@@ -339,12 +334,14 @@ pub fn validate_chat(
 }
 
 impl ChatParams {
-    /// Applies the context-length rules to the tokenized prompt and builds the engine request.
+    /// Applies the context-length rules to the tokenized prompt and builds the engine request;
+    /// `constraint` is `self.constraint` compiled.
     pub fn generation_request(
         &self,
         request_id: String,
         prompt: Vec<u32>,
         max_model_len: usize,
+        constraint: Option<Grammar>,
     ) -> Result<GenerationRequest, ApiError> {
         let max_tokens = check_context(prompt.len(), self.max_tokens, max_model_len)?;
         check_min_tokens(self.controls.min_tokens, max_tokens)?;
@@ -379,7 +376,7 @@ impl ChatParams {
             },
             logprobs: self.logprobs,
             adapter: None,
-            constraint: self.constraint.clone(),
+            constraint,
             priority: self.priority,
         })
     }
@@ -545,7 +542,6 @@ fn reject_unsupported(req: &ChatCompletionRequest) -> Result<(), ApiError> {
 #[cfg(test)]
 mod tests {
     use serde_json::{json, Value};
-    use temper_engine::{GrammarError, OutputConstraint};
 
     use super::*;
 
@@ -566,14 +562,8 @@ mod tests {
         serde_json::from_value(body).unwrap()
     }
 
-    /// Structured outputs are compiled by the engine; `crate::structured` and the server
-    /// tests cover them.
-    fn no_grammar(_: &OutputConstraint) -> Result<Grammar, GrammarError> {
-        panic!("no structured output expected")
-    }
-
     fn ok(extra: Value) -> ChatParams {
-        validate_chat(request(extra), &LIMITS, &no_grammar).unwrap()
+        validate_chat(request(extra), &LIMITS).unwrap()
     }
 
     fn rejected(extra: Value, param: &str) {
@@ -581,7 +571,7 @@ mod tests {
     }
 
     fn rejected_with(extra: Value, limits: &Limits, param: &str) {
-        match validate_chat(request(extra.clone()), limits, &no_grammar) {
+        match validate_chat(request(extra.clone()), limits) {
             Ok(_) => panic!("{extra} was accepted"),
             Err(e) => {
                 assert_eq!(e.status().as_u16(), 400, "{extra}");
@@ -666,7 +656,6 @@ mod tests {
         let p = validate_chat(
             request(json!({"logprobs": true, "top_logprobs": -1})),
             &unlimited,
-            &no_grammar,
         )
         .unwrap();
         assert_eq!(p.logprobs, Some(1000));
@@ -699,7 +688,7 @@ mod tests {
             trust_request_chat_template: true,
             ..LIMITS
         };
-        let p = validate_chat(request(json!({"chat_template": "{{ 'x' }}"})), &trusted, &no_grammar).unwrap();
+        let p = validate_chat(request(json!({"chat_template": "{{ 'x' }}"})), &trusted).unwrap();
         assert_eq!(p.prompt.chat_template.as_deref(), Some("{{ 'x' }}"));
         let p = ok(json!({"chat_template_kwargs": {"a": 1}, "add_special_tokens": true}));
         assert_eq!(p.prompt.chat_template_kwargs["a"], 1);
@@ -749,7 +738,7 @@ mod tests {
             priority_scheduling: true,
             ..LIMITS
         };
-        let p = validate_chat(request(json!({"priority": -3})), &priority, &no_grammar).unwrap();
+        let p = validate_chat(request(json!({"priority": -3})), &priority).unwrap();
         assert_eq!(p.priority, -3);
     }
 
@@ -887,7 +876,7 @@ mod tests {
             "stop": ["x"], "stop_token_ids": [7], "ignore_eos": true, "logprobs": true, "top_logprobs": 2}),
         );
         let g = p
-            .generation_request("r1".into(), vec![1, 2, 3], 100)
+            .generation_request("r1".into(), vec![1, 2, 3], 100, None)
             .unwrap();
         assert_eq!(g.request_id, "r1");
         assert_eq!(g.prompt, vec![1, 2, 3]);
@@ -901,7 +890,7 @@ mod tests {
         assert!(g.stopping.ignore_eos);
         assert_eq!(g.logprobs, Some(2));
         let g = ok(json!({}))
-            .generation_request("r".into(), vec![1; 40], 100)
+            .generation_request("r".into(), vec![1; 40], 100, None)
             .unwrap();
         assert_eq!(g.stopping.max_tokens, 60);
     }
