@@ -89,6 +89,7 @@ fn rollouts(
             },
             logprobs: Some(0),
             adapter: Some(adapter.clone()),
+            constraint: None,
             priority: 0,
         })
         .map_err(|e| e.to_string())?;
