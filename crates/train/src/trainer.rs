@@ -482,26 +482,90 @@ mod tests {
         let k = cfg(serde_json::json!({"alt_k2_tau": 0.5}));
         let (_, d) = token_loss(ln(0.2), ln(0.1), 1.0, &k);
         assert!((d + 2.0 * (1.0 - 0.5 * ln(2.0))).abs() < 1e-12);
+        // PPO with alt_k2_tau: rho = 1.1 inside [0.8, 1.2], A' = 2 - 0.5 ln 1.1 (a constant):
+        // L = -rho A', dL = -rho A'.
+        let pk = cfg(serde_json::json!({"ppo": true, "alt_k2_tau": 0.5}));
+        let (l, d) = token_loss(ln(0.22), ln(0.2), 2.0, &pk);
+        let a = 2.0 - 0.5 * ln(1.1);
+        assert!((l + 1.1 * a).abs() < 1e-9 && (d + 1.1 * a).abs() < 1e-9, "{l} {d}");
+        // A missing sampler logprob is lp_new detached: rho = 1 with gradient rho, so PPO's
+        // dL = -A and CISPO's dL = -clip(1) A = -A.
+        let (l, d) = token_loss(ln(0.3), ln(0.3), 0.8, &p);
+        assert!((l + 0.8).abs() < 1e-12 && (d + 0.8).abs() < 1e-12);
     }
 
-    /// PPO's loss is differentiable in lp_new; CISPO's detaches rho by design (checked by hand
-    /// above).
+    /// training.md's per-token loss written as the spec writes it, as autograd evaluates it:
+    /// `lp` carries the gradient and `lp_detached` (the same value) is read wherever the
+    /// formula says `.detach()`; a missing (NaN) sampler logprob is `lp_detached`.
+    fn spec_loss(lp: f64, lp_detached: f64, lp_old: f64, a: f64, c: &LossConfig) -> f64 {
+        let lp_old = if lp_old.is_nan() { lp_detached } else { lp_old };
+        let (lo, hi) = (1.0 - c.epsilon, 1.0 + c.epsilon_high);
+        let ratio = |lp: f64| {
+            let mut rho = (lp - lp_old).exp();
+            if let (Some(w), true) = (c.max_negative_is_weight, a < 0.0) {
+                rho = rho.min(w);
+            }
+            if c.mask_prob_ratio && !(lo < rho && rho < hi) {
+                rho = 0.0;
+            }
+            rho
+        };
+        let a = a - c.alt_k2_tau.unwrap_or(0.0) * (lp_detached - lp_old);
+        if c.ppo {
+            let rho = ratio(lp);
+            -(rho * a).min(rho.clamp(lo, hi) * a)
+        } else {
+            -ratio(lp_detached).clamp(lo, hi) * a * lp
+        }
+    }
+
+    /// d loss / d lp_new by central differences of the spec's loss (detached parts held) against
+    /// `token_loss`'s gradient, and the two losses' values, for every objective and option, at
+    /// points away from the clip and mask edges: ratios inside the clip range, above it, below
+    /// it, both advantage signs, and a token without a sampler logprob.
     #[test]
-    fn ppo_gradient_matches_finite_differences() {
-        for json in [
-            serde_json::json!({"ppo": true, "alt_k2_tau": 0.0}),
+    fn token_gradients_match_finite_differences() {
+        let configs = [
+            serde_json::json!({}),
+            serde_json::json!({"alt_k2_tau": 0.5}),
+            serde_json::json!({"kimi_k2_tau": 2.0, "epsilon": 0.3, "epsilon_high": 0.6}),
             serde_json::json!({"ppo": true}),
-            serde_json::json!({"ppo": true, "epsilon": 0.5}),
-        ] {
-            let c = cfg(json);
-            for (lp, old, a) in [(-1.0, -1.2, 0.7), (-2.0, -1.9, -0.4), (-0.5, -0.45, 1.3)] {
-                let h = 1e-6;
-                let numeric = (token_loss(lp + h, old, a, &c).0 - token_loss(lp - h, old, a, &c).0)
-                    / (2.0 * h);
-                let analytic = token_loss(lp, old, a, &c).1;
+            serde_json::json!({"ppo": true, "alt_k2_tau": 0.5}),
+            serde_json::json!({"ppo": true, "epsilon": 0.5, "epsilon_high": 1.5}),
+            serde_json::json!({"max_negative_advantage_importance_sampling_weight": 1.5}),
+            serde_json::json!({
+                "ppo": true,
+                "max_negative_advantage_importance_sampling_weight": 1.5
+            }),
+            serde_json::json!({"mask_prob_ratio": true, "epsilon_high": 0.5}),
+            serde_json::json!({"ppo": true, "mask_prob_ratio": true, "alt_k2_tau": 0.3}),
+        ];
+        // (lp_new, lp_old, A): rho = 1.22, 0.90, 3.0, 0.30, missing.
+        let points = [
+            (-1.0, -1.2, 0.7),
+            (-2.0, -1.9, -0.4),
+            (-0.5, -0.5 - 3f64.ln(), 1.3),
+            (-0.9, -0.9 - 3f64.ln(), -1.1),
+            (-1.6, 1.6 - 0.3f64.ln() - 3.2, 0.8),
+            (-0.7, f64::NAN, -0.6),
+        ];
+        let h = 1e-6;
+        for json in configs {
+            let c = cfg(json.clone());
+            for (lp, old, a) in points {
+                // run_job's substitution for a missing sampler logprob.
+                let used_old = if old.is_nan() { lp } else { old };
+                let (value, analytic) = token_loss(lp, used_old, a, &c);
+                let at = |x: f64| spec_loss(x, lp, old, a, &c);
+                let numeric = (at(lp + h) - at(lp - h)) / (2.0 * h);
+                let what = format!("{json} lp {lp} old {old} A {a}");
                 assert!(
-                    (numeric - analytic).abs() < 1e-5,
-                    "{c:?} {lp} {old} {a}: {numeric} vs {analytic}"
+                    (value - spec_loss(lp, lp, old, a, &c)).abs() < 1e-12,
+                    "{what}: loss {value}"
+                );
+                assert!(
+                    (numeric - analytic).abs() < 1e-6 * (1.0 + analytic.abs()),
+                    "{what}: numeric {numeric} vs analytic {analytic}"
                 );
             }
         }
