@@ -12,7 +12,8 @@ use temper_engine::{
     JsonOptions, OutputConstraint, SamplingParams, StopParams,
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
-use temper_text::Tokenizer;
+use temper_text::{ChatTemplate, DecodeOptions, Tokenizer};
+use temper_train::{TrainEvent, TrainerConfig, TrainingRequest};
 
 /// llama.cpp (commit 0c1e570, `-t 2`) on the default model, this machine kind (design.md).
 const LLAMA_CPP_PROMPT_TOK_S: f64 = 1000.0;
@@ -36,9 +37,16 @@ pub struct BenchArgs {
     /// Concurrent requests in the batching measurement (compared with one alone).
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
-    /// Trainer gradient steps measured, as SEQUENCESxTOKENS (sequences packed into one).
+    /// Trainer gradient steps measured, as SEQUENCESxTOKENS (sequences packed into one); an
+    /// empty list (`--train-shapes ''`) skips them.
     #[arg(long, value_delimiter = ',', default_values_t = ["1x1024".to_string(), "8x128".to_string()])]
     pub train_shapes: Vec<String>,
+    /// Whole training jobs measured, as TRAJECTORIESxANSWER_TOKENS: one group of that many
+    /// trajectories (a user question and an assistant answer of that many sampled tokens,
+    /// rewards alternating 0 and 1), run like the server's job worker: tokenize_job, run_job
+    /// (forward, backward, AdamW) and the checkpoint write. An empty list skips them.
+    #[arg(long, value_delimiter = ',', default_values_t = ["16x30".to_string(), "8x128".to_string()])]
+    pub train_jobs: Vec<String>,
     /// Repetitions of each measurement; the best is reported.
     #[arg(long, default_value_t = 2)]
     pub repeat: usize,
@@ -59,6 +67,7 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path)
         .map_err(|e| format!("tokenizer of {}: {e}", path.display()))?;
     let load_time = started.elapsed();
+    let loaded_metadata = loaded.metadata;
     let model = Arc::new(loaded.model);
     let tokenizer = Arc::new(tokenizer);
     let repeat = args.repeat.max(1);
@@ -129,15 +138,12 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     let stats = engine.stats();
     drop(engine);
 
-    for shape in &args.train_shapes {
+    for shape in args.train_shapes.iter().filter(|s| !s.is_empty()) {
         let (seqs, len) = parse_shape(shape)?;
         let prompt = prompt_tokens(&tokenizer, len);
         let step = best_of(repeat, || train_step(&model, &prompt, seqs))?;
         let tok_s = step.trainable as f64 / step.wall.as_secs_f64();
-        let peft = PEFT_TRAIN_TOK_S
-            .iter()
-            .find(|(s, _)| *s == (seqs, len))
-            .map(|&(_, v)| v);
+        let peft = peft_tok_s((seqs, len));
         rows.push(Row {
             what: format!(
                 "trainer step (forward + backward), {seqs}x{len} tokens packed: {:.1} s \
@@ -151,6 +157,21 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
             llama_cpp: peft.map_or("-".into(), |v| format!("PEFT {v:.0} tok/s")),
             ratio: peft.map_or("-".into(), |v| format!("{:.2}x", tok_s / v)),
         });
+    }
+
+    let jobs: Vec<&String> = args.train_jobs.iter().filter(|s| !s.is_empty()).collect();
+    if !jobs.is_empty() {
+        let template = temper_text::gguf_chat_template(&loaded_metadata)
+            .unwrap_or_else(|| ChatTemplate::GEMMA3.to_owned());
+        let template = ChatTemplate::new(
+            &template,
+            tokenizer.bos_token().map(str::to_owned),
+            tokenizer.eos_token().map(str::to_owned),
+        )
+        .map_err(|e| format!("chat template: {e}"))?;
+        for shape in jobs {
+            rows.push(train_job_row(&model, &tokenizer, &template, shape, repeat)?);
+        }
     }
 
     println!(
@@ -478,6 +499,143 @@ fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, 
         forward,
         cpu: process_cpu_time().saturating_sub(cpu_start),
         trainable: scores.logprobs.len(),
+        peak_rss_bytes: peak_rss_bytes(),
+    })
+}
+
+/// PyTorch + PEFT's trainable tok/s for a shape design.md measured (all tokens trainable there).
+fn peft_tok_s(shape: (usize, usize)) -> Option<f64> {
+    PEFT_TRAIN_TOK_S
+        .iter()
+        .find(|(s, _)| *s == shape)
+        .map(|&(_, v)| v)
+}
+
+struct TrainJob {
+    wall: Duration,
+    cpu: Duration,
+    /// Tokens the loss was taken over (the answers' sampled tokens).
+    trainable: usize,
+    /// Tokens fed to the model (questions, template and answers).
+    tokens: usize,
+    steps: usize,
+    peak_rss_bytes: u64,
+}
+
+impl Timed for TrainJob {
+    fn key(&self) -> Duration {
+        self.wall
+    }
+}
+
+/// One `temper bench --train-jobs` row: a whole job of `shape` (TRAJECTORIESxANSWER_TOKENS).
+fn train_job_row(
+    model: &Gemma3,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    shape: &str,
+    repeat: usize,
+) -> Result<Row, String> {
+    let (trajectories, answer_len) = parse_shape(shape)?;
+    let request = train_job_request(tokenizer, trajectories, answer_len)?;
+    let dir = std::env::temp_dir().join(format!("temper-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let checkpoint = dir.join("adapter.safetensors");
+    let job = best_of(repeat, || train_job(model, tokenizer, template, &request, &checkpoint));
+    let _ = std::fs::remove_dir_all(&dir);
+    let job = job?;
+    let secs = job.wall.as_secs_f64();
+    let tok_s = job.trainable as f64 / secs;
+    let peft = peft_tok_s((trajectories, answer_len));
+    Ok(Row {
+        what: format!(
+            "training job, {trajectories} trajectories x {answer_len} answer tokens ({} tokens, \
+             {} step(s)): {secs:.1} s per job, {:.1} CPU-s, peak RSS {:.1} GiB",
+            job.tokens,
+            job.steps,
+            job.cpu.as_secs_f64(),
+            job.peak_rss_bytes as f64 / (1u64 << 30) as f64,
+        ),
+        ours: format!("{tok_s:.0} trainable tok/s"),
+        llama_cpp: peft.map_or("-".into(), |v| format!("PEFT {v:.0} tok/s")),
+        ratio: peft.map_or("-".into(), |v| format!("{:.2}x", tok_s / v)),
+    })
+}
+
+/// The body a client would post for one group of `trajectories` answers of `answer_len` sampled
+/// tokens each (cut from English text at different offsets), rewards alternating 0 and 1. The
+/// sampler's logprobs are left out: the trainer then uses its own (training.md).
+fn train_job_request(
+    tokenizer: &Tokenizer,
+    trajectories: usize,
+    answer_len: usize,
+) -> Result<TrainingRequest, String> {
+    let text = prompt_tokens(tokenizer, answer_len + 7 * trajectories);
+    let trajectories: Vec<serde_json::Value> = (0..trajectories)
+        .map(|i| {
+            let ids = &text[7 * i..7 * i + answer_len];
+            let content: Vec<serde_json::Value> = ids
+                .iter()
+                .map(|id| serde_json::json!({"token": format!("token_id:{id}"), "logprob": null}))
+                .collect();
+            serde_json::json!({
+                "messages_and_choices": [
+                    {"role": "user", "content": "Tell me about the history of the city."},
+                    {"message": {"role": "assistant",
+                                 "content": tokenizer.decode(ids, DecodeOptions::default())},
+                     "finish_reason": "length", "index": 0, "logprobs": {"content": content}}
+                ],
+                "reward": (i % 2) as f64
+            })
+        })
+        .collect();
+    serde_json::from_value(serde_json::json!({
+        "trajectory_groups": [{"trajectories": trajectories}]
+    }))
+    .map_err(|e| format!("training request: {e}"))
+}
+
+/// Runs `request` as the job worker does: tokenize_job, a fresh adapter, run_job, the checkpoint
+/// written to `checkpoint`. The peak RSS is measured from the job's start.
+fn train_job(
+    model: &Gemma3,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    request: &TrainingRequest,
+    checkpoint: &std::path::Path,
+) -> Result<TrainJob, String> {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    let started = Instant::now();
+    let cpu_start = process_cpu_time();
+    let job = temper_train::tokenize_job(request, tokenizer, template)
+        .map_err(|e| format!("tokenize_job: {e}"))?;
+    let config = TrainerConfig::default();
+    let start = LoraAdapter::new(model.config(), config.lora, 1);
+    let (mut trainable, mut steps) = (0, 0);
+    let trained = temper_train::run_job(
+        model,
+        &start,
+        &job,
+        &config,
+        &std::sync::atomic::AtomicBool::new(false),
+        &mut |e| {
+            if let TrainEvent::GradientStep(m) = e {
+                trainable += m.num_trainable_tokens;
+                steps += 1;
+            }
+        },
+    )
+    .map_err(|e| format!("run_job: {e}"))?
+    .ok_or("run_job learned nothing")?;
+    trained
+        .save(checkpoint)
+        .map_err(|e| format!("saving the checkpoint: {e}"))?;
+    Ok(TrainJob {
+        wall: started.elapsed(),
+        cpu: process_cpu_time().saturating_sub(cpu_start),
+        trainable,
+        tokens: job.sequences.iter().map(|s| s.tokens.len()).sum(),
+        steps,
         peak_rss_bytes: peak_rss_bytes(),
     })
 }
