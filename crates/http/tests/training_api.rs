@@ -322,6 +322,36 @@ async fn model_validation() {
     assert_eq!(status, 404);
 }
 
+/// Malformed percent-escapes (`%ZZ`, or escapes that decode to invalid UTF-8) in a path or a
+/// query string are 400s in the error envelope, never axum's plain-text rejections.
+#[tokio::test]
+async fn malformed_urls_are_400s_in_the_envelope() {
+    let api = api(options()).await;
+    let job = uuid::Uuid::new_v4();
+    for (method, path, want) in [
+        ("GET", "/v1/preview/models/%ZZ".to_owned(), Some("model_id")),
+        ("GET", "/v1/preview/models/%FF%FE".to_owned(), Some("model_id")),
+        ("DELETE", "/v1/preview/models/%C3%28".to_owned(), Some("model_id")),
+        ("GET", "/v1/preview/models/%FF/checkpoints".to_owned(), Some("model_id")),
+        ("POST", "/v1/preview/models/%FF/log".to_owned(), Some("model_id")),
+        ("GET", "/v1/preview/training-jobs/%FF".to_owned(), Some("job_id")),
+        ("GET", "/v1/preview/training-jobs/%FF/events".to_owned(), Some("job_id")),
+        ("POST", "/v1/preview/training-jobs/%FF/cancel".to_owned(), Some("job_id")),
+        ("GET", format!("/v1/preview/training-jobs/{job}/events?after=%FF"), Some("after")),
+        ("GET", "/v1/preview/training-jobs?limit=%FF".to_owned(), Some("limit")),
+    ] {
+        let body = (method == "POST").then(|| json!({}));
+        let (status, err) = api.call(method, &path, Some(KEY), body).await;
+        assert_eq!(status, 400, "{method} {path}: {err}");
+        assert_eq!(err["error"]["type"], "BadRequestError", "{method} {path}: {err}");
+        assert_eq!(param(&err), want, "{method} {path}: {err}");
+    }
+    // No such route: a 404 in the envelope.
+    let (status, err) = api.get("/v1/models/%ZZ", KEY).await;
+    assert_eq!(status, 404, "{err}");
+    assert!(err["error"]["message"].is_string(), "{err}");
+}
+
 /// Adds checkpoints 1..=n through the store's job path (what the worker records).
 async fn add_checkpoints(api: &Api, model_id: uuid::Uuid, n: i64) {
     add_checkpoints_from(api, model_id, 1, n).await;
@@ -715,6 +745,18 @@ async fn training_job_bodies_are_validated_at_the_edge() {
     bad_reward["trajectory_groups"][0]["trajectories"][0]["reward"] = json!("high");
     let unrenderable = json!({"messages_and_choices": [{"role": "user", "content": "q"},
         {"role": "user", "content": "q"}, vocab_token("token_id:5")], "reward": 1});
+    // Longer than the trainer's max_seq_len (2048) once tokenized: a 400 naming the sequence,
+    // never a trajectory trained cut short.
+    let long_answer = json!({"message": {"role": "assistant", "content": "x"},
+        "logprobs": {"content": vec![json!({"token": "token_id:5", "logprob": -0.1}); 2100]}});
+    let long = body(json!([{"trajectories": [
+        trajectory(vocab_token("token_id:5")),
+        trajectory(long_answer.clone())
+    ]}]));
+    let mut long_history = trajectory(vocab_token("token_id:5"));
+    long_history["additional_histories"] =
+        json!([{"messages_and_choices": [{"role": "user", "content": "q"}, long_answer]}]);
+    let long_history = body(json!([{"trajectories": [long_history]}]));
     let cases = [
         (bad_uuid, "model_id"),
         (extra, "colour"),
@@ -735,6 +777,11 @@ async fn training_job_bodies_are_validated_at_the_edge() {
         (bad_option, "experimental_config.learning_rate"),
         (unknown_option, "experimental_config.warmup"),
         (bad_reward, "trajectory_groups[0].trajectories[0].reward"),
+        (long, "trajectory_groups[0].trajectories[1].messages_and_choices"),
+        (
+            long_history,
+            "trajectory_groups[0].trajectories[0].additional_histories[0].messages_and_choices",
+        ),
     ];
     for (body, want) in cases {
         let (status, err) = api.post("/v1/preview/training-jobs", KEY, body).await;

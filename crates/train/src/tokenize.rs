@@ -22,6 +22,9 @@ pub struct TokenizedSequence {
     /// Index of the group and of the trajectory in it.
     pub group: usize,
     pub trajectory: usize,
+    /// Where it is in the request: `trajectory_groups[g].trajectories[t].messages_and_choices`
+    /// or `...trajectories[t].additional_histories[h].messages_and_choices`.
+    pub source: String,
 }
 
 impl TokenizedSequence {
@@ -36,6 +39,25 @@ pub struct TokenizedJob {
     /// Rewards per group, per trajectory.
     pub rewards: Vec<Vec<f64>>,
     pub loss: crate::LossConfig,
+}
+
+impl TokenizedJob {
+    /// Every sequence fits the trainer's `max_seq_len`: a longer one would have to be cut, and
+    /// a cut trajectory trains on part of an answer with the whole answer's reward, so it is an
+    /// error naming the sequence instead.
+    pub fn check_lengths(&self, max_seq_len: usize) -> Result<(), TrainError> {
+        match self.sequences.iter().find(|s| s.tokens.len() > max_seq_len) {
+            Some(s) => Err(TrainError::invalid(
+                &s.source,
+                format!(
+                    "is {} tokens long once tokenized; this server trains sequences of at most \
+                     {max_seq_len} tokens (`--max-train-seq-len`)",
+                    s.tokens.len()
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 const SENTINEL_OPEN: &str = "\u{E000}temper-splice-";
@@ -104,6 +126,7 @@ pub fn tokenize_job(
                         old_logprobs,
                         group: g,
                         trajectory: t,
+                        source: items_path,
                     });
                 }
             }

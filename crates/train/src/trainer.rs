@@ -14,7 +14,8 @@ use crate::TrainError;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TrainerConfig {
     pub lora: LoraConfig,
-    /// Longest packed sequence; a longer trajectory is cut to its first `max_seq_len` tokens.
+    /// Longest packed sequence; a job with a longer trajectory fails (see
+    /// `TokenizedJob::check_lengths`, which the HTTP edge runs before accepting it).
     pub max_seq_len: usize,
 }
 
@@ -234,6 +235,8 @@ pub fn run_job(
     cancel: &AtomicBool,
     on_event: &mut dyn FnMut(TrainEvent),
 ) -> Result<Option<LoraAdapter>, TrainError> {
+    // Accepted under a larger `max_seq_len` (before a restart): never trained cut short.
+    job.check_lengths(cfg.max_seq_len)?;
     let loss_cfg = &job.loss;
     let advantages: Vec<Vec<f64>> = job
         .rewards
@@ -254,9 +257,7 @@ pub fn run_job(
     let mut shares = Vec::new();
     for s in &job.sequences {
         let advantage = advantages[s.group][s.trajectory];
-        let keep = s.tokens.len().min(cfg.max_seq_len);
-        let mask = &s.mask[..keep];
-        let trainable = mask.iter().filter(|m| **m).count();
+        let trainable = s.trainable_tokens();
         if advantage == 0.0 || trainable == 0 {
             continue;
         }
@@ -266,9 +267,9 @@ pub fn run_job(
             balance(advantage, loss_cfg.advantage_balance),
         ));
         prepared.push(Prepared {
-            tokens: s.tokens[..keep].to_vec(),
-            mask: mask.to_vec(),
-            old: s.old_logprobs[..keep].to_vec(),
+            tokens: s.tokens.clone(),
+            mask: s.mask.clone(),
+            old: s.old_logprobs.clone(),
             weight: 0.0,
             advantage: 0.0,
         });

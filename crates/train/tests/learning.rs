@@ -108,10 +108,10 @@ fn each_packed_sequence_is_one_step_and_learns() {
     }))
     .expect("request");
     let job = tokenize_job(&req, &t.tokenizer, &t.template).expect("tokenize");
-    // One trajectory per packed sequence: several optimizer steps.
+    // One trajectory per packed sequence (they are all one length): several optimizer steps.
     let cfg = TrainerConfig {
         lora: LoraConfig::default(),
-        max_seq_len: p.len() + 1,
+        max_seq_len: job.sequences[0].tokens.len(),
     };
     let mut events = Vec::new();
     let trained = run_job(
@@ -180,6 +180,41 @@ fn equal_rewards_learn_nothing_and_say_why() {
         panic!("expected one Ended event, got {events:?}");
     };
     assert!(why.contains("equal rewards"), "{why}");
+}
+
+/// A sequence longer than the trainer's max_seq_len (a job accepted before a restart with a
+/// smaller limit) fails the job naming it instead of training on a cut trajectory.
+#[test]
+fn a_sequence_over_max_seq_len_fails_the_job() {
+    let t = tiny();
+    let (good, bad) = (t.tokenizer.encode("a", false)[0], t.tokenizer.encode("b", false)[0]);
+    let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
+    let mut long = trajectory("q", bad, -1.0, 0.0);
+    long["messages_and_choices"][1]["logprobs"]["content"] =
+        json!(vec![json!({"token": format!("token_id:{bad}"), "logprob": -1.0}); 8]);
+    let req: TrainingRequest = serde_json::from_value(json!({"trajectory_groups": [
+        {"trajectories": [trajectory("q", good, -1.0, 1.0), long]}]}))
+    .expect("request");
+    let job = tokenize_job(&req, &t.tokenizer, &t.template).expect("tokenize");
+    let lens: Vec<usize> = job.sequences.iter().map(|s| s.tokens.len()).collect();
+    // The short trajectory fits exactly; the long one is 7 tokens over.
+    let cfg = TrainerConfig {
+        max_seq_len: lens[0],
+        ..TrainerConfig::default()
+    };
+    assert_eq!(lens[1], lens[0] + 7, "{lens:?}");
+    assert!(job.check_lengths(lens[1]).is_ok());
+    let mut events = Vec::new();
+    let err = run_job(&t.model, &start, &job, &cfg, &AtomicBool::new(false), &mut |e| {
+        events.push(e)
+    })
+    .expect_err("trained a cut trajectory");
+    let temper_train::TrainError::Invalid { param, message } = err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(param, "trajectory_groups[0].trajectories[1].messages_and_choices");
+    assert!(message.contains(&lens[1].to_string()), "{message}");
+    assert!(events.is_empty(), "{events:?}");
 }
 
 /// Without the sampler's logprobs, lp_old is the trainer's own (rho = 1): the job still learns,

@@ -1,7 +1,8 @@
 //! The preview training API (training.md): models, checkpoints, `/log`, training jobs and their
 //! events. Every call acts for the key's team; another team's resources are 404.
 
-use axum::extract::{Path, State};
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
 use axum::{Extension, Json};
 use uuid::Uuid;
 
@@ -22,6 +23,46 @@ const DEFAULT_LIMIT: u32 = 20;
 pub fn parse_id(param: &str, value: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(value)
         .map_err(|_| ApiError::bad(param, format!("`{param}` must be a UUID, got {value:?}.")))
+}
+
+/// The `{id}` of a model route.
+pub struct ModelId(pub Uuid);
+
+/// The `{id}` of a training-job route.
+pub struct JobId(pub Uuid);
+
+impl<S: Send + Sync> FromRequestParts<S> for ModelId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        path_id(parts, state, "model_id").await.map(ModelId)
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for JobId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        path_id(parts, state, "job_id").await.map(JobId)
+    }
+}
+
+/// The route's `{id}` as a UUID. Anything else, a percent-escape that does not decode to UTF-8
+/// included, is a 400 naming `param` (not axum's plain-text rejection).
+async fn path_id<S: Send + Sync>(
+    parts: &mut Parts,
+    state: &S,
+    param: &str,
+) -> Result<Uuid, ApiError> {
+    let Path(raw) = Path::<String>::from_request_parts(parts, state)
+        .await
+        .map_err(|e| {
+            ApiError::bad(
+                param,
+                format!("`{param}` in the URL path is malformed: {}", e.body_text()),
+            )
+        })?;
+    parse_id(param, &raw)
 }
 
 fn parse_limit(value: Option<&str>) -> Result<u32, ApiError> {
@@ -105,12 +146,12 @@ pub async fn list_models(
 pub async fn get_model(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
-    Path(id): Path<String>,
+    ModelId(id): ModelId,
 ) -> Result<Json<ModelJson>, ApiError> {
     let training = state.require_training()?;
     let model = training
         .store
-        .get_model(&ctx.team, parse_id("model_id", &id)?)
+        .get_model(&ctx.team, id)
         .await?;
     Ok(Json(ModelJson::from(&model)))
 }
@@ -119,10 +160,9 @@ pub async fn get_model(
 pub async fn delete_model(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
-    Path(id): Path<String>,
+    ModelId(id): ModelId,
 ) -> Result<Json<DeletedModelJson>, ApiError> {
     let training = state.require_training()?;
-    let id = parse_id("model_id", &id)?;
     let deleted = training.store.delete_model(&ctx.team, id).await?;
     for job in &deleted.failed_jobs {
         training.stop_job(*job);
@@ -143,11 +183,10 @@ pub async fn delete_model(
 pub async fn list_checkpoints(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
-    Path(id): Path<String>,
+    ModelId(model_id): ModelId,
     ValidQuery(q): ValidQuery<CheckpointQuery>,
 ) -> Result<Json<CursorPage<CheckpointJson>>, ApiError> {
     let training = state.require_training()?;
-    let model_id = parse_id("model_id", &id)?;
     let after = q
         .after
         .as_deref()
@@ -167,11 +206,10 @@ pub async fn list_checkpoints(
 pub async fn delete_checkpoints(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
-    Path(id): Path<String>,
+    ModelId(model_id): ModelId,
     ValidJson(req): ValidJson<DeleteCheckpointsRequest>,
 ) -> Result<Json<DeletedCheckpointsJson>, ApiError> {
     let training = state.require_training()?;
-    let model_id = parse_id("model_id", &id)?;
     let deleted = training
         .store
         .delete_checkpoints(&ctx.team, model_id, &req.steps)
@@ -199,11 +237,10 @@ pub async fn delete_checkpoints(
 pub async fn log_metrics(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
-    Path(id): Path<String>,
+    ModelId(model_id): ModelId,
     ValidJson(req): ValidJson<LogRequest>,
 ) -> Result<Json<serde_json::Map<String, serde_json::Value>>, ApiError> {
     let training = state.require_training()?;
-    let model_id = parse_id("model_id", &id)?;
     if parse_id("model_id", &req.model_id)? != model_id {
         return Err(ApiError::bad(
             "model_id",
@@ -312,8 +349,9 @@ pub async fn create_job(
         experimental_config: req.experimental_config,
     };
     let tokenizer = base.tokenizer.clone();
+    let max_seq_len = training.options.max_seq_len;
     tokio::task::spawn_blocking(move || {
-        temper_train::tokenize_job(&request, &tokenizer, &template).map(drop)
+        temper_train::tokenize_job(&request, &tokenizer, &template)?.check_lengths(max_seq_len)
     })
     .await
     .map_err(|e| ApiError::Internal(format!("validating trajectories panicked: {e}")))??;
@@ -333,12 +371,12 @@ pub async fn create_job(
 pub async fn get_job(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
-    Path(id): Path<String>,
+    JobId(id): JobId,
 ) -> Result<Json<JobJson>, ApiError> {
     let training = state.require_training()?;
     let job = training
         .store
-        .get_job(&ctx.team, parse_id("job_id", &id)?)
+        .get_job(&ctx.team, id)
         .await?;
     Ok(Json(job.into()))
 }
@@ -374,11 +412,10 @@ pub async fn list_jobs(
 pub async fn list_events(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
-    Path(id): Path<String>,
+    JobId(job_id): JobId,
     ValidQuery(q): ValidQuery<EventQuery>,
 ) -> Result<Json<EventListJson>, ApiError> {
     let training = state.require_training()?;
-    let job_id = parse_id("job_id", &id)?;
     let after = match q.after.as_deref() {
         None => None,
         Some(a) => Some(a.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
@@ -405,12 +442,12 @@ pub async fn list_events(
 pub async fn cancel_job(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
-    Path(id): Path<String>,
+    JobId(id): JobId,
 ) -> Result<Json<JobJson>, ApiError> {
     let training = state.require_training()?;
     let job = training
         .store
-        .cancel_job(&ctx.team, parse_id("job_id", &id)?)
+        .cancel_job(&ctx.team, id)
         .await?;
     training.stop_job(job.id);
     Ok(Json(job.into()))
