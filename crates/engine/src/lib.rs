@@ -258,6 +258,8 @@ pub struct EngineStats {
     pub running: usize,
     /// Requests queued and not yet admitted.
     pub waiting: usize,
+    /// Running requests sent back to the queue for a better-ranked one (priority scheduling).
+    pub preemptions: u64,
     /// Structured-output masks computed by the mask workers (first masks are computed when
     /// the constraint is compiled).
     pub masks: u64,

@@ -45,6 +45,7 @@ pub(crate) struct Stats {
     max_rows_in_step: AtomicUsize,
     running: AtomicUsize,
     waiting: AtomicUsize,
+    preemptions: AtomicU64,
     /// Counted by the mask workers.
     pub(crate) masks: AtomicU64,
     pub(crate) masks_abandoned: AtomicU64,
@@ -59,6 +60,7 @@ impl Stats {
             max_rows_in_step: self.max_rows_in_step.load(Ordering::Relaxed),
             running: self.running.load(Ordering::Relaxed),
             waiting: self.waiting.load(Ordering::Relaxed),
+            preemptions: self.preemptions.load(Ordering::Relaxed),
             masks: self.masks.load(Ordering::Relaxed),
             masks_abandoned: self.masks_abandoned.load(Ordering::Relaxed),
         }
@@ -338,13 +340,16 @@ impl Scheduler {
 
     /// In queue order while the running sequences fit `max_running`; a request wider than the
     /// cap runs alone rather than never. Under priority scheduling a request that does not fit
-    /// preempts the worst running request ranked behind it, until it fits or none is left.
+    /// preempts running requests ranked behind it, worst first, until it fits; only when
+    /// preempting all of them would make room, so none is preempted for nothing.
     fn admit(&mut self) {
         let mut running: usize = self.groups.iter().map(Group::running).sum();
         while let Some(front) = self.waiting.front() {
             let n = front.running();
-            if running > 0 && running + n > self.config.max_running {
-                if self.config.scheduling == Scheduling::Priority && self.preempt_behind(front.rank)
+            if !self.fits(running, n) {
+                if self.config.scheduling == Scheduling::Priority
+                    && self.preemption_makes_room(front.rank, n)
+                    && self.preempt_behind(front.rank)
                 {
                     running = self.groups.iter().map(Group::running).sum();
                     continue;
@@ -360,6 +365,23 @@ impl Scheduler {
         }
     }
 
+    /// Whether `n` more sequences may run beside `running` ones.
+    fn fits(&self, running: usize, n: usize) -> bool {
+        running == 0 || running + n <= self.config.max_running
+    }
+
+    /// Whether a request of `n` sequences ranked `rank` would fit once every running request
+    /// ranked behind it is preempted.
+    fn preemption_makes_room(&self, rank: (i64, u64), n: usize) -> bool {
+        let kept = self
+            .groups
+            .iter()
+            .filter(|g| g.rank < rank)
+            .map(Group::running)
+            .sum();
+        self.fits(kept, n)
+    }
+
     /// Sends the worst-ranked running request ranked behind `rank` back to the queue.
     fn preempt_behind(&mut self, rank: (i64, u64)) -> bool {
         let victim = (0..self.groups.len())
@@ -370,6 +392,7 @@ impl Scheduler {
         };
         let mut g = self.groups.remove(i);
         debug!(request_id = %g.req.request_id, "preempted");
+        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
         g.preempt(&self.model);
         self.requeue(g);
         true

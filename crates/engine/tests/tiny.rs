@@ -9,7 +9,7 @@ use candle_core::quantized::gguf_file;
 use temper_engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, GenerationEvent,
     GenerationRequest, GrammarError, JsonOptions, OutputConstraint, RepetitionDetection,
-    SamplingParams, StopParams, StopReason, TokenLogprob,
+    SamplingParams, Scheduling, StopParams, StopReason, TokenLogprob,
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig};
 use temper_text::{DecodeOptions, Tokenizer};
@@ -1277,4 +1277,71 @@ fn a_cancelled_request_skips_its_pending_masks() {
     assert_eq!(s.masks, 0, "{s:?}");
     // The engine carries on.
     assert_eq!(run(&e, request("the", 3, greedy()))[0].ids.len(), 3);
+}
+
+/// Under priority scheduling a waiting request preempts running ones only when that makes room
+/// for it. Constrained requests whose masks are held stay running for as long as the test
+/// needs, so every admission decision below happens at a known point.
+#[test]
+fn priority_preempts_only_when_that_makes_room() {
+    let e = engine(EngineConfig {
+        max_batch_tokens: 256,
+        max_running: 4,
+        max_model_len: 2048,
+        scheduling: Scheduling::Priority,
+    });
+    let hold = e.hold_masks();
+    // A constrained request whose first tokens are out: its next masks are held. Returns its
+    // receiver and each choice's text so far.
+    let held = |n: usize, priority: i64| {
+        let mut r = pets(&e, 20 + priority as u64);
+        r.n = n;
+        r.priority = priority;
+        let mut rx = e.submit(r).expect("submit");
+        let mut texts = vec![String::new(); n];
+        for _ in 0..n {
+            match rx.blocking_recv() {
+                Some(GenerationEvent::Token { choice, text, .. }) => texts[choice] += &text,
+                other => panic!("expected a token, got {other:?}"),
+            }
+        }
+        (rx, texts)
+    };
+    let free = |n: usize, priority: i64| {
+        let mut r = request("the dog sat", 4, greedy());
+        r.n = n;
+        r.priority = priority;
+        e.submit(r).expect("submit")
+    };
+    // Four sequences run: three of priority 0, one of priority 5.
+    let best = held(3, 0);
+    let worst = held(1, 5);
+    assert_eq!(e.stats().running, 4);
+
+    // Two sequences of priority 1: preempting the priority-5 request would free one, not
+    // enough, so it keeps running and the pair waits.
+    let pair = free(2, 1);
+    let s = wait_stats(&e, |s| s.waiting > 0);
+    assert_eq!((s.preemptions, s.waiting, s.running), (0, 1, 4), "{s:?}");
+
+    // One sequence of priority 1: preempting the priority-5 request makes room.
+    drop(pair);
+    let one = free(1, 1);
+    assert_eq!(collect(one, 1)[0].ids.len(), 4);
+    assert_eq!(e.stats().preemptions, 1);
+
+    drop(hold);
+    for (mut rx, mut texts) in [best, worst] {
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                GenerationEvent::Token { choice, text, .. }
+                | GenerationEvent::Finished { choice, text, .. } => texts[choice] += &text,
+                GenerationEvent::Error { message } => panic!("{message}"),
+            }
+        }
+        for t in &texts {
+            assert!(matches_pet_number(t), "{t:?}");
+        }
+    }
+    assert_eq!(wait_idle(&e).preemptions, 1);
 }
