@@ -18,10 +18,6 @@ pub(crate) struct Linear {
     kernel: Option<(Arc<QTensor>, WeightFormat)>,
     in_dim: usize,
     out_dim: usize,
-    /// candle runs Q6_K through a different kernel for one row than for several, and the two
-    /// round differently; a sequence's numbers must not depend on what else is in the batch, so
-    /// a single row is run as two.
-    pad_single_row: bool,
     /// The weight dequantized to f32, made on the first backward (training only): the gradient
     /// to the input goes through the frozen weight's values.
     dequantized: OnceLock<Tensor>,
@@ -39,13 +35,14 @@ impl Linear {
         };
         let format = match weight.dtype() {
             GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+            GgmlDType::Q4K => Some(WeightFormat::Q4K),
+            GgmlDType::Q6K => Some(WeightFormat::Q6K),
             _ => None,
         };
         let kernel = format
             .filter(|f| in_dim.is_multiple_of(f.block_elems()))
             .map(|f| (weight.clone(), f));
         Ok(Self {
-            pad_single_row: weight.dtype() == GgmlDType::Q6K,
             kernel,
             inner: QMatMul::from_arc(weight)?,
             in_dim,
@@ -65,12 +62,6 @@ impl Linear {
     /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major.
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
         let rows = x.len() / self.in_dim;
-        if rows == 1 && self.pad_single_row {
-            let twice = [x, x].concat();
-            let mut y = self.forward_rows(&twice, 2)?;
-            y.truncate(self.out_dim);
-            return Ok(y);
-        }
         self.forward_rows(x, rows)
     }
 

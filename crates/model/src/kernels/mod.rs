@@ -11,6 +11,8 @@
 //! by groups of up to four activation rows, so a batch reads each weight block once.
 
 mod activations;
+mod q4_k;
+mod q6_k;
 mod q8_0;
 #[cfg(test)]
 mod test_util;
@@ -70,6 +72,8 @@ impl Isa {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum WeightFormat {
     Q8_0,
+    Q4K,
+    Q6K,
 }
 
 impl WeightFormat {
@@ -77,6 +81,8 @@ impl WeightFormat {
     pub(crate) fn block_elems(self) -> usize {
         match self {
             WeightFormat::Q8_0 => q8_0::BLOCK_ELEMS,
+            WeightFormat::Q4K => q4_k::BLOCK_ELEMS,
+            WeightFormat::Q6K => q6_k::BLOCK_ELEMS,
         }
     }
 }
@@ -89,8 +95,52 @@ trait Kernel {
     /// Quantizes one activation row (`x.len()` a multiple of `BLOCK_ELEMS`).
     fn quantize(x: &[f32], out: &mut [Self::Act]);
     /// `out[a * stride + r] = dot(acts row a, w row r)` for the (at most four) activation rows
-    /// of `acts` (`nb` blocks each) and every weight row of `w` (`nb` blocks each).
-    fn tile(isa: Isa, w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize);
+    /// of `acts` (`nb` blocks each) and every weight row of `w` (`nb` blocks each): the
+    /// reference.
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize);
+    /// The same with `isa`'s instructions.
+    ///
+    /// # Safety
+    /// The CPU must have `isa`'s features, and the slices must pass `check_tile`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd(
+        isa: Isa,
+        w: &[u8],
+        acts: &[Self::Act],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    );
+}
+
+/// One tile (see `Kernel::scalar`) with the given instruction set.
+fn tile<K: Kernel>(isa: Isa, w: &[u8], acts: &[K::Act], nb: usize, out: &mut [f32], stride: usize) {
+    check_tile(w, K::BLOCK_BYTES, acts.len(), nb, out, stride);
+    match isa {
+        Isa::Scalar => K::scalar(w, acts, nb, out, stride),
+        // SAFETY: `Isa::detect` (and `Isa::available`) name an x86 level only when the CPU has
+        // its features; the bounds were checked above.
+        #[cfg(target_arch = "x86_64")]
+        isa => unsafe { K::simd(isa, w, acts, nb, out, stride) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => K::scalar(w, acts, nb, out, stride),
+    }
+}
+
+/// The bounds every tile relies on: whole weight rows, at most `ACT_TILE` whole activation
+/// rows, and room in `out` for each activation row's results at `stride`.
+fn check_tile(
+    w: &[u8],
+    block_bytes: usize,
+    act_blocks: usize,
+    nb: usize,
+    out: &[f32],
+    stride: usize,
+) {
+    let rows = w.len() / (nb * block_bytes);
+    let na = act_blocks / nb;
+    assert!(w.len() == rows * nb * block_bytes && act_blocks == na * nb && na <= ACT_TILE);
+    assert!(rows <= stride && out.len() >= na.saturating_sub(1) * stride + rows);
 }
 
 /// Most activation rows one tile computes (a weight block in registers serves them all).
@@ -110,6 +160,8 @@ pub(crate) fn matmul(
 ) -> Vec<f32> {
     match format {
         WeightFormat::Q8_0 => matmul_with::<q8_0::Q8_0>(isa, w, (in_dim, out_dim), x),
+        WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, (in_dim, out_dim), x),
+        WeightFormat::Q6K => matmul_with::<q6_k::Q6K>(isa, w, (in_dim, out_dim), x),
     }
 }
 
@@ -159,7 +211,7 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
                 for a0 in (0..rows).step_by(ACT_TILE) {
                     let a1 = (a0 + ACT_TILE).min(rows);
                     let n = s1 - s0;
-                    K::tile(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, n);
+                    tile::<K>(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, n);
                     for a in a0..a1 {
                         out.write(a, s0, &buf[(a - a0) * n..(a - a0 + 1) * n]);
                     }
@@ -194,12 +246,12 @@ impl OutRows {
 /// Calls `$f::<NA>(args)` with `NA`, the number of activation rows (1 to 4), as a constant.
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_act_rows {
-    ($na:expr, $f:ident($($arg:expr),*)) => {
+    ($na:expr, $($f:ident)::+($($arg:expr),*)) => {
         match $na {
-            1 => $f::<1>($($arg),*),
-            2 => $f::<2>($($arg),*),
-            3 => $f::<3>($($arg),*),
-            _ => $f::<4>($($arg),*),
+            1 => $($f)::+::<1>($($arg),*),
+            2 => $($f)::+::<2>($($arg),*),
+            3 => $($f)::+::<3>($($arg),*),
+            _ => $($f)::+::<4>($($arg),*),
         }
     };
 }

@@ -5,6 +5,8 @@
 use half::f16;
 
 use super::activations::{quantize_q8_0, Q8_0Block};
+#[cfg(target_arch = "x86_64")]
+use super::with_act_rows;
 use super::{hsum8, Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 32;
@@ -21,27 +23,26 @@ impl Kernel for Q8_0 {
         quantize_q8_0(x, out);
     }
 
-    fn tile(isa: Isa, w: &[u8], acts: &[Q8_0Block], nb: usize, out: &mut [f32], stride: usize) {
-        let rows = w.len() / (nb * BLOCK_BYTES);
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
+        scalar(w, acts, nb, out, stride);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd(
+        isa: Isa,
+        w: &[u8],
+        acts: &[Self::Act],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
         let na = acts.len() / nb;
-        assert!(na <= super::ACT_TILE && w.len() == rows * nb * BLOCK_BYTES);
-        assert!(rows <= stride && out.len() >= (na.max(1) - 1) * stride + rows);
-        match isa {
-            Isa::Scalar => scalar(w, acts, nb, out, stride),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
-                // SAFETY: `Isa::Avx2` is only chosen when the CPU has AVX2, FMA and F16C; the
-                // slice sizes were checked above.
-                unsafe { x86::avx2(w, acts, nb, out, stride) }
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe {
+            match isa {
+                Isa::Avx512 => with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::avx2_rows(w, acts, nb, out, stride)),
             }
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
-                // SAFETY: `Isa::Avx512` is only chosen when the CPU has those features; the
-                // slice sizes were checked above.
-                unsafe { x86::avx512(w, acts, nb, out, stride) }
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => scalar(w, acts, nb, out, stride),
         }
     }
 }
@@ -73,25 +74,11 @@ fn scalar(w: &[u8], acts: &[Q8_0Block], nb: usize, out: &mut [f32], stride: usiz
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::with_act_rows;
     use super::super::x86::hsum8;
     use super::{Q8_0Block, BLOCK_BYTES};
 
-    /// ggml's AVX2 dot product, one weight row against up to four activation rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2(
-        w: &[u8],
-        acts: &[Q8_0Block],
-        nb: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
-        // SAFETY: same features and arguments.
-        unsafe { with_act_rows!(acts.len() / nb, avx2_rows(w, acts, nb, out, stride)) }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn avx2_rows<const NA: usize>(
+    pub(super) unsafe fn avx2_rows<const NA: usize>(
         w: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
@@ -123,23 +110,8 @@ mod x86 {
         }
     }
 
-    /// Four weight rows at a time, two per register (row `2p` in the low eight lanes, `2p + 1`
-    /// in the high eight), up to four activation rows. The activations are made unsigned
-    /// (`a + 128`) for VNNI's u8 × i8 product and `128 Σ w` is taken back out exactly in i32.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512(
-        w: &[u8],
-        acts: &[Q8_0Block],
-        nb: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
-        // SAFETY: same features and arguments.
-        unsafe { with_act_rows!(acts.len() / nb, avx512_rows(w, acts, nb, out, stride)) }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn avx512_rows<const NA: usize>(
+    pub(super) unsafe fn avx512_rows<const NA: usize>(
         w: &[u8],
         acts: &[Q8_0Block],
         nb: usize,

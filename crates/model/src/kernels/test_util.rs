@@ -8,7 +8,7 @@ use std::borrow::Cow;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
-use super::activations::{quantize_q8_0, Q8_0Block};
+use super::activations::{quantize_q8_0, quantize_q8_k, Q8KBlock, Q8_0Block};
 use super::{matmul, Isa, WeightFormat};
 
 /// xorshift64*: deterministic test data without a dependency.
@@ -42,12 +42,21 @@ fn dequantized_activations(format: WeightFormat, x: &[f32]) -> Vec<f64> {
                 .flat_map(|b| b.qs.iter().map(move |&v| b.d as f64 * v as f64))
                 .collect()
         }
+        WeightFormat::Q4K | WeightFormat::Q6K => {
+            let mut q = vec![Q8KBlock::default(); x.len() / 256];
+            quantize_q8_k(x, &mut q);
+            q.iter()
+                .flat_map(|b| b.qs.iter().map(move |&v| b.d as f64 * v as f64))
+                .collect()
+        }
     }
 }
 
 fn dequantized_weight(format: WeightFormat, w: &[u8], in_dim: usize, out_dim: usize) -> Vec<f32> {
     let dtype = match format {
         WeightFormat::Q8_0 => GgmlDType::Q8_0,
+        WeightFormat::Q4K => GgmlDType::Q4K,
+        WeightFormat::Q6K => GgmlDType::Q6K,
     };
     let storage = QStorage::from_data(Cow::Borrowed(w), &Device::Cpu, dtype).expect("storage");
     QTensor::new(storage, (out_dim, in_dim))
