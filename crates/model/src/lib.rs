@@ -3,6 +3,7 @@
 
 mod cache;
 mod config;
+mod kernels;
 mod linear;
 mod loader;
 mod lora;

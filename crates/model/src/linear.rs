@@ -5,6 +5,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::f16;
 
+use crate::kernels::{self, Isa, WeightFormat};
 use crate::ModelError;
 
 /// `y = x · Wᵀ` over a quantized weight `[out, in]`. The one place matmuls happen, so the kernel
@@ -12,12 +13,11 @@ use crate::ModelError;
 #[derive(Debug)]
 pub(crate) struct Linear {
     inner: QMatMul,
+    /// The weight our kernels compute on (its format), when they cover its type; candle's
+    /// `QMatMul` otherwise.
+    kernel: Option<(Arc<QTensor>, WeightFormat)>,
     in_dim: usize,
     out_dim: usize,
-    /// candle runs Q6_K through a different kernel for one row than for several, and the two
-    /// round differently; a sequence's numbers must not depend on what else is in the batch, so
-    /// a single row is run as two.
-    pad_single_row: bool,
     /// The weight dequantized to f32, made on the first backward (training only): the gradient
     /// to the input goes through the frozen weight's values.
     dequantized: OnceLock<Tensor>,
@@ -33,8 +33,17 @@ impl Linear {
         } else {
             weight
         };
+        let format = match weight.dtype() {
+            GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+            GgmlDType::Q4K => Some(WeightFormat::Q4K),
+            GgmlDType::Q6K => Some(WeightFormat::Q6K),
+            _ => None,
+        };
+        let kernel = format
+            .filter(|f| in_dim.is_multiple_of(f.block_elems()))
+            .map(|f| (weight.clone(), f));
         Ok(Self {
-            pad_single_row: weight.dtype() == GgmlDType::Q6K,
+            kernel,
             inner: QMatMul::from_arc(weight)?,
             in_dim,
             out_dim,
@@ -53,12 +62,6 @@ impl Linear {
     /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major.
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
         let rows = x.len() / self.in_dim;
-        if rows == 1 && self.pad_single_row {
-            let twice = [x, x].concat();
-            let mut y = self.forward_rows(&twice, 2)?;
-            y.truncate(self.out_dim);
-            return Ok(y);
-        }
         self.forward_rows(x, rows)
     }
 
@@ -92,6 +95,17 @@ impl Linear {
     }
 
     fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
+        if let Some((weight, format)) = &self.kernel {
+            let data = weight.data()?;
+            return Ok(kernels::matmul(
+                *format,
+                Isa::detect(),
+                &data,
+                self.in_dim,
+                self.out_dim,
+                x,
+            ));
+        }
         let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;
         let y = self.inner.forward(&xt)?;
         Ok(y.flatten_all()?.to_vec1::<f32>()?)

@@ -1,0 +1,278 @@
+//! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks, read in place.
+//!
+//! Activation rows are quantized the way ggml does on x86 (Q8_0 blocks of 32 for Q8_0 weights,
+//! Q8_K blocks of 256 for K-quants), dot products are integer per block and scaled in f32 per
+//! block. Every SIMD kernel keeps the lane structure of ggml's AVX2 dot product (eight f32
+//! accumulators, one fused multiply-add per block, the same horizontal sum), and the scalar
+//! reference emulates those lanes, so all paths give the same bits; a row's result never depends
+//! on the other rows or on how the work is tiled (batch invariance).
+//!
+//! Threads split the weight rows; within a thread, a cache-sized slice of weight rows is reused
+//! by groups of up to four activation rows, so a batch reads each weight block once.
+
+mod activations;
+mod q4_k;
+mod q6_k;
+mod q8_0;
+#[cfg(test)]
+mod test_util;
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+/// The instruction set a kernel runs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// Lane-emulating reference (any CPU).
+    Scalar,
+    /// AVX2 + FMA + F16C, ggml's AVX2 arithmetic.
+    Avx2,
+    /// AVX-512 (F, BW, VL, VNNI): two weight rows per register, same lane arithmetic.
+    Avx512,
+}
+
+impl Isa {
+    /// The best instruction set this CPU has (detected once).
+    pub(crate) fn detect() -> Isa {
+        static ISA: OnceLock<Isa> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                let base = is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c");
+                let avx512 = is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni");
+                if base && avx512 {
+                    return Isa::Avx512;
+                }
+                if base {
+                    return Isa::Avx2;
+                }
+            }
+            Isa::Scalar
+        })
+    }
+
+    /// The instruction sets usable here, for tests comparing them.
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Isa> {
+        match Isa::detect() {
+            Isa::Avx512 => vec![Isa::Scalar, Isa::Avx2, Isa::Avx512],
+            Isa::Avx2 => vec![Isa::Scalar, Isa::Avx2],
+            Isa::Scalar => vec![Isa::Scalar],
+        }
+    }
+}
+
+/// The weight block formats our kernels compute on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WeightFormat {
+    Q8_0,
+    Q4K,
+    Q6K,
+}
+
+impl WeightFormat {
+    /// Elements per weight block.
+    pub(crate) fn block_elems(self) -> usize {
+        match self {
+            WeightFormat::Q8_0 => q8_0::BLOCK_ELEMS,
+            WeightFormat::Q4K => q4_k::BLOCK_ELEMS,
+            WeightFormat::Q6K => q6_k::BLOCK_ELEMS,
+        }
+    }
+}
+
+/// One weight format's kernel: the activation block it pairs with and the tile it computes.
+trait Kernel {
+    type Act: Copy + Default + Send + Sync;
+    const BLOCK_ELEMS: usize;
+    const BLOCK_BYTES: usize;
+    /// Quantizes one activation row (`x.len()` a multiple of `BLOCK_ELEMS`).
+    fn quantize(x: &[f32], out: &mut [Self::Act]);
+    /// `out[a * stride + r] = dot(acts row a, w row r)` for the (at most four) activation rows
+    /// of `acts` (`nb` blocks each) and every weight row of `w` (`nb` blocks each): the
+    /// reference.
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize);
+    /// The same with `isa`'s instructions.
+    ///
+    /// # Safety
+    /// The CPU must have `isa`'s features, and the slices must pass `check_tile`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd(
+        isa: Isa,
+        w: &[u8],
+        acts: &[Self::Act],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    );
+}
+
+/// One tile (see `Kernel::scalar`) with the given instruction set.
+fn tile<K: Kernel>(isa: Isa, w: &[u8], acts: &[K::Act], nb: usize, out: &mut [f32], stride: usize) {
+    check_tile(w, K::BLOCK_BYTES, acts.len(), nb, out, stride);
+    match isa {
+        Isa::Scalar => K::scalar(w, acts, nb, out, stride),
+        // SAFETY: `Isa::detect` (and `Isa::available`) name an x86 level only when the CPU has
+        // its features; the bounds were checked above.
+        #[cfg(target_arch = "x86_64")]
+        isa => unsafe { K::simd(isa, w, acts, nb, out, stride) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => K::scalar(w, acts, nb, out, stride),
+    }
+}
+
+/// The bounds every tile relies on: whole weight rows, at most `ACT_TILE` whole activation
+/// rows, and room in `out` for each activation row's results at `stride`.
+fn check_tile(
+    w: &[u8],
+    block_bytes: usize,
+    act_blocks: usize,
+    nb: usize,
+    out: &[f32],
+    stride: usize,
+) {
+    let rows = w.len() / (nb * block_bytes);
+    let na = act_blocks / nb;
+    assert!(w.len() == rows * nb * block_bytes && act_blocks == na * nb && na <= ACT_TILE);
+    assert!(rows <= stride && out.len() >= na.saturating_sub(1) * stride + rows);
+}
+
+/// Most activation rows one tile computes (a weight block in registers serves them all).
+const ACT_TILE: usize = 4;
+/// Weight bytes kept hot while the activation groups go over them (about L1).
+const WEIGHT_SLICE_BYTES: usize = 32 * 1024;
+
+/// `y = x · Wᵀ` for `W` `[out_dim, in_dim]` in `format` (raw GGUF blocks, row-major) and
+/// `x` holding `x.len() / in_dim` rows. `in_dim` must be a multiple of the block size.
+pub(crate) fn matmul(
+    format: WeightFormat,
+    isa: Isa,
+    w: &[u8],
+    in_dim: usize,
+    out_dim: usize,
+    x: &[f32],
+) -> Vec<f32> {
+    match format {
+        WeightFormat::Q8_0 => matmul_with::<q8_0::Q8_0>(isa, w, (in_dim, out_dim), x),
+        WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, (in_dim, out_dim), x),
+        WeightFormat::Q6K => matmul_with::<q6_k::Q6K>(isa, w, (in_dim, out_dim), x),
+    }
+}
+
+fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -> Vec<f32> {
+    let (in_dim, out_dim) = dims;
+    assert!(in_dim > 0 && in_dim.is_multiple_of(K::BLOCK_ELEMS));
+    let nb = in_dim / K::BLOCK_ELEMS;
+    let row_bytes = nb * K::BLOCK_BYTES;
+    assert_eq!(
+        w.len(),
+        row_bytes * out_dim,
+        "weight bytes for [{out_dim}, {in_dim}]"
+    );
+    let rows = x.len() / in_dim;
+    let mut y = vec![0f32; rows * out_dim];
+    if rows == 0 || out_dim == 0 {
+        return y;
+    }
+
+    let mut acts = vec![K::Act::default(); rows * nb];
+    acts.par_chunks_mut(nb)
+        .zip(x.par_chunks(in_dim))
+        .with_min_len(16)
+        .for_each(|(a, xr)| K::quantize(xr, a));
+
+    // Slices of weight rows small enough to stay in L1 while every activation group passes;
+    // tasks of whole slices, a few per thread so uneven progress evens out.
+    let slice_rows = (WEIGHT_SLICE_BYTES / row_bytes).clamp(4, out_dim.next_multiple_of(4)) / 4 * 4;
+    let slices = out_dim.div_ceil(slice_rows);
+    let tasks = (rayon::current_num_threads() * 4).min(slices);
+    let slices_per_task = slices.div_ceil(tasks);
+    let task_rows = slices_per_task * slice_rows;
+
+    let out = OutRows {
+        ptr: y.as_mut_ptr(),
+        len: y.len(),
+        stride: out_dim,
+    };
+    (0..out_dim.div_ceil(task_rows))
+        .into_par_iter()
+        .for_each(|t| {
+            let mut buf = vec![0f32; ACT_TILE * slice_rows];
+            let end = ((t + 1) * task_rows).min(out_dim);
+            for s0 in (t * task_rows..end).step_by(slice_rows) {
+                let s1 = (s0 + slice_rows).min(end);
+                let ws = &w[s0 * row_bytes..s1 * row_bytes];
+                for a0 in (0..rows).step_by(ACT_TILE) {
+                    let a1 = (a0 + ACT_TILE).min(rows);
+                    let n = s1 - s0;
+                    tile::<K>(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, n);
+                    for a in a0..a1 {
+                        out.write(a, s0, &buf[(a - a0) * n..(a - a0 + 1) * n]);
+                    }
+                }
+            }
+        });
+    y
+}
+
+/// The output matrix shared by the tasks; each writes only its own columns.
+struct OutRows {
+    ptr: *mut f32,
+    len: usize,
+    stride: usize,
+}
+
+// SAFETY: tasks write disjoint column ranges of the buffer (`write` checks the bounds), and the
+// buffer outlives the parallel loop that uses it.
+unsafe impl Sync for OutRows {}
+
+impl OutRows {
+    fn write(&self, row: usize, col: usize, values: &[f32]) {
+        let start = row * self.stride + col;
+        assert!(col + values.len() <= self.stride && start + values.len() <= self.len);
+        // SAFETY: in bounds (checked above); no other task writes these columns.
+        unsafe {
+            std::ptr::copy_nonoverlapping(values.as_ptr(), self.ptr.add(start), values.len());
+        }
+    }
+}
+
+/// Calls `$f::<NA>(args)` with `NA`, the number of activation rows (1 to 4), as a constant.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_act_rows {
+    ($na:expr, $($f:ident)::+($($arg:expr),*)) => {
+        match $na {
+            1 => $($f)::+::<1>($($arg),*),
+            2 => $($f)::+::<2>($($arg),*),
+            3 => $($f)::+::<3>($($arg),*),
+            _ => $($f)::+::<4>($($arg),*),
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+use with_act_rows;
+
+/// ggml's `hsum_float_8`: `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
+pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// ggml's `hsum_float_8`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn hsum8(x: __m256) -> f32 {
+        let res = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
+        let res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+        let res = _mm_add_ss(res, _mm_movehdup_ps(res));
+        _mm_cvtss_f32(res)
+    }
+}

@@ -1,0 +1,209 @@
+//! Q6_K weights (256 per block: 4 low bits, 2 high bits, sixteen i8 scales, f16 d) against Q8_K
+//! activations: ggml's `ggml_vec_dot_q6_K_q8_K` AVX2 arithmetic. Lane `k` of eight gathers
+//! `scale * (q - 32) * a` over bytes `4k..4k+3` of every 32-value run in i32, then
+//! `fma(d, sum, acc_k)` per block.
+
+use half::f16;
+
+use super::activations::{quantize_q8_k, Q8KBlock};
+#[cfg(target_arch = "x86_64")]
+use super::with_act_rows;
+use super::{hsum8, Isa, Kernel};
+
+pub(crate) const BLOCK_ELEMS: usize = 256;
+pub(crate) const BLOCK_BYTES: usize = 210;
+const QH: usize = 128;
+const SCALES: usize = 192;
+const D: usize = 208;
+
+pub(crate) struct Q6K;
+
+impl Kernel for Q6K {
+    type Act = Q8KBlock;
+    const BLOCK_ELEMS: usize = BLOCK_ELEMS;
+    const BLOCK_BYTES: usize = BLOCK_BYTES;
+
+    fn quantize(x: &[f32], out: &mut [Q8KBlock]) {
+        quantize_q8_k(x, out);
+    }
+
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
+        scalar(w, acts, nb, out, stride);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd(
+        _isa: Isa, // AVX2 serves both x86 levels
+        w: &[u8],
+        acts: &[Self::Act],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { with_act_rows!(acts.len() / nb, x86::rows(w, acts, nb, out, stride)) }
+    }
+}
+
+fn scale(b: &[u8]) -> f32 {
+    f16::from_le_bytes([b[D], b[D + 1]]).to_f32()
+}
+
+/// The 6-bit quant at byte `b` (0..32) of run `c` (0..4) in half `j` (0..2) of the block, as
+/// ggml's AVX2 code assembles it.
+fn quant(wb: &[u8], j: usize, c: usize, b: usize) -> i32 {
+    let ql = wb[64 * j + 32 * (c % 2) + b];
+    let low = if c < 2 { ql & 0xf } else { ql >> 4 };
+    let high = (wb[QH + 32 * j + b] >> (2 * c)) & 3;
+    (low | high << 4) as i32
+}
+
+/// The reference: ggml's AVX2 lanes in scalar code.
+fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize) {
+    for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
+        for (a, arow) in acts.chunks_exact(nb).enumerate() {
+            let mut acc = [0f32; 8];
+            for (wb, ab) in wrow.chunks_exact(BLOCK_BYTES).zip(arow) {
+                let d = ab.d * scale(wb);
+                let mut sumi = [0i32; 8];
+                for j in 0..2 {
+                    for c in 0..4 {
+                        for (k, s) in sumi.iter_mut().enumerate() {
+                            let sc = wb[SCALES + 8 * j + 2 * c + k / 4] as i8 as i32;
+                            let run: i32 = (4 * k..4 * k + 4)
+                                .map(|b| {
+                                    (quant(wb, j, c, b) - 32) * ab.qs[128 * j + 32 * c + b] as i32
+                                })
+                                .sum();
+                            *s += sc * run;
+                        }
+                    }
+                }
+                for (acc, s) in acc.iter_mut().zip(sumi) {
+                    *acc = d.mul_add(s as f32, *acc);
+                }
+            }
+            out[a * stride + r] = hsum8(&acc);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::super::x86::hsum8;
+    use super::{scale, Q8KBlock, BLOCK_BYTES, QH, SCALES};
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn rows<const NA: usize>(
+        w: &[u8],
+        acts: &[Q8KBlock],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let m4 = _mm256_set1_epi8(0xf);
+        let m2 = _mm256_set1_epi8(3);
+        let m32 = _mm256_set1_epi8(32);
+        for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
+            let mut acc = [_mm256_setzero_ps(); NA];
+            for b in 0..nb {
+                let wb = &wrow[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
+                let dx = scale(wb);
+                let p = wb.as_ptr();
+                let mut sumi = [_mm256_setzero_si256(); NA];
+                for j in 0..2 {
+                    // SAFETY: the block is 210 bytes: ql 0..128, qh 128..192, scales 192..208.
+                    let (ql1, ql2, qh, sc) = unsafe {
+                        (
+                            _mm256_loadu_si256(p.add(64 * j) as *const __m256i),
+                            _mm256_loadu_si256(p.add(64 * j + 32) as *const __m256i),
+                            _mm256_loadu_si256(p.add(QH + 32 * j) as *const __m256i),
+                            _mm_loadl_epi64(p.add(SCALES + 8 * j) as *const __m128i),
+                        )
+                    };
+                    let high = |shift: i32| {
+                        let h = match shift {
+                            0 => qh,
+                            2 => _mm256_srli_epi16::<2>(qh),
+                            4 => _mm256_srli_epi16::<4>(qh),
+                            _ => _mm256_srli_epi16::<6>(qh),
+                        };
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(h, m2))
+                    };
+                    let q = [
+                        _mm256_or_si256(_mm256_and_si256(ql1, m4), high(0)),
+                        _mm256_or_si256(_mm256_and_si256(ql2, m4), high(2)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), high(4)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql2), m4), high(6)),
+                    ];
+                    // Run c's scales: byte 2c for its first 16 values, 2c + 1 for the rest.
+                    let scales: [__m256i; 4] = std::array::from_fn(|c| {
+                        let pick = _mm_set_epi8(
+                            2 * c as i8 + 1,
+                            2 * c as i8 + 1,
+                            2 * c as i8 + 1,
+                            2 * c as i8 + 1,
+                            2 * c as i8 + 1,
+                            2 * c as i8 + 1,
+                            2 * c as i8 + 1,
+                            2 * c as i8 + 1,
+                            2 * c as i8,
+                            2 * c as i8,
+                            2 * c as i8,
+                            2 * c as i8,
+                            2 * c as i8,
+                            2 * c as i8,
+                            2 * c as i8,
+                            2 * c as i8,
+                        );
+                        _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick))
+                    });
+                    for (a, sumi) in sumi.iter_mut().enumerate() {
+                        let q8 = acts[a * nb + b].qs.as_ptr();
+                        for c in 0..4 {
+                            // SAFETY: `qs` is 256 bytes.
+                            let q8c = unsafe {
+                                _mm256_loadu_si256(q8.add(128 * j + 32 * c) as *const __m256i)
+                            };
+                            let p16 = _mm256_sub_epi16(
+                                _mm256_maddubs_epi16(q[c], q8c),
+                                _mm256_maddubs_epi16(m32, q8c),
+                            );
+                            *sumi = _mm256_add_epi32(*sumi, _mm256_madd_epi16(scales[c], p16));
+                        }
+                    }
+                }
+                for a in 0..NA {
+                    let d = _mm256_set1_ps(acts[a * nb + b].d * dx);
+                    acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[a]), acc[a]);
+                }
+            }
+            for (a, acc) in acc.iter().enumerate() {
+                out[a * stride + r] = hsum8(*acc);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{check_paths_agree, Rng};
+    use super::super::WeightFormat;
+    use super::*;
+
+    #[test]
+    fn simd_paths_equal_scalar_reference_bit_for_bit() {
+        let mut rng = Rng::new(5);
+        for (rows, nb) in [(1, 1), (5, 3), (9, 2)] {
+            let mut w = Vec::with_capacity(rows * nb * BLOCK_BYTES);
+            for _ in 0..rows * nb {
+                // Every bit pattern of quants and scales is a valid block (scales -128..127).
+                w.extend((0..D).map(|_| rng.next() as u8));
+                w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
+            }
+            check_paths_agree(WeightFormat::Q6K, &w, nb * BLOCK_ELEMS, rows, &mut rng);
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! Shared checks for the kernel tests: every instruction set against the scalar reference, a
+//! row alone against the same row in a batch, and the result against an f64 dot product of the
+//! dequantized weight (through candle, an independent reading of the block layout) and the
+//! dequantized activations.
+
+use std::borrow::Cow;
+
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::Device;
+
+use super::activations::{quantize_q8_0, quantize_q8_k, Q8KBlock, Q8_0Block};
+use super::{matmul, Isa, WeightFormat};
+
+/// xorshift64*: deterministic test data without a dependency.
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 16
+    }
+
+    /// Uniform in [-1, 1).
+    pub(crate) fn uniform(&mut self) -> f32 {
+        (self.next() % 2_000_001) as f32 / 1_000_000.0 - 1.0
+    }
+}
+
+/// The activations as the kernels see them, dequantized.
+fn dequantized_activations(format: WeightFormat, x: &[f32]) -> Vec<f64> {
+    match format {
+        WeightFormat::Q8_0 => {
+            let mut q = vec![Q8_0Block::default(); x.len() / 32];
+            quantize_q8_0(x, &mut q);
+            q.iter()
+                .flat_map(|b| b.qs.iter().map(move |&v| b.d as f64 * v as f64))
+                .collect()
+        }
+        WeightFormat::Q4K | WeightFormat::Q6K => {
+            let mut q = vec![Q8KBlock::default(); x.len() / 256];
+            quantize_q8_k(x, &mut q);
+            q.iter()
+                .flat_map(|b| b.qs.iter().map(move |&v| b.d as f64 * v as f64))
+                .collect()
+        }
+    }
+}
+
+fn dequantized_weight(format: WeightFormat, w: &[u8], in_dim: usize, out_dim: usize) -> Vec<f32> {
+    let dtype = match format {
+        WeightFormat::Q8_0 => GgmlDType::Q8_0,
+        WeightFormat::Q4K => GgmlDType::Q4K,
+        WeightFormat::Q6K => GgmlDType::Q6K,
+    };
+    let storage = QStorage::from_data(Cow::Borrowed(w), &Device::Cpu, dtype).expect("storage");
+    QTensor::new(storage, (out_dim, in_dim))
+        .expect("tensor")
+        .dequantize(&Device::Cpu)
+        .expect("dequantize")
+        .flatten_all()
+        .expect("flatten")
+        .to_vec1::<f32>()
+        .expect("vec")
+}
+
+pub(crate) fn check_paths_agree(
+    format: WeightFormat,
+    w: &[u8],
+    in_dim: usize,
+    out_dim: usize,
+    rng: &mut Rng,
+) {
+    let wf = dequantized_weight(format, w, in_dim, out_dim);
+    for rows in [1, 2, 3, 4, 5, 7, 9] {
+        // Rows of different magnitudes, one of them all zero.
+        let mut x: Vec<f32> = (0..rows * in_dim)
+            .map(|i| rng.uniform() * (1 + i / in_dim) as f32)
+            .collect();
+        if rows > 2 {
+            x[in_dim..2 * in_dim].fill(0.0);
+        }
+        let reference = matmul(format, Isa::Scalar, w, in_dim, out_dim, &x);
+        for isa in Isa::available() {
+            let y = matmul(format, isa, w, in_dim, out_dim, &x);
+            assert_eq!(
+                y, reference,
+                "{format:?} {isa:?}: {rows} rows of {in_dim} x {out_dim}"
+            );
+            for (r, xr) in x.chunks_exact(in_dim).enumerate() {
+                let alone = matmul(format, isa, w, in_dim, out_dim, xr);
+                assert_eq!(
+                    alone,
+                    y[r * out_dim..(r + 1) * out_dim],
+                    "{isa:?}: row {r} alone"
+                );
+            }
+        }
+        let xa = dequantized_activations(format, &x);
+        for (r, xr) in xa.chunks_exact(in_dim).enumerate() {
+            for (c, wr) in wf.chunks_exact(in_dim).enumerate() {
+                let terms: Vec<f64> = wr.iter().zip(xr).map(|(&w, &x)| w as f64 * x).collect();
+                let exact: f64 = terms.iter().sum();
+                let scale: f64 = terms.iter().map(|t| t.abs()).sum();
+                let got = reference[r * out_dim + c] as f64;
+                // f32 accumulation over in_dim terms: well inside 1e-5 of their magnitude.
+                assert!(
+                    (got - exact).abs() <= 1e-5 * scale + 1e-6,
+                    "{format:?} row {r} col {c}: {got} vs {exact}"
+                );
+            }
+        }
+    }
+}
