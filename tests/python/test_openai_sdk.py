@@ -180,11 +180,26 @@ class ExtraBody(unittest.TestCase):
         self.assertEqual(len(ids), r.usage.completion_tokens)
         self.assertTrue(all(isinstance(i, int) for i in ids))
 
-    # ISSUE 3 (prompt_logprobs, use_beam_search): a real case replaces each of these when the
-    # field lands; until then the server must refuse them rather than ignore them.
     def test_prompt_logprobs(self):
-        self._refused({"prompt_logprobs": 1}, "prompt_logprobs")
+        r = client().chat.completions.create(model=MODEL, messages=ask("Say hello."), max_tokens=2,
+                                             temperature=0,
+                                             extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+        body = r.model_dump()
+        prompt, entries = body["prompt_token_ids"], body["prompt_logprobs"]
+        self.assertEqual(len(entries), r.usage.prompt_tokens)
+        self.assertIsNone(entries[0])
+        for token, entry in zip(prompt[1:], entries[1:]):
+            keys = list(entry)
+            # The prompt's own token leads; then the top 2 without it.
+            self.assertEqual(keys[0], str(token))
+            self.assertIn(len(keys), (2, 3))
+            top = [entry[k] for k in keys[1:]]
+            self.assertEqual([t["rank"] for t in top], sorted(t["rank"] for t in top))
+            self.assertTrue(all(t["logprob"] <= 0 and t["rank"] >= 1 for t in entry.values()))
+        self._refused({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")
 
+    # ISSUE 3 (use_beam_search): a real case replaces this when the field lands; until then the
+    # server must refuse it rather than ignore it.
     def test_use_beam_search(self):
         self._refused({"use_beam_search": True, "n": 2, "temperature": 0}, "use_beam_search")
 

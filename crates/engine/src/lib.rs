@@ -81,6 +81,9 @@ pub struct GenerationRequest {
     pub constraint: Option<Grammar>,
     /// Lower runs first under `Scheduling::Priority`; ignored under `Fcfs`.
     pub priority: i64,
+    /// Log-probabilities of the prompt's tokens, each with this many top alternatives, sent
+    /// once as `GenerationEvent::PromptLogprobs` before any token; `None` = not computed.
+    pub prompt_logprobs: Option<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -191,6 +194,9 @@ pub enum GenerationEvent {
     },
     /// The request failed (e.g. a model error); no further events follow.
     Error { message: String },
+    /// Sent once, before any Token, when `prompt_logprobs` was asked: one entry per prompt
+    /// position from the second on (nothing predicts the first token).
+    PromptLogprobs { entries: Vec<PromptLogprob> },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -215,6 +221,20 @@ pub struct TokenLogprob {
     /// Raw log-softmax of the sampled token.
     pub logprob: f32,
     /// The most likely tokens with their raw log-softmax, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What the model predicted at one prompt position, from the raw log-softmax of the logits
+/// of the tokens before it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptLogprob {
+    /// The prompt's token at this position.
+    pub token: u32,
+    pub logprob: f32,
+    /// 1-based rank of `token` in the vocabulary (tokens at least as likely, itself included;
+    /// its place in `top` when it is there).
+    pub rank: usize,
+    /// The most likely tokens with their log-softmax, best first.
     pub top: Vec<(u32, f32)>,
 }
 
@@ -265,6 +285,8 @@ pub struct EngineStats {
     pub masks: u64,
     /// Mask jobs skipped because the request's client had gone away.
     pub masks_abandoned: u64,
+    /// Prompt positions whose prompt logprobs were computed.
+    pub prompt_logprobs: u64,
 }
 
 /// Handle to a model's scheduler thread; cheap to clone, shareable across threads.

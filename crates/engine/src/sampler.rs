@@ -8,7 +8,7 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 
 use crate::rng::Rng;
-use crate::{SamplingParams, TokenLogprob};
+use crate::{PromptLogprob, SamplingParams, TokenLogprob};
 
 /// Below this temperature sampling is greedy (vLLM's epsilon).
 const GREEDY_EPS: f32 = 1e-5;
@@ -413,6 +413,26 @@ pub(crate) fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprob {
     }
 }
 
+/// What `logits` (the row before prompt position i) says of the prompt's token `token` at i:
+/// its raw log-softmax, its rank and the `k` most likely tokens.
+pub(crate) fn prompt_logprob(logits: &[f32], token: u32, k: usize) -> PromptLogprob {
+    let TokenLogprob { logprob, top } = logprobs(logits, token, k);
+    let rank = match top.iter().position(|&(id, _)| id == token) {
+        Some(i) => i + 1,
+        // vLLM's rank: how many tokens are at least as likely (ties share the worse rank).
+        None => {
+            let own = logits.get(token as usize).copied().unwrap_or(f32::NAN);
+            logits.iter().filter(|&&l| l >= own).count().max(1)
+        }
+    };
+    PromptLogprob {
+        token,
+        logprob,
+        rank,
+        top,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -662,5 +682,20 @@ mod tests {
         }
         assert!(logprobs(&logits, 0, 0).top.is_empty());
         assert_eq!(logprobs(&logits, 0, 10).top.len(), 4);
+    }
+
+    #[test]
+    fn prompt_logprob_ranks_in_the_vocabulary() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, 0.5];
+        // Outside the top 1: tokens 1, 3 and 2 are at least as likely as 2 itself.
+        let p = prompt_logprob(&logits, 2, 1);
+        assert_eq!((p.rank, p.top.len(), p.top[0].0), (3, 1, 1));
+        assert_eq!(prompt_logprob(&logits, 4, 0).rank, 5);
+        // Inside the top k: its place there.
+        assert_eq!(prompt_logprob(&logits, 3, 2).rank, 2);
+        assert_eq!(
+            prompt_logprob(&logits, 0, 2).logprob,
+            logprobs(&logits, 0, 0).logprob
+        );
     }
 }

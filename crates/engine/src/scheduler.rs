@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use temper_model::{Gemma3, Logits, SeqCache, SeqInput};
 use temper_text::{DecodeOptions, DecodeStream, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -25,9 +27,13 @@ use crate::sampler::{self, Sampler};
 use crate::stop::StopMatcher;
 use crate::structured::{GrammarMatcher, TokenMask};
 use crate::{
-    EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest, Scheduling,
-    StopReason,
+    EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest, PromptLogprob,
+    Scheduling, StopReason,
 };
+
+/// Most prompt tokens per prefill chunk while prompt logprobs are computed: each needs its
+/// whole logits row (a megabyte on a 262k vocabulary) until its top-k is taken.
+const PROMPT_LOGPROB_ROWS: usize = 64;
 
 /// A request on its way to the scheduler.
 pub(crate) struct Submission {
@@ -49,6 +55,7 @@ pub(crate) struct Stats {
     /// Counted by the mask workers.
     pub(crate) masks: AtomicU64,
     pub(crate) masks_abandoned: AtomicU64,
+    prompt_logprobs: AtomicU64,
 }
 
 impl Stats {
@@ -63,6 +70,7 @@ impl Stats {
             preemptions: self.preemptions.load(Ordering::Relaxed),
             masks: self.masks.load(Ordering::Relaxed),
             masks_abandoned: self.masks_abandoned.load(Ordering::Relaxed),
+            prompt_logprobs: self.prompt_logprobs.load(Ordering::Relaxed),
         }
     }
 }
@@ -150,6 +158,9 @@ struct Group {
     dropped: bool,
     /// Queue position key: lower runs first.
     rank: (i64, u64),
+    /// Prompt logprobs computed so far (positions 1..=len): kept through a preemption, so a
+    /// replayed prefill does not compute them again.
+    prompt_logprobs: Vec<PromptLogprob>,
 }
 
 impl Group {
@@ -159,6 +170,12 @@ impl Group {
             Phase::Prefill { .. } => self.req.n,
             Phase::Decode { seqs } => seqs.len(),
         }
+    }
+
+    /// The first prompt position whose logprobs are still to compute; `None` when none are.
+    fn prompt_logprobs_from(&self) -> Option<usize> {
+        let from = self.prompt_logprobs.len();
+        (self.req.prompt_logprobs.is_some() && from + 1 < self.req.prompt.len()).then_some(from)
     }
 
     fn send(&mut self, ev: GenerationEvent) {
@@ -194,10 +211,20 @@ impl Group {
 
 /// Who a row of the batch belongs to.
 enum Row {
-    Decode { group: usize, seq: usize },
-    Prefill { group: usize, end: usize },
+    Decode {
+        group: usize,
+        seq: usize,
+    },
+    /// Prompt tokens `start..end`.
+    Prefill {
+        group: usize,
+        start: usize,
+        end: usize,
+    },
     /// A chunk of a preempted choice's replay that does not reach its end: nothing to sample.
-    Replay { group: usize },
+    Replay {
+        group: usize,
+    },
 }
 
 pub(crate) struct Scheduler {
@@ -304,6 +331,7 @@ impl Scheduler {
             tx: s.tx,
             dropped: false,
             rank: (priority, self.arrivals),
+            prompt_logprobs: Vec::new(),
         });
     }
 
@@ -422,6 +450,7 @@ impl Scheduler {
         let mut rows: Vec<Row> = Vec::new();
         let mut inputs: Vec<SeqInput<'_>> = Vec::new();
         for (gi, g) in self.groups.iter_mut().enumerate() {
+            let logprobs_from = g.prompt_logprobs_from();
             let Group { req, phase, .. } = g;
             match phase {
                 Phase::Decode { seqs } => {
@@ -473,15 +502,30 @@ impl Scheduler {
                     if budget == 0 {
                         continue;
                     }
-                    let end = (*done + budget).min(req.prompt.len());
+                    let mut end = (*done + budget).min(req.prompt.len());
+                    // Prompt logprobs need every row of the chunks they fall in; those chunks
+                    // stay small. After a preemption the rows already done are skipped.
+                    let mut all_logits = false;
+                    if let Some(from) = logprobs_from {
+                        if *done < from {
+                            end = end.min(from);
+                        } else {
+                            end = end.min(*done + PROMPT_LOGPROB_ROWS);
+                            all_logits = true;
+                        }
+                    }
                     budget -= end - *done;
                     inputs.push(SeqInput {
                         tokens: &req.prompt[*done..end],
                         cache,
-                        all_logits: false,
+                        all_logits,
                         adapter: req.adapter.as_deref(),
                     });
-                    rows.push(Row::Prefill { group: gi, end });
+                    rows.push(Row::Prefill {
+                        group: gi,
+                        start: *done,
+                        end,
+                    });
                 }
             }
         }
@@ -525,7 +569,7 @@ impl Scheduler {
         for (row, out) in rows.iter().zip(&logits) {
             match *row {
                 Row::Decode { group, seq } => self.decode_row(group, seq, out),
-                Row::Prefill { group, end } => self.prefill_row(group, end, out),
+                Row::Prefill { group, start, end } => self.prefill_row(group, start, end, out),
                 Row::Replay { .. } => {}
             }
         }
@@ -679,15 +723,28 @@ impl Scheduler {
         })
     }
 
-    fn prefill_row(&mut self, gi: usize, end: usize, out: &Logits) {
+    fn prefill_row(&mut self, gi: usize, start: usize, end: usize, out: &Logits) {
         let g = &mut self.groups[gi];
-        let Phase::Prefill { cache, done } = &mut g.phase else {
+        if out.rows == end - start {
+            let added = add_prompt_logprobs(g, start, out);
+            self.stats
+                .prompt_logprobs
+                .fetch_add(added as u64, Ordering::Relaxed);
+        }
+        let Phase::Prefill { done, .. } = &mut g.phase else {
             return;
         };
         *done = end;
         if end < g.req.prompt.len() {
             return;
         }
+        if g.req.prompt_logprobs.is_some() {
+            let entries = std::mem::take(&mut g.prompt_logprobs);
+            g.send(GenerationEvent::PromptLogprobs { entries });
+        }
+        let Phase::Prefill { cache, .. } = &mut g.phase else {
+            return;
+        };
         let Some(row) = last_row(out) else {
             g.fail("model returned an empty logits row");
             g.dropped = true;
@@ -740,6 +797,29 @@ impl Scheduler {
     }
 }
 
+/// Appends the prompt logprobs that the rows of a chunk starting at prompt position `start`
+/// give: row j predicts position start + j + 1. Rows are taken in parallel. Returns how many
+/// were added.
+fn add_prompt_logprobs(g: &mut Group, start: usize, out: &Logits) -> usize {
+    let (Some(from), Some(k)) = (g.prompt_logprobs_from(), g.req.prompt_logprobs) else {
+        return 0;
+    };
+    let prompt = &g.req.prompt;
+    // Rows before `from` were done before a preemption; the last prompt row predicts the
+    // first generated token, not a prompt token.
+    let rows = from.max(start)..(start + out.rows).min(prompt.len() - 1);
+    if rows.start != from {
+        return 0;
+    }
+    let entries: Vec<PromptLogprob> = rows
+        .into_par_iter()
+        .map(|q| sampler::prompt_logprob(out.row(q - start), prompt[q + 1], k))
+        .collect();
+    let added = entries.len();
+    g.prompt_logprobs.extend(entries);
+    added
+}
+
 fn last_row(out: &Logits) -> Option<&[f32]> {
     if out.rows == 0 || out.vocab == 0 || out.data.len() < out.rows * out.vocab {
         return None;
@@ -774,9 +854,11 @@ fn emit_token(
         if !mask.is_allowed(token) {
             // The sampler found no finite logit: the other processors masked every token
             // the grammar allows.
-            return Err("structured output: no token satisfies both the grammar and the other \
+            return Err(
+                "structured output: no token satisfies both the grammar and the other \
                         sampling constraints"
-                .into());
+                    .into(),
+            );
         }
         let matcher = g
             .matcher

@@ -75,6 +75,7 @@ fn greedy_request(i: usize, prompt: &[u32]) -> GenerationRequest {
         adapter: None,
         constraint: None,
         priority: 0,
+        prompt_logprobs: None,
     }
 }
 
@@ -99,6 +100,7 @@ fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerationEvent>) -> Gen
                 finished = true;
             }
             GenerationEvent::Error { message } => panic!("engine error: {message}"),
+            GenerationEvent::PromptLogprobs { .. } => panic!("prompt logprobs not asked for"),
         }
     }
     assert!(finished);

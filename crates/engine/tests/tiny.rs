@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::gguf_file;
 use temper_engine::{
     Engine, EngineConfig, EngineError, EngineStats, FinishReason, GenerationEvent,
-    GenerationRequest, GrammarError, JsonOptions, OutputConstraint, RepetitionDetection,
-    SamplingParams, Scheduling, StopParams, StopReason, TokenLogprob,
+    GenerationRequest, GrammarError, JsonOptions, OutputConstraint, PromptLogprob,
+    RepetitionDetection, SamplingParams, Scheduling, StopParams, StopReason, TokenLogprob,
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig};
 use temper_text::{DecodeOptions, Tokenizer};
@@ -82,6 +82,7 @@ fn request(text: &str, max_tokens: usize, sampling: SamplingParams) -> Generatio
         adapter: None,
         constraint: None,
         priority: 0,
+        prompt_logprobs: None,
     }
 }
 
@@ -116,10 +117,32 @@ struct Choice {
 }
 
 /// Reads events until the engine closes the stream; checks the per-choice event protocol.
-fn collect(mut rx: UnboundedReceiver<GenerationEvent>, n: usize) -> Vec<Choice> {
+fn collect(rx: UnboundedReceiver<GenerationEvent>, n: usize) -> Vec<Choice> {
+    let (prompt_logprobs, choices) = collect_with_prompt_logprobs(rx, n);
+    assert!(
+        prompt_logprobs.is_none(),
+        "prompt logprobs nobody asked for"
+    );
+    choices
+}
+
+/// `collect`, plus the prompt logprobs, which must come once and before any token.
+fn collect_with_prompt_logprobs(
+    mut rx: UnboundedReceiver<GenerationEvent>,
+    n: usize,
+) -> (Option<Vec<PromptLogprob>>, Vec<Choice>) {
     let mut out = vec![Choice::default(); n];
+    let mut prompt_logprobs = None;
     while let Some(ev) = rx.blocking_recv() {
         match ev {
+            GenerationEvent::PromptLogprobs { entries } => {
+                assert!(prompt_logprobs.is_none(), "prompt logprobs sent twice");
+                assert!(
+                    out.iter().all(|c| c.ids.is_empty()),
+                    "prompt logprobs after a token"
+                );
+                prompt_logprobs = Some(entries);
+            }
             GenerationEvent::Token {
                 choice,
                 token_id,
@@ -156,7 +179,7 @@ fn collect(mut rx: UnboundedReceiver<GenerationEvent>, n: usize) -> Vec<Choice> 
         assert!(c.reason.is_some(), "stream closed without Finished");
         assert_eq!(c.completion_tokens, c.ids.len());
     }
-    out
+    (prompt_logprobs, out)
 }
 
 /// The scheduler publishes its counts just after the step that sent the last events.
@@ -1249,6 +1272,7 @@ fn a_pending_mask_never_stalls_the_batch() {
                 pets_text.push_str(&text)
             }
             GenerationEvent::Error { message } => panic!("{message}"),
+            GenerationEvent::PromptLogprobs { .. } => panic!("prompt logprobs not asked for"),
         }
     }
     assert!(matches_pet_number(&pets_text), "{pets_text:?}");
@@ -1337,6 +1361,7 @@ fn priority_preempts_only_when_that_makes_room() {
                 GenerationEvent::Token { choice, text, .. }
                 | GenerationEvent::Finished { choice, text, .. } => texts[choice] += &text,
                 GenerationEvent::Error { message } => panic!("{message}"),
+                GenerationEvent::PromptLogprobs { .. } => panic!("prompt logprobs not asked for"),
             }
         }
         for t in &texts {
@@ -1344,4 +1369,150 @@ fn priority_preempts_only_when_that_makes_room() {
         }
     }
     assert_eq!(wait_idle(&e).preemptions, 1);
+}
+
+/// Log-softmax of each row of the model's logits for `tokens` (all rows, one plain forward).
+fn direct_log_softmax(tokens: &[u32]) -> Vec<Vec<f64>> {
+    let t = tiny();
+    let mut cache = t.model.new_cache();
+    let logits = t
+        .model
+        .forward(&mut [temper_model::SeqInput {
+            tokens,
+            cache: &mut cache,
+            all_logits: true,
+            adapter: None,
+        }])
+        .expect("forward");
+    (0..tokens.len())
+        .map(|i| {
+            let row = logits[0].row(i);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&v| (v as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            row.iter().map(|&v| v as f64 - lse).collect()
+        })
+        .collect()
+}
+
+/// Checks prompt logprobs against a direct log-softmax: the prompt token's logprob and rank
+/// (how many tokens are at least as likely), and the k best tokens in order.
+fn assert_prompt_logprobs(prompt: &[u32], k: usize, got: &[PromptLogprob]) {
+    let want = direct_log_softmax(prompt);
+    assert_eq!(got.len(), prompt.len() - 1);
+    let mut outside_top = 0;
+    for (i, p) in got.iter().enumerate() {
+        let lsm = &want[i];
+        let token = prompt[i + 1];
+        assert_eq!(p.token, token);
+        let own = lsm[token as usize];
+        assert!(
+            (p.logprob as f64 - own).abs() < 1e-4,
+            "position {}: {} vs {own}",
+            i + 1,
+            p.logprob
+        );
+        let mut order: Vec<u32> = (0..lsm.len() as u32).collect();
+        order.sort_by(|&a, &b| lsm[b as usize].total_cmp(&lsm[a as usize]).then(a.cmp(&b)));
+        let top: Vec<u32> = p.top.iter().map(|t| t.0).collect();
+        assert_eq!(top, order[..k], "position {}", i + 1);
+        for &(id, l) in &p.top {
+            assert!((l as f64 - lsm[id as usize]).abs() < 1e-4);
+        }
+        let rank = lsm.iter().filter(|&&l| l >= own).count();
+        assert_eq!(p.rank, rank, "position {}", i + 1);
+        if !top.contains(&token) {
+            outside_top += 1;
+        }
+    }
+    // The case where the actual token is not among the top k was seen.
+    assert!(outside_top > 0);
+}
+
+#[test]
+fn prompt_logprobs_equal_a_direct_log_softmax() {
+    // Small batches chunk the prompt across steps; the large one caps its chunks for the
+    // logits rows; both share steps with other requests.
+    for max_batch_tokens in [7, 256] {
+        let e = engine(EngineConfig {
+            max_batch_tokens,
+            max_running: 16,
+            max_model_len: 2048,
+            ..EngineConfig::default()
+        });
+        let text = "the cat sat on the mat and then the dog came over to see what was going on \
+                    there, and the cat was not happy about it at all, so it ran away "
+            .repeat(2);
+        let mut req = request(&text, 5, seeded(1));
+        req.n = 2;
+        req.prompt_logprobs = Some(3);
+        let other = e
+            .submit(request("yes no good day", 30, seeded(2)))
+            .expect("submit");
+        let (lps, choices) =
+            collect_with_prompt_logprobs(e.submit(req.clone()).expect("submit"), 2);
+        collect(other, 1);
+        assert!(
+            req.prompt.len() > 64,
+            "the prompt spans more than one logprob chunk"
+        );
+        assert_prompt_logprobs(&req.prompt, 3, &lps.expect("prompt logprobs"));
+        assert_eq!(choices.len(), 2);
+        assert_eq!(wait_idle(&e).prompt_logprobs, req.prompt.len() as u64 - 1);
+    }
+    // k = 0: only the prompt token; a one-token prompt has nothing to predict.
+    let e = default_engine();
+    let mut req = request("hello there", 2, greedy());
+    req.prompt_logprobs = Some(0);
+    let (lps, _) = collect_with_prompt_logprobs(e.submit(req.clone()).expect("submit"), 1);
+    let lps = lps.expect("prompt logprobs");
+    assert!(lps.iter().all(|p| p.top.is_empty()) && lps.len() == req.prompt.len() - 1);
+    req.prompt.truncate(1);
+    let (lps, _) = collect_with_prompt_logprobs(e.submit(req).expect("submit"), 1);
+    assert_eq!(lps, Some(Vec::new()));
+}
+
+/// A request preempted while its prompt is being prefilled replays the prefill but does not
+/// compute the prompt logprobs it already has again.
+#[test]
+fn preempted_prefill_keeps_its_prompt_logprobs() {
+    let text = "one two three four five six seven eight nine ten ".repeat(12);
+    let mut low = request(&text, 1, greedy());
+    low.prompt_logprobs = Some(2);
+    low.priority = 5;
+    let urgent = request("the dog sat", 3, greedy());
+    // Whether the urgent request arrives mid-prefill is up to timing: try until it does.
+    for _ in 0..20 {
+        let e = engine(EngineConfig {
+            max_batch_tokens: 1,
+            max_running: 1,
+            max_model_len: 2048,
+            scheduling: Scheduling::Priority,
+        });
+        let rx = e.submit(low.clone()).expect("submit");
+        wait_stats(&e, |s| s.tokens > 2);
+        let urgent_rx = e.submit(urgent.clone()).expect("submit");
+        collect(urgent_rx, 1);
+        let (lps, _) = collect_with_prompt_logprobs(rx, 1);
+        let s = wait_idle(&e);
+        // max_tokens 1 finishes in the step that ends the prefill: any preemption was in it.
+        if s.preemptions == 0 {
+            continue;
+        }
+        // The urgent request feeds its prompt and 2 decode rows; at least 3 prompt tokens of
+        // the preempted prefill were fed twice.
+        let once = low.prompt.len() + urgent.prompt.len() + 2;
+        assert!(
+            s.tokens >= once as u64 + 3,
+            "the prefill was replayed: {s:?}"
+        );
+        assert_eq!(s.prompt_logprobs, low.prompt.len() as u64 - 1);
+        assert_prompt_logprobs(&low.prompt, 2, &lps.expect("prompt logprobs"));
+        return;
+    }
+    panic!("the urgent request never arrived during the prefill");
 }

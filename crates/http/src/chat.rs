@@ -20,7 +20,7 @@ use crate::auth::RequestContext;
 use crate::error::ApiError;
 use crate::extract::ValidJson;
 use crate::extras::ServiceTier;
-use crate::prompt::{chat_prompt, logprob_entry, reasoning_parser};
+use crate::prompt::{chat_prompt, logprob_entry, prompt_logprobs_at, reasoning_parser};
 use crate::protocol::{
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
     ChunkChoice, Delta, FinishReasonJson, LogprobEntry, ResponseMessage, StopReasonJson, Usage,
@@ -158,8 +158,10 @@ pub async fn collect(
 ) -> Result<ChatCompletionResponse, ApiError> {
     let mut choices: Vec<ChoiceAcc> = (0..c.n).map(|_| ChoiceAcc::default()).collect();
     let mut finished = 0;
+    let mut prompt_logprobs = None;
     while finished < c.n {
         match rx.recv().await.ok_or_else(engine_gone)? {
+            GenerationEvent::PromptLogprobs { entries } => prompt_logprobs = Some(entries),
             GenerationEvent::Token {
                 choice,
                 token_id,
@@ -198,6 +200,16 @@ pub async fn collect(
         }
     }
     let completion_tokens = choices.iter().map(|a| a.completion_tokens).sum();
+    // The first prompt token has nothing before it to be predicted from.
+    let prompt_logprobs = prompt_logprobs.map(|entries| {
+        std::iter::once(None)
+            .chain(
+                entries
+                    .iter()
+                    .map(|p| Some(prompt_logprobs_at(&c.tokenizer, p))),
+            )
+            .collect()
+    });
     Ok(ChatCompletionResponse {
         id: c.id.clone(),
         object: "chat.completion",
@@ -236,6 +248,7 @@ pub async fn collect(
         system_fingerprint: SYSTEM_FINGERPRINT,
         service_tier: c.service_tier,
         prompt_token_ids: c.return_token_ids.then(|| c.prompt_ids.clone()),
+        prompt_logprobs,
     })
 }
 
@@ -385,6 +398,8 @@ impl SseState {
         match event {
             None => self.fail(engine_gone()),
             Some(GenerationEvent::Error { message }) => self.fail(ApiError::Internal(message)),
+            // Validation keeps `prompt_logprobs` out of streams.
+            Some(GenerationEvent::PromptLogprobs { .. }) => {}
             Some(GenerationEvent::Token {
                 choice,
                 token_id,

@@ -3,14 +3,14 @@
 
 use std::borrow::Cow;
 
-use temper_engine::TokenLogprob;
+use temper_engine::{PromptLogprob, TokenLogprob};
 use temper_text::{
     ChatTemplate, DecodeOptions, ReasoningParser, TemplateInput, Tokenizer, THINK_START,
 };
 
 use crate::error::ApiError;
 use crate::extras::ReasoningEffort;
-use crate::protocol::{LogprobEntry, TopLogprob};
+use crate::protocol::{LogprobEntry, PromptLogprobsAt, PromptTokenLogprob, TopLogprob};
 use crate::state::ServedModel;
 use crate::validation::PromptParams;
 
@@ -110,6 +110,32 @@ fn finite(lp: f32) -> f32 {
     } else {
         -9999.0
     }
+}
+
+/// A prompt position's entry of `prompt_logprobs`: the prompt's token with its rank, then
+/// the top tokens (ranked by place) without repeating it.
+pub fn prompt_logprobs_at(tok: &Tokenizer, p: &PromptLogprob) -> PromptLogprobsAt {
+    let entry = |id: u32, logprob: f32, rank: usize| {
+        (
+            id,
+            PromptTokenLogprob {
+                logprob: finite(logprob),
+                rank,
+                decoded_token: token_text(tok, id).0,
+            },
+        )
+    };
+    let top = p
+        .top
+        .iter()
+        .enumerate()
+        .filter(|(_, &(id, _))| id != p.token)
+        .map(|(i, &(id, l))| entry(id, l, i + 1));
+    PromptLogprobsAt(
+        std::iter::once(entry(p.token, p.logprob, p.rank))
+            .chain(top)
+            .collect(),
+    )
 }
 
 /// `as_ids` (`return_tokens_as_token_ids`): every `token` is `"token_id:<id>"`, so that clients

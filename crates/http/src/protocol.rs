@@ -147,6 +147,9 @@ pub struct ChatCompletionResponse {
     pub service_tier: Option<ServiceTier>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+    /// One entry per prompt token; the first is null.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Vec<Option<PromptLogprobsAt>>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -197,6 +200,30 @@ pub struct LogprobEntry {
     pub logprob: f32,
     pub bytes: Vec<u8>,
     pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// A prompt position's logprobs: a JSON object keyed by token id (as a string), the prompt's
+/// own token first, then the top tokens best first (vLLM's order).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprobsAt(pub Vec<(u32, PromptTokenLogprob)>);
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PromptTokenLogprob {
+    pub logprob: f32,
+    /// 1-based rank in the vocabulary.
+    pub rank: usize,
+    pub decoded_token: String,
+}
+
+impl Serialize for PromptLogprobsAt {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (id, lp) in &self.0 {
+            map.serialize_entry(&id.to_string(), lp)?;
+        }
+        map.end()
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -41,6 +41,8 @@ pub struct ChatParams {
     pub stop: StopOptions,
     /// `Some(k)`: logprobs of each sampled token plus `k` alternatives.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: logprobs of each prompt token plus `k` alternatives.
+    pub prompt_logprobs: Option<usize>,
     pub return_token_ids: bool,
     /// `Some` when streaming.
     pub stream: Option<StreamOptions>,
@@ -229,24 +231,19 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
                 "`top_logprobs` needs `logprobs: true`.",
             ))
         }
-        Some(-1) => limits.vocab_size,
-        Some(k) if k < 0 => {
-            return Err(ApiError::bad(
-                "top_logprobs",
-                format!("`top_logprobs` must be -1 (whole vocabulary) or >= 0, got {k}."),
-            ))
-        }
-        Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+        Some(k) => logprob_count("top_logprobs", k, limits)?,
     };
-    if let Some(max) = limits.max_logprobs {
-        if top_logprobs > max {
-            return Err(ApiError::bad(
-                "top_logprobs",
-                format!("`top_logprobs` must be at most {max} on this server."),
-            ));
-        }
+    let logprobs = logprobs_on.then_some(top_logprobs);
+    let prompt_logprobs = req
+        .prompt_logprobs
+        .map(|k| logprob_count("prompt_logprobs", k, limits))
+        .transpose()?;
+    if prompt_logprobs.is_some() && stream {
+        return Err(ApiError::bad(
+            "prompt_logprobs",
+            "`prompt_logprobs` is not available when streaming.",
+        ));
     }
-    let logprobs = logprobs_on.then_some(top_logprobs.min(limits.vocab_size));
 
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
     let continue_final_message = req.continue_final_message.unwrap_or(false);
@@ -320,6 +317,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
             spaces_between_special_tokens: req.spaces_between_special_tokens.unwrap_or(true),
         },
         logprobs,
+        prompt_logprobs,
         return_token_ids: req.return_token_ids.unwrap_or(false),
         stream: stream_options,
         request_id: req.request_id,
@@ -378,7 +376,30 @@ impl ChatParams {
             adapter: None,
             constraint,
             priority: self.priority,
+            prompt_logprobs: self.prompt_logprobs,
         })
+    }
+}
+
+/// How many top alternatives `param` asks for: -1 is the whole vocabulary; at most the
+/// server's max either way.
+fn logprob_count(param: &str, k: i64, limits: &Limits) -> Result<usize, ApiError> {
+    let count = match k {
+        -1 => limits.vocab_size,
+        k if k < 0 => {
+            return Err(ApiError::bad(
+                param,
+                format!("`{param}` must be -1 (whole vocabulary) or >= 0, got {k}."),
+            ))
+        }
+        k => usize::try_from(k).unwrap_or(usize::MAX),
+    };
+    match limits.max_logprobs {
+        Some(max) if count > max => Err(ApiError::bad(
+            param,
+            format!("`{param}` must be at most {max} on this server."),
+        )),
+        _ => Ok(count.min(limits.vocab_size)),
     }
 }
 
@@ -528,7 +549,6 @@ pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> Vec<(&'static s
             req.length_penalty.is_some_and(|v| v != 1.0),
         ),
         ("use_beam_search", req.use_beam_search == Some(true)),
-        ("prompt_logprobs", req.prompt_logprobs.is_some()),
     ]
 }
 
@@ -665,6 +685,31 @@ mod tests {
             Some(5)
         );
         assert_eq!(ok(json!({"top_logprobs": 0})).logprobs, None);
+    }
+
+    #[test]
+    fn prompt_logprobs_rules() {
+        rejected(json!({"prompt_logprobs": -2}), "prompt_logprobs");
+        rejected(json!({"prompt_logprobs": 21}), "prompt_logprobs");
+        // -1 = whole vocabulary: above the default server max of 20.
+        rejected(json!({"prompt_logprobs": -1}), "prompt_logprobs");
+        rejected(
+            json!({"prompt_logprobs": 1, "stream": true}),
+            "prompt_logprobs",
+        );
+        let unlimited = Limits {
+            max_logprobs: None,
+            ..LIMITS
+        };
+        let p = validate_chat(request(json!({"prompt_logprobs": -1})), &unlimited).unwrap();
+        assert_eq!(p.prompt_logprobs, Some(1000));
+        assert_eq!(ok(json!({"prompt_logprobs": 0})).prompt_logprobs, Some(0));
+        assert_eq!(ok(json!({"prompt_logprobs": 20})).prompt_logprobs, Some(20));
+        assert_eq!(ok(json!({})).prompt_logprobs, None);
+        let g = ok(json!({"prompt_logprobs": 3}))
+            .generation_request("r".into(), vec![1, 2], 100, None)
+            .unwrap();
+        assert_eq!(g.prompt_logprobs, Some(3));
     }
 
     #[test]
@@ -818,7 +863,6 @@ mod tests {
         let non_defaults = [
             ("length_penalty", json!(0.5)),
             ("use_beam_search", json!(true)),
-            ("prompt_logprobs", json!(1)),
         ];
         let names: Vec<&str> = unsupported_fields(&ChatCompletionRequest::default())
             .iter()

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{check_stream, options, TestServer};
+use common::{check_stream, direct_log_softmax, options, TestServer};
 use serde_json::{json, Value};
 
 fn body(extra: Value) -> Value {
@@ -190,4 +190,75 @@ async fn return_tokens_as_token_ids_in_logprobs() {
         .flatten()
         .collect();
     assert_eq!(&entries, content);
+}
+
+/// prompt_logprobs: null first, then per position the prompt token (rank = tokens at least as
+/// likely) followed by the k best, all equal to a direct log-softmax of the model's logits.
+#[tokio::test]
+async fn prompt_logprobs_equal_the_models_log_softmax() {
+    let s = TestServer::tiny(options(), None).await;
+    let (status, v) = s
+        .chat(&body(
+            json!({"prompt_logprobs": 2, "n": 2, "temperature": 1, "seed": 3}),
+        ))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let prompt: Vec<u32> = v["prompt_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let entries = v["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(entries.len(), prompt.len());
+    assert!(entries[0].is_null());
+    let want = direct_log_softmax(&s, &prompt);
+    let mut outside_top = 0;
+    for (i, entry) in entries.iter().enumerate().skip(1) {
+        let lsm = &want[i - 1];
+        let mut order: Vec<usize> = (0..lsm.len()).collect();
+        order.sort_by(|&a, &b| lsm[b].total_cmp(&lsm[a]).then(a.cmp(&b)));
+        let map = entry.as_object().unwrap();
+        let keys: Vec<usize> = map.keys().map(|k| k.parse().unwrap()).collect();
+        let token = prompt[i] as usize;
+        // The prompt token first, then the top 2 without it.
+        let mut expected = vec![token];
+        expected.extend(order[..2].iter().filter(|&&t| t != token));
+        assert_eq!(keys, expected, "position {i}");
+        if expected.len() == 3 {
+            outside_top += 1;
+        }
+        for (key, lp) in map {
+            let id: usize = key.parse().unwrap();
+            let got = lp["logprob"].as_f64().unwrap();
+            assert!(
+                (got - lsm[id]).abs() < 1e-4,
+                "position {i} token {id}: {got} vs {}",
+                lsm[id]
+            );
+            let rank = lsm.iter().filter(|&&l| l >= lsm[id]).count();
+            assert_eq!(lp["rank"], rank, "position {i} token {id}");
+            assert!(lp["decoded_token"].is_string());
+        }
+    }
+    assert!(
+        outside_top > 0,
+        "no position had its token outside the top 2"
+    );
+    // n = 2 choices came from the one prefill.
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(s.engine_stats().prompt_logprobs, prompt.len() as u64 - 1);
+
+    for (extra, param) in [
+        (json!({"prompt_logprobs": -2}), "prompt_logprobs"),
+        (json!({"prompt_logprobs": 21}), "prompt_logprobs"),
+        (
+            json!({"prompt_logprobs": 1, "stream": true}),
+            "prompt_logprobs",
+        ),
+    ] {
+        let (status, v) = s.chat(&body(extra)).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], param);
+    }
 }

@@ -286,6 +286,7 @@ fn generate(
             adapter: None,
             constraint: constraint.cloned(),
             priority: 0,
+            prompt_logprobs: None,
         };
         receivers.push(engine.submit(request).map_err(|e| e.to_string())?);
     }
@@ -303,6 +304,7 @@ fn generate(
                 }
                 Some(GenerationEvent::Finished { .. }) => break,
                 Some(GenerationEvent::Error { message }) => return Err(message),
+                Some(GenerationEvent::PromptLogprobs { .. }) => {}
                 None => return Err("the engine stopped".into()),
             }
         }
@@ -356,7 +358,9 @@ fn structured_output_rows(
     let instance = serde_json::json!({"name": "Ada Lovelace", "age": 36, "city": "London",
         "tags": ["red", "blue"], "notes": notes})
     .to_string();
-    let costs = best_of(repeat, || mask_costs(grammar.matcher(), tokenizer, &instance))?;
+    let costs = best_of(repeat, || {
+        mask_costs(grammar.matcher(), tokenizer, &instance)
+    })?;
     let mut sorted = costs.per_token.clone();
     sorted.sort();
     let mean = costs.total / costs.per_token.len().max(1) as u32;
@@ -541,7 +545,9 @@ fn train_job_row(
     let dir = std::env::temp_dir().join(format!("temper-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let checkpoint = dir.join("adapter.safetensors");
-    let job = best_of(repeat, || train_job(model, tokenizer, template, &request, &checkpoint));
+    let job = best_of(repeat, || {
+        train_job(model, tokenizer, template, &request, &checkpoint)
+    });
     let _ = std::fs::remove_dir_all(&dir);
     let job = job?;
     let secs = job.wall.as_secs_f64();

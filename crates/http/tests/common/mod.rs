@@ -120,6 +120,33 @@ impl TestServer {
     }
 }
 
+/// Log-softmax of every row of the served model's logits for `tokens`, from one plain forward.
+pub fn direct_log_softmax(server: &TestServer, tokens: &[u32]) -> Vec<Vec<f64>> {
+    let model = &server.state.models()[0].model;
+    let mut cache = model.new_cache();
+    let logits = model
+        .forward(&mut [temper_model::SeqInput {
+            tokens,
+            cache: &mut cache,
+            all_logits: true,
+            adapter: None,
+        }])
+        .unwrap();
+    (0..tokens.len())
+        .map(|i| {
+            let row = logits[0].row(i);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&v| (v as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            row.iter().map(|&v| v as f64 - lse).collect()
+        })
+        .collect()
+}
+
 pub fn options() -> ServerOptions {
     ServerOptions {
         api_keys: vec![KEY.to_owned()],

@@ -91,6 +91,7 @@ fn rollouts(
             adapter: Some(adapter.clone()),
             constraint: None,
             priority: 0,
+            prompt_logprobs: None,
         })
         .map_err(|e| e.to_string())?;
     let mut out: Vec<Rollout> = (0..n)
@@ -116,6 +117,7 @@ fn rollouts(
             }
             GenerationEvent::Finished { choice, text, .. } => out[choice].text.push_str(&text),
             GenerationEvent::Error { message } => return Err(message),
+            GenerationEvent::PromptLogprobs { .. } => return Err("unasked prompt logprobs".into()),
         }
     }
     Ok(out)
@@ -209,7 +211,10 @@ fn main() -> Result<(), String> {
     let mut adapter = Arc::new(LoraAdapter::new(model.config(), cfg.lora, args.seed));
     let lower = args.word.to_lowercase();
 
-    println!("question: {QUESTION:?}; reward 1 for answers beginning with {:?}", args.word);
+    println!(
+        "question: {QUESTION:?}; reward 1 for answers beginning with {:?}",
+        args.word
+    );
     println!("| job | p(word first) before | rewarded rollouts | loss | grad_norm | train s | trainable tok/s |");
     println!("|---|---|---|---|---|---|---|");
     let mut probabilities = Vec::new();
@@ -218,7 +223,13 @@ fn main() -> Result<(), String> {
     for job in 0..args.jobs {
         let p = word_probability(&model, &prompt, word_token, &adapter);
         probabilities.push(p);
-        let sampled = rollouts(&engine, &prompt, args.group, args.seed * 1000 + job as u64, &adapter)?;
+        let sampled = rollouts(
+            &engine,
+            &prompt,
+            args.group,
+            args.seed * 1000 + job as u64,
+            &adapter,
+        )?;
         let rewards: Vec<f64> = sampled
             .iter()
             .map(|r| f64::from(u8::from(rewarded(&r.text, &lower))))
@@ -268,7 +279,13 @@ fn main() -> Result<(), String> {
     }
     let p = word_probability(&model, &prompt, word_token, &adapter);
     probabilities.push(p);
-    let last = rollouts(&engine, &prompt, args.group, args.seed * 1000 + args.jobs as u64, &adapter)?;
+    let last = rollouts(
+        &engine,
+        &prompt,
+        args.group,
+        args.seed * 1000 + args.jobs as u64,
+        &adapter,
+    )?;
     let hits = last.iter().filter(|r| rewarded(&r.text, &lower)).count();
     rewarded_fraction.push(hits as f64 / args.group as f64);
     println!("| {} | {p:.4} | {hits}/{} | | | | |", args.jobs, args.group);
@@ -278,8 +295,17 @@ fn main() -> Result<(), String> {
         train_tokens as f64 / train_seconds,
         train_seconds / trained_jobs as f64
     );
-    png::plot(&args.png, &[(&probabilities, [31, 119, 180]), (&rewarded_fraction, [255, 127, 14])])
-        .map_err(|e| format!("{}: {e}", args.png.display()))?;
-    println!("plot: {} (blue: p(word first) per job, orange: rewarded fraction of rollouts)", args.png.display());
+    png::plot(
+        &args.png,
+        &[
+            (&probabilities, [31, 119, 180]),
+            (&rewarded_fraction, [255, 127, 14]),
+        ],
+    )
+    .map_err(|e| format!("{}: {e}", args.png.display()))?;
+    println!(
+        "plot: {} (blue: p(word first) per job, orange: rewarded fraction of rollouts)",
+        args.png.display()
+    );
     Ok(())
 }
