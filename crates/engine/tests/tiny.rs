@@ -1477,6 +1477,32 @@ fn prompt_logprobs_equal_a_direct_log_softmax() {
     assert_eq!(lps, Some(Vec::new()));
 }
 
+/// Runs `low` (priority > 0) on a fresh priority engine and, once `started` holds, `urgent`
+/// (priority 0), which preempts it. Whether it comes before `low` is done is up to timing: this
+/// tries until a preemption happens. Returns `low`'s events and the engine's counters.
+fn run_preempted(
+    config: EngineConfig,
+    low: &GenerationRequest,
+    started: impl Fn(&EngineStats) -> bool,
+    urgent: &GenerationRequest,
+) -> (Option<Vec<PromptLogprob>>, Vec<Choice>, EngineStats) {
+    for _ in 0..20 {
+        let e = engine(EngineConfig {
+            scheduling: Scheduling::Priority,
+            ..config.clone()
+        });
+        let rx = e.submit(low.clone()).expect("submit");
+        wait_stats(&e, &started);
+        collect(e.submit(urgent.clone()).expect("submit"), urgent.n);
+        let (prompt_logprobs, choices) = collect_with_prompt_logprobs(rx, low.n);
+        let stats = wait_idle(&e);
+        if stats.preemptions > 0 {
+            return (prompt_logprobs, choices, stats);
+        }
+    }
+    panic!("the urgent request never arrived in time to preempt");
+}
+
 /// A request preempted while its prompt is being prefilled replays the prefill but does not
 /// compute the prompt logprobs it already has again.
 #[test]
@@ -1486,36 +1512,23 @@ fn preempted_prefill_keeps_its_prompt_logprobs() {
     low.prompt_logprobs = Some(2);
     low.priority = 5;
     let urgent = request("the dog sat", 3, greedy());
-    // Whether the urgent request arrives mid-prefill is up to timing: try until it does.
-    for _ in 0..20 {
-        let e = engine(EngineConfig {
-            max_batch_tokens: 1,
-            max_running: 1,
-            max_model_len: 2048,
-            scheduling: Scheduling::Priority,
-        });
-        let rx = e.submit(low.clone()).expect("submit");
-        wait_stats(&e, |s| s.tokens > 2);
-        let urgent_rx = e.submit(urgent.clone()).expect("submit");
-        collect(urgent_rx, 1);
-        let (lps, _) = collect_with_prompt_logprobs(rx, 1);
-        let s = wait_idle(&e);
-        // max_tokens 1 finishes in the step that ends the prefill: any preemption was in it.
-        if s.preemptions == 0 {
-            continue;
-        }
-        // The urgent request feeds its prompt and 2 decode rows; at least 3 prompt tokens of
-        // the preempted prefill were fed twice.
-        let once = low.prompt.len() + urgent.prompt.len() + 2;
-        assert!(
-            s.tokens >= once as u64 + 3,
-            "the prefill was replayed: {s:?}"
-        );
-        assert_eq!(s.prompt_logprobs, low.prompt.len() as u64 - 1);
-        assert_prompt_logprobs(&low.prompt, 2, &lps.expect("prompt logprobs"));
-        return;
-    }
-    panic!("the urgent request never arrived during the prefill");
+    // max_tokens 1 finishes in the step that ends the prefill: any preemption was in it.
+    let config = EngineConfig {
+        max_batch_tokens: 1,
+        max_running: 1,
+        max_model_len: 2048,
+        ..EngineConfig::default()
+    };
+    let (lps, _, s) = run_preempted(config, &low, |s| s.tokens > 2, &urgent);
+    // The urgent request feeds its prompt and 2 decode rows; at least 3 prompt tokens of the
+    // preempted prefill were fed twice.
+    let once = low.prompt.len() + urgent.prompt.len() + 2;
+    assert!(
+        s.tokens >= once as u64 + 3,
+        "the prefill was replayed: {s:?}"
+    );
+    assert_eq!(s.prompt_logprobs, low.prompt.len() as u64 - 1);
+    assert_prompt_logprobs(&low.prompt, 2, &lps.expect("prompt logprobs"));
 }
 
 fn beam_request(text: &str, n: usize, max_tokens: usize, length_penalty: f32) -> GenerationRequest {
@@ -1647,4 +1660,25 @@ fn dropping_a_beam_search_receiver_cancels_it() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(e.stats().steps, steps);
     assert!(steps < 1000);
+}
+
+/// A beam search preempted by a better-ranked request replays every live beam's cache and ends
+/// with the same beams as alone.
+#[test]
+fn preempted_beam_search_gives_the_same_beams() {
+    let mut req = beam_request("the dog sat on the", 3, 300, 1.0);
+    req.priority = 5;
+    let alone = run(&default_engine(), req.clone());
+    let config = EngineConfig {
+        max_batch_tokens: 256,
+        max_running: 3,
+        max_model_len: 2048,
+        ..EngineConfig::default()
+    };
+    let urgent = request("hello there", 3, greedy());
+    let (_, preempted, _) = run_preempted(config, &req, |s| s.steps > 3, &urgent);
+    for (a, b) in alone.iter().zip(&preempted) {
+        assert_eq!(a.ids, b.ids);
+        assert_eq!(a.reason, b.reason);
+    }
 }
