@@ -13,9 +13,9 @@ use crate::ModelError;
 #[derive(Debug)]
 pub(crate) struct Linear {
     inner: QMatMul,
-    /// The weight our kernels compute on (its format), when they cover its type; candle's
-    /// `QMatMul` otherwise.
-    kernel: Option<(Arc<QTensor>, WeightFormat)>,
+    /// The weight as our kernels read it (`kernels::prepare`), when they cover its type;
+    /// candle's `QMatMul` otherwise.
+    kernel: Option<(WeightFormat, Vec<u8>)>,
     in_dim: usize,
     out_dim: usize,
     /// The weight dequantized to f32, made on the first backward (training only): the gradient
@@ -39,9 +39,10 @@ impl Linear {
             GgmlDType::Q6K => Some(WeightFormat::Q6K),
             _ => None,
         };
-        let kernel = format
-            .filter(|f| in_dim.is_multiple_of(f.block_elems()))
-            .map(|f| (weight.clone(), f));
+        let kernel = match format.filter(|f| in_dim.is_multiple_of(f.block_elems())) {
+            Some(f) => Some((f, kernels::prepare(f, &weight.data()?, out_dim))),
+            None => None,
+        };
         Ok(Self {
             kernel,
             inner: QMatMul::from_arc(weight)?,
@@ -95,12 +96,11 @@ impl Linear {
     }
 
     fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
-        if let Some((weight, format)) = &self.kernel {
-            let data = weight.data()?;
+        if let Some((format, weight)) = &self.kernel {
             return Ok(kernels::matmul(
                 *format,
                 Isa::detect(),
-                &data,
+                weight,
                 self.in_dim,
                 self.out_dim,
                 x,

@@ -10,6 +10,8 @@ use half::f16;
 pub(crate) struct Q8_0Block {
     pub(crate) d: f32,
     pub(crate) qs: [i8; 32],
+    /// Σ qs, to take out the +128 that makes the weights unsigned for VNNI.
+    pub(crate) sum: i32,
 }
 
 /// A Q8_K activation block: 256 values, f32 scale, the sum of every 16 values.
@@ -40,6 +42,7 @@ pub(crate) fn quantize_q8_0(x: &[f32], out: &mut [Q8_0Block]) {
             // Saturating like `_mm256_packs_epi32`; in range anyway (|v * id| <= 127).
             *q = (v * id).round_ties_even() as i8;
         }
+        o.sum = o.qs.iter().map(|&q| q as i32).sum();
     }
 }
 

@@ -91,7 +91,10 @@ impl WeightFormat {
 trait Kernel {
     type Act: Copy + Default + Send + Sync;
     const BLOCK_ELEMS: usize;
+    /// Weight bytes per block of one row.
     const BLOCK_BYTES: usize;
+    /// Rows stored together (interleaved); the weight is padded to a whole number of groups.
+    const ROW_GROUP: usize;
     /// Quantizes one activation row (`x.len()` a multiple of `BLOCK_ELEMS`).
     fn quantize(x: &[f32], out: &mut [Self::Act]);
     /// `out[a * stride + r] = dot(acts row a, w row r)` for the (at most four) activation rows
@@ -148,8 +151,8 @@ const ACT_TILE: usize = 4;
 /// Weight bytes kept hot while the activation groups go over them (about L1).
 const WEIGHT_SLICE_BYTES: usize = 32 * 1024;
 
-/// `y = x · Wᵀ` for `W` `[out_dim, in_dim]` in `format` (raw GGUF blocks, row-major) and
-/// `x` holding `x.len() / in_dim` rows. `in_dim` must be a multiple of the block size.
+/// `y = x · Wᵀ` for `W` `[out_dim, in_dim]` in `format` (as `prepare` lays it out) and `x`
+/// holding `x.len() / in_dim` rows. `in_dim` must be a multiple of the block size.
 pub(crate) fn matmul(
     format: WeightFormat,
     isa: Isa,
@@ -165,14 +168,23 @@ pub(crate) fn matmul(
     }
 }
 
+/// The weight bytes the kernels read, from GGUF blocks (`[out_dim, in_dim]`, row-major).
+pub(crate) fn prepare(format: WeightFormat, gguf: &[u8], out_dim: usize) -> Vec<u8> {
+    match format {
+        WeightFormat::Q8_0 => q8_0::interleave(gguf, out_dim),
+        WeightFormat::Q4K | WeightFormat::Q6K => gguf.to_vec(),
+    }
+}
+
 fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -> Vec<f32> {
     let (in_dim, out_dim) = dims;
     assert!(in_dim > 0 && in_dim.is_multiple_of(K::BLOCK_ELEMS));
     let nb = in_dim / K::BLOCK_ELEMS;
     let row_bytes = nb * K::BLOCK_BYTES;
+    let padded_rows = out_dim.next_multiple_of(K::ROW_GROUP);
     assert_eq!(
         w.len(),
-        row_bytes * out_dim,
+        row_bytes * padded_rows,
         "weight bytes for [{out_dim}, {in_dim}]"
     );
     let rows = x.len() / in_dim;
@@ -187,13 +199,13 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
         .with_min_len(16)
         .for_each(|(a, xr)| K::quantize(xr, a));
 
-    // Slices of weight rows small enough to stay in L1 while every activation group passes;
-    // tasks of whole slices, a few per thread so uneven progress evens out.
-    let slice_rows = (WEIGHT_SLICE_BYTES / row_bytes).clamp(4, out_dim.next_multiple_of(4)) / 4 * 4;
+    // Slices of weight rows small enough to stay in L1 while every activation group passes
+    // (whole row groups); tasks of whole slices, a few per thread so uneven progress evens out.
+    let group = K::ROW_GROUP.max(4);
+    let slice_rows = (WEIGHT_SLICE_BYTES / row_bytes / group).max(1) * group;
     let slices = out_dim.div_ceil(slice_rows);
     let tasks = (rayon::current_num_threads() * 4).min(slices);
-    let slices_per_task = slices.div_ceil(tasks);
-    let task_rows = slices_per_task * slice_rows;
+    let task_rows = slices.div_ceil(tasks) * slice_rows;
 
     let out = OutRows {
         ptr: y.as_mut_ptr(),
@@ -207,13 +219,14 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
             let end = ((t + 1) * task_rows).min(out_dim);
             for s0 in (t * task_rows..end).step_by(slice_rows) {
                 let s1 = (s0 + slice_rows).min(end);
-                let ws = &w[s0 * row_bytes..s1 * row_bytes];
+                let stored = (s1 - s0).next_multiple_of(K::ROW_GROUP);
+                let ws = &w[s0 * row_bytes..(s0 + stored) * row_bytes];
                 for a0 in (0..rows).step_by(ACT_TILE) {
                     let a1 = (a0 + ACT_TILE).min(rows);
-                    let n = s1 - s0;
-                    tile::<K>(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, n);
+                    tile::<K>(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, stored);
                     for a in a0..a1 {
-                        out.write(a, s0, &buf[(a - a0) * n..(a - a0 + 1) * n]);
+                        let at = (a - a0) * stored;
+                        out.write(a, s0, &buf[at..at + s1 - s0]);
                     }
                 }
             }
@@ -276,3 +289,4 @@ mod x86 {
         _mm_cvtss_f32(res)
     }
 }
+

@@ -20,6 +20,7 @@ impl Kernel for Q4K {
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;
+    const ROW_GROUP: usize = 1;
 
     fn quantize(x: &[f32], out: &mut [Q8KBlock]) {
         quantize_q8_k(x, out);

@@ -1,16 +1,28 @@
 //! Q8_0 weights (f16 scale + 32 i8 per block; Q5_0 arrives converted to it) against Q8_0
-//! activations: ggml's `ggml_vec_dot_q8_0_q8_0` arithmetic. Per block, lane `l` of eight gets
-//! `fma(dw * da, (Σ_{j=4l}^{4l+3} w_j a_j) as f32, acc_l)`; the lanes are summed by `hsum8`.
+//! activations.
+//!
+//! The weight is interleaved at load: sixteen rows per group, each block stored as the sixteen
+//! f16 scales, then eight steps of sixteen rows × four quants, made unsigned (`w + 128`). One
+//! VNNI instruction multiplies four quants of all sixteen rows by the same four activation
+//! values, so a row's integer block sum `Σ w·a` ends in one lane with no horizontal adds
+//! (`128 Σ a` is taken back out exactly, in i32). Per block the row accumulates
+//! `fma(dw * da, sum as f32, acc)`, as ggml's scalar `ggml_vec_dot_q8_0_q8_0` does (its AVX2
+//! path keeps eight partial lanes instead; the difference is f32 rounding order only, and this
+//! layout computes about four times fewer float operations).
 
 use half::f16;
 
 use super::activations::{quantize_q8_0, Q8_0Block};
 #[cfg(target_arch = "x86_64")]
 use super::with_act_rows;
-use super::{hsum8, Isa, Kernel};
+use super::{Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 32;
+/// GGUF block: f16 scale, 32 quants; the interleaved layout keeps 34 bytes per row and block.
 pub(crate) const BLOCK_BYTES: usize = 34;
+const GROUP: usize = 16;
+const GROUP_BLOCK: usize = GROUP * BLOCK_BYTES;
+const QUANTS: usize = 2 * GROUP;
 
 pub(crate) struct Q8_0;
 
@@ -18,6 +30,7 @@ impl Kernel for Q8_0 {
     type Act = Q8_0Block;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;
+    const ROW_GROUP: usize = GROUP;
 
     fn quantize(x: &[f32], out: &mut [Q8_0Block]) {
         quantize_q8_0(x, out);
@@ -47,25 +60,48 @@ impl Kernel for Q8_0 {
     }
 }
 
-fn block_scale(b: &[u8]) -> f32 {
-    f16::from_le_bytes([b[0], b[1]]).to_f32()
+/// GGUF Q8_0 rows (`out_dim` of them) in the interleaved layout, padded with zero rows to a
+/// whole group.
+pub(crate) fn interleave(gguf: &[u8], out_dim: usize) -> Vec<u8> {
+    let nb = gguf.len() / (out_dim * BLOCK_BYTES);
+    let groups = out_dim.div_ceil(GROUP);
+    let mut packed = vec![0u8; groups * nb * GROUP_BLOCK];
+    for (gb, dst) in packed.chunks_exact_mut(GROUP_BLOCK).enumerate() {
+        let (g, b) = (gb / nb, gb % nb);
+        for j in 0..GROUP {
+            let row = g * GROUP + j;
+            let src = if row < out_dim {
+                &gguf[(row * nb + b) * BLOCK_BYTES..(row * nb + b + 1) * BLOCK_BYTES]
+            } else {
+                &[0u8; BLOCK_BYTES][..]
+            };
+            dst[2 * j..2 * j + 2].copy_from_slice(&src[..2]);
+            for (i, &q) in src[2..].iter().enumerate() {
+                dst[QUANTS + (i / 4) * 4 * GROUP + 4 * j + i % 4] = q ^ 0x80;
+            }
+        }
+    }
+    packed
 }
 
-/// The reference: ggml's AVX2 lanes in scalar code.
+/// The reference, lane for lane what the SIMD paths compute.
 fn scalar(w: &[u8], acts: &[Q8_0Block], nb: usize, out: &mut [f32], stride: usize) {
-    for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
+    for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
-            let mut lanes = [0f32; 8];
-            for (wb, ab) in wrow.chunks_exact(BLOCK_BYTES).zip(arow) {
-                let d = block_scale(wb) * ab.d;
-                for (l, lane) in lanes.iter_mut().enumerate() {
-                    let isum: i32 = (4 * l..4 * l + 4)
-                        .map(|j| wb[2 + j] as i8 as i32 * ab.qs[j] as i32)
+            for j in 0..GROUP {
+                let mut acc = 0f32;
+                for (wb, ab) in group.chunks_exact(GROUP_BLOCK).zip(arow) {
+                    let dw = f16::from_le_bytes([wb[2 * j], wb[2 * j + 1]]).to_f32();
+                    let isum: i32 = (0..32)
+                        .map(|i| {
+                            let q = wb[QUANTS + (i / 4) * 4 * GROUP + 4 * j + i % 4] ^ 0x80;
+                            q as i8 as i32 * ab.qs[i] as i32
+                        })
                         .sum();
-                    *lane = d.mul_add(isum as f32, *lane);
+                    acc = (dw * ab.d).mul_add(isum as f32, acc);
                 }
+                out[a * stride + g * GROUP + j] = acc;
             }
-            out[a * stride + r] = hsum8(&lanes);
         }
     }
 }
@@ -74,9 +110,21 @@ fn scalar(w: &[u8], acts: &[Q8_0Block], nb: usize, out: &mut [f32], stride: usiz
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::x86::hsum8;
-    use super::{Q8_0Block, BLOCK_BYTES};
+    use super::{Q8_0Block, GROUP, GROUP_BLOCK, QUANTS};
 
+    /// Four activation values as one i32, broadcast.
+    #[inline(always)]
+    fn four(ab: &Q8_0Block, step: usize) -> i32 {
+        i32::from_le_bytes([
+            ab.qs[4 * step] as u8,
+            ab.qs[4 * step + 1] as u8,
+            ab.qs[4 * step + 2] as u8,
+            ab.qs[4 * step + 3] as u8,
+        ])
+    }
+
+    /// No VNNI: half a group (eight rows) per register, the products through ggml's
+    /// sign trick (`|w|` unsigned times `a` with `w`'s sign), exact in i16 pairs.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2_rows<const NA: usize>(
         w: &[u8],
@@ -86,30 +134,45 @@ mod x86 {
         stride: usize,
     ) {
         let ones = _mm256_set1_epi16(1);
-        for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
-            let mut acc = [_mm256_setzero_ps(); NA];
-            for b in 0..nb {
-                let wb = &wrow[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
-                let dw = super::block_scale(wb);
-                // SAFETY: `wb` holds 34 bytes, the quants are its last 32.
-                let qw = unsafe { _mm256_loadu_si256(wb.as_ptr().add(2) as *const __m256i) };
-                let aw = _mm256_sign_epi8(qw, qw);
-                for (a, acc) in acc.iter_mut().enumerate() {
-                    let ab = &acts[a * nb + b];
-                    // SAFETY: `qs` is 32 bytes.
-                    let qa = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
-                    let dot =
-                        _mm256_madd_epi16(ones, _mm256_maddubs_epi16(aw, _mm256_sign_epi8(qa, qw)));
-                    let d = _mm256_set1_ps(dw * ab.d);
-                    *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), *acc);
+        let flip = _mm256_set1_epi8(-128);
+        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+            for h in 0..2 {
+                let mut acc = [_mm256_setzero_ps(); NA];
+                for (b, wb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+                    let p = wb.as_ptr();
+                    let mut isum = [_mm256_setzero_si256(); NA];
+                    for s in 0..8 {
+                        // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
+                        let q = unsafe {
+                            _mm256_loadu_si256(p.add(QUANTS + 64 * s + 32 * h) as *const __m256i)
+                        };
+                        let q = _mm256_xor_si256(q, flip);
+                        let aq = _mm256_abs_epi8(q);
+                        for (a, isum) in isum.iter_mut().enumerate() {
+                            let x = _mm256_set1_epi32(four(&acts[a * nb + b], s));
+                            let dot = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q));
+                            *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(dot, ones));
+                        }
+                    }
+                    // SAFETY: the sixteen scales are the group block's first 32 bytes.
+                    let dw = _mm256_cvtph_ps(unsafe {
+                        _mm_loadu_si128(p.add(16 * h) as *const __m128i)
+                    });
+                    for (a, acc) in acc.iter_mut().enumerate() {
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(acts[a * nb + b].d));
+                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[a]), *acc);
+                    }
                 }
-            }
-            for (a, acc) in acc.iter().enumerate() {
-                out[a * stride + r] = hsum8(*acc);
+                for (a, acc) in acc.iter().enumerate() {
+                    let at = a * stride + g * GROUP + 8 * h;
+                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), *acc);
+                }
             }
         }
     }
 
+    /// A whole group per register; two partial sums per activation row keep the VNNI chains
+    /// short.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn avx512_rows<const NA: usize>(
         w: &[u8],
@@ -118,78 +181,36 @@ mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
-        let row_bytes = nb * BLOCK_BYTES;
-        let rows = w.len() / row_bytes;
-        let zero = _mm512_setzero_si512();
-        let bias = _mm512_set1_epi8(-128);
-        // Spread the four row scales: pair 0 takes scales 0 and 1, pair 1 scales 2 and 3.
-        let spread = [
-            _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-            _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-        ];
-        for r0 in (0..rows).step_by(4) {
-            // Rows past the end repeat the last one; their results are not stored.
-            let wrow: [*const u8; 4] =
-                std::array::from_fn(|i| w[(r0 + i).min(rows - 1) * row_bytes..].as_ptr());
-            let mut acc = [[_mm512_setzero_ps(); NA]; 2];
-            for b in 0..nb {
-                let off = b * BLOCK_BYTES;
-                // SAFETY: each row pointer starts a full row of `nb` blocks; block `b` is
-                // 34 bytes at `off` (f16 scale, then 32 quants).
-                let (qw, dw) = unsafe {
-                    let h = |i: usize| std::ptr::read_unaligned(wrow[i].add(off) as *const i16);
-                    let d4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi16(
-                        h(0),
-                        h(1),
-                        h(2),
-                        h(3),
-                        0,
-                        0,
-                        0,
-                        0,
-                    )));
-                    let q = |i: usize| _mm256_loadu_si256(wrow[i].add(off + 2) as *const __m256i);
+        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+            let mut acc = [_mm512_setzero_ps(); NA];
+            for (b, wb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+                let p = wb.as_ptr();
+                // SAFETY: the group block is 544 bytes: 32 of scales, then eight steps of 64.
+                let (dw, q) = unsafe {
                     (
-                        [
-                            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q(0)), q(1)),
-                            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q(2)), q(3)),
-                        ],
-                        [
-                            _mm512_permutexvar_ps(spread[0], d4),
-                            _mm512_permutexvar_ps(spread[1], d4),
-                        ],
+                        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+                        std::array::from_fn::<_, 8, _>(|s| {
+                            _mm512_loadu_si512(p.add(QUANTS + 64 * s) as *const __m512i)
+                        }),
                     )
                 };
-                let neg_bias = [
-                    _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, qw[0])),
-                    _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, qw[1])),
-                ];
-                for a in 0..NA {
+                for (a, acc) in acc.iter_mut().enumerate() {
                     let ab = &acts[a * nb + b];
-                    // SAFETY: `qs` is 32 bytes.
-                    let qa = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
-                    let ua = _mm512_xor_si512(_mm512_broadcast_i64x4(qa), bias);
-                    let da = _mm512_set1_ps(ab.d);
-                    for p in 0..2 {
-                        let dot = _mm512_dpbusd_epi32(neg_bias[p], ua, qw[p]);
-                        let d = _mm512_mul_ps(dw[p], da);
-                        acc[p][a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot), acc[p][a]);
+                    let mut even = _mm512_set1_epi32(-128 * ab.sum);
+                    let mut odd = _mm512_setzero_si512();
+                    for s in (0..8).step_by(2) {
+                        even = _mm512_dpbusd_epi32(even, q[s], _mm512_set1_epi32(four(ab, s)));
+                        odd =
+                            _mm512_dpbusd_epi32(odd, q[s + 1], _mm512_set1_epi32(four(ab, s + 1)));
                     }
+                    let isum = _mm512_add_epi32(even, odd);
+                    let d = _mm512_mul_ps(dw, _mm512_set1_ps(ab.d));
+                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), *acc);
                 }
             }
-            for (p, acc) in acc.iter().enumerate() {
-                for (a, acc) in acc.iter().enumerate() {
-                    let halves = [
-                        _mm512_castps512_ps256(*acc),
-                        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*acc))),
-                    ];
-                    for (h, half) in halves.into_iter().enumerate() {
-                        let r = r0 + 2 * p + h;
-                        if r < rows {
-                            out[a * stride + r] = hsum8(half);
-                        }
-                    }
-                }
+            for (a, acc) in acc.iter().enumerate() {
+                let at = a * stride + g * GROUP;
+                _mm512_storeu_ps(out[at..at + GROUP].as_mut_ptr(), *acc);
             }
         }
     }
@@ -201,11 +222,11 @@ mod tests {
     use super::super::WeightFormat;
     use super::*;
 
-    pub(crate) fn random_weights(rng: &mut Rng, rows: usize, nb: usize) -> Vec<u8> {
+    fn random_weights(rng: &mut Rng, rows: usize, nb: usize) -> Vec<u8> {
         let mut w = Vec::with_capacity(rows * nb * BLOCK_BYTES);
         for _ in 0..rows * nb {
             w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.02).to_le_bytes());
-            // The full i8 range, -128 included: the VNNI bias trick must stay exact there.
+            // The full i8 range, -128 included: the unsigned shift must stay exact there.
             w.extend((0..32).map(|_| rng.next() as u8));
         }
         w
@@ -214,37 +235,35 @@ mod tests {
     #[test]
     fn simd_paths_equal_scalar_reference_bit_for_bit() {
         let mut rng = Rng::new(1);
-        for (rows, nb) in [(1, 1), (5, 3), (8, 20), (13, 2)] {
+        for (rows, nb) in [(1, 1), (5, 3), (16, 20), (37, 2)] {
             let w = random_weights(&mut rng, rows, nb);
             check_paths_agree(WeightFormat::Q8_0, &w, nb * BLOCK_ELEMS, rows, &mut rng);
         }
     }
 
     #[test]
-    fn reference_matches_dequantized_dot() {
+    fn interleaving_keeps_every_row() {
         let mut rng = Rng::new(2);
-        let nb = 4;
-        let w = random_weights(&mut rng, 3, nb);
-        let mut acts = vec![Q8_0Block::default(); nb];
-        let x: Vec<f32> = (0..nb * 32).map(|_| rng.uniform()).collect();
-        quantize_q8_0(&x, &mut acts);
-        let mut out = vec![0f32; 3];
-        scalar(&w, &acts, nb, &mut out, 3);
-        for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
-            let mut exact = 0f64;
-            for (wb, ab) in wrow.chunks_exact(BLOCK_BYTES).zip(&acts) {
-                for j in 0..32 {
-                    exact += block_scale(wb) as f64
-                        * (wb[2 + j] as i8) as f64
-                        * ab.d as f64
-                        * ab.qs[j] as f64;
-                }
+        let (rows, nb) = (19, 3);
+        let w = random_weights(&mut rng, rows, nb);
+        let packed = interleave(&w, rows);
+        assert_eq!(packed.len(), 2 * GROUP * nb * BLOCK_BYTES);
+        for row in 0..2 * GROUP {
+            for b in 0..nb {
+                let gb = &packed[((row / GROUP) * nb + b) * GROUP_BLOCK..][..GROUP_BLOCK];
+                let j = row % GROUP;
+                let q: Vec<u8> = (0..32)
+                    .map(|i| gb[QUANTS + (i / 4) * 4 * GROUP + 4 * j + i % 4] ^ 0x80)
+                    .collect();
+                let (scale, quants) = if row < rows {
+                    let src = &w[(row * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                    (src[..2].to_vec(), src[2..].to_vec())
+                } else {
+                    (vec![0, 0], vec![0; 32])
+                };
+                assert_eq!(&gb[2 * j..2 * j + 2], &scale[..]);
+                assert_eq!(q, quants);
             }
-            assert!(
-                (out[r] as f64 - exact).abs() < 1e-5 * (1.0 + exact.abs()),
-                "{} vs {exact}",
-                out[r]
-            );
         }
     }
 }

@@ -9,7 +9,7 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
 use super::activations::{quantize_q8_0, quantize_q8_k, Q8KBlock, Q8_0Block};
-use super::{matmul, Isa, WeightFormat};
+use super::{matmul, prepare, Isa, WeightFormat};
 
 /// xorshift64*: deterministic test data without a dependency.
 pub(crate) struct Rng(u64);
@@ -77,6 +77,7 @@ pub(crate) fn check_paths_agree(
     rng: &mut Rng,
 ) {
     let wf = dequantized_weight(format, w, in_dim, out_dim);
+    let w = &prepare(format, w, out_dim)[..];
     for rows in [1, 2, 3, 4, 5, 7, 9] {
         // Rows of different magnitudes, one of them all zero.
         let mut x: Vec<f32> = (0..rows * in_dim)
