@@ -4,6 +4,8 @@
 
 use half::f16;
 
+use super::Isa;
+
 /// A Q8_0 activation block: 32 values, scale already rounded through f16 as ggml stores it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 #[repr(C)]
@@ -33,7 +35,18 @@ impl Default for Q8KBlock {
     }
 }
 
-pub(crate) fn quantize_q8_0(x: &[f32], out: &mut [Q8_0Block]) {
+pub(crate) fn quantize_q8_0(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
+    match isa {
+        Isa::Scalar => quantize_q8_0_scalar(x, out),
+        // SAFETY: x86 levels are only named when the CPU has AVX2 (and F16C).
+        #[cfg(target_arch = "x86_64")]
+        _ => unsafe { x86::quantize_q8_0(x, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => quantize_q8_0_scalar(x, out),
+    }
+}
+
+fn quantize_q8_0_scalar(x: &[f32], out: &mut [Q8_0Block]) {
     for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
@@ -43,6 +56,57 @@ pub(crate) fn quantize_q8_0(x: &[f32], out: &mut [Q8_0Block]) {
             *q = (v * id).round_ties_even() as i8;
         }
         o.sum = o.qs.iter().map(|&q| q as i32).sum();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::Q8_0Block;
+
+    /// ggml's AVX2 `quantize_row_q8_0`, plus the block sum.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn quantize_q8_0(x: &[f32], out: &mut [Q8_0Block]) {
+        let sign = _mm256_set1_ps(-0.0);
+        for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+            // SAFETY: `xb` is 32 floats.
+            let v: [__m256; 4] =
+                std::array::from_fn(|i| unsafe { _mm256_loadu_ps(xb.as_ptr().add(8 * i)) });
+            let mut max = _mm256_andnot_ps(sign, v[0]);
+            for v in &v[1..] {
+                max = _mm256_max_ps(max, _mm256_andnot_ps(sign, *v));
+            }
+            let max4 = _mm_max_ps(_mm256_extractf128_ps::<1>(max), _mm256_castps256_ps128(max));
+            let max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+            let max1 = _mm_max_ss(max4, _mm_movehdup_ps(max4));
+            let amax = _mm_cvtss_f32(max1);
+            // f32 -> f16 -> f32 with round to nearest even, as ggml's F16C conversion.
+            let d16 = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(amax / 127.0));
+            o.d = _mm_cvtss_f32(_mm_cvtph_ps(d16));
+            let mul = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            let i: [__m256i; 4] = std::array::from_fn(|k| {
+                _mm256_cvtps_epi32(_mm256_round_ps::<
+                    { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+                >(_mm256_mul_ps(v[k], mul)))
+            });
+            let sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            let sum = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256::<1>(sum),
+            );
+            let sum = _mm_add_epi32(sum, _mm_shuffle_epi32::<0b01_00_11_10>(sum));
+            let sum = _mm_add_epi32(sum, _mm_shuffle_epi32::<0b10_11_00_01>(sum));
+            o.sum = _mm_cvtsi128_si32(sum);
+            let packed = _mm256_packs_epi16(
+                _mm256_packs_epi32(i[0], i[1]),
+                _mm256_packs_epi32(i[2], i[3]),
+            );
+            let ordered =
+                _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            // SAFETY: `qs` is 32 bytes.
+            unsafe { _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, ordered) };
+        }
     }
 }
 
@@ -78,6 +142,7 @@ pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [Q8KBlock]) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_util::Rng;
     use super::*;
 
     #[test]
@@ -98,9 +163,29 @@ mod tests {
         x[2] = -3.5;
         x[3] = 0.5;
         let mut out = [Q8_0Block::default()];
-        quantize_q8_0(&x, &mut out);
+        quantize_q8_0(Isa::Scalar, &x, &mut out);
         assert_eq!(out[0].d, 1.0);
         assert_eq!(&out[0].qs[..4], &[127, 2, -4, 0]);
+    }
+
+    #[test]
+    fn q8_0_simd_equals_scalar() {
+        let mut rng = Rng::new(6);
+        let mut x: Vec<f32> = (0..32 * 40)
+            .map(|i| rng.uniform() * (1 + i % 7) as f32)
+            .collect();
+        x[..32].fill(0.0);
+        // Exact ties after scaling: amax 127 makes the scale 1.
+        x[32] = 127.0;
+        x[33] = 2.5;
+        x[34] = -0.5;
+        let mut reference = vec![Q8_0Block::default(); 40];
+        quantize_q8_0(Isa::Scalar, &x, &mut reference);
+        for isa in Isa::available() {
+            let mut got = vec![Q8_0Block::default(); 40];
+            quantize_q8_0(isa, &x, &mut got);
+            assert_eq!(got, reference, "{isa:?}");
+        }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks, read in place.
+//! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks (Q8_0 interleaved at load).
 //!
 //! Activation rows are quantized the way ggml does on x86 (Q8_0 blocks of 32 for Q8_0 weights,
 //! Q8_K blocks of 256 for K-quants), dot products are integer per block and scaled in f32 per
@@ -96,7 +96,7 @@ trait Kernel {
     /// Rows stored together (interleaved); the weight is padded to a whole number of groups.
     const ROW_GROUP: usize;
     /// Quantizes one activation row (`x.len()` a multiple of `BLOCK_ELEMS`).
-    fn quantize(x: &[f32], out: &mut [Self::Act]);
+    fn quantize(isa: Isa, x: &[f32], out: &mut [Self::Act]);
     /// `out[a * stride + r] = dot(acts row a, w row r)` for the (at most four) activation rows
     /// of `acts` (`nb` blocks each) and every weight row of `w` (`nb` blocks each): the
     /// reference.
@@ -151,6 +151,21 @@ const ACT_TILE: usize = 4;
 /// Weight bytes kept hot while the activation groups go over them (about L1).
 const WEIGHT_SLICE_BYTES: usize = 32 * 1024;
 
+/// Rows of a weight taken two at a time (the second repeats the last row when the count is
+/// odd; its result is not stored).
+#[cfg(target_arch = "x86_64")]
+fn row_pairs(w: &[u8], row_bytes: usize) -> impl Iterator<Item = (usize, &[u8], &[u8])> {
+    let rows = w.len() / row_bytes;
+    (0..rows).step_by(2).map(move |r| {
+        let r1 = (r + 1).min(rows - 1);
+        (
+            r,
+            &w[r * row_bytes..(r + 1) * row_bytes],
+            &w[r1 * row_bytes..(r1 + 1) * row_bytes],
+        )
+    })
+}
+
 /// `y = x · Wᵀ` for `W` `[out_dim, in_dim]` in `format` (as `prepare` lays it out) and `x`
 /// holding `x.len() / in_dim` rows. `in_dim` must be a multiple of the block size.
 pub(crate) fn matmul(
@@ -197,7 +212,7 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
     acts.par_chunks_mut(nb)
         .zip(x.par_chunks(in_dim))
         .with_min_len(16)
-        .for_each(|(a, xr)| K::quantize(xr, a));
+        .for_each(|(a, xr)| K::quantize(isa, xr, a));
 
     // Slices of weight rows small enough to stay in L1 while every activation group passes
     // (whole row groups); tasks of whole slices, a few per thread so uneven progress evens out.
@@ -288,5 +303,31 @@ mod x86 {
         let res = _mm_add_ss(res, _mm_movehdup_ps(res));
         _mm_cvtss_f32(res)
     }
-}
 
+    /// Row `r0`'s eight lanes low, row `r1`'s high.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn pair(r0: __m256i, r1: __m256i) -> __m512i {
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(r0), r1)
+    }
+
+    /// Row `r0`'s eight f32 lanes low, row `r1`'s high.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn pair_ps(r0: f32, r1: f32) -> __m512 {
+        let r0 = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(r0)));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            r0,
+            _mm256_castps_pd(_mm256_set1_ps(r1)),
+        ))
+    }
+
+    /// The eight lanes of half `h` of a pair register.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn half(x: __m512, h: usize) -> __m256 {
+        let x = _mm512_castps_pd(x);
+        _mm256_castpd_ps(if h == 0 {
+            _mm512_castpd512_pd256(x)
+        } else {
+            _mm512_extractf64x4_pd::<1>(x)
+        })
+    }
+}

@@ -22,7 +22,7 @@ impl Kernel for Q4K {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
     const ROW_GROUP: usize = 1;
 
-    fn quantize(x: &[f32], out: &mut [Q8KBlock]) {
+    fn quantize(_isa: Isa, x: &[f32], out: &mut [Q8KBlock]) {
         quantize_q8_k(x, out);
     }
 
@@ -32,15 +32,21 @@ impl Kernel for Q4K {
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn simd(
-        _isa: Isa, // AVX2 serves both x86 levels
+        isa: Isa,
         w: &[u8],
         acts: &[Self::Act],
         nb: usize,
         out: &mut [f32],
         stride: usize,
     ) {
+        let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
-        unsafe { with_act_rows!(acts.len() / nb, x86::rows(w, acts, nb, out, stride)) }
+        unsafe {
+            match isa {
+                Isa::Avx512 => with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::rows(w, acts, nb, out, stride)),
+            }
+        }
     }
 }
 
@@ -120,8 +126,113 @@ fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::x86::hsum8;
+    use super::super::row_pairs;
+    use super::super::x86::{half, hsum8, pair, pair_ps};
     use super::{scales, scales_and_mins, Q8KBlock, BLOCK_BYTES};
+
+    /// The activation's sums per 32 values (ggml's `_mm_hadd_epi16` of the sums of 16).
+    #[target_feature(enable = "avx2")]
+    fn subblock_sums_x86(ab: &Q8KBlock) -> __m128i {
+        // SAFETY: `bsums` is 32 bytes.
+        let bsums = unsafe { _mm256_loadu_si256(ab.bsums.as_ptr() as *const __m256i) };
+        _mm_hadd_epi16(
+            _mm256_castsi256_si128(bsums),
+            _mm256_extracti128_si256::<1>(bsums),
+        )
+    }
+
+    /// The AVX2 arithmetic with two weight rows per register (row `r` in the low eight lanes,
+    /// `r + 1` in the high eight), sharing each activation load.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn avx512_rows<const NA: usize>(
+        w: &[u8],
+        acts: &[Q8KBlock],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let m4 = _mm512_set1_epi8(0xf);
+        let rows = w.len() / (nb * BLOCK_BYTES);
+        for (r, w0, w1) in row_pairs(w, nb * BLOCK_BYTES) {
+            let mut acc = [_mm512_setzero_ps(); NA];
+            let mut accm = [_mm256_setzero_ps(); NA];
+            for b in 0..nb {
+                let wb = [
+                    &w0[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES],
+                    &w1[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES],
+                ];
+                let ((d0, dmin0), (d1, dmin1)) = (scales(wb[0]), scales(wb[1]));
+                let sm = [scales_and_mins(wb[0]), scales_and_mins(wb[1])];
+                // SAFETY: each `sm` is 16 bytes, the mins its last 8.
+                let mins = unsafe {
+                    let m = |i: usize| {
+                        _mm_cvtepu8_epi16(_mm_loadl_epi64(sm[i].as_ptr().add(8) as *const __m128i))
+                    };
+                    _mm256_set_m128i(m(1), m(0))
+                };
+                let mut sumi = [_mm512_setzero_si512(); NA];
+                for j in 0..4 {
+                    let scale = |k: usize| {
+                        pair(
+                            _mm256_set1_epi16(sm[0][k] as i16),
+                            _mm256_set1_epi16(sm[1][k] as i16),
+                        )
+                    };
+                    let (scale_l, scale_h) = (scale(2 * j), scale(2 * j + 1));
+                    // SAFETY: the quants are the last 128 bytes of each block.
+                    let q4 = unsafe {
+                        let q = |i: usize| {
+                            _mm256_loadu_si256(wb[i].as_ptr().add(16 + 32 * j) as *const __m256i)
+                        };
+                        pair(q(0), q(1))
+                    };
+                    let q4l = _mm512_and_si512(q4, m4);
+                    let q4h = _mm512_and_si512(_mm512_srli_epi16::<4>(q4), m4);
+                    for (a, sumi) in sumi.iter_mut().enumerate() {
+                        let q8 = acts[a * nb + b].qs.as_ptr();
+                        // SAFETY: `qs` is 256 bytes.
+                        let (q8l, q8h) = unsafe {
+                            (
+                                _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                    q8.add(64 * j) as *const __m256i
+                                )),
+                                _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                    q8.add(64 * j + 32) as *const __m256i
+                                )),
+                            )
+                        };
+                        let pl = _mm512_madd_epi16(scale_l, _mm512_maddubs_epi16(q4l, q8l));
+                        let ph = _mm512_madd_epi16(scale_h, _mm512_maddubs_epi16(q4h, q8h));
+                        *sumi = _mm512_add_epi32(*sumi, _mm512_add_epi32(pl, ph));
+                    }
+                }
+                for a in 0..NA {
+                    let ab = &acts[a * nb + b];
+                    let q8s = subblock_sums_x86(ab);
+                    let prod = _mm256_madd_epi16(mins, _mm256_broadcastsi128_si256(q8s));
+                    let dmin =
+                        _mm256_set_m128(_mm_set1_ps(-ab.d * dmin1), _mm_set1_ps(-ab.d * dmin0));
+                    accm[a] = _mm256_fmadd_ps(dmin, _mm256_cvtepi32_ps(prod), accm[a]);
+                    let d = pair_ps(ab.d * d0, ab.d * d1);
+                    acc[a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi[a]), acc[a]);
+                }
+            }
+            for a in 0..NA {
+                for h in 0..2 {
+                    if r + h < rows {
+                        let m = if h == 0 {
+                            _mm256_castps256_ps128(accm[a])
+                        } else {
+                            _mm256_extractf128_ps::<1>(accm[a])
+                        };
+                        let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+                        let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+                        out[a * stride + r + h] = hsum8(half(acc[a], h)) + _mm_cvtss_f32(m);
+                    }
+                }
+            }
+        }
+    }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn rows<const NA: usize>(
@@ -169,12 +280,7 @@ mod x86 {
                 }
                 for a in 0..NA {
                     let ab = &acts[a * nb + b];
-                    // SAFETY: `bsums` is 32 bytes.
-                    let bsums = unsafe { _mm256_loadu_si256(ab.bsums.as_ptr() as *const __m256i) };
-                    let q8s = _mm_hadd_epi16(
-                        _mm256_castsi256_si128(bsums),
-                        _mm256_extracti128_si256::<1>(bsums),
-                    );
+                    let q8s = subblock_sums_x86(ab);
                     let prod = _mm_madd_epi16(mins, q8s);
                     accm[a] =
                         _mm_fmadd_ps(_mm_set1_ps(-ab.d * dminx), _mm_cvtepi32_ps(prod), accm[a]);

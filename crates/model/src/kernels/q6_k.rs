@@ -24,7 +24,7 @@ impl Kernel for Q6K {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
     const ROW_GROUP: usize = 1;
 
-    fn quantize(x: &[f32], out: &mut [Q8KBlock]) {
+    fn quantize(_isa: Isa, x: &[f32], out: &mut [Q8KBlock]) {
         quantize_q8_k(x, out);
     }
 
@@ -34,15 +34,21 @@ impl Kernel for Q6K {
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn simd(
-        _isa: Isa, // AVX2 serves both x86 levels
+        isa: Isa,
         w: &[u8],
         acts: &[Self::Act],
         nb: usize,
         out: &mut [f32],
         stride: usize,
     ) {
+        let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
-        unsafe { with_act_rows!(acts.len() / nb, x86::rows(w, acts, nb, out, stride)) }
+        unsafe {
+            match isa {
+                Isa::Avx512 => with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::rows(w, acts, nb, out, stride)),
+            }
+        }
     }
 }
 
@@ -93,8 +99,109 @@ fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::x86::hsum8;
+    use super::super::row_pairs;
+    use super::super::x86::{half, hsum8, pair, pair_ps};
     use super::{scale, Q8KBlock, BLOCK_BYTES, QH, SCALES};
+
+    /// Run `c`'s two scales of half `j` (one per 16 values) as sixteen i16 lanes.
+    #[target_feature(enable = "avx2")]
+    fn run_scales(sc: __m128i, c: usize) -> __m256i {
+        let (lo, hi) = (2 * c as i8, 2 * c as i8 + 1);
+        let pick = _mm_set_epi8(
+            hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
+        );
+        _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick))
+    }
+
+    /// The AVX2 arithmetic with two weight rows per register (row `r` in the low eight lanes,
+    /// `r + 1` in the high eight), sharing each activation load.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn avx512_rows<const NA: usize>(
+        w: &[u8],
+        acts: &[Q8KBlock],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let m4 = _mm512_set1_epi8(0xf);
+        let m2 = _mm512_set1_epi8(3);
+        let m32 = _mm512_set1_epi8(32);
+        let rows = w.len() / (nb * BLOCK_BYTES);
+        for (r, w0, w1) in row_pairs(w, nb * BLOCK_BYTES) {
+            let mut acc = [_mm512_setzero_ps(); NA];
+            for b in 0..nb {
+                let p = [
+                    w0[b * BLOCK_BYTES..].as_ptr(),
+                    w1[b * BLOCK_BYTES..].as_ptr(),
+                ];
+                let dx = (scale(&w0[b * BLOCK_BYTES..]), scale(&w1[b * BLOCK_BYTES..]));
+                let mut sumi = [_mm512_setzero_si512(); NA];
+                for j in 0..2 {
+                    // SAFETY: each block is 210 bytes: ql 0..128, qh 128..192, scales 192..208.
+                    let (ql1, ql2, qh, sc) = unsafe {
+                        let load = |off: usize| {
+                            pair(
+                                _mm256_loadu_si256(p[0].add(off) as *const __m256i),
+                                _mm256_loadu_si256(p[1].add(off) as *const __m256i),
+                            )
+                        };
+                        let sc =
+                            |i: usize| _mm_loadl_epi64(p[i].add(SCALES + 8 * j) as *const __m128i);
+                        (
+                            load(64 * j),
+                            load(64 * j + 32),
+                            load(QH + 32 * j),
+                            [sc(0), sc(1)],
+                        )
+                    };
+                    let high = |h: __m512i| _mm512_slli_epi16::<4>(_mm512_and_si512(h, m2));
+                    let q = [
+                        _mm512_or_si512(_mm512_and_si512(ql1, m4), high(qh)),
+                        _mm512_or_si512(
+                            _mm512_and_si512(ql2, m4),
+                            high(_mm512_srli_epi16::<2>(qh)),
+                        ),
+                        _mm512_or_si512(
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(ql1), m4),
+                            high(_mm512_srli_epi16::<4>(qh)),
+                        ),
+                        _mm512_or_si512(
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(ql2), m4),
+                            high(_mm512_srli_epi16::<6>(qh)),
+                        ),
+                    ];
+                    let scales: [__m512i; 4] =
+                        std::array::from_fn(|c| pair(run_scales(sc[0], c), run_scales(sc[1], c)));
+                    for (a, sumi) in sumi.iter_mut().enumerate() {
+                        let q8 = acts[a * nb + b].qs.as_ptr();
+                        for c in 0..4 {
+                            // SAFETY: `qs` is 256 bytes.
+                            let q8c = _mm512_broadcast_i64x4(unsafe {
+                                _mm256_loadu_si256(q8.add(128 * j + 32 * c) as *const __m256i)
+                            });
+                            let p16 = _mm512_sub_epi16(
+                                _mm512_maddubs_epi16(q[c], q8c),
+                                _mm512_maddubs_epi16(m32, q8c),
+                            );
+                            *sumi = _mm512_add_epi32(*sumi, _mm512_madd_epi16(scales[c], p16));
+                        }
+                    }
+                }
+                for a in 0..NA {
+                    let ad = acts[a * nb + b].d;
+                    let d = pair_ps(ad * dx.0, ad * dx.1);
+                    acc[a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi[a]), acc[a]);
+                }
+            }
+            for (a, acc) in acc.iter().enumerate() {
+                for h in 0..2 {
+                    if r + h < rows {
+                        out[a * stride + r + h] = hsum8(half(*acc, h));
+                    }
+                }
+            }
+        }
+    }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn rows<const NA: usize>(
@@ -139,28 +246,7 @@ mod x86 {
                         _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), high(4)),
                         _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql2), m4), high(6)),
                     ];
-                    // Run c's scales: byte 2c for its first 16 values, 2c + 1 for the rest.
-                    let scales: [__m256i; 4] = std::array::from_fn(|c| {
-                        let pick = _mm_set_epi8(
-                            2 * c as i8 + 1,
-                            2 * c as i8 + 1,
-                            2 * c as i8 + 1,
-                            2 * c as i8 + 1,
-                            2 * c as i8 + 1,
-                            2 * c as i8 + 1,
-                            2 * c as i8 + 1,
-                            2 * c as i8 + 1,
-                            2 * c as i8,
-                            2 * c as i8,
-                            2 * c as i8,
-                            2 * c as i8,
-                            2 * c as i8,
-                            2 * c as i8,
-                            2 * c as i8,
-                            2 * c as i8,
-                        );
-                        _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick))
-                    });
+                    let scales: [__m256i; 4] = std::array::from_fn(|c| run_scales(sc, c));
                     for (a, sumi) in sumi.iter_mut().enumerate() {
                         let q8 = acts[a * nb + b].qs.as_ptr();
                         for c in 0..4 {

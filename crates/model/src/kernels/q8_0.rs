@@ -32,8 +32,8 @@ impl Kernel for Q8_0 {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
     const ROW_GROUP: usize = GROUP;
 
-    fn quantize(x: &[f32], out: &mut [Q8_0Block]) {
-        quantize_q8_0(x, out);
+    fn quantize(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
+        quantize_q8_0(isa, x, out);
     }
 
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {

@@ -37,7 +37,7 @@ fn dequantized_activations(format: WeightFormat, x: &[f32]) -> Vec<f64> {
     match format {
         WeightFormat::Q8_0 => {
             let mut q = vec![Q8_0Block::default(); x.len() / 32];
-            quantize_q8_0(x, &mut q);
+            quantize_q8_0(Isa::Scalar, x, &mut q);
             q.iter()
                 .flat_map(|b| b.qs.iter().map(move |&v| b.d as f64 * v as f64))
                 .collect()
