@@ -31,8 +31,8 @@ use crate::sampler::{self, Sampler};
 use crate::stop::StopMatcher;
 use crate::structured::{GrammarMatcher, TokenMask};
 use crate::{
-    EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest, PromptLogprob,
-    Scheduling, StopReason, TokenLogprob,
+    BeamSearch, EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest,
+    PromptLogprob, Scheduling, StopReason, TokenLogprob,
 };
 
 /// Most prompt tokens per prefill chunk while prompt logprobs are computed: each needs its
@@ -163,7 +163,7 @@ impl Seq {
 }
 
 /// Where a live beam stands.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct BeamPath {
     /// Sum of the raw logprobs of its tokens.
     cum_logprob: f64,
@@ -868,10 +868,7 @@ impl Scheduler {
             // One root beam holding the prompt; the step's expansion forks it.
             let mut root = Seq::new(0, prompt_cache, Rng::new(0), opts, &g.req);
             root.waiting_row = Some(row.to_vec());
-            root.beam = Some(BeamPath {
-                cum_logprob: 0.0,
-                trail: None,
-            });
+            root.beam = Some(BeamPath::default());
             g.phase = Phase::Decode { seqs: vec![root] };
             return;
         }
@@ -972,10 +969,7 @@ impl Scheduler {
             } else {
                 parent.cache.clone()
             };
-            let path = parent.beam.unwrap_or(BeamPath {
-                cum_logprob: 0.0,
-                trail: None,
-            });
+            let path = parent.beam.unwrap_or_default();
             let trail = push_trail(state, req, path.trail, c.logprob, &tops[c.parent]);
             let mut beam = Seq::new(choice, cache, Rng::new(0), opts, req);
             beam.next = c.token;
@@ -996,46 +990,45 @@ impl Scheduler {
             *seqs = beams;
             return;
         }
-        // The search ends: live beams compete with the finished hypotheses, which rank first
-        // among equal scores (vLLM appends the live ones after them).
-        let prompt_len = req.prompt.len();
-        let mut results = std::mem::take(&mut state.finished);
-        results.extend(beams.into_iter().map(|b| {
-            let path = b.beam.unwrap_or(BeamPath {
-                cum_logprob: 0.0,
-                trail: None,
-            });
-            Hypothesis {
-                score: beam_score(
-                    path.cum_logprob,
-                    prompt_len + b.history.output.len(),
-                    search.length_penalty,
-                ),
-                tokens: b.history.output,
-                ended_by: None,
-                trail: path.trail,
-            }
-        }));
-        results.sort_by(|a, b| b.score.total_cmp(&a.score));
-        results.truncate(width);
-        let mut events = Vec::new();
-        for (choice, h) in results.into_iter().enumerate() {
-            let logprobs = req.logprobs.map(|_| state.logprobs(h.trail));
-            events.extend(hypothesis_events(
-                choice,
-                h,
-                logprobs,
-                req,
-                opts,
-                &self.tokenizer,
-            ));
-        }
+        let events = beam_search_results(state, beams, req, search, &self.tokenizer);
         debug!(request_id = %req.request_id, "beam search finished");
         for ev in events {
             g.send(ev);
         }
         // No live beam left: the group leaves after this step.
     }
+}
+
+/// The events of a search that ended with `live` beams: the n best hypotheses, finished or
+/// live, best first. Finished ones rank first among equal scores (vLLM appends the live ones
+/// after them before its stable sort).
+fn beam_search_results(
+    state: &mut BeamState,
+    live: Vec<Seq>,
+    req: &GenerationRequest,
+    search: BeamSearch,
+    tokenizer: &Tokenizer,
+) -> Vec<GenerationEvent> {
+    let mut results = std::mem::take(&mut state.finished);
+    results.extend(live.into_iter().map(|b| {
+        let path = b.beam.unwrap_or_default();
+        let len = req.prompt.len() + b.history.output.len();
+        Hypothesis {
+            score: beam_score(path.cum_logprob, len, search.length_penalty),
+            tokens: b.history.output,
+            ended_by: None,
+            trail: path.trail,
+        }
+    }));
+    results.sort_by(|a, b| b.score.total_cmp(&a.score));
+    results.truncate(req.n);
+    let opts = decode_options(req);
+    let mut events = Vec::new();
+    for (choice, h) in results.into_iter().enumerate() {
+        let logprobs = req.logprobs.map(|_| state.logprobs(h.trail));
+        events.extend(hypothesis_events(choice, h, logprobs, req, opts, tokenizer));
+    }
+    events
 }
 
 /// Records a beam's new token logprob (when the request wants logprobs); returns its index.
