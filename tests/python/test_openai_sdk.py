@@ -198,10 +198,24 @@ class ExtraBody(unittest.TestCase):
             self.assertTrue(all(t["logprob"] <= 0 and t["rank"] >= 1 for t in entry.values()))
         self._refused({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")
 
-    # ISSUE 3 (use_beam_search): a real case replaces this when the field lands; until then the
-    # server must refuse it rather than ignore it.
     def test_use_beam_search(self):
-        self._refused({"use_beam_search": True, "n": 2, "temperature": 0}, "use_beam_search")
+        r = client().chat.completions.create(model=MODEL, messages=ask("Name a colour."), max_tokens=6,
+                                             n=2, temperature=0, logprobs=True,
+                                             extra_body={"use_beam_search": True, "return_token_ids": True,
+                                                         "include_stop_str_in_output": True})
+        self.assertEqual([c.index for c in r.choices], [0, 1])
+        ids = [c.model_dump()["token_ids"] for c in r.choices]
+        self.assertNotEqual(ids[0], ids[1])
+        self.assertEqual(r.usage.completion_tokens, len(ids[0]) + len(ids[1]))
+
+        def score(c):
+            # vLLM's length_penalty 1: the prompt counts in the length, a final end token
+            # (returned here with include_stop_str_in_output) only in the logprob sum.
+            n = len(c.model_dump()["token_ids"]) - (c.finish_reason == "stop")
+            return sum(t.logprob for t in c.logprobs.content) / (r.usage.prompt_tokens + n)
+
+        self.assertGreaterEqual(score(r.choices[0]), score(r.choices[1]) - 1e-5)
+        self._refused({"use_beam_search": True, "n": 2, "temperature": 0, "top_p": 0.5}, "top_p")
 
     def test_priority_needs_priority_scheduling(self):
         # The suite's server runs the default `--scheduling fcfs`.

@@ -84,6 +84,22 @@ pub struct GenerationRequest {
     /// Log-probabilities of the prompt's tokens, each with this many top alternatives, sent
     /// once as `GenerationEvent::PromptLogprobs` before any token; `None` = not computed.
     pub prompt_logprobs: Option<usize>,
+    /// Beam search of width `n` instead of sampling: the `n` best beams come back as the
+    /// choices, best first, each choice's events all at once when the search ends. Beams are
+    /// ranked by the model's raw log-probabilities: `sampling` and the stop strings and stop
+    /// token ids do not apply (the HTTP layer refuses them), nor may `constraint` be set.
+    pub beam_search: Option<BeamSearch>,
+}
+
+/// vLLM's beam search: every step, each live beam proposes its 2n most likely next tokens;
+/// those ending generation (EOS / `<end_of_turn>`, unless `ignore_eos`) finish a hypothesis,
+/// the n best others are the next beams. It runs `max_tokens` steps (or until no beam is
+/// left); the n best hypotheses, finished or live, are the result. A hypothesis scores
+/// `cum_logprob / len ^ length_penalty`, `len` counting the prompt and the generated tokens
+/// but not a final end token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BeamSearch {
+    pub length_penalty: f32,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -261,6 +277,10 @@ pub enum EngineError {
     Stopped,
     #[error("the LoRA adapter was made for a model of another shape")]
     AdapterMismatch,
+    #[error("beam search cannot follow a structured-output constraint")]
+    BeamSearchConstraint,
+    #[error("beam width {n} needs a vocabulary of at least {} tokens", 2 * n)]
+    BeamTooWide { n: usize },
 }
 
 /// A snapshot of the scheduler's counters.
@@ -396,6 +416,15 @@ impl Engine {
             .is_some_and(|a| !a.fits(&self.model_config))
         {
             return Err(EngineError::AdapterMismatch);
+        }
+        if req.beam_search.is_some() {
+            if req.constraint.is_some() {
+                return Err(EngineError::BeamSearchConstraint);
+            }
+            // Each step needs 2n candidates per beam.
+            if req.n.saturating_mul(2) > self.vocab_size {
+                return Err(EngineError::BeamTooWide { n: req.n });
+            }
         }
         if req.prompt.len().saturating_add(req.stopping.max_tokens) > self.max_model_len {
             return Err(EngineError::TooLong {

@@ -32,7 +32,7 @@ pub(crate) struct Processors {
 
 /// One choice's output so far, kept incrementally for penalties, bad words and repetition
 /// detection.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct History {
     pub(crate) output: Vec<u32>,
     /// Occurrences of each token in `output`.

@@ -6,6 +6,10 @@
 //! leave the batch (and free their caches) before the next step. Under priority scheduling a
 //! preempted request keeps its choices' state but not their caches; back in the batch, each
 //! choice replays prompt + output in prompt-sized chunks before it samples again.
+//!
+//! A beam-search request's sequences are its live beams: each is a row of the shared batch with
+//! its own cache. Once every live beam has its row, the request expands them into the next
+//! beams, forking the caches of the parents that more than one child continues.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -27,8 +31,8 @@ use crate::sampler::{self, Sampler};
 use crate::stop::StopMatcher;
 use crate::structured::{GrammarMatcher, TokenMask};
 use crate::{
-    EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest, PromptLogprob,
-    Scheduling, StopReason,
+    BeamSearch, EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest,
+    PromptLogprob, Scheduling, StopReason, TokenLogprob,
 };
 
 /// Most prompt tokens per prefill chunk while prompt logprobs are computed: each needs its
@@ -117,14 +121,102 @@ struct Seq {
     waiting_row: Option<Vec<f32>>,
     /// After a preemption: the tokens this step feeds to rebuild the cache.
     replay: Vec<u32>,
+    /// Beam search: this beam's score so far.
+    beam: Option<BeamPath>,
 }
 
 impl Seq {
+    /// A choice with nothing generated yet, continuing what `cache` holds.
+    fn new(
+        choice: usize,
+        cache: SeqCache,
+        rng: Rng,
+        opts: DecodeOptions,
+        req: &GenerationRequest,
+    ) -> Self {
+        Seq {
+            choice,
+            cache,
+            next: 0,
+            rng,
+            decode: DecodeStream::new(opts),
+            matcher: StopMatcher::new(&req.stopping.stop, req.stopping.include_stop_str_in_output),
+            generated: 0,
+            history: History::default(),
+            finished: false,
+            // Every choice starts from the compiled grammar's first mask.
+            grammar: req.constraint.as_ref().map(|gr| SeqGrammar {
+                matcher: Some(gr.matcher()),
+                mask: Some(gr.first_mask().clone()),
+            }),
+            waiting_row: None,
+            replay: Vec::new(),
+            beam: None,
+        }
+    }
+
     /// Prompt + output tokens the cache must hold before `next` is fed: the cache is behind
     /// this only after a preemption.
     fn replay_len(&self, prompt: &[u32]) -> usize {
         prompt.len() + self.history.output.len() - 1
     }
+}
+
+/// Where a live beam stands.
+#[derive(Clone, Copy, Default)]
+struct BeamPath {
+    /// Sum of the raw logprobs of its tokens.
+    cum_logprob: f64,
+    /// Its newest entry in `BeamState::trail` (when logprobs are asked for).
+    trail: Option<usize>,
+}
+
+/// A beam-search request's results so far.
+#[derive(Default)]
+struct BeamState {
+    /// Hypotheses ended by an end token, best first, at most n (no other can make the result).
+    finished: Vec<Hypothesis>,
+    /// Token logprobs of every beam kept so far: each entry links to its parent beam's newest,
+    /// so beams share their common prefix.
+    trail: Vec<(Option<usize>, TokenLogprob)>,
+}
+
+/// A candidate result of beam search.
+struct Hypothesis {
+    /// Output tokens; an end token only with `include_stop_str_in_output`.
+    tokens: Vec<u32>,
+    score: f64,
+    /// `Some(token)`: ended by this end token; `None`: still live when the search stopped.
+    ended_by: Option<u32>,
+    trail: Option<usize>,
+}
+
+impl BeamState {
+    /// Keeps the n best finished hypotheses; among equal scores the earlier one ranks first.
+    fn finish(&mut self, h: Hypothesis, n: usize) {
+        let at = self.finished.partition_point(|f| f.score >= h.score);
+        if at < n {
+            self.finished.insert(at, h);
+            self.finished.truncate(n);
+        }
+    }
+
+    /// The logprobs along a trail, oldest first.
+    fn logprobs(&self, mut at: Option<usize>) -> Vec<TokenLogprob> {
+        let mut out = Vec::new();
+        while let Some(i) = at {
+            let (parent, lp) = &self.trail[i];
+            out.push(lp.clone());
+            at = *parent;
+        }
+        out.reverse();
+        out
+    }
+}
+
+/// vLLM's beam score: `len` counts the prompt and the output without a final end token.
+fn beam_score(cum_logprob: f64, len: usize, length_penalty: f32) -> f64 {
+    cum_logprob / (len as f64).powf(length_penalty as f64)
 }
 
 /// A choice's grammar state: the matcher and the mask of its next token. Both are `None` while
@@ -161,6 +253,8 @@ struct Group {
     /// Prompt logprobs computed so far (positions 1..=len): kept through a preemption, so a
     /// replayed prefill does not compute them again.
     prompt_logprobs: Vec<PromptLogprob>,
+    /// Beam search: finished hypotheses and logprobs; `None` when sampling.
+    beams: Option<BeamState>,
 }
 
 impl Group {
@@ -320,6 +414,7 @@ impl Scheduler {
             Scheduling::Priority => s.req.priority,
         };
         self.arrivals += 1;
+        let beams = s.req.beam_search.map(|_| BeamState::default());
         self.requeue(Group {
             id: self.arrivals,
             phase: Phase::Prefill {
@@ -332,6 +427,7 @@ impl Scheduler {
             dropped: false,
             rank: (priority, self.arrivals),
             prompt_logprobs: Vec::new(),
+            beams,
         });
     }
 
@@ -573,6 +669,16 @@ impl Scheduler {
                 Row::Replay { .. } => {}
             }
         }
+        // Beams expand once all of a request's live beams have their row (a replay after a
+        // preemption can bring them in over several steps).
+        for gi in 0..self.groups.len() {
+            let g = &self.groups[gi];
+            if let (Some(_), Phase::Decode { seqs }) = (&g.beams, &g.phase) {
+                if !seqs.is_empty() && seqs.iter().all(|s| s.waiting_row.is_some()) {
+                    self.expand_beams(gi);
+                }
+            }
+        }
         // Finished sequences leave now, dropping their caches.
         for g in &mut self.groups {
             if let Phase::Decode { seqs } = &mut g.phase {
@@ -623,6 +729,11 @@ impl Scheduler {
         let Some(seq) = seqs.get_mut(si) else {
             return;
         };
+        // A beam waits for its siblings' rows; then `expand_beams` takes them all.
+        if seq.beam.is_some() {
+            seq.waiting_row = Some(row.to_vec());
+            return;
+        }
         if seq.grammar.as_ref().is_some_and(|gr| gr.mask.is_none()) {
             seq.waiting_row = Some(row.to_vec());
             return;
@@ -750,13 +861,18 @@ impl Scheduler {
             g.dropped = true;
             return;
         };
-        // The prompt is in the cache: fork it into the n choices.
         let n = g.req.n;
         let prompt_cache = std::mem::replace(cache, self.model.new_cache());
-        let opts = DecodeOptions {
-            skip_special_tokens: g.req.stopping.skip_special_tokens,
-            spaces_between_special_tokens: g.req.stopping.spaces_between_special_tokens,
-        };
+        let opts = decode_options(&g.req);
+        if g.beams.is_some() {
+            // One root beam holding the prompt; the step's expansion forks it.
+            let mut root = Seq::new(0, prompt_cache, Rng::new(0), opts, &g.req);
+            root.waiting_row = Some(row.to_vec());
+            root.beam = Some(BeamPath::default());
+            g.phase = Phase::Decode { seqs: vec![root] };
+            return;
+        }
+        // The prompt is in the cache: fork it into the n choices.
         // n - 1 copies plus the original: n == 1 costs no copy.
         let mut caches: Vec<SeqCache> = (1..n).map(|_| prompt_cache.clone()).collect();
         caches.push(prompt_cache);
@@ -767,27 +883,7 @@ impl Scheduler {
                 Some(s) => s.wrapping_add(choice as u64),
                 None => random_seed(),
             };
-            seqs.push(Seq {
-                choice,
-                cache,
-                next: 0,
-                rng: Rng::new(seed),
-                decode: DecodeStream::new(opts),
-                matcher: StopMatcher::new(
-                    &g.req.stopping.stop,
-                    g.req.stopping.include_stop_str_in_output,
-                ),
-                generated: 0,
-                history: History::default(),
-                finished: false,
-                // Every choice starts from the compiled grammar's first mask.
-                grammar: g.req.constraint.as_ref().map(|gr| SeqGrammar {
-                    matcher: Some(gr.matcher()),
-                    mask: Some(gr.first_mask().clone()),
-                }),
-                waiting_row: None,
-                replay: Vec::new(),
-            });
+            seqs.push(Seq::new(choice, cache, Rng::new(seed), opts, &g.req));
         }
         debug!(request_id = %g.req.request_id, prompt_tokens = end, "prefilled");
         g.phase = Phase::Decode { seqs };
@@ -795,6 +891,204 @@ impl Scheduler {
             self.sample_seq(gi, si, row);
         }
     }
+}
+
+impl Scheduler {
+    /// One beam-search step for group `gi`, whose live beams all hold their row: each proposes
+    /// its 2n most likely tokens; end tokens finish hypotheses, the n best other candidates
+    /// become the live beams (ties keep beam, then rank order, as vLLM's stable sort). After
+    /// `max_tokens` steps, or with no candidate left, the search ends.
+    fn expand_beams(&mut self, gi: usize) {
+        let g = &mut self.groups[gi];
+        let (Phase::Decode { seqs }, Some(state), Some(search)) =
+            (&mut g.phase, &mut g.beams, g.req.beam_search)
+        else {
+            return;
+        };
+        let req = &g.req;
+        let width = req.n;
+        let mut parents = std::mem::take(seqs);
+        // Logprobs for the response may want more alternatives than the search needs.
+        let k = (2 * width).max(req.logprobs.unwrap_or(0));
+        struct Candidate {
+            parent: usize,
+            token: u32,
+            logprob: f32,
+            score: f64,
+        }
+        let mut candidates = Vec::with_capacity(2 * width * parents.len());
+        let mut tops = Vec::with_capacity(parents.len());
+        for (pi, p) in parents.iter_mut().enumerate() {
+            let (Some(row), Some(path)) = (p.waiting_row.take(), p.beam) else {
+                tops.push(Vec::new());
+                continue;
+            };
+            let top = sampler::logprobs(&row, 0, k).top;
+            let len = req.prompt.len() + p.history.output.len();
+            for &(token, logprob) in top.iter().take(2 * width) {
+                let cum = path.cum_logprob + logprob as f64;
+                if !req.stopping.ignore_eos && self.end_tokens.contains(token) {
+                    let trail = push_trail(state, req, path.trail, logprob, &top);
+                    let mut tokens = p.history.output.clone();
+                    if req.stopping.include_stop_str_in_output {
+                        tokens.push(token);
+                    }
+                    let h = Hypothesis {
+                        tokens,
+                        score: beam_score(cum, len, search.length_penalty),
+                        ended_by: Some(token),
+                        trail,
+                    };
+                    state.finish(h, width);
+                } else {
+                    candidates.push(Candidate {
+                        parent: pi,
+                        token,
+                        logprob,
+                        score: beam_score(cum, len + 1, search.length_penalty),
+                    });
+                }
+            }
+            tops.push(top);
+        }
+        candidates.sort_by(|a, b| b.score.total_cmp(&a.score));
+        candidates.truncate(width);
+
+        // A parent's last child takes its cache; the others copy it.
+        let mut children_left = vec![0usize; parents.len()];
+        for c in &candidates {
+            children_left[c.parent] += 1;
+        }
+        let opts = decode_options(req);
+        let mut beams = Vec::with_capacity(candidates.len());
+        for (choice, c) in candidates.iter().enumerate() {
+            let parent = &mut parents[c.parent];
+            children_left[c.parent] -= 1;
+            let cache = if children_left[c.parent] == 0 {
+                std::mem::replace(&mut parent.cache, self.model.new_cache())
+            } else {
+                parent.cache.clone()
+            };
+            let path = parent.beam.unwrap_or_default();
+            let trail = push_trail(state, req, path.trail, c.logprob, &tops[c.parent]);
+            let mut beam = Seq::new(choice, cache, Rng::new(0), opts, req);
+            beam.next = c.token;
+            beam.history = parent.history.clone();
+            beam.history.push(c.token);
+            beam.generated = beam.history.output.len();
+            beam.beam = Some(BeamPath {
+                cum_logprob: path.cum_logprob + c.logprob as f64,
+                trail,
+            });
+            beams.push(beam);
+        }
+        drop(parents);
+        let done = beams
+            .first()
+            .is_none_or(|b| b.generated >= req.stopping.max_tokens);
+        if !done {
+            *seqs = beams;
+            return;
+        }
+        let events = beam_search_results(state, beams, req, search, &self.tokenizer);
+        debug!(request_id = %req.request_id, "beam search finished");
+        for ev in events {
+            g.send(ev);
+        }
+        // No live beam left: the group leaves after this step.
+    }
+}
+
+/// The events of a search that ended with `live` beams: the n best hypotheses, finished or
+/// live, best first. Finished ones rank first among equal scores (vLLM appends the live ones
+/// after them before its stable sort).
+fn beam_search_results(
+    state: &mut BeamState,
+    live: Vec<Seq>,
+    req: &GenerationRequest,
+    search: BeamSearch,
+    tokenizer: &Tokenizer,
+) -> Vec<GenerationEvent> {
+    let mut results = std::mem::take(&mut state.finished);
+    results.extend(live.into_iter().map(|b| {
+        let path = b.beam.unwrap_or_default();
+        let len = req.prompt.len() + b.history.output.len();
+        Hypothesis {
+            score: beam_score(path.cum_logprob, len, search.length_penalty),
+            tokens: b.history.output,
+            ended_by: None,
+            trail: path.trail,
+        }
+    }));
+    results.sort_by(|a, b| b.score.total_cmp(&a.score));
+    results.truncate(req.n);
+    let opts = decode_options(req);
+    let mut events = Vec::new();
+    for (choice, h) in results.into_iter().enumerate() {
+        let logprobs = req.logprobs.map(|_| state.logprobs(h.trail));
+        events.extend(hypothesis_events(choice, h, logprobs, req, opts, tokenizer));
+    }
+    events
+}
+
+/// Records a beam's new token logprob (when the request wants logprobs); returns its index.
+fn push_trail(
+    state: &mut BeamState,
+    req: &GenerationRequest,
+    parent: Option<usize>,
+    logprob: f32,
+    top: &[(u32, f32)],
+) -> Option<usize> {
+    let k = req.logprobs?;
+    state.trail.push((
+        parent,
+        TokenLogprob {
+            logprob,
+            top: top[..k.min(top.len())].to_vec(),
+        },
+    ));
+    Some(state.trail.len() - 1)
+}
+
+/// A beam-search result's events: its tokens with their text (an end token adds none), then
+/// Finished. vLLM reports the end token as the stop reason of a hypothesis it ended.
+fn hypothesis_events(
+    choice: usize,
+    h: Hypothesis,
+    logprobs: Option<Vec<TokenLogprob>>,
+    req: &GenerationRequest,
+    opts: DecodeOptions,
+    tokenizer: &Tokenizer,
+) -> Vec<GenerationEvent> {
+    let mut decode = DecodeStream::new(opts);
+    let mut logprobs = logprobs.map(Vec::into_iter);
+    let mut events = Vec::with_capacity(h.tokens.len() + 1);
+    for &token_id in &h.tokens {
+        let text = if h.ended_by == Some(token_id) {
+            String::new()
+        } else {
+            decode.step(tokenizer, token_id)
+        };
+        events.push(GenerationEvent::Token {
+            choice,
+            token_id,
+            text,
+            logprob: logprobs.as_mut().and_then(Iterator::next),
+        });
+    }
+    let (reason, stop_reason) = match h.ended_by {
+        Some(token) => (FinishReason::Stop, Some(StopReason::Token(token))),
+        None => (FinishReason::Length, None),
+    };
+    events.push(GenerationEvent::Finished {
+        choice,
+        reason,
+        stop_reason,
+        text: decode.flush(),
+        prompt_tokens: req.prompt.len(),
+        completion_tokens: h.tokens.len(),
+    });
+    events
 }
 
 /// Appends the prompt logprobs that the rows of a chunk starting at prompt position `start`
@@ -818,6 +1112,13 @@ fn add_prompt_logprobs(g: &mut Group, start: usize, out: &Logits) -> usize {
     let added = entries.len();
     g.prompt_logprobs.extend(entries);
     added
+}
+
+fn decode_options(req: &GenerationRequest) -> DecodeOptions {
+    DecodeOptions {
+        skip_special_tokens: req.stopping.skip_special_tokens,
+        spaces_between_special_tokens: req.stopping.spaces_between_special_tokens,
+    }
 }
 
 fn last_row(out: &Logits) -> Option<&[f32]> {

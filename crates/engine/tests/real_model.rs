@@ -76,6 +76,7 @@ fn greedy_request(i: usize, prompt: &[u32]) -> GenerationRequest {
         constraint: None,
         priority: 0,
         prompt_logprobs: None,
+        beam_search: None,
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::gguf_file;
 use temper_engine::{
-    Engine, EngineConfig, EngineError, EngineStats, FinishReason, GenerationEvent,
+    BeamSearch, Engine, EngineConfig, EngineError, EngineStats, FinishReason, GenerationEvent,
     GenerationRequest, GrammarError, JsonOptions, OutputConstraint, PromptLogprob,
     RepetitionDetection, SamplingParams, Scheduling, StopParams, StopReason, TokenLogprob,
 };
@@ -83,6 +83,7 @@ fn request(text: &str, max_tokens: usize, sampling: SamplingParams) -> Generatio
         constraint: None,
         priority: 0,
         prompt_logprobs: None,
+        beam_search: None,
     }
 }
 
@@ -1476,6 +1477,32 @@ fn prompt_logprobs_equal_a_direct_log_softmax() {
     assert_eq!(lps, Some(Vec::new()));
 }
 
+/// Runs `low` (priority > 0) on a fresh priority engine and, once `started` holds, `urgent`
+/// (priority 0), which preempts it. Whether it comes before `low` is done is up to timing: this
+/// tries until a preemption happens. Returns `low`'s events and the engine's counters.
+fn run_preempted(
+    config: EngineConfig,
+    low: &GenerationRequest,
+    started: impl Fn(&EngineStats) -> bool,
+    urgent: &GenerationRequest,
+) -> (Option<Vec<PromptLogprob>>, Vec<Choice>, EngineStats) {
+    for _ in 0..20 {
+        let e = engine(EngineConfig {
+            scheduling: Scheduling::Priority,
+            ..config.clone()
+        });
+        let rx = e.submit(low.clone()).expect("submit");
+        wait_stats(&e, &started);
+        collect(e.submit(urgent.clone()).expect("submit"), urgent.n);
+        let (prompt_logprobs, choices) = collect_with_prompt_logprobs(rx, low.n);
+        let stats = wait_idle(&e);
+        if stats.preemptions > 0 {
+            return (prompt_logprobs, choices, stats);
+        }
+    }
+    panic!("the urgent request never arrived in time to preempt");
+}
+
 /// A request preempted while its prompt is being prefilled replays the prefill but does not
 /// compute the prompt logprobs it already has again.
 #[test]
@@ -1485,34 +1512,173 @@ fn preempted_prefill_keeps_its_prompt_logprobs() {
     low.prompt_logprobs = Some(2);
     low.priority = 5;
     let urgent = request("the dog sat", 3, greedy());
-    // Whether the urgent request arrives mid-prefill is up to timing: try until it does.
-    for _ in 0..20 {
-        let e = engine(EngineConfig {
-            max_batch_tokens: 1,
-            max_running: 1,
-            max_model_len: 2048,
-            scheduling: Scheduling::Priority,
-        });
-        let rx = e.submit(low.clone()).expect("submit");
-        wait_stats(&e, |s| s.tokens > 2);
-        let urgent_rx = e.submit(urgent.clone()).expect("submit");
-        collect(urgent_rx, 1);
-        let (lps, _) = collect_with_prompt_logprobs(rx, 1);
-        let s = wait_idle(&e);
-        // max_tokens 1 finishes in the step that ends the prefill: any preemption was in it.
-        if s.preemptions == 0 {
-            continue;
-        }
-        // The urgent request feeds its prompt and 2 decode rows; at least 3 prompt tokens of
-        // the preempted prefill were fed twice.
-        let once = low.prompt.len() + urgent.prompt.len() + 2;
-        assert!(
-            s.tokens >= once as u64 + 3,
-            "the prefill was replayed: {s:?}"
-        );
-        assert_eq!(s.prompt_logprobs, low.prompt.len() as u64 - 1);
-        assert_prompt_logprobs(&low.prompt, 2, &lps.expect("prompt logprobs"));
-        return;
+    // max_tokens 1 finishes in the step that ends the prefill: any preemption was in it.
+    let config = EngineConfig {
+        max_batch_tokens: 1,
+        max_running: 1,
+        max_model_len: 2048,
+        ..EngineConfig::default()
+    };
+    let (lps, _, s) = run_preempted(config, &low, |s| s.tokens > 2, &urgent);
+    // The urgent request feeds its prompt and 2 decode rows; at least 3 prompt tokens of the
+    // preempted prefill were fed twice.
+    let once = low.prompt.len() + urgent.prompt.len() + 2;
+    assert!(
+        s.tokens >= once as u64 + 3,
+        "the prefill was replayed: {s:?}"
+    );
+    assert_eq!(s.prompt_logprobs, low.prompt.len() as u64 - 1);
+    assert_prompt_logprobs(&low.prompt, 2, &lps.expect("prompt logprobs"));
+}
+
+fn beam_request(text: &str, n: usize, max_tokens: usize, length_penalty: f32) -> GenerationRequest {
+    let mut r = request(text, max_tokens, greedy());
+    r.n = n;
+    r.beam_search = Some(BeamSearch { length_penalty });
+    r
+}
+
+/// A beam result's score recomputed from a scoring forward over prompt + output (+ the end
+/// token that ended it, which counts in the logprob but not in the length), as vLLM scores.
+fn rescored(prompt: &[u32], c: &Choice, length_penalty: f32) -> f64 {
+    let mut tokens: Vec<u32> = prompt.iter().chain(&c.ids).copied().collect();
+    let len = tokens.len();
+    if let Some(StopReason::Token(end)) = c.stop_reason {
+        tokens.push(end);
     }
-    panic!("the urgent request never arrived during the prefill");
+    let lsm = direct_log_softmax(&tokens);
+    let cum: f64 = (prompt.len()..tokens.len())
+        .map(|i| lsm[i - 1][tokens[i] as usize])
+        .sum();
+    cum / (len as f64).powf(length_penalty as f64)
+}
+
+#[test]
+fn beam_search_of_width_one_is_greedy() {
+    let e = default_engine();
+    let mut greedy_req = request("the cat sat on the mat and", 12, greedy());
+    greedy_req.logprobs = Some(2);
+    let want = run(&e, greedy_req).remove(0);
+    let mut req = beam_request("the cat sat on the mat and", 1, 12, 1.0);
+    req.logprobs = Some(2);
+    let got = run(&e, req).remove(0);
+    assert_eq!(got.ids, want.ids);
+    assert_eq!(got.text, want.text);
+    assert_eq!(got.reason, Some(FinishReason::Length));
+    for (a, b) in got.logprobs.iter().zip(&want.logprobs) {
+        assert!((a.logprob - b.logprob).abs() < 1e-5);
+        assert_eq!(
+            a.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            b.top.iter().map(|t| t.0).collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn wider_beams_are_distinct_ranked_and_no_worse_than_greedy() {
+    let e = default_engine();
+    let text = "what is the answer to the question";
+    let req = beam_request(text, 4, 10, 1.0);
+    let alone = run(&e, req.clone());
+    assert!(
+        e.stats().max_rows_in_step >= 4,
+        "the beams share forward calls"
+    );
+    // Beams are rows of the shared batch: other requests do not change the result.
+    let busy = run_in_busy_batch(&e, req.clone());
+    assert_eq!(
+        alone.iter().map(|c| &c.ids).collect::<Vec<_>>(),
+        busy.iter().map(|c| &c.ids).collect::<Vec<_>>()
+    );
+    let scores: Vec<f64> = alone
+        .iter()
+        .map(|c| rescored(&req.prompt, c, 1.0))
+        .collect();
+    for w in scores.windows(2) {
+        assert!(w[0] >= w[1] - 1e-5, "not best first: {scores:?}");
+    }
+    for (i, a) in alone.iter().enumerate() {
+        assert_eq!(a.ids.len(), 10);
+        assert_eq!(a.completion_tokens, 10);
+        assert!(
+            alone[..i].iter().all(|b| b.ids != a.ids),
+            "beams {i} repeats one"
+        );
+    }
+    let greedy_choice = run(&e, request(text, 10, greedy())).remove(0);
+    let greedy_score = rescored(&req.prompt, &greedy_choice, 1.0);
+    assert!(
+        scores[0] >= greedy_score - 1e-5,
+        "{} < greedy {greedy_score}",
+        scores[0]
+    );
+}
+
+/// With end tokens allowed, hypotheses end at different lengths: a length penalty of 0 ranks
+/// by the plain sum of logprobs, which favours a short one on this prompt; a large penalty
+/// divides by len^4 and puts a long one first.
+#[test]
+fn length_penalty_changes_the_ranking() {
+    let e = default_engine();
+    let mut best = Vec::new();
+    for penalty in [0.0f32, 4.0] {
+        let mut req = beam_request("yes no good day", 3, 8, penalty);
+        req.stopping.ignore_eos = false;
+        let out = run(&e, req.clone());
+        let scores: Vec<f64> = out
+            .iter()
+            .map(|c| rescored(&req.prompt, c, penalty))
+            .collect();
+        for w in scores.windows(2) {
+            assert!(w[0] >= w[1] - 1e-5, "penalty {penalty}: {scores:?}");
+        }
+        for c in &out {
+            match c.reason {
+                Some(FinishReason::Stop) => {
+                    assert!(matches!(c.stop_reason, Some(StopReason::Token(_))))
+                }
+                _ => assert_eq!(c.ids.len(), 8),
+            }
+        }
+        best.push(out.into_iter().next().expect("a result"));
+    }
+    assert_eq!(best[0].reason, Some(FinishReason::Stop));
+    assert!(best[0].ids.len() < 8, "{:?}", best[0].ids);
+    assert_eq!(best[1].ids.len(), 8, "{:?}", best[1].ids);
+}
+
+#[test]
+fn dropping_a_beam_search_receiver_cancels_it() {
+    let e = default_engine();
+    let rx = e
+        .submit(beam_request("the cat", 4, 1500, 1.0))
+        .expect("submit");
+    wait_stats(&e, |s| s.steps > 5);
+    drop(rx);
+    wait_idle(&e);
+    let steps = e.stats().steps;
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(e.stats().steps, steps);
+    assert!(steps < 1000);
+}
+
+/// A beam search preempted by a better-ranked request replays every live beam's cache and ends
+/// with the same beams as alone.
+#[test]
+fn preempted_beam_search_gives_the_same_beams() {
+    let mut req = beam_request("the dog sat on the", 3, 300, 1.0);
+    req.priority = 5;
+    let alone = run(&default_engine(), req.clone());
+    let config = EngineConfig {
+        max_batch_tokens: 256,
+        max_running: 3,
+        max_model_len: 2048,
+        ..EngineConfig::default()
+    };
+    let urgent = request("hello there", 3, greedy());
+    let (_, preempted, _) = run_preempted(config, &req, |s| s.steps > 3, &urgent);
+    for (a, b) in alone.iter().zip(&preempted) {
+        assert_eq!(a.ids, b.ids);
+        assert_eq!(a.reason, b.reason);
+    }
 }

@@ -49,14 +49,6 @@ impl ApiError {
         }
     }
 
-    /// A field of the interface that issue 3 will implement: rejected rather than ignored.
-    pub fn unsupported(param: &str) -> Self {
-        Self::bad(
-            param,
-            format!("`{param}` is not supported yet: omit it or send its default value."),
-        )
-    }
-
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
@@ -138,6 +130,8 @@ impl From<temper_engine::EngineError> for ApiError {
                 ApiError::ServiceUnavailable(format!("The engine cannot take requests: {e}."))
             }
             E::TooLong { .. } => ApiError::bad("max_completion_tokens", e.to_string()),
+            E::BeamSearchConstraint => ApiError::bad("structured_outputs", e.to_string()),
+            E::BeamTooWide { .. } => ApiError::bad("n", e.to_string()),
             E::AdapterMismatch => {
                 ApiError::Internal(format!("The model's adapter is unusable: {e}."))
             }
@@ -252,15 +246,5 @@ mod tests {
     fn unknown_model_message_is_exact() {
         let v = json(&ApiError::ModelNotFound("gpt-9".into()));
         assert_eq!(v["error"]["message"], "The model `gpt-9` does not exist.");
-    }
-
-    #[test]
-    fn unsupported_names_the_field() {
-        let v = json(&ApiError::unsupported("logit_bias"));
-        assert_eq!(v["error"]["param"], "logit_bias");
-        assert!(v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("not supported yet"));
     }
 }

@@ -48,8 +48,7 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<Value>,
     pub service_tier: Option<String>,
 
-    // Issue 3's fields; those still unimplemented are listed by `validation::unsupported_fields`
-    // (any value other than the default is a 400).
+    // Issue 3's fields.
     pub frequency_penalty: Option<f64>,
     pub presence_penalty: Option<f64>,
     pub repetition_penalty: Option<f64>,

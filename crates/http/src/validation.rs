@@ -1,7 +1,7 @@
 //! One validation step: a parsed `ChatCompletionRequest` becomes typed `ChatParams`, or a 400
 //! naming the field. Nothing downstream re-checks or sees the raw JSON.
 
-use temper_engine::{GenerationRequest, Grammar, SamplingParams, StopParams};
+use temper_engine::{BeamSearch, GenerationRequest, Grammar, SamplingParams, StopParams};
 use temper_text::{ChatMessage, ContentPart, FunctionCall, MessageContent, ToolCall, ToolDef};
 
 use crate::error::ApiError;
@@ -43,6 +43,8 @@ pub struct ChatParams {
     pub logprobs: Option<usize>,
     /// `Some(k)`: logprobs of each prompt token plus `k` alternatives.
     pub prompt_logprobs: Option<usize>,
+    /// `use_beam_search` (width `n`) with its `length_penalty`.
+    pub beam_search: Option<BeamSearch>,
     pub return_token_ids: bool,
     /// `Some` when streaming.
     pub stream: Option<StreamOptions>,
@@ -107,8 +109,6 @@ pub struct StreamOptions {
 }
 
 pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<ChatParams, ApiError> {
-    reject_unsupported(&req)?;
-
     let priority = req.priority.unwrap_or(0);
     if priority != 0 && !limits.priority_scheduling {
         return Err(ApiError::bad(
@@ -163,10 +163,25 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
             format!("`temperature` must be in [0, 2], got {temperature}."),
         ));
     }
-    if n > 1 && temperature < GREEDY_EPSILON {
+    let use_beam_search = req.use_beam_search.unwrap_or(false);
+    let length_penalty = req.length_penalty.unwrap_or(1.0);
+    if !length_penalty.is_finite() {
+        return Err(ApiError::bad(
+            "length_penalty",
+            "`length_penalty` must be a finite number.",
+        ));
+    }
+    if length_penalty != 1.0 && !use_beam_search {
+        return Err(ApiError::bad(
+            "length_penalty",
+            "`length_penalty` only applies to beam search (`use_beam_search: true`).",
+        ));
+    }
+    if n > 1 && temperature < GREEDY_EPSILON && !use_beam_search {
         return Err(ApiError::bad(
             "n",
-            "`n` > 1 needs temperature > 0: greedy sampling would return identical choices.",
+            "`n` > 1 needs temperature > 0 (or `use_beam_search`): greedy sampling would return \
+             identical choices.",
         ));
     }
     let top_p = req.top_p.unwrap_or(1.0);
@@ -278,6 +293,43 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
     };
 
     let constraint = requested_constraint(req.response_format, req.structured_outputs)?;
+    if use_beam_search {
+        // Beam search ranks beams by the model's raw log-probabilities: none of these could
+        // have an effect, so they are refused rather than ignored.
+        let conflicts = [
+            ("top_p", top_p != 1.0),
+            ("top_k", top_k != 0),
+            ("min_p", min_p != 0.0),
+            ("seed", seed.is_some()),
+            ("logit_bias", !controls.logit_bias.is_empty()),
+            ("allowed_token_ids", controls.allowed_token_ids.is_some()),
+            ("bad_words", !controls.bad_words.is_empty()),
+            ("repetition_penalty", controls.repetition_penalty != 1.0),
+            ("frequency_penalty", controls.frequency_penalty != 0.0),
+            ("presence_penalty", controls.presence_penalty != 0.0),
+            ("min_tokens", controls.min_tokens != 0),
+            (
+                "repetition_detection",
+                controls.repetition_detection.is_some(),
+            ),
+            ("stop", !stop.is_empty()),
+            ("stop_token_ids", !stop_token_ids.is_empty()),
+        ];
+        let conflict = conflicts
+            .iter()
+            .find(|(_, set)| *set)
+            .map(|(param, _)| *param)
+            .or(constraint.as_ref().map(|c| c.param));
+        if let Some(param) = conflict {
+            return Err(ApiError::bad(
+                param,
+                format!(
+                    "`{param}` cannot be combined with `use_beam_search`: beam search ranks \
+                     beams by the model's raw log-probabilities."
+                ),
+            ));
+        }
+    }
 
     if req.request_id.as_deref() == Some("") {
         return Err(ApiError::bad(
@@ -318,6 +370,9 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         },
         logprobs,
         prompt_logprobs,
+        beam_search: use_beam_search.then_some(BeamSearch {
+            length_penalty: length_penalty as f32,
+        }),
         return_token_ids: req.return_token_ids.unwrap_or(false),
         stream: stream_options,
         request_id: req.request_id,
@@ -377,6 +432,7 @@ impl ChatParams {
             constraint,
             priority: self.priority,
             prompt_logprobs: self.prompt_logprobs,
+            beam_search: self.beam_search,
         })
     }
 }
@@ -537,26 +593,6 @@ pub fn convert_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>,
             })
         })
         .collect()
-}
-
-/// Fields of the interface without an implementation yet, each with "was a non-default value
-/// sent". Such a value is a 400, never silently ignored. The README lists the same names (a test
-/// keeps them in sync).
-pub(crate) fn unsupported_fields(req: &ChatCompletionRequest) -> Vec<(&'static str, bool)> {
-    vec![
-        (
-            "length_penalty",
-            req.length_penalty.is_some_and(|v| v != 1.0),
-        ),
-        ("use_beam_search", req.use_beam_search == Some(true)),
-    ]
-}
-
-fn reject_unsupported(req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    match unsupported_fields(req).iter().find(|(_, set)| *set) {
-        Some((param, _)) => Err(ApiError::unsupported(param)),
-        None => Ok(()),
-    }
 }
 
 #[cfg(test)]
@@ -859,42 +895,62 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_fields_are_rejected_not_ignored() {
-        let non_defaults = [
-            ("length_penalty", json!(0.5)),
-            ("use_beam_search", json!(true)),
-        ];
-        let names: Vec<&str> = unsupported_fields(&ChatCompletionRequest::default())
-            .iter()
-            .map(|(n, _)| *n)
-            .collect();
+    fn beam_search_rules() {
+        let p =
+            ok(json!({"use_beam_search": true, "n": 3, "temperature": 0, "length_penalty": 0.5}));
+        assert_eq!(p.n, 3);
         assert_eq!(
-            names,
-            non_defaults.iter().map(|(n, _)| *n).collect::<Vec<_>>()
+            p.beam_search,
+            Some(BeamSearch {
+                length_penalty: 0.5
+            })
         );
-        for (name, value) in non_defaults {
-            let mut extra = serde_json::Map::new();
-            extra.insert(name.to_owned(), value);
-            rejected(Value::Object(extra), name);
+        assert_eq!(ok(json!({})).beam_search, None);
+        let g = p
+            .generation_request("r".into(), vec![1, 2], 100, None)
+            .unwrap();
+        assert_eq!(
+            (g.n, g.beam_search),
+            (
+                3,
+                Some(BeamSearch {
+                    length_penalty: 0.5
+                })
+            )
+        );
+        // length_penalty means nothing without beam search; its default is fine.
+        rejected(json!({"length_penalty": 0.5}), "length_penalty");
+        ok(json!({"length_penalty": 1, "use_beam_search": false}));
+        // Fields beam search cannot honour are refused, each by name.
+        for (extra, param) in [
+            (json!({"top_p": 0.5}), "top_p"),
+            (json!({"top_k": 5}), "top_k"),
+            (json!({"min_p": 0.1}), "min_p"),
+            (json!({"seed": 1}), "seed"),
+            (json!({"logit_bias": {"5": 1}}), "logit_bias"),
+            (json!({"allowed_token_ids": [5]}), "allowed_token_ids"),
+            (json!({"bad_words": ["x"]}), "bad_words"),
+            (json!({"repetition_penalty": 1.2}), "repetition_penalty"),
+            (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
+            (json!({"presence_penalty": 0.5}), "presence_penalty"),
+            (json!({"min_tokens": 2}), "min_tokens"),
+            (json!({"stop": "x"}), "stop"),
+            (json!({"stop_token_ids": [5]}), "stop_token_ids"),
+            (
+                json!({"structured_outputs": {"regex": "a+"}}),
+                "structured_outputs.regex",
+            ),
+        ] {
+            let mut extra = extra;
+            extra["use_beam_search"] = json!(true);
+            rejected(extra, param);
         }
-        // Their defaults are fine.
-        ok(json!({
-            "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-            "length_penalty": 1, "logit_bias": {}, "response_format": {"type": "text"},
-            "structured_outputs": {}, "use_beam_search": false, "min_tokens": 0, "bad_words": [],
-            "return_tokens_as_token_ids": false,
-        }));
-    }
-
-    #[test]
-    fn readme_lists_every_unsupported_field() {
-        let readme = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"));
-        for (name, _) in unsupported_fields(&ChatCompletionRequest::default()) {
-            assert!(
-                readme.contains(&format!("`{name}`")),
-                "README misses {name}"
-            );
-        }
+        // What it does combine with.
+        ok(
+            json!({"use_beam_search": true, "n": 2, "temperature": 0.7, "max_tokens": 5,
+                  "ignore_eos": true, "include_stop_str_in_output": true, "logprobs": true,
+                  "top_logprobs": 2, "prompt_logprobs": 1, "stream": false}),
+        );
     }
 
     #[test]

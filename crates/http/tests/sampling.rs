@@ -262,3 +262,110 @@ async fn prompt_logprobs_equal_the_models_log_softmax() {
         assert_eq!(v["error"]["param"], param);
     }
 }
+
+/// use_beam_search through HTTP: width 1 is greedy; width 3 gives 3 distinct choices whose
+/// scores (recomputed from the model's log-softmax) are best first; usage counts every
+/// returned token; streaming gives the same choices; fields beam search cannot honour are 400s.
+#[tokio::test]
+async fn beam_search_over_http() {
+    let s = TestServer::tiny(options(), None).await;
+    let (_, greedy) = s.chat(&body(json!({}))).await;
+    let (status, width1) = s
+        .chat(&body(json!({"use_beam_search": true, "n": 1})))
+        .await;
+    assert_eq!(status, 200, "{width1}");
+    assert_eq!(ids(&width1), ids(&greedy));
+
+    let beam = body(
+        json!({"use_beam_search": true, "n": 3, "length_penalty": 0.5,
+                           "logprobs": true, "top_logprobs": 1}),
+    );
+    let (status, v) = s.chat(&beam).await;
+    assert_eq!(status, 200, "{v}");
+    let prompt: Vec<u32> = v["prompt_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let mut scores = Vec::new();
+    let mut total = 0;
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["finish_reason"], "length");
+        let out: Vec<u32> = c["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(out.len(), 12);
+        assert_eq!(c["logprobs"]["content"].as_array().unwrap().len(), 12);
+        total += out.len();
+        let tokens: Vec<u32> = prompt.iter().chain(&out).copied().collect();
+        let lsm = direct_log_softmax(&s, &tokens);
+        let cum: f64 = (prompt.len()..tokens.len())
+            .map(|j| lsm[j - 1][tokens[j] as usize])
+            .sum();
+        for (j, entry) in c["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+        {
+            let want = lsm[prompt.len() + j - 1][out[j] as usize];
+            assert!((entry["logprob"].as_f64().unwrap() - want).abs() < 1e-4);
+        }
+        scores.push(cum / (tokens.len() as f64).powf(0.5));
+    }
+    assert_ne!(
+        ids(&v),
+        choices[1]["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect::<Vec<_>>()
+    );
+    for w in scores.windows(2) {
+        assert!(w[0] >= w[1] - 1e-5, "not best first: {scores:?}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], total);
+
+    // Streaming: the same choices, sent when the search ends.
+    let mut streamed = beam.clone();
+    streamed["stream"] = json!(true);
+    let events = s.chat_stream(&streamed).await;
+    let (got, _) = check_stream(&events, 3);
+    for (g, c) in got.iter().zip(choices) {
+        assert_eq!(g.content, c["message"]["content"].as_str().unwrap());
+        assert_eq!(g.finish_reason.as_deref(), Some("length"));
+    }
+
+    for (extra, param) in [
+        (json!({"top_p": 0.9}), "top_p"),
+        (json!({"stop": ["x"]}), "stop"),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ] {
+        let mut b = body(json!({"use_beam_search": true, "n": 2}));
+        for (k, val) in extra.as_object().unwrap() {
+            b[k] = val.clone();
+        }
+        let (status, v) = s.chat(&b).await;
+        assert_eq!(status, 400, "{v}");
+        assert!(
+            v["error"]["param"].as_str().unwrap().starts_with(param),
+            "{v}"
+        );
+    }
+    let (status, v) = s.chat(&body(json!({"length_penalty": 2}))).await;
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("length_penalty"))
+    );
+}

@@ -287,6 +287,7 @@ fn generate(
             constraint: constraint.cloned(),
             priority: 0,
             prompt_logprobs: None,
+            beam_search: None,
         };
         receivers.push(engine.submit(request).map_err(|e| e.to_string())?);
     }

@@ -92,6 +92,7 @@ fn rollouts(
             constraint: None,
             priority: 0,
             prompt_logprobs: None,
+            beam_search: None,
         })
         .map_err(|e| e.to_string())?;
     let mut out: Vec<Rollout> = (0..n)
