@@ -12,15 +12,21 @@ use crate::ModelError;
 /// behind it can be replaced without touching the model.
 #[derive(Debug)]
 pub(crate) struct Linear {
-    inner: QMatMul,
-    /// The weight as our kernels read it (`kernels::prepare`), when they cover its type;
-    /// candle's `QMatMul` otherwise.
-    kernel: Option<(WeightFormat, Vec<u8>)>,
+    weight: Weight,
     in_dim: usize,
     out_dim: usize,
     /// The weight dequantized to f32, made on the first backward (training only): the gradient
     /// to the input goes through the frozen weight's values.
     dequantized: OnceLock<Tensor>,
+}
+
+/// The one copy of a weight kept.
+#[derive(Debug)]
+enum Weight {
+    /// As our kernels read it (`kernels::prepare`), for the types they cover.
+    Kernel { format: WeightFormat, data: Vec<u8> },
+    /// Any other type, through candle.
+    Candle(QMatMul),
 }
 
 impl Linear {
@@ -39,13 +45,15 @@ impl Linear {
             GgmlDType::Q6K => Some(WeightFormat::Q6K),
             _ => None,
         };
-        let kernel = match format.filter(|f| in_dim.is_multiple_of(f.block_elems())) {
-            Some(f) => Some((f, kernels::prepare(f, &weight.data()?, out_dim))),
-            None => None,
+        let weight = match format.filter(|f| in_dim.is_multiple_of(f.block_elems())) {
+            Some(format) => Weight::Kernel {
+                format,
+                data: kernels::prepare(format, &weight.data()?, out_dim),
+            },
+            None => Weight::Candle(QMatMul::from_arc(weight)?),
         };
         Ok(Self {
-            kernel,
-            inner: QMatMul::from_arc(weight)?,
+            weight,
             in_dim,
             out_dim,
             dequantized: OnceLock::new(),
@@ -79,13 +87,42 @@ impl Linear {
         if let Some(w) = self.dequantized.get() {
             return Ok(w);
         }
-        let w = match &self.inner {
-            QMatMul::QTensor(q) => q.dequantize(&Device::Cpu)?,
-            QMatMul::Tensor(t) => t.clone(),
-            QMatMul::TensorF16(t) => t.to_dtype(candle_core::DType::F32)?,
+        let w = match &self.weight {
+            Weight::Kernel { .. } => {
+                let all: Vec<usize> = (0..self.out_dim).collect();
+                Tensor::from_vec(self.rows(&all)?, (self.out_dim, self.in_dim), &Device::Cpu)?
+            }
+            Weight::Candle(QMatMul::QTensor(q)) => q.dequantize(&Device::Cpu)?,
+            Weight::Candle(QMatMul::Tensor(t)) => t.clone(),
+            Weight::Candle(QMatMul::TensorF16(t)) => t.to_dtype(candle_core::DType::F32)?,
         };
         // Two threads racing here build the same tensor; either copy is kept.
         Ok(self.dequantized.get_or_init(|| w))
+    }
+
+    /// Rows of the weight in f32 (an embedding lookup when the LM head is tied to it), the
+    /// values candle's dequantization gives.
+    pub(crate) fn rows(&self, rows: &[usize]) -> Result<Vec<f32>, ModelError> {
+        match &self.weight {
+            Weight::Kernel { format, data } => Ok(kernels::dequantize_rows(
+                *format,
+                data,
+                (self.in_dim, self.out_dim),
+                rows,
+            )?),
+            Weight::Candle(inner) => {
+                let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                let ids = Tensor::from_vec(ids, rows.len(), &Device::Cpu)?;
+                let table = match inner {
+                    QMatMul::QTensor(q) => {
+                        return Ok(q.embedding(&ids)?.flatten_all()?.to_vec1()?)
+                    }
+                    QMatMul::Tensor(t) => t.clone(),
+                    QMatMul::TensorF16(t) => t.to_dtype(candle_core::DType::F32)?,
+                };
+                Ok(table.embedding(&ids)?.flatten_all()?.to_vec1()?)
+            }
+        }
     }
 
     /// Bytes of f32 weights cached for training (0 until the first backward).
@@ -96,19 +133,20 @@ impl Linear {
     }
 
     fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
-        if let Some((format, weight)) = &self.kernel {
-            return Ok(kernels::matmul(
+        match &self.weight {
+            Weight::Kernel { format, data } => Ok(kernels::matmul(
                 *format,
                 Isa::detect(),
-                weight,
+                data,
                 self.in_dim,
                 self.out_dim,
                 x,
-            ));
+            )),
+            Weight::Candle(inner) => {
+                let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;
+                Ok(inner.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?)
+            }
         }
-        let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;
-        let y = self.inner.forward(&xt)?;
-        Ok(y.flatten_all()?.to_vec1::<f32>()?)
     }
 }
 

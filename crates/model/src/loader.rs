@@ -7,7 +7,7 @@ use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
 
 use crate::linear::Linear;
-use crate::model::{Gemma3, Layer};
+use crate::model::{Embedding, Gemma3, Layer};
 use crate::{LoadedModel, ModelConfig, ModelError};
 
 /// Loads a Gemma 3 GGUF (quantized weights stay quantized; norms become f32).
@@ -61,10 +61,13 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     }
     let final_norm = weights.vector("output_norm.weight", hd)?;
     // Gemma ties the LM head to the embedding; honour a separate `output.weight` if a file has one.
-    let lm_head = if content.tensor_infos.contains_key("output.weight") {
-        weights.linear("output.weight", vocab_size, hd)?
+    let (lm_head, embed) = if content.tensor_infos.contains_key("output.weight") {
+        (
+            weights.linear("output.weight", vocab_size, hd)?,
+            Embedding::Table(embed),
+        )
     } else {
-        Linear::new(embed.clone())?
+        (Linear::new(embed)?, Embedding::Tied)
     };
 
     let model = Gemma3 {

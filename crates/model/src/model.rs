@@ -93,10 +93,18 @@ impl Layer {
     }
 }
 
+/// The token embedding table.
+pub(crate) enum Embedding {
+    /// The LM head's weight (Gemma ties them): one copy, read through `Linear::rows`.
+    Tied,
+    /// A separate table (a file with its own `output.weight`).
+    Table(Arc<QTensor>),
+}
+
 /// Gemma 3 text model over quantized GGUF weights.
 pub struct Gemma3 {
     pub(crate) cfg: ModelConfig,
-    pub(crate) embed: Arc<QTensor>,
+    pub(crate) embed: Embedding,
     pub(crate) lm_head: Linear,
     pub(crate) layers: Vec<Layer>,
     pub(crate) final_norm: Vec<f32>,
@@ -293,12 +301,16 @@ impl Gemma3 {
     /// Embedding rows (dequantized one row at a time) times sqrt(hidden), as llama.cpp does
     /// (an f32 scale, not rounded to bf16).
     pub(crate) fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
-        let mut x = self
-            .embed
-            .embedding(&ids)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        let mut x = match &self.embed {
+            Embedding::Tied => {
+                let rows: Vec<usize> = tokens.iter().map(|&t| t as usize).collect();
+                self.lm_head.rows(&rows)?
+            }
+            Embedding::Table(table) => {
+                let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
+                table.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?
+            }
+        };
         let scale = (self.cfg.hidden_size as f32).sqrt();
         for v in x.iter_mut() {
             *v *= scale;

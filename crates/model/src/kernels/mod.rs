@@ -191,6 +191,45 @@ pub(crate) fn prepare(format: WeightFormat, gguf: &[u8], out_dim: usize) -> Vec<
     }
 }
 
+/// Rows `rows` of a prepared weight `[out_dim, in_dim]` (dims `(in_dim, out_dim)`) in f32, each
+/// value `d * q` as GGUF dequantization computes it.
+pub(crate) fn dequantize_rows(
+    format: WeightFormat,
+    w: &[u8],
+    dims: (usize, usize),
+    rows: &[usize],
+) -> Result<Vec<f32>, candle_core::Error> {
+    let (in_dim, out_dim) = dims;
+    if let Some(&bad) = rows.iter().find(|&&r| r >= out_dim) {
+        candle_core::bail!("row {bad} of a weight with {out_dim} rows");
+    }
+    match format {
+        WeightFormat::Q8_0 => Ok(q8_0::dequantize_rows(w, in_dim, rows)),
+        WeightFormat::Q4K | WeightFormat::Q6K => {
+            // GGUF blocks as they are: candle reads them.
+            let (dtype, block_bytes) = match format {
+                WeightFormat::Q4K => (candle_core::quantized::GgmlDType::Q4K, q4_k::BLOCK_BYTES),
+                _ => (candle_core::quantized::GgmlDType::Q6K, q6_k::BLOCK_BYTES),
+            };
+            let row_bytes = in_dim / format.block_elems() * block_bytes;
+            let bytes: Vec<u8> = rows
+                .iter()
+                .flat_map(|&r| &w[r * row_bytes..(r + 1) * row_bytes])
+                .copied()
+                .collect();
+            let storage = candle_core::quantized::QStorage::from_data(
+                std::borrow::Cow::Owned(bytes),
+                &candle_core::Device::Cpu,
+                dtype,
+            )?;
+            candle_core::quantized::QTensor::new(storage, (rows.len(), in_dim))?
+                .dequantize(&candle_core::Device::Cpu)?
+                .flatten_all()?
+                .to_vec1()
+        }
+    }
+}
+
 fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -> Vec<f32> {
     let (in_dim, out_dim) = dims;
     assert!(in_dim > 0 && in_dim.is_multiple_of(K::BLOCK_ELEMS));

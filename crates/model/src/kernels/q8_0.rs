@@ -11,6 +11,7 @@
 //! layout computes about four times fewer float operations).
 
 use half::f16;
+use rayon::prelude::*;
 
 use super::activations::{quantize_q8_0, Q8_0Block};
 #[cfg(target_arch = "x86_64")]
@@ -82,6 +83,33 @@ pub(crate) fn interleave(gguf: &[u8], out_dim: usize) -> Vec<u8> {
         }
     }
     packed
+}
+
+/// Rows of the interleaved weight in f32: `d * q` per value, as GGUF dequantization does.
+pub(crate) fn dequantize_rows(w: &[u8], in_dim: usize, rows: &[usize]) -> Vec<f32> {
+    let nb = in_dim / BLOCK_ELEMS;
+    let mut out = vec![0f32; rows.len() * in_dim];
+    // The whole LM head (training's backward) is 168M values: split it across threads.
+    out.par_chunks_mut(in_dim)
+        .zip(rows.par_iter())
+        .with_min_len(64)
+        .for_each(|(dst, &row)| {
+            let (g, j) = (row / GROUP, row % GROUP);
+            let group = &w[g * nb * GROUP_BLOCK..(g + 1) * nb * GROUP_BLOCK];
+            for (gb, dst) in group
+                .chunks_exact(GROUP_BLOCK)
+                .zip(dst.chunks_exact_mut(32))
+            {
+                let d = f16::from_le_bytes([gb[2 * j], gb[2 * j + 1]]).to_f32();
+                for (step, dst) in dst.chunks_exact_mut(4).enumerate() {
+                    let q = &gb[QUANTS + step * 4 * GROUP + 4 * j..][..4];
+                    for (v, &q) in dst.iter_mut().zip(q) {
+                        *v = (q ^ 0x80) as i8 as f32 * d;
+                    }
+                }
+            }
+        });
+    out
 }
 
 /// The reference, lane for lane what the SIMD paths compute.
@@ -247,6 +275,36 @@ mod tests {
         for (rows, nb) in [(1, 1), (5, 3), (16, 20), (37, 2)] {
             let w = random_weights(&mut rng, rows, nb);
             check_paths_agree(WeightFormat::Q8_0, &w, nb * BLOCK_ELEMS, rows, &mut rng);
+        }
+    }
+
+    #[test]
+    fn dequantized_rows_equal_candles_dequantization() {
+        use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+        use candle_core::Device;
+        let mut rng = Rng::new(3);
+        let (rows, nb) = (21, 2);
+        let w = random_weights(&mut rng, rows, nb);
+        let storage = QStorage::from_data(
+            std::borrow::Cow::Borrowed(&w[..]),
+            &Device::Cpu,
+            GgmlDType::Q8_0,
+        )
+        .expect("storage");
+        let candle = QTensor::new(storage, (rows, nb * BLOCK_ELEMS))
+            .expect("tensor")
+            .dequantize(&Device::Cpu)
+            .expect("dequantize")
+            .to_vec2::<f32>()
+            .expect("rows");
+        let packed = interleave(&w, rows);
+        let picked = [20, 0, 5, 16, 5];
+        let ours = dequantize_rows(&packed, nb * BLOCK_ELEMS, &picked);
+        for (i, &r) in picked.iter().enumerate() {
+            assert_eq!(
+                ours[i * nb * BLOCK_ELEMS..(i + 1) * nb * BLOCK_ELEMS],
+                candle[r][..]
+            );
         }
     }
 
