@@ -32,8 +32,9 @@ enum Weight {
 impl Linear {
     pub(crate) fn new(weight: Arc<QTensor>) -> Result<Self, ModelError> {
         let (out_dim, in_dim) = weight.shape().dims2()?;
-        // candle has no SIMD dot product for Q5_0; its values fit Q8_0 exactly (same scale,
-        // integers -16..15), which has one, and both use Q8_0 activations: same numbers, faster.
+        // Our kernels have no Q5_0 path; its values fit Q8_0 exactly (same scale, integers
+        // -16..15), which has one, and both pair with Q8_0 activations: the same integer block
+        // sums as ggml's Q5_0 dot product.
         let weight = if weight.dtype() == GgmlDType::Q5_0 {
             Arc::new(q5_0_as_q8_0(&weight)?)
         } else {

@@ -2,10 +2,11 @@
 //!
 //! Activation rows are quantized the way ggml does on x86 (Q8_0 blocks of 32 for Q8_0 weights,
 //! Q8_K blocks of 256 for K-quants), dot products are integer per block and scaled in f32 per
-//! block. Every SIMD kernel keeps the lane structure of ggml's AVX2 dot product (eight f32
-//! accumulators, one fused multiply-add per block, the same horizontal sum), and the scalar
-//! reference emulates those lanes, so all paths give the same bits; a row's result never depends
-//! on the other rows or on how the work is tiled (batch invariance).
+//! block. Q4_K and Q6_K keep the lane structure of ggml's AVX2 dot product (eight f32
+//! accumulators, one fused multiply-add per block, the same horizontal sum); Q8_0 accumulates one
+//! f32 per row, block after block, as ggml's scalar dot product does (see `q8_0`). Each scalar
+//! reference computes exactly what its SIMD paths compute, so all paths give the same bits, and a
+//! row's result never depends on the other rows or on how the work is tiled (batch invariance).
 //!
 //! Threads split the weight rows; within a thread, a cache-sized slice of weight rows is reused
 //! by groups of up to four activation rows, so a batch reads each weight block once.
