@@ -69,7 +69,10 @@ pub struct GrammarCompiler {
 impl std::fmt::Debug for GrammarCompiler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GrammarCompiler")
-            .field("vocab_size", &self.factory.tok_env().tok_trie().vocab_size())
+            .field(
+                "vocab_size",
+                &self.factory.tok_env().tok_trie().vocab_size(),
+            )
             .finish()
     }
 }
@@ -120,8 +123,8 @@ impl GrammarCompiler {
         info.tok_bos = tokenizer.bos_id();
         let trie = TokTrie::from(&info, &words).with_eos_tokens(end_tokens);
         let env: TokEnv = Arc::new(TokenizerView { trie, tokenizer });
-        let mut factory = ParserFactory::new_simple(&env)
-            .map_err(|e| GrammarError::Invalid(format!("{e:#}")))?;
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Invalid(format!("{e:#}")))?;
         // Errors come back to the caller; nothing should go to stderr.
         factory.quiet();
         Ok(GrammarCompiler { factory })
@@ -300,18 +303,19 @@ fn json_schema(schema: &Value, options: &JsonOptions) -> Result<Value, GrammarEr
     }
     if let Value::Object(map) = &mut schema {
         if !map.contains_key("x-guidance") {
-            let whitespace_pattern = match (&options.whitespace_pattern, options.disable_any_whitespace) {
-                (Some(p), _) => Some(p.clone()),
-                (None, false) => Some(FLEXIBLE_WHITESPACE.to_owned()),
-                (None, true) => None,
-            };
+            let whitespace_pattern =
+                match (&options.whitespace_pattern, options.disable_any_whitespace) {
+                    (Some(p), _) => Some(p.clone()),
+                    (None, false) => Some(FLEXIBLE_WHITESPACE.to_owned()),
+                    (None, true) => None,
+                };
             let compile = JsonCompileOptions {
                 whitespace_flexible: !options.disable_any_whitespace,
                 whitespace_pattern,
                 ..JsonCompileOptions::default()
             };
-            let value = serde_json::to_value(&compile)
-                .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+            let value =
+                serde_json::to_value(&compile).map_err(|e| GrammarError::Invalid(e.to_string()))?;
             map.insert("x-guidance".into(), value);
         }
     }
@@ -487,7 +491,10 @@ mod tests {
         assert_eq!(s["x-guidance"]["whitespace_flexible"], false);
         assert_eq!(s["x-guidance"]["whitespace_pattern"], " ?");
         let flexible = json_schema(&serde_json::json!({}), &JsonOptions::default()).unwrap();
-        assert_eq!(flexible["x-guidance"]["whitespace_pattern"], FLEXIBLE_WHITESPACE);
+        assert_eq!(
+            flexible["x-guidance"]["whitespace_pattern"],
+            FLEXIBLE_WHITESPACE
+        );
         let own = serde_json::json!({"x-guidance": {"lenient": true}});
         assert_eq!(json_schema(&own, &opts).unwrap(), own);
         assert!(json_schema(&serde_json::json!(false), &opts).is_err());

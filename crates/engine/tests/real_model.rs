@@ -249,16 +249,9 @@ fn a_better_priority_preempts_and_the_preempted_output_is_unchanged() {
     let Some(engine) = real_engine(1, Scheduling::Priority) else {
         return;
     };
-    let alone = collect(
-        engine
-            .submit(prioritized("low", 5, 24))
-            .expect("submit"),
-    )
-    .0;
+    let alone = collect(engine.submit(prioritized("low", 5, 24)).expect("submit")).0;
 
-    let mut low = engine
-        .submit(prioritized("low", 5, 24))
-        .expect("submit");
+    let mut low = engine.submit(prioritized("low", 5, 24)).expect("submit");
     // Let `low` stream a few tokens, then a better request arrives with the batch full.
     let mut streamed = Vec::new();
     while streamed.len() < 3 {
@@ -267,11 +260,7 @@ fn a_better_priority_preempts_and_the_preempted_output_is_unchanged() {
             other => panic!("unexpected {other:?}"),
         }
     }
-    let high = watch(
-        engine
-            .submit(prioritized("high", 0, 4))
-            .expect("submit"),
-    );
+    let high = watch(engine.submit(prioritized("high", 0, 4)).expect("submit"));
     let low = watch(low);
     let (high_ids, high_done) = high.join().expect("watcher");
     let (rest, low_done) = low.join().expect("watcher");
@@ -284,7 +273,11 @@ fn a_better_priority_preempts_and_the_preempted_output_is_unchanged() {
     // The scheduler publishes its counts just after the step that sent the last events.
     let t0 = Instant::now();
     while engine.stats().running != 0 {
-        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", engine.stats());
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            engine.stats()
+        );
         std::thread::sleep(Duration::from_millis(2));
     }
 }

@@ -110,7 +110,9 @@ fn output_constraint(
         if !matches!(b, "auto" | "guidance") {
             return Err(ApiError::bad(
                 "structured_outputs._backend",
-                format!("Unknown structured output backend `{b}`: this server has `guidance` only."),
+                format!(
+                    "Unknown structured output backend `{b}`: this server has `guidance` only."
+                ),
             ));
         }
     }
@@ -155,10 +157,16 @@ fn output_constraint(
                 "`choice` must list at least one string.",
             ));
         }
-        kinds.push(("structured_outputs.choice", OutputConstraint::Choice(choice)));
+        kinds.push((
+            "structured_outputs.choice",
+            OutputConstraint::Choice(choice),
+        ));
     }
     if let Some(grammar) = so.grammar {
-        kinds.push(("structured_outputs.grammar", OutputConstraint::Grammar(grammar)));
+        kinds.push((
+            "structured_outputs.grammar",
+            OutputConstraint::Grammar(grammar),
+        ));
     }
     if so.json_object == Some(true) {
         kinds.push(("structured_outputs.json_object", json_object(&options)));
@@ -167,10 +175,16 @@ fn output_constraint(
         let spec: StructuralTagSpec = serde_json::from_str(&tag).map_err(|e| {
             ApiError::bad(
                 "structured_outputs.structural_tag",
-                format!("`structural_tag` must be a JSON object with `structures` and `triggers`: {e}"),
+                format!(
+                    "`structural_tag` must be a JSON object with `structures` and `triggers`: {e}"
+                ),
             )
         })?;
-        if spec.r#type.as_deref().is_some_and(|t| t != "structural_tag") {
+        if spec
+            .r#type
+            .as_deref()
+            .is_some_and(|t| t != "structural_tag")
+        {
             return Err(ApiError::bad(
                 "structured_outputs.structural_tag",
                 "`structural_tag.type` must be \"structural_tag\".",
@@ -344,27 +358,42 @@ mod tests {
             let (_, c) = kind(Value::Null, json!({"json": json})).unwrap().unwrap();
             assert!(matches!(c, OutputConstraint::Json { schema: s, .. } if s == schema));
         }
-        let (_, c) = kind(json!({"type": "json_object"}), Value::Null).unwrap().unwrap();
-        assert!(matches!(c, OutputConstraint::Json { schema: s, .. } if s == json!({"type": "object"})));
-        let (_, c) = kind(Value::Null, json!({"json_object": true})).unwrap().unwrap();
+        let (_, c) = kind(json!({"type": "json_object"}), Value::Null)
+            .unwrap()
+            .unwrap();
+        assert!(
+            matches!(c, OutputConstraint::Json { schema: s, .. } if s == json!({"type": "object"}))
+        );
+        let (_, c) = kind(Value::Null, json!({"json_object": true}))
+            .unwrap()
+            .unwrap();
         assert!(matches!(c, OutputConstraint::Json { .. }));
         let (_, c) = kind(Value::Null, json!({"regex": "a+"})).unwrap().unwrap();
         assert_eq!(c, OutputConstraint::Regex("a+".into()));
-        let (_, c) = kind(Value::Null, json!({"choice": ["a", "b"]})).unwrap().unwrap();
+        let (_, c) = kind(Value::Null, json!({"choice": ["a", "b"]}))
+            .unwrap()
+            .unwrap();
         assert_eq!(c, OutputConstraint::Choice(vec!["a".into(), "b".into()]));
-        let (_, c) = kind(Value::Null, json!({"grammar": "start: \"x\""})).unwrap().unwrap();
+        let (_, c) = kind(Value::Null, json!({"grammar": "start: \"x\""}))
+            .unwrap()
+            .unwrap();
         assert_eq!(c, OutputConstraint::Grammar("start: \"x\"".into()));
         let tag = json!({"type": "structural_tag", "triggers": ["<f="],
             "structures": [{"begin": "<f=a>", "schema": {"type": "integer"}, "end": "</f>"}]});
         let (_, c) = kind(Value::Null, json!({"structural_tag": tag.to_string()}))
             .unwrap()
             .unwrap();
-        assert!(matches!(c, OutputConstraint::StructuralTag { triggers, .. } if triggers == ["<f="]));
+        assert!(
+            matches!(c, OutputConstraint::StructuralTag { triggers, .. } if triggers == ["<f="])
+        );
         // Nothing asked.
         assert!(kind(json!({"type": "text"}), json!({})).unwrap().is_none());
-        assert!(kind(Value::Null, json!({"json_object": false, "disable_fallback": true}))
-            .unwrap()
-            .is_none());
+        assert!(kind(
+            Value::Null,
+            json!({"json_object": false, "disable_fallback": true})
+        )
+        .unwrap()
+        .is_none());
     }
 
     #[test]
@@ -382,8 +411,11 @@ mod tests {
             "response_format.json_schema"
         );
         assert_eq!(
-            kind(json!({"type": "json_schema", "json_schema": {"name": "x"}}), Value::Null)
-                .unwrap_err(),
+            kind(
+                json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+                Value::Null
+            )
+            .unwrap_err(),
             "response_format.json_schema.schema"
         );
         assert_eq!(
@@ -399,7 +431,11 @@ mod tests {
             "structured_outputs.choice"
         );
         assert_eq!(
-            kind(Value::Null, json!({"regex": "a", "disable_any_whitespace": true})).unwrap_err(),
+            kind(
+                Value::Null,
+                json!({"regex": "a", "disable_any_whitespace": true})
+            )
+            .unwrap_err(),
             "structured_outputs.disable_any_whitespace"
         );
         assert_eq!(

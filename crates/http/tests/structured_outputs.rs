@@ -48,20 +48,20 @@ fn person_schema() -> Value {
 /// `person_schema` checked by hand (no schema validator among the dependencies).
 fn check_person(text: &str) {
     let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
-    let o = v.as_object().unwrap_or_else(|| panic!("not an object: {text:?}"));
+    let o = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {text:?}"));
     assert_eq!(o.len(), 3, "{text:?}");
     assert!(
         o["name"].as_str().is_some_and(|n| n.chars().count() <= 20),
         "{text:?}"
     );
-    assert!(
-        o["age"].as_u64().is_some_and(|a| a <= 120),
-        "{text:?}"
-    );
+    assert!(o["age"].as_u64().is_some_and(|a| a <= 120), "{text:?}");
     let tags = o["tags"].as_array().unwrap_or_else(|| panic!("{text:?}"));
     assert!(tags.len() <= 3, "{text:?}");
     assert!(
-        tags.iter().all(|t| ["a", "b", "c"].contains(&t.as_str().unwrap_or(""))),
+        tags.iter()
+            .all(|t| ["a", "b", "c"].contains(&t.as_str().unwrap_or(""))),
         "{text:?}"
     );
 }
@@ -126,7 +126,8 @@ async fn json_object_regex_choice_grammar_and_structural_tag() {
         for (text, finish) in contents(&s, body).await {
             // A length cut cannot be judged; nothing else may fail to parse.
             if finish == "stop" {
-                let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+                let v: Value =
+                    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
                 assert!(v.is_object(), "{text:?}");
             }
         }
@@ -163,7 +164,10 @@ async fn json_object_regex_choice_grammar_and_structural_tag() {
         "n": 6, "max_completion_tokens": 10,
         "structured_outputs": {"choice": ["yes", "no", "maybe so"]}});
     for (text, finish) in contents(&s, body).await {
-        assert!(["yes", "no", "maybe so"].contains(&text.as_str()), "{text:?}");
+        assert!(
+            ["yes", "no", "maybe so"].contains(&text.as_str()),
+            "{text:?}"
+        );
         assert_eq!(finish, "stop");
     }
     // A Lark grammar.
@@ -200,8 +204,11 @@ async fn json_object_regex_choice_grammar_and_structural_tag() {
                 panic!("trigger without its structure: {text:?}")
             };
             // The output may be cut by the token limit inside a structure.
-            let Some(end) = body.find("</call>") else { break };
-            let v: Value = serde_json::from_str(&body[..end]).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            let Some(end) = body.find("</call>") else {
+                break;
+            };
+            let v: Value =
+                serde_json::from_str(&body[..end]).unwrap_or_else(|e| panic!("{text:?}: {e}"));
             assert!(v["x"].is_i64(), "{text:?}");
             rest = &body[end..];
         }
@@ -221,7 +228,10 @@ async fn a_constrained_request_does_not_change_its_batch_neighbours() {
     let (a, b) = tokio::join!(s.chat(&constrained), s.chat(&free));
     assert_eq!(a.0, 200, "{}", a.1);
     assert_eq!(b.0, 200, "{}", b.1);
-    assert_eq!(b.1["choices"][0]["token_ids"], alone["choices"][0]["token_ids"]);
+    assert_eq!(
+        b.1["choices"][0]["token_ids"],
+        alone["choices"][0]["token_ids"]
+    );
     assert_eq!(b.1["choices"][0]["message"], alone["choices"][0]["message"]);
     if a.1["choices"][0]["finish_reason"] == "stop" {
         check_person(a.1["choices"][0]["message"]["content"].as_str().unwrap());
@@ -234,20 +244,50 @@ async fn a_constrained_request_does_not_change_its_batch_neighbours() {
 async fn invalid_constraints_are_400s_naming_the_field() {
     let s = TestServer::tiny(options(), None).await;
     let cases = [
-        (json!({"structured_outputs": {"regex": "(unclosed"}}), "structured_outputs.regex"),
-        (json!({"structured_outputs": {"json": {"type": "no-such-type"}}}), "structured_outputs.json"),
-        (json!({"structured_outputs": {"json": "{not json"}}), "structured_outputs.json"),
-        (json!({"structured_outputs": {"grammar": "start: missing_rule"}}), "structured_outputs.grammar"),
-        (json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}),
-            "response_format.json_schema.schema"),
-        (json!({"response_format": {"type": "json_schema"}}), "response_format.json_schema"),
-        (json!({"response_format": {"type": "yaml"}}), "response_format.type"),
-        (json!({"structured_outputs": {"regex": "a", "choice": ["a"]}}), "structured_outputs"),
-        (json!({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}),
-            "structured_outputs"),
-        (json!({"structured_outputs": {"regex": "a", "disable_any_whitespace": true}}),
-            "structured_outputs.disable_any_whitespace"),
-        (json!({"structured_outputs": {"regex": 5}}), "structured_outputs.regex"),
+        (
+            json!({"structured_outputs": {"regex": "(unclosed"}}),
+            "structured_outputs.regex",
+        ),
+        (
+            json!({"structured_outputs": {"json": {"type": "no-such-type"}}}),
+            "structured_outputs.json",
+        ),
+        (
+            json!({"structured_outputs": {"json": "{not json"}}),
+            "structured_outputs.json",
+        ),
+        (
+            json!({"structured_outputs": {"grammar": "start: missing_rule"}}),
+            "structured_outputs.grammar",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema"}}),
+            "response_format.json_schema",
+        ),
+        (
+            json!({"response_format": {"type": "yaml"}}),
+            "response_format.type",
+        ),
+        (
+            json!({"structured_outputs": {"regex": "a", "choice": ["a"]}}),
+            "structured_outputs",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}),
+            "structured_outputs",
+        ),
+        (
+            json!({"structured_outputs": {"regex": "a", "disable_any_whitespace": true}}),
+            "structured_outputs.disable_any_whitespace",
+        ),
+        (
+            json!({"structured_outputs": {"regex": 5}}),
+            "structured_outputs.regex",
+        ),
     ];
     for (extra, param) in cases {
         let mut body = json!({"messages": user("hi"), "max_completion_tokens": 5});
@@ -261,8 +301,10 @@ async fn invalid_constraints_are_400s_naming_the_field() {
     }
     // The server is fine afterwards, and a valid constraint on the tiny model works.
     let (status, v) = s
-        .chat(&json!({"messages": user("hi"), "max_completion_tokens": 10, "temperature": 1.0,
-            "structured_outputs": {"choice": ["cat", "dog"]}}))
+        .chat(
+            &json!({"messages": user("hi"), "max_completion_tokens": 10, "temperature": 1.0,
+            "structured_outputs": {"choice": ["cat", "dog"]}}),
+        )
         .await;
     assert_eq!(status, 200, "{v}");
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();

@@ -330,20 +330,59 @@ async fn malformed_urls_are_400s_in_the_envelope() {
     let job = uuid::Uuid::new_v4();
     for (method, path, want) in [
         ("GET", "/v1/preview/models/%ZZ".to_owned(), Some("model_id")),
-        ("GET", "/v1/preview/models/%FF%FE".to_owned(), Some("model_id")),
-        ("DELETE", "/v1/preview/models/%C3%28".to_owned(), Some("model_id")),
-        ("GET", "/v1/preview/models/%FF/checkpoints".to_owned(), Some("model_id")),
-        ("POST", "/v1/preview/models/%FF/log".to_owned(), Some("model_id")),
-        ("GET", "/v1/preview/training-jobs/%FF".to_owned(), Some("job_id")),
-        ("GET", "/v1/preview/training-jobs/%FF/events".to_owned(), Some("job_id")),
-        ("POST", "/v1/preview/training-jobs/%FF/cancel".to_owned(), Some("job_id")),
-        ("GET", format!("/v1/preview/training-jobs/{job}/events?after=%FF"), Some("after")),
-        ("GET", "/v1/preview/training-jobs?limit=%FF".to_owned(), Some("limit")),
+        (
+            "GET",
+            "/v1/preview/models/%FF%FE".to_owned(),
+            Some("model_id"),
+        ),
+        (
+            "DELETE",
+            "/v1/preview/models/%C3%28".to_owned(),
+            Some("model_id"),
+        ),
+        (
+            "GET",
+            "/v1/preview/models/%FF/checkpoints".to_owned(),
+            Some("model_id"),
+        ),
+        (
+            "POST",
+            "/v1/preview/models/%FF/log".to_owned(),
+            Some("model_id"),
+        ),
+        (
+            "GET",
+            "/v1/preview/training-jobs/%FF".to_owned(),
+            Some("job_id"),
+        ),
+        (
+            "GET",
+            "/v1/preview/training-jobs/%FF/events".to_owned(),
+            Some("job_id"),
+        ),
+        (
+            "POST",
+            "/v1/preview/training-jobs/%FF/cancel".to_owned(),
+            Some("job_id"),
+        ),
+        (
+            "GET",
+            format!("/v1/preview/training-jobs/{job}/events?after=%FF"),
+            Some("after"),
+        ),
+        (
+            "GET",
+            "/v1/preview/training-jobs?limit=%FF".to_owned(),
+            Some("limit"),
+        ),
     ] {
         let body = (method == "POST").then(|| json!({}));
         let (status, err) = api.call(method, &path, Some(KEY), body).await;
         assert_eq!(status, 400, "{method} {path}: {err}");
-        assert_eq!(err["error"]["type"], "BadRequestError", "{method} {path}: {err}");
+        assert_eq!(
+            err["error"]["type"], "BadRequestError",
+            "{method} {path}: {err}"
+        );
         assert_eq!(param(&err), want, "{method} {path}: {err}");
     }
     // No such route: a 404 in the envelope.

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use temper_engine::{
-    Engine, EngineConfig, GenerationEvent, GenerationRequest, Grammar, GrammarMatcher,
-    JsonOptions, OutputConstraint, SamplingParams, StopParams,
+    Engine, EngineConfig, GenerationEvent, GenerationRequest, Grammar, GrammarMatcher, JsonOptions,
+    OutputConstraint, SamplingParams, StopParams,
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
 use temper_text::{ChatTemplate, DecodeOptions, Tokenizer};

@@ -117,7 +117,10 @@ fn weights_and_advantages(seqs: &[((usize, usize), usize, f64)]) -> Vec<(f64, f6
         .map(|((_, n, _), (w, a))| a.abs() * w * *n as f64)
         .sum::<f64>()
         / total as f64;
-    weighted.into_iter().map(|(w, a)| (w, a / abs_mean)).collect()
+    weighted
+        .into_iter()
+        .map(|(w, a)| (w, a / abs_mean))
+        .collect()
 }
 
 /// The loss of one trainable token and d loss / d lp_new (before the token weight and the
@@ -352,7 +355,11 @@ pub fn run_job(
         let mut dlogprobs = Vec::with_capacity(count);
         for (k, &lp) in scores.logprobs.iter().enumerate() {
             // A missing sampler logprob is lp_new detached.
-            let lp_old = if old[k].is_nan() { f64::from(lp) } else { old[k] };
+            let lp_old = if old[k].is_nan() {
+                f64::from(lp)
+            } else {
+                old[k]
+            };
             let (l, dl) = token_loss(f64::from(lp), lp_old, advs[k], loss_cfg);
             loss += l * weights[k] * norm;
             dlogprobs.push((dl * weights[k] * norm) as f32);
@@ -488,7 +495,10 @@ mod tests {
         let pk = cfg(serde_json::json!({"ppo": true, "alt_k2_tau": 0.5}));
         let (l, d) = token_loss(ln(0.22), ln(0.2), 2.0, &pk);
         let a = 2.0 - 0.5 * ln(1.1);
-        assert!((l + 1.1 * a).abs() < 1e-9 && (d + 1.1 * a).abs() < 1e-9, "{l} {d}");
+        assert!(
+            (l + 1.1 * a).abs() < 1e-9 && (d + 1.1 * a).abs() < 1e-9,
+            "{l} {d}"
+        );
         // A missing sampler logprob is lp_new detached: rho = 1 with gradient rho, so PPO's
         // dL = -A and CISPO's dL = -clip(1) A = -A.
         let (l, d) = token_loss(ln(0.3), ln(0.3), 0.8, &p);
@@ -583,7 +593,10 @@ mod tests {
         let out = weights_and_advantages(&[((0, 0), 1, 1.0), ((0, 1), 2, -2.0), ((0, 0), 3, 1.0)]);
         let want = [(0.75, 1.0 / 1.5), (1.5, -2.0 / 1.5), (0.75, 1.0 / 1.5)];
         for (got, want) in out.iter().zip(want) {
-            assert!((got.0 - want.0).abs() < 1e-12 && (got.1 - want.1).abs() < 1e-12, "{out:?}");
+            assert!(
+                (got.0 - want.0).abs() < 1e-12 && (got.1 - want.1).abs() < 1e-12,
+                "{out:?}"
+            );
         }
     }
 

@@ -81,7 +81,10 @@ fn each_packed_sequence_is_one_step_and_learns() {
     let t = tiny();
     let question = "pick one";
     let p = prompt(&t, question);
-    let (good, bad) = (t.tokenizer.encode("a", false)[0], t.tokenizer.encode("b", false)[0]);
+    let (good, bad) = (
+        t.tokenizer.encode("a", false)[0],
+        t.tokenizer.encode("b", false)[0],
+    );
     assert_ne!(good, bad);
     let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
     let before = (
@@ -124,7 +127,10 @@ fn each_packed_sequence_is_one_step_and_learns() {
     )
     .expect("run_job")
     .expect("something to learn");
-    assert_eq!(events.first(), Some(&TrainEvent::Started { num_sequences: 8 }));
+    assert_eq!(
+        events.first(),
+        Some(&TrainEvent::Started { num_sequences: 8 })
+    );
     assert_eq!(
         events.last(),
         Some(&TrainEvent::Ended {
@@ -136,7 +142,10 @@ fn each_packed_sequence_is_one_step_and_learns() {
         let TrainEvent::GradientStep(m) = e else {
             panic!("expected a gradient step, got {e:?}");
         };
-        assert!(m.loss.is_finite() && m.grad_norm > 0.0 && m.entropy > 0.0, "{m:?}");
+        assert!(
+            m.loss.is_finite() && m.grad_norm > 0.0 && m.entropy > 0.0,
+            "{m:?}"
+        );
         assert_eq!((m.num_trajectories, m.num_trainable_tokens), (8, 1));
         assert_eq!((m.num_groups_submitted, m.num_groups_trainable), (2, 2));
         assert!((m.reward - 0.5).abs() < 1e-12 && (m.reward_std_dev - 0.5).abs() < 1e-12);
@@ -145,7 +154,10 @@ fn each_packed_sequence_is_one_step_and_learns() {
         answer_logprob(&t, &p, good, &trained),
         answer_logprob(&t, &p, bad, &trained),
     );
-    eprintln!("logprob good {} -> {}, bad {} -> {}", before.0, after.0, before.1, after.1);
+    eprintln!(
+        "logprob good {} -> {}, bad {} -> {}",
+        before.0, after.0, before.1, after.1
+    );
     assert!(after.0 > before.0 + 0.05, "good: {before:?} -> {after:?}");
     assert!(after.1 < before.1 - 0.05, "bad: {before:?} -> {after:?}");
 }
@@ -187,11 +199,16 @@ fn equal_rewards_learn_nothing_and_say_why() {
 #[test]
 fn a_sequence_over_max_seq_len_fails_the_job() {
     let t = tiny();
-    let (good, bad) = (t.tokenizer.encode("a", false)[0], t.tokenizer.encode("b", false)[0]);
+    let (good, bad) = (
+        t.tokenizer.encode("a", false)[0],
+        t.tokenizer.encode("b", false)[0],
+    );
     let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
     let mut long = trajectory("q", bad, -1.0, 0.0);
-    long["messages_and_choices"][1]["logprobs"]["content"] =
-        json!(vec![json!({"token": format!("token_id:{bad}"), "logprob": -1.0}); 8]);
+    long["messages_and_choices"][1]["logprobs"]["content"] = json!(vec![
+        json!({"token": format!("token_id:{bad}"), "logprob": -1.0});
+        8
+    ]);
     let req: TrainingRequest = serde_json::from_value(json!({"trajectory_groups": [
         {"trajectories": [trajectory("q", good, -1.0, 1.0), long]}]}))
     .expect("request");
@@ -205,14 +222,22 @@ fn a_sequence_over_max_seq_len_fails_the_job() {
     assert_eq!(lens[1], lens[0] + 7, "{lens:?}");
     assert!(job.check_lengths(lens[1]).is_ok());
     let mut events = Vec::new();
-    let err = run_job(&t.model, &start, &job, &cfg, &AtomicBool::new(false), &mut |e| {
-        events.push(e)
-    })
+    let err = run_job(
+        &t.model,
+        &start,
+        &job,
+        &cfg,
+        &AtomicBool::new(false),
+        &mut |e| events.push(e),
+    )
     .expect_err("trained a cut trajectory");
     let temper_train::TrainError::Invalid { param, message } = err else {
         panic!("{err:?}");
     };
-    assert_eq!(param, "trajectory_groups[0].trajectories[1].messages_and_choices");
+    assert_eq!(
+        param,
+        "trajectory_groups[0].trajectories[1].messages_and_choices"
+    );
     assert!(message.contains(&lens[1].to_string()), "{message}");
     assert!(events.is_empty(), "{events:?}");
 }
@@ -223,9 +248,15 @@ fn a_sequence_over_max_seq_len_fails_the_job() {
 fn missing_sampler_logprobs_train_on_policy() {
     let t = tiny();
     let p = prompt(&t, "q");
-    let (good, bad) = (t.tokenizer.encode("a", false)[0], t.tokenizer.encode("b", false)[0]);
+    let (good, bad) = (
+        t.tokenizer.encode("a", false)[0],
+        t.tokenizer.encode("b", false)[0],
+    );
     let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
-    let mut group = vec![trajectory("q", good, 0.0, 1.0), trajectory("q", bad, 0.0, 0.0)];
+    let mut group = vec![
+        trajectory("q", good, 0.0, 1.0),
+        trajectory("q", bad, 0.0, 0.0),
+    ];
     for traj in &mut group {
         traj["messages_and_choices"][1]["logprobs"]["content"][0]["logprob"] = Value::Null;
     }
@@ -257,7 +288,11 @@ fn missing_sampler_logprobs_train_on_policy() {
     .expect("run_job")
     .expect("something to learn");
     assert_eq!(steps.len(), 1);
-    assert!(steps[0].loss.is_finite() && steps[0].probs_corr.is_none(), "{:?}", steps[0]);
+    assert!(
+        steps[0].loss.is_finite() && steps[0].probs_corr.is_none(),
+        "{:?}",
+        steps[0]
+    );
     assert!(answer_logprob(&t, &p, good, &trained) > answer_logprob(&t, &p, good, &start));
 }
 

@@ -236,5 +236,8 @@ fn tools_and_tool_calls_are_context() {
             spaces_between_special_tokens: false,
         },
     );
-    assert_eq!(tail, "</assistant>", "the template's text after the answer is context");
+    assert_eq!(
+        tail, "</assistant>",
+        "the template's text after the answer is context"
+    );
 }

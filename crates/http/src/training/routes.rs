@@ -149,10 +149,7 @@ pub async fn get_model(
     ModelId(id): ModelId,
 ) -> Result<Json<ModelJson>, ApiError> {
     let training = state.require_training()?;
-    let model = training
-        .store
-        .get_model(&ctx.team, id)
-        .await?;
+    let model = training.store.get_model(&ctx.team, id).await?;
     Ok(Json(ModelJson::from(&model)))
 }
 
@@ -374,10 +371,7 @@ pub async fn get_job(
     JobId(id): JobId,
 ) -> Result<Json<JobJson>, ApiError> {
     let training = state.require_training()?;
-    let job = training
-        .store
-        .get_job(&ctx.team, id)
-        .await?;
+    let job = training.store.get_job(&ctx.team, id).await?;
     Ok(Json(job.into()))
 }
 
@@ -445,10 +439,7 @@ pub async fn cancel_job(
     JobId(id): JobId,
 ) -> Result<Json<JobJson>, ApiError> {
     let training = state.require_training()?;
-    let job = training
-        .store
-        .cancel_job(&ctx.team, id)
-        .await?;
+    let job = training.store.cancel_job(&ctx.team, id).await?;
     training.stop_job(job.id);
     Ok(Json(job.into()))
 }
