@@ -31,7 +31,8 @@ class Server:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
         self._log_lock = threading.Lock()
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._readers = [threading.Thread(target=self._drain_stderr, daemon=True)]
+        self._readers[0].start()
         # First stdout line: "temper serving NAME at http://127.0.0.1:PORT/v1".
         first = self.proc.stdout.readline()
         urls = [w for w in first.split() if w.startswith("http://")]
@@ -39,7 +40,8 @@ class Server:
             self.proc.kill()
             raise RuntimeError(f"temper serve printed no URL: {first!r}")
         self.base_url = urls[0]
-        threading.Thread(target=lambda: self.proc.stdout.read(), daemon=True).start()
+        self._readers.append(threading.Thread(target=lambda: self.proc.stdout.read(), daemon=True))
+        self._readers[1].start()
 
     def _drain_stderr(self):
         for line in self.proc.stderr:
@@ -56,6 +58,11 @@ class Server:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        # The readers end at EOF once the process is gone; then the pipes are ours to close.
+        for reader in self._readers:
+            reader.join(timeout=10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
         self.data_dir.cleanup()
 
 
