@@ -223,6 +223,7 @@ class ExtraBody(unittest.TestCase):
 
         self.assertGreaterEqual(score(r.choices[0]), score(r.choices[1]) - 1e-5)
         self._refused({"use_beam_search": True, "n": 2, "temperature": 0, "top_p": 0.5}, "top_p")
+        self._refused({"use_beam_search": True, "n": 2, "temperature": 0.5}, "temperature")
 
     def test_priority_needs_priority_scheduling(self):
         # The suite's server runs the default `--scheduling fcfs`.

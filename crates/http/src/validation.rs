@@ -295,8 +295,10 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
     let constraint = requested_constraint(req.response_format, req.structured_outputs)?;
     if use_beam_search {
         // Beam search ranks beams by the model's raw log-probabilities: none of these could
-        // have an effect, so they are refused rather than ignored.
+        // have an effect, so they are refused rather than ignored. Temperature 0 (deterministic)
+        // and 1 (unscaled) both describe what it does; any other would promise a rescaling.
         let conflicts = [
+            ("temperature", temperature != 0.0 && temperature != 1.0),
             ("top_p", top_p != 1.0),
             ("top_k", top_k != 0),
             ("min_p", min_p != 0.0),
@@ -923,6 +925,7 @@ mod tests {
         ok(json!({"length_penalty": 1, "use_beam_search": false}));
         // Fields beam search cannot honour are refused, each by name.
         for (extra, param) in [
+            (json!({"temperature": 0.7}), "temperature"),
             (json!({"top_p": 0.5}), "top_p"),
             (json!({"top_k": 5}), "top_k"),
             (json!({"min_p": 0.1}), "min_p"),
@@ -947,7 +950,7 @@ mod tests {
         }
         // What it does combine with.
         ok(
-            json!({"use_beam_search": true, "n": 2, "temperature": 0.7, "max_tokens": 5,
+            json!({"use_beam_search": true, "n": 2, "temperature": 1, "max_tokens": 5,
                   "ignore_eos": true, "include_stop_str_in_output": true, "logprobs": true,
                   "top_logprobs": 2, "prompt_logprobs": 1, "stream": false}),
         );
