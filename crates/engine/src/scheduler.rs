@@ -11,6 +11,7 @@
 //! its own cache. Once every live beam has its row, the request expands them into the next
 //! beams, forking the caches of the parents that more than one child continues.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -662,10 +663,10 @@ impl Scheduler {
 
         // Masks that came back during the forward pass serve this step's rows.
         self.take_masks(false);
-        for (row, out) in rows.iter().zip(&logits) {
+        for (row, out) in rows.iter().zip(logits) {
             match *row {
                 Row::Decode { group, seq } => self.decode_row(group, seq, out),
-                Row::Prefill { group, start, end } => self.prefill_row(group, start, end, out),
+                Row::Prefill { group, start, end } => self.prefill_row(group, start, end, &out),
                 Row::Replay { .. } => {}
             }
         }
@@ -707,18 +708,19 @@ impl Scheduler {
         }
     }
 
-    fn decode_row(&mut self, gi: usize, si: usize, out: &Logits) {
-        let Some(row) = last_row(out) else {
+    fn decode_row(&mut self, gi: usize, si: usize, out: Logits) {
+        let Some(row) = into_last_row(out) else {
             self.groups[gi].fail("model returned an empty logits row");
             self.groups[gi].dropped = true;
             return;
         };
-        self.sample_seq(gi, si, row);
+        self.sample_seq(gi, si, Cow::Owned(row));
     }
 
-    /// Samples choice `si` of group `gi` from `row` and sends its events; a constrained
-    /// choice whose mask is not back yet keeps the row for later instead.
-    fn sample_seq(&mut self, gi: usize, si: usize, row: &[f32]) {
+    /// Samples choice `si` of group `gi` from `row` and sends its events; a beam, or a
+    /// constrained choice whose mask is not back yet, keeps the row for later instead (an owned
+    /// row moves there without a copy).
+    fn sample_seq(&mut self, gi: usize, si: usize, row: Cow<'_, [f32]>) {
         let g = &mut self.groups[gi];
         if g.dropped {
             return;
@@ -729,20 +731,17 @@ impl Scheduler {
         let Some(seq) = seqs.get_mut(si) else {
             return;
         };
-        // A beam waits for its siblings' rows; then `expand_beams` takes them all.
-        if seq.beam.is_some() {
-            seq.waiting_row = Some(row.to_vec());
-            return;
-        }
-        if seq.grammar.as_ref().is_some_and(|gr| gr.mask.is_none()) {
-            seq.waiting_row = Some(row.to_vec());
+        // A beam waits for its siblings' rows, then `expand_beams` takes them all; a
+        // constrained choice waits for its mask.
+        if seq.beam.is_some() || seq.grammar.as_ref().is_some_and(|gr| gr.mask.is_none()) {
+            seq.waiting_row = Some(row.into_owned());
             return;
         }
         let emitted = emit_token(
             seq,
             &g.req,
             &g.procs,
-            row,
+            &row,
             &mut self.sampler,
             &mut self.processed,
             &self.tokenizer,
@@ -820,7 +819,7 @@ impl Scheduler {
                 gr.mask = Some(mask);
             }
             if let Some(row) = seq.waiting_row.take() {
-                self.sample_seq(gi, si, &row);
+                self.sample_seq(gi, si, Cow::Owned(row));
             }
         }
     }
@@ -888,7 +887,7 @@ impl Scheduler {
         debug!(request_id = %g.req.request_id, prompt_tokens = end, "prefilled");
         g.phase = Phase::Decode { seqs };
         for si in 0..n {
-            self.sample_seq(gi, si, row);
+            self.sample_seq(gi, si, Cow::Borrowed(row));
         }
     }
 }
@@ -1126,6 +1125,15 @@ fn last_row(out: &Logits) -> Option<&[f32]> {
         return None;
     }
     Some(&out.data[(out.rows - 1) * out.vocab..out.rows * out.vocab])
+}
+
+/// [`last_row`], owned: a decode row's logits are one row, which moves without a copy.
+fn into_last_row(out: Logits) -> Option<Vec<f32>> {
+    last_row(&out)?;
+    let mut data = out.data;
+    data.drain(..(out.rows - 1) * out.vocab);
+    data.truncate(out.vocab);
+    Some(data)
 }
 
 /// Samples the next token of `seq` from `row` and returns the events it produces (a Token, and

@@ -61,8 +61,8 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let resolved = resolve_model(&state, req.model.as_deref(), &ctx.team).await?;
     let model = resolved.base.clone();
-    let params = validate_chat(req, &state.limits(&model))?;
-    let constraint = compile_constraint(&model.engine, params.constraint.clone()).await?;
+    let mut params = validate_chat(req, &state.limits(&model))?;
+    let constraint = compile_constraint(&model.engine, params.constraint.take()).await?;
     let request_id = params
         .request_id
         .clone()

@@ -390,7 +390,8 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
 
 impl ChatParams {
     /// Applies the context-length rules to the tokenized prompt and builds the engine request;
-    /// `constraint` is `self.constraint` compiled.
+    /// `constraint` is the request's constraint compiled (the caller takes `self.constraint`
+    /// to compile it).
     pub fn generation_request(
         &self,
         request_id: String,

@@ -69,12 +69,6 @@ impl Linear {
         self.in_dim
     }
 
-    /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major.
-    pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
-        let rows = x.len() / self.in_dim;
-        self.forward_rows(x, rows)
-    }
-
     /// `dx = dy · W` for rows of `dy` (`[rows, out]`); W stays frozen.
     pub(crate) fn backward_input(&self, dy: &[f32]) -> Result<Vec<f32>, ModelError> {
         let w = self.dequantized()?;
@@ -133,7 +127,8 @@ impl Linear {
             .map_or(0, |_| self.in_dim * self.out_dim * 4)
     }
 
-    fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
+    /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major.
+    pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
         match &self.weight {
             Weight::Kernel { format, data } => Ok(kernels::matmul(
                 *format,
@@ -144,6 +139,7 @@ impl Linear {
                 x,
             )),
             Weight::Candle(inner) => {
+                let rows = x.len() / self.in_dim;
                 let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;
                 Ok(inner.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?)
             }
