@@ -1,12 +1,23 @@
-//! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks (Q8_0 interleaved at load).
+//! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks (Q8_0 and Q4_K interleaved at
+//! load).
 //!
-//! Activation rows are quantized the way ggml does on x86 (Q8_0 blocks of 32 for Q8_0 weights,
-//! Q8_K blocks of 256 for K-quants), dot products are integer per block and scaled in f32 per
-//! block. Q4_K and Q6_K keep the lane structure of ggml's AVX2 dot product (eight f32
-//! accumulators, one fused multiply-add per block, the same horizontal sum); Q8_0 accumulates one
-//! f32 per row, block after block, as ggml's scalar dot product does (see `q8_0`). Each scalar
-//! reference computes exactly what its SIMD paths compute, so all paths give the same bits, and a
-//! row's result never depends on the other rows or on how the work is tiled (batch invariance).
+//! The kernels compute, bit for bit, what the llama.cpp build behind our reference logprobs
+//! computes (x86 with AVX2 and AVX-512 VNNI, no AMX, Q4_K weights repacked to `q4_K_8x8`), so the
+//! matmuls add no difference of their own. Activation rows are quantized as ggml does on x86
+//! (Q8_0 blocks of 32 for Q8_0 weights, Q8_K blocks of 256 for K-quants); dot products are exact
+//! integers per block, and only the order of the f32 steps differs between the three kernels:
+//!
+//! - Q8_0 (and Q5_0, widened to Q8_0): ggml's AVX2 `ggml_vec_dot_q8_0_q8_0` and llamafile's
+//!   tinyBLAS order, eight f32 lanes per row (lane `k`: four products of each block, one fused
+//!   multiply-add by `dw·da` per block), then `hsum_float_8` (see `q8_0`);
+//! - Q4_K: the repacked `q4_K_8x8` gemv/gemm, one integer per row and block for the scaled quants
+//!   and one for the mins, each into its own f32 accumulator (see `q4_k`);
+//! - Q6_K: ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`, eight f32 lanes, one fused multiply-add per
+//!   block, `hsum_float_8` (see `q6_k`).
+//!
+//! Each scalar reference computes exactly what its SIMD paths compute, so all paths give the same
+//! bits, and a row's result never depends on the other rows or on how the work is tiled (batch
+//! invariance).
 //!
 //! Threads split the weight rows; within a thread, a cache-sized slice of weight rows is reused
 //! by groups of up to four activation rows, so a batch reads each weight block once.
@@ -29,7 +40,7 @@ pub(crate) enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C, ggml's AVX2 arithmetic.
     Avx2,
-    /// AVX-512 (F, BW, VL, VNNI): two weight rows per register, same lane arithmetic.
+    /// AVX-512 (F, BW, VL, VNNI): sixteen rows per register (two for Q6_K), same arithmetic.
     Avx512,
 }
 
@@ -188,7 +199,8 @@ pub(crate) fn matmul(
 pub(crate) fn prepare(format: WeightFormat, gguf: &[u8], out_dim: usize) -> Vec<u8> {
     match format {
         WeightFormat::Q8_0 => q8_0::interleave(gguf, out_dim),
-        WeightFormat::Q4K | WeightFormat::Q6K => gguf.to_vec(),
+        WeightFormat::Q4K => q4_k::interleave(gguf, out_dim),
+        WeightFormat::Q6K => gguf.to_vec(),
     }
 }
 
@@ -207,17 +219,22 @@ pub(crate) fn dequantize_rows(
     match format {
         WeightFormat::Q8_0 => Ok(q8_0::dequantize_rows(w, in_dim, rows)),
         WeightFormat::Q4K | WeightFormat::Q6K => {
-            // GGUF blocks as they are: candle reads them.
-            let (dtype, block_bytes) = match format {
-                WeightFormat::Q4K => (candle_core::quantized::GgmlDType::Q4K, q4_k::BLOCK_BYTES),
-                _ => (candle_core::quantized::GgmlDType::Q6K, q6_k::BLOCK_BYTES),
+            // GGUF blocks (Q4_K's taken back out of the interleaved layout): candle reads them.
+            let (dtype, bytes) = match format {
+                WeightFormat::Q4K => (
+                    candle_core::quantized::GgmlDType::Q4K,
+                    q4_k::gguf_rows(w, in_dim, rows),
+                ),
+                _ => {
+                    let row_bytes = in_dim / format.block_elems() * q6_k::BLOCK_BYTES;
+                    let bytes = rows
+                        .iter()
+                        .flat_map(|&r| &w[r * row_bytes..(r + 1) * row_bytes])
+                        .copied()
+                        .collect();
+                    (candle_core::quantized::GgmlDType::Q6K, bytes)
+                }
             };
-            let row_bytes = in_dim / format.block_elems() * block_bytes;
-            let bytes: Vec<u8> = rows
-                .iter()
-                .flat_map(|&r| &w[r * row_bytes..(r + 1) * row_bytes])
-                .copied()
-                .collect();
             let storage = candle_core::quantized::QStorage::from_data(
                 std::borrow::Cow::Owned(bytes),
                 &candle_core::Device::Cpu,
@@ -369,5 +386,69 @@ mod x86 {
         } else {
             _mm512_extractf64x4_pd::<1>(x)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use half::f16;
+
+    use super::test_util::Rng;
+    use super::*;
+
+    /// Random GGUF blocks of `format` (small f16 scales, any bits elsewhere).
+    fn random_gguf(format: WeightFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+        let (bytes, scales): (usize, &[usize]) = match format {
+            WeightFormat::Q8_0 => (q8_0::BLOCK_BYTES, &[0]),
+            WeightFormat::Q4K => (q4_k::GGUF_BLOCK_BYTES, &[0, 2]),
+            WeightFormat::Q6K => (q6_k::BLOCK_BYTES, &[208]),
+        };
+        let mut w: Vec<u8> = (0..blocks * bytes).map(|_| rng.next() as u8).collect();
+        for b in w.chunks_exact_mut(bytes) {
+            for &at in scales {
+                b[at..at + 2].copy_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// Time per call of the model's matmul shapes with the best instruction set here, the best
+    /// of many short trials (other work on the machine only slows some of them down):
+    /// `cargo test --release -p temper-model --lib -- --ignored --nocapture kernel_throughput`
+    /// (`KERNEL_BENCH=Q8_0` keeps the shapes whose line contains that text).
+    #[test]
+    #[ignore]
+    fn kernel_throughput() {
+        let isa = Isa::detect();
+        let mut rng = Rng::new(9);
+        for (format, in_dim, out_dim, rows, reps) in [
+            (WeightFormat::Q8_0, 640, 262_144, 1, 4),
+            (WeightFormat::Q8_0, 640, 2048, 1, 400),
+            (WeightFormat::Q8_0, 640, 2048, 128, 10),
+            (WeightFormat::Q8_0, 640, 262_144, 32, 1),
+            (WeightFormat::Q4K, 2048, 640, 1, 400),
+            (WeightFormat::Q4K, 2048, 640, 128, 10),
+            (WeightFormat::Q6K, 2048, 640, 128, 10),
+        ] {
+            let label = format!("{format:?} {isa:?} {rows} x {in_dim} -> {out_dim}");
+            if !label.contains(&std::env::var("KERNEL_BENCH").unwrap_or_default()) {
+                continue;
+            }
+            let blocks = in_dim / format.block_elems() * out_dim;
+            let w = prepare(format, &random_gguf(format, blocks, &mut rng), out_dim);
+            let x: Vec<f32> = (0..rows * in_dim).map(|_| rng.uniform()).collect();
+            let mut best = f64::INFINITY;
+            for _ in 0..15 {
+                let t = Instant::now();
+                for _ in 0..reps {
+                    std::hint::black_box(matmul(format, isa, &w, in_dim, out_dim, &x));
+                }
+                best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+            }
+            let gops = 2.0 * (rows * in_dim * out_dim) as f64 / best / 1e9;
+            println!("{label}: {:.1} µs ({gops:.1} GOP/s)", best * 1e6);
+        }
     }
 }

@@ -1,18 +1,39 @@
 //! Q4_K weights (256 per block: f16 d and dmin, twelve bytes of 6-bit scales and mins, 4-bit
-//! quants) against Q8_K activations: ggml's `ggml_vec_dot_q4_K_q8_K` AVX2 arithmetic. Lane `k`
-//! of eight gathers `scale * q * a` over bytes `4k..4k+3` of every 32-value sub-block in i32,
-//! then `fma(d, sum, acc_k)` per block; the mins go through four lanes
-//! `fma(dmin, mins · subblock_sums, accm)`.
+//! quants) against Q8_K activations, with the arithmetic of ggml's repacked `q4_K_8x8` gemv/gemm
+//! (what llama.cpp's x86 CPU backend runs for Q4_K weights, and so what our reference logprobs
+//! were computed with). Per block a row's dot product is two exact integers, `Σ_j scale_j Σ q·a`
+//! and `Σ_j min_j q8s_j` (`q8s_j` the activation's sum over sub-block `j`), each taken into its
+//! own f32 accumulator by one fused multiply-add with `d·da` and `dmin·da`; the row's result is
+//! the first minus the second.
+//!
+//! The weight is interleaved at load, sixteen rows per group (as Q8_0): per block the sixteen d,
+//! the sixteen dmin, the scales and mins unpacked to bytes, then 32 steps of sixteen rows × four
+//! quant bytes. One VNNI instruction multiplies four quants of all sixteen rows (low nibbles:
+//! sub-block `2c`; high nibbles: `2c + 1`) by the same four activation values, so every integer
+//! ends in its row's lane with no horizontal adds.
 
 use half::f16;
 
 use super::activations::{quantize_q8_k, Q8KBlock};
 #[cfg(target_arch = "x86_64")]
 use super::with_act_rows;
-use super::{hsum8, Isa, Kernel};
+use super::{Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 256;
-pub(crate) const BLOCK_BYTES: usize = 144;
+/// A GGUF block.
+pub(crate) const GGUF_BLOCK_BYTES: usize = 144;
+/// Bytes per row and block in the interleaved layout (the scales and mins take a byte each).
+pub(crate) const BLOCK_BYTES: usize = 148;
+const GROUP: usize = 16;
+const GROUP_BLOCK: usize = GROUP * BLOCK_BYTES;
+/// Offsets in a group block: sixteen f16 d, sixteen f16 dmin, scale `j` of row `r` at
+/// `SCALES + 16 j + r`, mins `2m, 2m + 1` of row `r` at `MINS + 32 m + 2 r`, and step `t` (quant
+/// bytes `4t..4t + 4` of every row) at `QS + 64 t`.
+const D: usize = 0;
+const DMIN: usize = 2 * GROUP;
+const SCALES: usize = 4 * GROUP;
+const MINS: usize = SCALES + 8 * GROUP;
+const QS: usize = MINS + 8 * GROUP;
 
 pub(crate) struct Q4K;
 
@@ -20,7 +41,7 @@ impl Kernel for Q4K {
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;
-    const ROW_GROUP: usize = 1;
+    const ROW_GROUP: usize = GROUP;
 
     fn quantize(_isa: Isa, x: &[f32], out: &mut [Q8KBlock]) {
         quantize_q8_k(x, out);
@@ -44,7 +65,7 @@ impl Kernel for Q4K {
         unsafe {
             match isa {
                 Isa::Avx512 => with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride)),
-                _ => with_act_rows!(na, x86::rows(w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::avx2_rows(w, acts, nb, out, stride)),
             }
         }
     }
@@ -71,53 +92,112 @@ fn scales_and_mins(b: &[u8]) -> [u8; 16] {
     out
 }
 
-fn scales(b: &[u8]) -> (f32, f32) {
-    (
-        f16::from_le_bytes([b[0], b[1]]).to_f32(),
-        f16::from_le_bytes([b[2], b[3]]).to_f32(),
-    )
+/// The twelve GGUF bytes holding these scales (0..8) and mins (8..16): `scales_and_mins`
+/// undone.
+fn pack_scales_and_mins(sm: &[u8]) -> [u8; 12] {
+    let (sc, mn) = (&sm[..8], &sm[8..]);
+    let mut q = [0u8; 12];
+    for j in 0..4 {
+        q[j] = sc[j] | (sc[j + 4] >> 4) << 6;
+        q[j + 4] = mn[j] | (mn[j + 4] >> 4) << 6;
+        q[j + 8] = (sc[j + 4] & 0xf) | (mn[j + 4] & 0xf) << 4;
+    }
+    q
 }
 
-/// `(q8s[2m], q8s[2m+1])` pairs: the Q8_K sums per 32 values, as ggml's `_mm_hadd_epi16`.
-fn subblock_sums(a: &Q8KBlock) -> [i16; 8] {
-    std::array::from_fn(|k| a.bsums[2 * k].wrapping_add(a.bsums[2 * k + 1]))
-}
-
-/// The reference: ggml's AVX2 lanes in scalar code.
-fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize) {
-    for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
-        for (a, arow) in acts.chunks_exact(nb).enumerate() {
-            let mut acc = [0f32; 8];
-            let mut accm = [0f32; 4];
-            for (wb, ab) in wrow.chunks_exact(BLOCK_BYTES).zip(arow) {
-                let (dx, dminx) = scales(wb);
-                let d = ab.d * dx;
-                let dmin = -ab.d * dminx;
-                let sm = scales_and_mins(wb);
-                let q8s = subblock_sums(ab);
-                for (m, accm) in accm.iter_mut().enumerate() {
-                    let prod = sm[8 + 2 * m] as i32 * q8s[2 * m] as i32
-                        + sm[9 + 2 * m] as i32 * q8s[2 * m + 1] as i32;
-                    *accm = dmin.mul_add(prod as f32, *accm);
-                }
-                let qs = &wb[16..];
-                let mut sumi = [0i32; 8];
-                for j in 0..4 {
-                    for (k, s) in sumi.iter_mut().enumerate() {
-                        for b in 4 * k..4 * k + 4 {
-                            let q = qs[32 * j + b];
-                            *s += sm[2 * j] as i32 * (q & 0xf) as i32 * ab.qs[64 * j + b] as i32;
-                            *s += sm[2 * j + 1] as i32
-                                * (q >> 4) as i32
-                                * ab.qs[64 * j + 32 + b] as i32;
-                        }
-                    }
-                }
-                for (acc, s) in acc.iter_mut().zip(sumi) {
-                    *acc = d.mul_add(s as f32, *acc);
-                }
+/// GGUF Q4_K rows (`out_dim` of them) in the interleaved layout, padded with zero rows to a
+/// whole group.
+pub(crate) fn interleave(gguf: &[u8], out_dim: usize) -> Vec<u8> {
+    let nb = gguf.len() / (out_dim * GGUF_BLOCK_BYTES);
+    let groups = out_dim.div_ceil(GROUP);
+    let mut packed = vec![0u8; groups * nb * GROUP_BLOCK];
+    for (gb, dst) in packed.chunks_exact_mut(GROUP_BLOCK).enumerate() {
+        let (g, b) = (gb / nb, gb % nb);
+        for r in 0..GROUP {
+            let row = g * GROUP + r;
+            if row >= out_dim {
+                continue;
             }
-            out[a * stride + r] = hsum8(&acc) + ((accm[0] + accm[2]) + (accm[1] + accm[3]));
+            let src = &gguf[(row * nb + b) * GGUF_BLOCK_BYTES..][..GGUF_BLOCK_BYTES];
+            dst[D + 2 * r..D + 2 * r + 2].copy_from_slice(&src[0..2]);
+            dst[DMIN + 2 * r..DMIN + 2 * r + 2].copy_from_slice(&src[2..4]);
+            let sm = scales_and_mins(src);
+            for j in 0..8 {
+                dst[SCALES + GROUP * j + r] = sm[j];
+                dst[MINS + 32 * (j / 2) + 2 * r + j % 2] = sm[8 + j];
+            }
+            for (i, &q) in src[16..].iter().enumerate() {
+                dst[QS + 64 * (i / 4) + 4 * r + i % 4] = q;
+            }
+        }
+    }
+    packed
+}
+
+/// Rows `rows` of an interleaved weight (`in_dim` wide) as GGUF blocks.
+pub(crate) fn gguf_rows(w: &[u8], in_dim: usize, rows: &[usize]) -> Vec<u8> {
+    let nb = in_dim / BLOCK_ELEMS;
+    let mut out = vec![0u8; rows.len() * nb * GGUF_BLOCK_BYTES];
+    for (dst, &row) in out.chunks_exact_mut(nb * GGUF_BLOCK_BYTES).zip(rows) {
+        let (g, r) = (row / GROUP, row % GROUP);
+        let group = &w[g * nb * GROUP_BLOCK..(g + 1) * nb * GROUP_BLOCK];
+        for (gb, dst) in group
+            .chunks_exact(GROUP_BLOCK)
+            .zip(dst.chunks_exact_mut(GGUF_BLOCK_BYTES))
+        {
+            dst[0..2].copy_from_slice(&gb[D + 2 * r..D + 2 * r + 2]);
+            dst[2..4].copy_from_slice(&gb[DMIN + 2 * r..DMIN + 2 * r + 2]);
+            let sm: [u8; 16] = std::array::from_fn(|k| {
+                if k < 8 {
+                    gb[SCALES + GROUP * k + r]
+                } else {
+                    gb[MINS + 32 * ((k - 8) / 2) + 2 * r + k % 2]
+                }
+            });
+            dst[4..16].copy_from_slice(&pack_scales_and_mins(&sm));
+            for (i, q) in dst[16..].iter_mut().enumerate() {
+                *q = gb[QS + 64 * (i / 4) + 4 * r + i % 4];
+            }
+        }
+    }
+    out
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// The reference: ggml's repacked Q4_K arithmetic, row by row.
+fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize) {
+    for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+        for (a, arow) in acts.chunks_exact(nb).enumerate() {
+            for r in 0..GROUP {
+                let (mut acc, mut acc_min) = (0f32, 0f32);
+                for (gb, ab) in group.chunks_exact(GROUP_BLOCK).zip(arow) {
+                    let mut isum = 0i32;
+                    for j in 0..8 {
+                        // Sub-block j: nibble j % 2 of quant bytes 32 (j / 2) .. + 32.
+                        let sub: i32 = (0..32)
+                            .map(|i| {
+                                let byte = 32 * (j / 2) + i;
+                                let q = gb[QS + 64 * (byte / 4) + 4 * r + byte % 4];
+                                let q = if j % 2 == 0 { q & 0xf } else { q >> 4 };
+                                q as i32 * ab.qs[32 * j + i] as i32
+                            })
+                            .sum();
+                        isum += gb[SCALES + GROUP * j + r] as i32 * sub;
+                    }
+                    let msum: i32 = (0..8)
+                        .map(|j| {
+                            let min = gb[MINS + 32 * (j / 2) + 2 * r + j % 2];
+                            min as i32 * ab.sums32[j] as i32
+                        })
+                        .sum();
+                    acc = (isum as f32).mul_add(f16_at(gb, D + 2 * r) * ab.d, acc);
+                    acc_min = (msum as f32).mul_add(f16_at(gb, DMIN + 2 * r) * ab.d, acc_min);
+                }
+                out[a * stride + g * GROUP + r] = acc - acc_min;
+            }
         }
     }
 }
@@ -126,116 +206,30 @@ fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::row_pairs;
-    use super::super::x86::{half, hsum8, pair, pair_ps};
-    use super::{scales, scales_and_mins, Q8KBlock, BLOCK_BYTES};
+    use super::{Q8KBlock, D, DMIN, GROUP, GROUP_BLOCK, MINS, QS, SCALES};
 
-    /// The activation's sums per 32 values (ggml's `_mm_hadd_epi16` of the sums of 16).
-    #[target_feature(enable = "avx2")]
-    fn subblock_sums_x86(ab: &Q8KBlock) -> __m128i {
-        // SAFETY: `bsums` is 32 bytes.
-        let bsums = unsafe { _mm256_loadu_si256(ab.bsums.as_ptr() as *const __m256i) };
-        _mm_hadd_epi16(
-            _mm256_castsi256_si128(bsums),
-            _mm256_extracti128_si256::<1>(bsums),
-        )
+    /// Four activation values (from byte `at`) as one i32, broadcast.
+    #[inline(always)]
+    fn four(ab: &Q8KBlock, at: usize) -> i32 {
+        i32::from_le_bytes([
+            ab.qs[at] as u8,
+            ab.qs[at + 1] as u8,
+            ab.qs[at + 2] as u8,
+            ab.qs[at + 3] as u8,
+        ])
     }
 
-    /// The AVX2 arithmetic with two weight rows per register (row `r` in the low eight lanes,
-    /// `r + 1` in the high eight), sharing each activation load.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512_rows<const NA: usize>(
-        w: &[u8],
-        acts: &[Q8KBlock],
-        nb: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
-        let m4 = _mm512_set1_epi8(0xf);
-        let rows = w.len() / (nb * BLOCK_BYTES);
-        for (r, w0, w1) in row_pairs(w, nb * BLOCK_BYTES) {
-            let mut acc = [_mm512_setzero_ps(); NA];
-            let mut accm = [_mm256_setzero_ps(); NA];
-            for b in 0..nb {
-                let wb = [
-                    &w0[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES],
-                    &w1[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES],
-                ];
-                let ((d0, dmin0), (d1, dmin1)) = (scales(wb[0]), scales(wb[1]));
-                let sm = [scales_and_mins(wb[0]), scales_and_mins(wb[1])];
-                // SAFETY: each `sm` is 16 bytes, the mins its last 8.
-                let mins = unsafe {
-                    let m = |i: usize| {
-                        _mm_cvtepu8_epi16(_mm_loadl_epi64(sm[i].as_ptr().add(8) as *const __m128i))
-                    };
-                    _mm256_set_m128i(m(1), m(0))
-                };
-                let mut sumi = [_mm512_setzero_si512(); NA];
-                for j in 0..4 {
-                    let scale = |k: usize| {
-                        pair(
-                            _mm256_set1_epi16(sm[0][k] as i16),
-                            _mm256_set1_epi16(sm[1][k] as i16),
-                        )
-                    };
-                    let (scale_l, scale_h) = (scale(2 * j), scale(2 * j + 1));
-                    // SAFETY: the quants are the last 128 bytes of each block.
-                    let q4 = unsafe {
-                        let q = |i: usize| {
-                            _mm256_loadu_si256(wb[i].as_ptr().add(16 + 32 * j) as *const __m256i)
-                        };
-                        pair(q(0), q(1))
-                    };
-                    let q4l = _mm512_and_si512(q4, m4);
-                    let q4h = _mm512_and_si512(_mm512_srli_epi16::<4>(q4), m4);
-                    for (a, sumi) in sumi.iter_mut().enumerate() {
-                        let q8 = acts[a * nb + b].qs.as_ptr();
-                        // SAFETY: `qs` is 256 bytes.
-                        let (q8l, q8h) = unsafe {
-                            (
-                                _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                                    q8.add(64 * j) as *const __m256i
-                                )),
-                                _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                                    q8.add(64 * j + 32) as *const __m256i
-                                )),
-                            )
-                        };
-                        let pl = _mm512_madd_epi16(scale_l, _mm512_maddubs_epi16(q4l, q8l));
-                        let ph = _mm512_madd_epi16(scale_h, _mm512_maddubs_epi16(q4h, q8h));
-                        *sumi = _mm512_add_epi32(*sumi, _mm512_add_epi32(pl, ph));
-                    }
-                }
-                for a in 0..NA {
-                    let ab = &acts[a * nb + b];
-                    let q8s = subblock_sums_x86(ab);
-                    let prod = _mm256_madd_epi16(mins, _mm256_broadcastsi128_si256(q8s));
-                    let dmin =
-                        _mm256_set_m128(_mm_set1_ps(-ab.d * dmin1), _mm_set1_ps(-ab.d * dmin0));
-                    accm[a] = _mm256_fmadd_ps(dmin, _mm256_cvtepi32_ps(prod), accm[a]);
-                    let d = pair_ps(ab.d * d0, ab.d * d1);
-                    acc[a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi[a]), acc[a]);
-                }
-            }
-            for a in 0..NA {
-                for h in 0..2 {
-                    if r + h < rows {
-                        let m = if h == 0 {
-                            _mm256_castps256_ps128(accm[a])
-                        } else {
-                            _mm256_extractf128_ps::<1>(accm[a])
-                        };
-                        let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-                        let m = _mm_add_ss(m, _mm_movehdup_ps(m));
-                        out[a * stride + r + h] = hsum8(half(acc[a], h)) + _mm_cvtss_f32(m);
-                    }
-                }
-            }
-        }
+    /// The activation's sums of sub-blocks `2m` and `2m + 1` as one i32 (two i16), broadcast.
+    #[inline(always)]
+    fn sums_pair(ab: &Q8KBlock, m: usize) -> i32 {
+        let (lo, hi) = (ab.sums32[2 * m] as u16, ab.sums32[2 * m + 1] as u16);
+        (lo as u32 | (hi as u32) << 16) as i32
     }
 
+    /// No VNNI: half a group (eight rows) per register; four quants times four activation
+    /// values through `maddubs` (unsigned 4-bit times signed, exact in i16) and `madd`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn rows<const NA: usize>(
+    pub(super) unsafe fn avx2_rows<const NA: usize>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
@@ -243,58 +237,195 @@ mod x86 {
         stride: usize,
     ) {
         let m4 = _mm256_set1_epi8(0xf);
-        for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
-            let mut acc = [_mm256_setzero_ps(); NA];
-            let mut accm = [_mm_setzero_ps(); NA];
-            for b in 0..nb {
-                let wb = &wrow[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
-                let (dx, dminx) = scales(wb);
-                let sm = scales_and_mins(wb);
-                // SAFETY: `sm` is 16 bytes, the mins its last 8.
-                let mins = _mm_cvtepu8_epi16(unsafe {
-                    _mm_loadl_epi64(sm.as_ptr().add(8) as *const __m128i)
-                });
-                let mut sumi = [_mm256_setzero_si256(); NA];
-                for j in 0..4 {
-                    let scale_l = _mm256_set1_epi16(sm[2 * j] as i16);
-                    let scale_h = _mm256_set1_epi16(sm[2 * j + 1] as i16);
-                    // SAFETY: the quants are the last 128 bytes of the block.
-                    let q4 = unsafe {
-                        _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * j) as *const __m256i)
-                    };
-                    let q4l = _mm256_and_si256(q4, m4);
-                    let q4h = _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4);
-                    for (a, sumi) in sumi.iter_mut().enumerate() {
-                        let q8 = acts[a * nb + b].qs.as_ptr();
-                        // SAFETY: `qs` is 256 bytes.
-                        let (q8l, q8h) = unsafe {
-                            (
-                                _mm256_loadu_si256(q8.add(64 * j) as *const __m256i),
-                                _mm256_loadu_si256(q8.add(64 * j + 32) as *const __m256i),
-                            )
+        let ones = _mm256_set1_epi16(1);
+        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+            for h in 0..2 {
+                let mut acc = [_mm256_setzero_ps(); NA];
+                let mut acc_min = [_mm256_setzero_ps(); NA];
+                for (b, gb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+                    let p = gb.as_ptr();
+                    let mut isum = [_mm256_setzero_si256(); NA];
+                    for c in 0..4 {
+                        let mut sub = [[_mm256_setzero_si256(); 2]; NA];
+                        for t in 0..8 {
+                            // SAFETY: step 8c + t of half `h` is 32 bytes inside the block.
+                            let q = unsafe {
+                                _mm256_loadu_si256(
+                                    p.add(QS + 64 * (8 * c + t) + 32 * h) as *const __m256i
+                                )
+                            };
+                            let lo = _mm256_and_si256(q, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                            for (a, sub) in sub.iter_mut().enumerate() {
+                                let ab = &acts[a * nb + b];
+                                for (k, q) in [lo, hi].into_iter().enumerate() {
+                                    let x = _mm256_set1_epi32(four(ab, 64 * c + 32 * k + 4 * t));
+                                    let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+                                    sub[k] = _mm256_add_epi32(sub[k], dot);
+                                }
+                            }
+                        }
+                        // SAFETY: scales of sub-blocks 2c and 2c + 1, eight rows from 8h.
+                        let sc = unsafe {
+                            [0, 1].map(|k| {
+                                _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                    p.add(SCALES + GROUP * (2 * c + k) + 8 * h) as *const __m128i,
+                                ))
+                            })
                         };
-                        let pl = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, q8l));
-                        let ph = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, q8h));
-                        *sumi = _mm256_add_epi32(*sumi, _mm256_add_epi32(pl, ph));
+                        for (isum, sub) in isum.iter_mut().zip(&sub) {
+                            let lo = _mm256_mullo_epi32(sub[0], sc[0]);
+                            let hi = _mm256_mullo_epi32(sub[1], sc[1]);
+                            *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(lo, hi));
+                        }
+                    }
+                    // SAFETY: d, dmin and mins of rows 8h.. are inside the block.
+                    let (dw, dminw, mins) = unsafe {
+                        (
+                            _mm256_cvtph_ps(_mm_loadu_si128(p.add(D + 16 * h) as *const __m128i)),
+                            _mm256_cvtph_ps(
+                                _mm_loadu_si128(p.add(DMIN + 16 * h) as *const __m128i),
+                            ),
+                            [0, 1, 2, 3].map(|m| {
+                                _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                    p.add(MINS + 32 * m + 16 * h) as *const __m128i
+                                ))
+                            }),
+                        )
+                    };
+                    for a in 0..NA {
+                        let ab = &acts[a * nb + b];
+                        let mut msum = _mm256_setzero_si256();
+                        for (m, mins) in mins.iter().enumerate() {
+                            let pair = _mm256_set1_epi32(sums_pair(ab, m));
+                            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(*mins, pair));
+                        }
+                        let da = _mm256_set1_ps(ab.d);
+                        acc[a] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(isum[a]),
+                            _mm256_mul_ps(dw, da),
+                            acc[a],
+                        );
+                        acc_min[a] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(msum),
+                            _mm256_mul_ps(dminw, da),
+                            acc_min[a],
+                        );
                     }
                 }
                 for a in 0..NA {
+                    let at = a * stride + g * GROUP + 8 * h;
+                    let y = _mm256_sub_ps(acc[a], acc_min[a]);
+                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), y);
+                }
+            }
+        }
+    }
+
+    /// A whole group per register. Few activation rows get more partial sums per sub-block, so
+    /// the VNNI chains stay short enough to overlap.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn avx512_rows<const NA: usize>(
+        w: &[u8],
+        acts: &[Q8KBlock],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        // Partial sums per sub-block and activation row: at least eight VNNI chains.
+        let chains = match NA {
+            1 => 4,
+            2 => 2,
+            _ => 1,
+        };
+        let m4 = _mm512_set1_epi8(0xf);
+        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+            let mut acc = [_mm512_setzero_ps(); NA];
+            let mut acc_min = [_mm512_setzero_ps(); NA];
+            for (b, gb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+                let p = gb.as_ptr();
+                let mut isum = [_mm512_setzero_si512(); NA];
+                for c in 0..4 {
+                    let mut sub = [[[_mm512_setzero_si512(); 4]; 2]; NA];
+                    // Step `t` into partial sum `chain` (constants, so the sums stay in
+                    // registers).
+                    macro_rules! step {
+                        ($t:expr, $chain:expr) => {{
+                            let t = $t;
+                            // SAFETY: step 8c + t is 64 bytes inside the group block.
+                            let q = unsafe {
+                                _mm512_loadu_si512(p.add(QS + 64 * (8 * c + t)) as *const __m512i)
+                            };
+                            let lo = _mm512_and_si512(q, m4);
+                            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+                            for (a, sub) in sub.iter_mut().enumerate() {
+                                let ab = &acts[a * nb + b];
+                                let x = _mm512_set1_epi32(four(ab, 64 * c + 4 * t));
+                                sub[0][$chain] = _mm512_dpbusd_epi32(sub[0][$chain], lo, x);
+                                let x = _mm512_set1_epi32(four(ab, 64 * c + 32 + 4 * t));
+                                sub[1][$chain] = _mm512_dpbusd_epi32(sub[1][$chain], hi, x);
+                            }
+                        }};
+                    }
+                    step!(0, 0);
+                    step!(1, 1 % chains);
+                    step!(2, 2 % chains);
+                    step!(3, 3 % chains);
+                    step!(4, 0);
+                    step!(5, 1 % chains);
+                    step!(6, 2 % chains);
+                    step!(7, 3 % chains);
+                    // SAFETY: the sixteen scales of sub-blocks 2c and 2c + 1.
+                    let sc = unsafe {
+                        [0, 1].map(|k| {
+                            _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                p.add(SCALES + GROUP * (2 * c + k)) as *const __m128i,
+                            ))
+                        })
+                    };
+                    for (isum, sub) in isum.iter_mut().zip(&sub) {
+                        for (sub, sc) in sub.iter().zip(sc) {
+                            let s = _mm512_add_epi32(
+                                _mm512_add_epi32(sub[0], sub[1]),
+                                _mm512_add_epi32(sub[2], sub[3]),
+                            );
+                            *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(s, sc));
+                        }
+                    }
+                }
+                // SAFETY: d, dmin and mins are inside the group block.
+                let (dw, dminw, mins) = unsafe {
+                    (
+                        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(D) as *const __m256i)),
+                        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(DMIN) as *const __m256i)),
+                        [0, 1, 2, 3].map(|m| {
+                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                                p.add(MINS + 32 * m) as *const __m256i
+                            ))
+                        }),
+                    )
+                };
+                for a in 0..NA {
                     let ab = &acts[a * nb + b];
-                    let q8s = subblock_sums_x86(ab);
-                    let prod = _mm_madd_epi16(mins, q8s);
-                    accm[a] =
-                        _mm_fmadd_ps(_mm_set1_ps(-ab.d * dminx), _mm_cvtepi32_ps(prod), accm[a]);
-                    acc[a] = _mm256_fmadd_ps(
-                        _mm256_set1_ps(ab.d * dx),
-                        _mm256_cvtepi32_ps(sumi[a]),
-                        acc[a],
+                    let mut msum = _mm512_setzero_si512();
+                    for (m, mins) in mins.iter().enumerate() {
+                        msum =
+                            _mm512_dpwssd_epi32(msum, *mins, _mm512_set1_epi32(sums_pair(ab, m)));
+                    }
+                    let da = _mm512_set1_ps(ab.d);
+                    acc[a] =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[a]), _mm512_mul_ps(dw, da), acc[a]);
+                    acc_min[a] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(msum),
+                        _mm512_mul_ps(dminw, da),
+                        acc_min[a],
                     );
                 }
             }
             for a in 0..NA {
-                let m = _mm_add_ps(accm[a], _mm_movehl_ps(accm[a], accm[a]));
-                let m = _mm_add_ss(m, _mm_movehdup_ps(m));
-                out[a * stride + r] = hsum8(acc[a]) + _mm_cvtss_f32(m);
+                let at = a * stride + g * GROUP;
+                let y = _mm512_sub_ps(acc[a], acc_min[a]);
+                _mm512_storeu_ps(out[at..at + GROUP].as_mut_ptr(), y);
             }
         }
     }
@@ -306,18 +437,106 @@ mod tests {
     use super::super::WeightFormat;
     use super::*;
 
+    fn random_weights(rng: &mut Rng, rows: usize, nb: usize) -> Vec<u8> {
+        let mut w = Vec::with_capacity(rows * nb * GGUF_BLOCK_BYTES);
+        for _ in 0..rows * nb {
+            w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
+            w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
+            // Every bit pattern of scales and quants is a valid block.
+            w.extend((0..140).map(|_| rng.next() as u8));
+        }
+        w
+    }
+
     #[test]
     fn simd_paths_equal_scalar_reference_bit_for_bit() {
         let mut rng = Rng::new(4);
-        for (rows, nb) in [(1, 1), (5, 3), (9, 2)] {
-            let mut w = Vec::with_capacity(rows * nb * BLOCK_BYTES);
-            for _ in 0..rows * nb {
-                w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
-                w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
-                // Every bit pattern of scales and quants is a valid block.
-                w.extend((0..140).map(|_| rng.next() as u8));
-            }
+        for (rows, nb) in [(1, 1), (5, 3), (16, 2), (37, 2)] {
+            let w = random_weights(&mut rng, rows, nb);
             check_paths_agree(WeightFormat::Q4K, &w, nb * BLOCK_ELEMS, rows, &mut rng);
         }
+    }
+
+    /// ggml's `get_scale_min_k4`: scale and min of sub-block `j` from the twelve packed bytes.
+    fn scale_min_k4(j: usize, q: &[u8]) -> (i32, i32) {
+        if j < 4 {
+            ((q[j] & 63) as i32, (q[j + 4] & 63) as i32)
+        } else {
+            (
+                ((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4)) as i32,
+                ((q[j + 4] >> 4) | ((q[j] >> 6) << 4)) as i32,
+            )
+        }
+    }
+
+    /// The kernel's formula written directly on GGUF blocks and activation quants.
+    fn straightforward(wrow: &[u8], arow: &[Q8KBlock]) -> f32 {
+        let (mut acc, mut acc_min) = (0f32, 0f32);
+        for (wb, ab) in wrow.chunks_exact(GGUF_BLOCK_BYTES).zip(arow) {
+            let d = f16::from_le_bytes([wb[0], wb[1]]).to_f32();
+            let dmin = f16::from_le_bytes([wb[2], wb[3]]).to_f32();
+            let (mut isum, mut msum) = (0i32, 0i32);
+            for j in 0..8 {
+                let (scale, min) = scale_min_k4(j, &wb[4..16]);
+                let mut dot = 0i32;
+                for i in 0..32 {
+                    // Value 32j + i: byte 32 (j / 2) + i, low nibble for even j.
+                    let byte = wb[16 + 32 * (j / 2) + i];
+                    let q = if j % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                    dot += q as i32 * ab.qs[32 * j + i] as i32;
+                }
+                isum += scale * dot;
+                let q8s: i32 = ab.qs[32 * j..32 * j + 32].iter().map(|&v| v as i32).sum();
+                msum += min * q8s;
+            }
+            acc = (isum as f32).mul_add(d * ab.d, acc);
+            acc_min = (msum as f32).mul_add(dmin * ab.d, acc_min);
+        }
+        acc - acc_min
+    }
+
+    #[test]
+    fn scalar_reference_is_the_repacked_ggml_formula() {
+        let mut rng = Rng::new(14);
+        let (rows, nb, na) = (21, 3, 3);
+        let w = random_weights(&mut rng, rows, nb);
+        let x: Vec<f32> = (0..na * nb * BLOCK_ELEMS)
+            .map(|i| rng.uniform() * (1 + i % 5) as f32)
+            .collect();
+        let mut acts = vec![Q8KBlock::default(); na * nb];
+        quantize_q8_k(&x, &mut acts);
+        let packed = interleave(&w, rows);
+        let stride = packed.len() / (nb * BLOCK_BYTES);
+        let mut out = vec![0f32; na * stride];
+        // The tile takes up to four activation rows over every (padded) weight row.
+        scalar(&packed, &acts, nb, &mut out, stride);
+        for (a, arow) in acts.chunks_exact(nb).enumerate() {
+            for (r, wrow) in w.chunks_exact(nb * GGUF_BLOCK_BYTES).enumerate() {
+                let want = straightforward(wrow, arow);
+                assert_eq!(
+                    out[a * stride + r].to_bits(),
+                    want.to_bits(),
+                    "act {a} row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn interleaving_keeps_every_row() {
+        let mut rng = Rng::new(15);
+        let (rows, nb) = (19, 2);
+        let w = random_weights(&mut rng, rows, nb);
+        let packed = interleave(&w, rows);
+        assert_eq!(packed.len(), 2 * GROUP * nb * BLOCK_BYTES);
+        let picked = [18, 0, 7, 16, 7];
+        let back = gguf_rows(&packed, nb * BLOCK_ELEMS, &picked);
+        for (i, &r) in picked.iter().enumerate() {
+            let row = nb * GGUF_BLOCK_BYTES;
+            assert_eq!(back[i * row..(i + 1) * row], w[r * row..(r + 1) * row]);
+        }
+        // Padding rows are zero blocks.
+        let pad = gguf_rows(&packed, nb * BLOCK_ELEMS, &[31]);
+        assert!(pad.iter().all(|&b| b == 0));
     }
 }
