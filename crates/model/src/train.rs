@@ -9,6 +9,7 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
+use crate::cache::extend_f16;
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
 use crate::model::{add_assign, AdapterSpan, BatchLayout, Gemma3, KvRef, Layer};
 use crate::ops::{self, RopeTable};
@@ -280,11 +281,27 @@ impl Gemma3 {
         let rope = ropes.get(global);
         rope.apply(&mut q, h);
         rope.apply(&mut k, hkv);
+        // The serving path attends over its f16 cache: the same rounding here.
+        let (mut k16, mut v16) = (Vec::new(), Vec::new());
+        if self.llama_cpp_rounding {
+            extend_f16(&mut k16, &k);
+            extend_f16(&mut v16, &v);
+        }
         let kvs: Vec<KvRef> = segments
             .iter()
-            .map(|s| KvRef {
-                k: &k[s.start * kv_width..s.end * kv_width],
-                v: &v[s.start * kv_width..s.end * kv_width],
+            .map(|s| {
+                let rows = s.start * kv_width..s.end * kv_width;
+                if self.llama_cpp_rounding {
+                    KvRef::F16 {
+                        k: &k16[rows.clone()],
+                        v: &v16[rows],
+                    }
+                } else {
+                    KvRef::F32 {
+                        k: &k[rows.clone()],
+                        v: &v[rows],
+                    }
+                }
             })
             .collect();
         let window = (!global).then_some(cfg.sliding_window);
@@ -301,7 +318,7 @@ impl Gemma3 {
         let gate = layer.project(li, LoraTarget::Gate, &ffn_normed, spans)?;
         let up = layer.project(li, LoraTarget::Up, &ffn_normed, spans)?;
         let mut act = gate.clone();
-        ops::gelu_mul(&mut act, &up);
+        ops::gelu_mul(&mut act, &up, self.llama_cpp_rounding);
         let down = layer.project(li, LoraTarget::Down, &act, spans)?;
         let mut down_normed = down.clone();
         ops::rms_norm(&mut down_normed, &layer.post_ffn_norm, cfg.rms_eps);
@@ -444,7 +461,7 @@ impl Gemma3 {
     }
 
     /// Gradients of causal (windowed, segment-isolated) attention to q, k and v. The softmax is
-    /// recomputed from q and k exactly as the forward computed it.
+    /// recomputed from q and k in f32 (the forward's f16 roundings are not differentiated).
     fn attend_backward(
         &self,
         lt: &LayerTape,
