@@ -1,11 +1,12 @@
 use std::borrow::Cow;
+use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::f16;
 
-use crate::kernels::{self, Isa, WeightFormat};
+use crate::kernels::{self, Isa, LlamaPath, WeightFormat};
 use crate::ModelError;
 
 /// `y = x · Wᵀ` over a quantized weight `[out, in]`. The one place matmuls happen, so the kernel
@@ -129,10 +130,47 @@ impl Linear {
 
     /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major.
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
+        self.forward_on(x, LlamaPath::VecDot)
+    }
+
+    /// As `forward`, the rows in `tiled` (ascending, disjoint ranges: the prompts of a batch)
+    /// computed as llama.cpp's kernels for eight rows or more compute them (`LlamaPath`).
+    pub(crate) fn forward_split(
+        &self,
+        x: &[f32],
+        tiled: &[Range<usize>],
+    ) -> Result<Vec<f32>, ModelError> {
+        let paths_differ = matches!(
+            self.weight,
+            Weight::Kernel {
+                format: WeightFormat::Q6K,
+                ..
+            }
+        );
+        if !paths_differ || tiled.is_empty() {
+            return self.forward(x);
+        }
+        let (din, rows) = (self.in_dim, x.len() / self.in_dim);
+        let mut y = Vec::with_capacity(rows * self.out_dim);
+        let mut at = 0;
+        for r in tiled.iter().chain(std::iter::once(&(rows..rows))) {
+            if at < r.start {
+                y.extend(self.forward_on(&x[at * din..r.start * din], LlamaPath::VecDot)?);
+            }
+            if r.start < r.end {
+                y.extend(self.forward_on(&x[r.start * din..r.end * din], LlamaPath::Tiled)?);
+            }
+            at = r.end;
+        }
+        Ok(y)
+    }
+
+    fn forward_on(&self, x: &[f32], path: LlamaPath) -> Result<Vec<f32>, ModelError> {
         match &self.weight {
             Weight::Kernel { format, data } => Ok(kernels::matmul(
                 *format,
                 Isa::detect(),
+                path,
                 data,
                 self.in_dim,
                 self.out_dim,

@@ -59,6 +59,17 @@ pub(crate) struct AdapterSpan<'a> {
     pub(crate) adapter: &'a LoraAdapter,
 }
 
+/// What the projections of a batch need to know about its rows.
+pub(crate) struct BatchRows<'a> {
+    pub(crate) adapters: &'a [AdapterSpan<'a>],
+    /// Sequences given eight tokens or more at once: llama.cpp computes such a batch with other
+    /// kernels (see `kernels::LlamaPath`), and we reproduce its results per sequence.
+    pub(crate) prompts: &'a [std::ops::Range<usize>],
+}
+
+/// Fewest rows llama.cpp computes with its batched (tiled) kernels.
+pub(crate) const LLAMA_BATCHED_ROWS: usize = 8;
+
 impl Layer {
     pub(crate) fn linear(&self, target: LoraTarget) -> &Linear {
         match target {
@@ -72,17 +83,19 @@ impl Layer {
         }
     }
 
-    /// One projection of layer `index` over all rows of `x` (one batched base matmul), plus each
+    /// One projection of layer `index` over all rows of `x` (one batched base matmul; rows in
+    /// `prompt_rows` as llama.cpp computes a prompt, see `Linear::forward_split`), plus each
     /// span's adapter term on its own rows.
     pub(crate) fn project(
         &self,
         index: usize,
         target: LoraTarget,
         x: &[f32],
-        spans: &[AdapterSpan<'_>],
+        rows: &BatchRows<'_>,
     ) -> Result<Vec<f32>, ModelError> {
         let linear = self.linear(target);
-        let mut y = linear.forward(x)?;
+        let mut y = linear.forward_split(x, rows.prompts)?;
+        let spans = rows.adapters;
         let (din, dout) = (linear.in_dim(), linear.out_dim());
         for s in spans {
             s.adapter.apply(
@@ -230,16 +243,25 @@ impl Gemma3 {
         }
 
         let mut spans = Vec::new();
+        let mut prompts = Vec::new();
         let mut off = 0;
         for s in batch.iter() {
+            let rows = off..off + s.tokens.len();
             if let Some(adapter) = s.adapter {
                 spans.push(AdapterSpan {
-                    rows: off..off + s.tokens.len(),
+                    rows: rows.clone(),
                     adapter,
                 });
             }
+            if rows.len() >= LLAMA_BATCHED_ROWS {
+                prompts.push(rows);
+            }
             off += s.tokens.len();
         }
+        let rows = BatchRows {
+            adapters: &spans,
+            prompts: &prompts,
+        };
 
         let mut x = self.embed_tokens(&tokens)?;
         let rope_local = RopeTable::new(&layout.pos, d, cfg.rope_base_local);
@@ -249,9 +271,9 @@ impl Gemma3 {
             let global = cfg.is_global(li);
             let mut hs = x.clone();
             ops::rms_norm(&mut hs, &layer.attn_norm, cfg.rms_eps);
-            let mut q = layer.project(li, LoraTarget::Q, &hs, &spans)?;
-            let mut k = layer.project(li, LoraTarget::K, &hs, &spans)?;
-            let v = layer.project(li, LoraTarget::V, &hs, &spans)?;
+            let mut q = layer.project(li, LoraTarget::Q, &hs, &rows)?;
+            let mut k = layer.project(li, LoraTarget::K, &hs, &rows)?;
+            let v = layer.project(li, LoraTarget::V, &hs, &rows)?;
             ops::rms_norm(&mut q, &layer.q_norm, cfg.rms_eps);
             ops::rms_norm(&mut k, &layer.k_norm, cfg.rms_eps);
             let rope = if global { &rope_global } else { &rope_local };
@@ -274,16 +296,16 @@ impl Gemma3 {
             let window = (!global).then_some(cfg.sliding_window);
             let attn = self.attend(&q, &kvs, &layout, window);
 
-            let mut o = layer.project(li, LoraTarget::O, &attn, &spans)?;
+            let mut o = layer.project(li, LoraTarget::O, &attn, &rows)?;
             ops::rms_norm(&mut o, &layer.post_attn_norm, cfg.rms_eps);
             add_assign(&mut x, &o);
 
             let mut hs = x.clone();
             ops::rms_norm(&mut hs, &layer.ffn_norm, cfg.rms_eps);
-            let mut gate = layer.project(li, LoraTarget::Gate, &hs, &spans)?;
-            let up = layer.project(li, LoraTarget::Up, &hs, &spans)?;
+            let mut gate = layer.project(li, LoraTarget::Gate, &hs, &rows)?;
+            let up = layer.project(li, LoraTarget::Up, &hs, &rows)?;
             ops::gelu_mul(&mut gate, &up, self.llama_cpp_rounding);
-            let mut down = layer.project(li, LoraTarget::Down, &gate, &spans)?;
+            let mut down = layer.project(li, LoraTarget::Down, &gate, &rows)?;
             ops::rms_norm(&mut down, &layer.post_ffn_norm, cfg.rms_eps);
             add_assign(&mut x, &down);
         }

@@ -167,20 +167,32 @@ fn row_pairs(w: &[u8], row_bytes: usize) -> impl Iterator<Item = (usize, &[u8], 
     })
 }
 
+/// Which of llama.cpp's two Q6_K paths a matmul reproduces: the per-row dot product it takes
+/// for fewer than eight activation rows (decoding), or its tiled kernel for more (a prompt).
+/// The other formats compute the same either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LlamaPath {
+    VecDot,
+    Tiled,
+}
+
 /// `y = x · Wᵀ` for `W` `[out_dim, in_dim]` in `format` (as `prepare` lays it out) and `x`
 /// holding `x.len() / in_dim` rows. `in_dim` must be a multiple of the block size.
 pub(crate) fn matmul(
     format: WeightFormat,
     isa: Isa,
+    path: LlamaPath,
     w: &[u8],
     in_dim: usize,
     out_dim: usize,
     x: &[f32],
 ) -> Vec<f32> {
-    match format {
-        WeightFormat::Q8_0 => matmul_with::<q8_0::Q8_0>(isa, w, (in_dim, out_dim), x),
-        WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, (in_dim, out_dim), x),
-        WeightFormat::Q6K => matmul_with::<q6_k::Q6K>(isa, w, (in_dim, out_dim), x),
+    let dims = (in_dim, out_dim);
+    match (format, path) {
+        (WeightFormat::Q8_0, _) => matmul_with::<q8_0::Q8_0>(isa, w, dims, x),
+        (WeightFormat::Q4K, _) => matmul_with::<q4_k::Q4K>(isa, w, dims, x),
+        (WeightFormat::Q6K, LlamaPath::VecDot) => matmul_with::<q6_k::Q6K<false>>(isa, w, dims, x),
+        (WeightFormat::Q6K, LlamaPath::Tiled) => matmul_with::<q6_k::Q6K<true>>(isa, w, dims, x),
     }
 }
 
