@@ -128,39 +128,41 @@ impl Linear {
             .map_or(0, |_| self.in_dim * self.out_dim * 4)
     }
 
-    /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major.
+    /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major, each as
+    /// llama.cpp computes a row it is given alone.
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
-        self.forward_on(x, LlamaPath::VecDot)
+        self.forward_on(x, LlamaPath::Row)
     }
 
-    /// As `forward`, the rows in `tiled` (ascending, disjoint ranges: the prompts of a batch)
-    /// computed as llama.cpp's kernels for eight rows or more compute them (`LlamaPath`).
+    /// As `forward`, for a batch whose sequences hold the rows `seqs` (ascending, disjoint, all
+    /// of `x`): each sequence's rows as llama.cpp computes a call of that many rows
+    /// (`kernels::llama_paths`), so a row's result depends on its own sequence only.
     pub(crate) fn forward_split(
         &self,
         x: &[f32],
-        tiled: &[Range<usize>],
+        seqs: &[Range<usize>],
     ) -> Result<Vec<f32>, ModelError> {
-        let paths_differ = matches!(
-            self.weight,
-            Weight::Kernel {
-                format: WeightFormat::Q6K,
-                ..
-            }
-        );
-        if !paths_differ || tiled.is_empty() {
+        let Weight::Kernel { format, .. } = &self.weight else {
             return self.forward(x);
+        };
+        // Runs of one path across the batch, each one matmul.
+        let mut runs: Vec<(Range<usize>, LlamaPath)> = Vec::new();
+        for (r, path) in seqs
+            .iter()
+            .flat_map(|s| kernels::llama_paths(*format, s.clone()))
+        {
+            match runs.last_mut() {
+                Some((last, p)) if *p == path && last.end == r.start => last.end = r.end,
+                _ => runs.push((r, path)),
+            }
         }
-        let (din, rows) = (self.in_dim, x.len() / self.in_dim);
-        let mut y = Vec::with_capacity(rows * self.out_dim);
-        let mut at = 0;
-        for r in tiled.iter().chain(std::iter::once(&(rows..rows))) {
-            if at < r.start {
-                y.extend(self.forward_on(&x[at * din..r.start * din], LlamaPath::VecDot)?);
-            }
-            if r.start < r.end {
-                y.extend(self.forward_on(&x[r.start * din..r.end * din], LlamaPath::Tiled)?);
-            }
-            at = r.end;
+        if let [(_, path)] = runs[..] {
+            return self.forward_on(x, path);
+        }
+        let din = self.in_dim;
+        let mut y = Vec::with_capacity(x.len() / din * self.out_dim);
+        for (r, path) in runs {
+            y.extend(self.forward_on(&x[r.start * din..r.end * din], path)?);
         }
         Ok(y)
     }

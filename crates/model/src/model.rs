@@ -62,13 +62,10 @@ pub(crate) struct AdapterSpan<'a> {
 /// What the projections of a batch need to know about its rows.
 pub(crate) struct BatchRows<'a> {
     pub(crate) adapters: &'a [AdapterSpan<'a>],
-    /// Sequences given eight tokens or more at once: llama.cpp computes such a batch with other
-    /// kernels (see `kernels::LlamaPath`), and we reproduce its results per sequence.
-    pub(crate) prompts: &'a [std::ops::Range<usize>],
+    /// Each sequence's rows: computed as llama.cpp computes a call of that many rows
+    /// (`Linear::forward_split`).
+    pub(crate) seqs: &'a [std::ops::Range<usize>],
 }
-
-/// Fewest rows llama.cpp computes with its batched (tiled) kernels.
-pub(crate) const LLAMA_BATCHED_ROWS: usize = 8;
 
 impl Layer {
     pub(crate) fn linear(&self, target: LoraTarget) -> &Linear {
@@ -83,8 +80,8 @@ impl Layer {
         }
     }
 
-    /// One projection of layer `index` over all rows of `x` (one batched base matmul; rows in
-    /// `prompt_rows` as llama.cpp computes a prompt, see `Linear::forward_split`), plus each
+    /// One projection of layer `index` over all rows of `x` (batched base matmuls, each
+    /// sequence's rows as llama.cpp computes them, see `Linear::forward_split`), plus each
     /// span's adapter term on its own rows.
     pub(crate) fn project(
         &self,
@@ -94,7 +91,7 @@ impl Layer {
         rows: &BatchRows<'_>,
     ) -> Result<Vec<f32>, ModelError> {
         let linear = self.linear(target);
-        let mut y = linear.forward_split(x, rows.prompts)?;
+        let mut y = linear.forward_split(x, rows.seqs)?;
         let spans = rows.adapters;
         let (din, dout) = (linear.in_dim(), linear.out_dim());
         for s in spans {
@@ -243,7 +240,7 @@ impl Gemma3 {
         }
 
         let mut spans = Vec::new();
-        let mut prompts = Vec::new();
+        let mut seqs = Vec::new();
         let mut off = 0;
         for s in batch.iter() {
             let rows = off..off + s.tokens.len();
@@ -253,14 +250,12 @@ impl Gemma3 {
                     adapter,
                 });
             }
-            if rows.len() >= LLAMA_BATCHED_ROWS {
-                prompts.push(rows);
-            }
+            seqs.push(rows);
             off += s.tokens.len();
         }
         let rows = BatchRows {
             adapters: &spans,
-            prompts: &prompts,
+            seqs: &seqs,
         };
 
         let mut x = self.embed_tokens(&tokens)?;

@@ -11,9 +11,7 @@ use rayon::prelude::*;
 
 use crate::cache::extend_f16;
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
-use crate::model::{
-    add_assign, AdapterSpan, BatchLayout, BatchRows, Gemma3, KvRef, Layer, LLAMA_BATCHED_ROWS,
-};
+use crate::model::{add_assign, AdapterSpan, BatchLayout, BatchRows, Gemma3, KvRef, Layer};
 use crate::ops::{self, RopeTable};
 use crate::ModelError;
 
@@ -182,14 +180,9 @@ impl Gemma3 {
             .into_iter()
             .collect();
         // Each segment as the serving path computes a prompt of its length.
-        let prompts: Vec<std::ops::Range<usize>> = segments
-            .iter()
-            .filter(|s| s.len() >= LLAMA_BATCHED_ROWS)
-            .cloned()
-            .collect();
         let rows = BatchRows {
             adapters: &spans,
-            prompts: &prompts,
+            seqs: &segments,
         };
         let ropes = Ropes::new(&layout.pos, cfg);
 

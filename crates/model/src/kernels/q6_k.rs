@@ -15,9 +15,8 @@ const QH: usize = 128;
 const SCALES: usize = 192;
 const D: usize = 208;
 
-/// Q6_K rows: `TILED = false` is ggml's `ggml_vec_dot_q6_K_q8_K` (llama.cpp's path for fewer
-/// than eight activation rows, i.e. decoding), `TILED = true` its tiled K-quant matmul (eight
-/// rows or more, i.e. a prompt).
+/// Q6_K rows: `TILED = false` is ggml's `ggml_vec_dot_q6_K_q8_K` (`LlamaPath::Row`),
+/// `TILED = true` its tiled K-quant matmul (`LlamaPath::Block`).
 pub(crate) struct Q6K<const TILED: bool>;
 
 impl<const TILED: bool> Kernel for Q6K<TILED> {

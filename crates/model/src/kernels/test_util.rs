@@ -86,7 +86,7 @@ pub(crate) fn check_paths_agree(
         if rows > 2 {
             x[in_dim..2 * in_dim].fill(0.0);
         }
-        for path in [LlamaPath::VecDot, LlamaPath::Tiled] {
+        for path in [LlamaPath::Row, LlamaPath::Block] {
             let reference = matmul(format, Isa::Scalar, path, w, in_dim, out_dim, &x);
             for isa in Isa::available() {
                 let y = matmul(format, isa, path, w, in_dim, out_dim, &x);
@@ -107,7 +107,7 @@ pub(crate) fn check_paths_agree(
         let reference = matmul(
             format,
             Isa::Scalar,
-            LlamaPath::VecDot,
+            LlamaPath::Row,
             w,
             in_dim,
             out_dim,
