@@ -1,5 +1,9 @@
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
 /// Keys and values of one sequence, per layer, row-major `[len, kv_heads * head_dim]` (keys
-/// already normed and rotated). `Clone` forks a prefilled prompt.
+/// already normed and rotated), in f16 as llama.cpp keeps them. `Clone` forks a prefilled
+/// prompt.
 #[derive(Debug, Clone)]
 pub struct SeqCache {
     len: usize,
@@ -9,8 +13,8 @@ pub struct SeqCache {
 
 #[derive(Debug, Clone, Default)]
 pub(crate) struct LayerKv {
-    pub(crate) k: Vec<f32>,
-    pub(crate) v: Vec<f32>,
+    pub(crate) k: Vec<f16>,
+    pub(crate) v: Vec<f16>,
 }
 
 impl SeqCache {
@@ -35,11 +39,12 @@ impl SeqCache {
         self.layers.len() == num_layers && self.kv_width == kv_width
     }
 
-    /// Appends rows to one layer; `Vec`'s doubling keeps growth amortised O(1) per token.
+    /// Appends rows to one layer, rounded to f16; `Vec`'s doubling keeps growth amortised O(1)
+    /// per token.
     pub(crate) fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
         let l = &mut self.layers[layer];
-        l.k.extend_from_slice(k);
-        l.v.extend_from_slice(v);
+        extend_f16(&mut l.k, k);
+        extend_f16(&mut l.v, v);
     }
 
     pub(crate) fn layer(&self, layer: usize) -> &LayerKv {
@@ -59,4 +64,11 @@ impl SeqCache {
             l.v.truncate(keep);
         }
     }
+}
+
+/// Appends `x` rounded to f16 (round to nearest even, as ggml's f32 -> f16 copy).
+pub(crate) fn extend_f16(dst: &mut Vec<f16>, x: &[f32]) {
+    let start = dst.len();
+    dst.resize(start + x.len(), f16::ZERO);
+    dst[start..].convert_from_f32_slice(x);
 }

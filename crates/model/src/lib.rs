@@ -1,6 +1,7 @@
 //! Gemma 3 on candle tensors (CPU): GGUF loading, a batched ragged forward pass over per-sequence
 //! KV caches, and a tiny random model writer for tests.
 
+mod attention;
 mod cache;
 mod config;
 mod kernels;

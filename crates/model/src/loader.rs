@@ -76,6 +76,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         lm_head,
         layers,
         final_norm,
+        llama_cpp_rounding: true,
     };
     Ok(LoadedModel {
         model,

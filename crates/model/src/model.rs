@@ -2,9 +2,12 @@ use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
+use half::f16;
 use rayon::prelude::*;
 
+use crate::attention::{self, Rows};
 use crate::cache::{LayerKv, SeqCache};
+use crate::kernels::Isa;
 use crate::linear::Linear;
 use crate::lora::{LoraAdapter, LoraTarget};
 use crate::ops::{self, RopeTable};
@@ -56,6 +59,14 @@ pub(crate) struct AdapterSpan<'a> {
     pub(crate) adapter: &'a LoraAdapter,
 }
 
+/// What the projections of a batch need to know about its rows.
+pub(crate) struct BatchRows<'a> {
+    pub(crate) adapters: &'a [AdapterSpan<'a>],
+    /// Each sequence's rows: computed as llama.cpp computes a call of that many rows
+    /// (`Linear::forward_split`).
+    pub(crate) seqs: &'a [std::ops::Range<usize>],
+}
+
 impl Layer {
     pub(crate) fn linear(&self, target: LoraTarget) -> &Linear {
         match target {
@@ -69,17 +80,19 @@ impl Layer {
         }
     }
 
-    /// One projection of layer `index` over all rows of `x` (one batched base matmul), plus each
+    /// One projection of layer `index` over all rows of `x` (batched base matmuls, each
+    /// sequence's rows as llama.cpp computes them, see `Linear::forward_split`), plus each
     /// span's adapter term on its own rows.
     pub(crate) fn project(
         &self,
         index: usize,
         target: LoraTarget,
         x: &[f32],
-        spans: &[AdapterSpan<'_>],
+        rows: &BatchRows<'_>,
     ) -> Result<Vec<f32>, ModelError> {
         let linear = self.linear(target);
-        let mut y = linear.forward(x)?;
+        let mut y = linear.forward_split(x, rows.seqs)?;
+        let spans = rows.adapters;
         let (din, dout) = (linear.in_dim(), linear.out_dim());
         for s in spans {
             s.adapter.apply(
@@ -108,6 +121,8 @@ pub struct Gemma3 {
     pub(crate) lm_head: Linear,
     pub(crate) layers: Vec<Layer>,
     pub(crate) final_norm: Vec<f32>,
+    /// See [`Gemma3::set_llama_cpp_rounding`].
+    pub(crate) llama_cpp_rounding: bool,
 }
 
 /// Where each token of the concatenated batch belongs: its sequence (or packed segment) and its
@@ -117,16 +132,27 @@ pub(crate) struct BatchLayout {
     pub(crate) pos: Vec<usize>,
 }
 
-/// One sequence's keys and values for a layer, `[len, kv_heads * head_dim]`.
+/// One sequence's keys and values for a layer, `[len, kv_heads * head_dim]`: f16 as llama.cpp
+/// keeps them, or f32 when its roundings are off.
 #[derive(Clone, Copy)]
-pub(crate) struct KvRef<'a> {
-    pub(crate) k: &'a [f32],
-    pub(crate) v: &'a [f32],
+pub(crate) enum KvRef<'a> {
+    F16 { k: &'a [f16], v: &'a [f16] },
+    F32 { k: &'a [f32], v: &'a [f32] },
 }
 
 impl Gemma3 {
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// On (the default), the forward rounds where llama.cpp's CPU build rounds (the query,
+    /// keys and values to f16, the attention output accumulated in f16, GELU through its f16
+    /// table), so logits match llama.cpp's bit for bit. Off, those steps stay in f32: the
+    /// function is then smooth, as finite-difference gradient checks need; the KV cache still
+    /// stores f16, so turn it off only for scoring and training.
+    #[doc(hidden)]
+    pub fn set_llama_cpp_rounding(&mut self, on: bool) {
+        self.llama_cpp_rounding = on;
     }
 
     pub fn new_cache(&self) -> SeqCache {
@@ -214,16 +240,23 @@ impl Gemma3 {
         }
 
         let mut spans = Vec::new();
+        let mut seqs = Vec::new();
         let mut off = 0;
         for s in batch.iter() {
+            let rows = off..off + s.tokens.len();
             if let Some(adapter) = s.adapter {
                 spans.push(AdapterSpan {
-                    rows: off..off + s.tokens.len(),
+                    rows: rows.clone(),
                     adapter,
                 });
             }
+            seqs.push(rows);
             off += s.tokens.len();
         }
+        let rows = BatchRows {
+            adapters: &spans,
+            seqs: &seqs,
+        };
 
         let mut x = self.embed_tokens(&tokens)?;
         let rope_local = RopeTable::new(&layout.pos, d, cfg.rope_base_local);
@@ -233,9 +266,9 @@ impl Gemma3 {
             let global = cfg.is_global(li);
             let mut hs = x.clone();
             ops::rms_norm(&mut hs, &layer.attn_norm, cfg.rms_eps);
-            let mut q = layer.project(li, LoraTarget::Q, &hs, &spans)?;
-            let mut k = layer.project(li, LoraTarget::K, &hs, &spans)?;
-            let v = layer.project(li, LoraTarget::V, &hs, &spans)?;
+            let mut q = layer.project(li, LoraTarget::Q, &hs, &rows)?;
+            let mut k = layer.project(li, LoraTarget::K, &hs, &rows)?;
+            let v = layer.project(li, LoraTarget::V, &hs, &rows)?;
             ops::rms_norm(&mut q, &layer.q_norm, cfg.rms_eps);
             ops::rms_norm(&mut k, &layer.k_norm, cfg.rms_eps);
             let rope = if global { &rope_global } else { &rope_local };
@@ -252,22 +285,22 @@ impl Gemma3 {
                 .iter()
                 .map(|s| {
                     let kv: &LayerKv = s.cache.layer(li);
-                    KvRef { k: &kv.k, v: &kv.v }
+                    KvRef::F16 { k: &kv.k, v: &kv.v }
                 })
                 .collect();
             let window = (!global).then_some(cfg.sliding_window);
             let attn = self.attend(&q, &kvs, &layout, window);
 
-            let mut o = layer.project(li, LoraTarget::O, &attn, &spans)?;
+            let mut o = layer.project(li, LoraTarget::O, &attn, &rows)?;
             ops::rms_norm(&mut o, &layer.post_attn_norm, cfg.rms_eps);
             add_assign(&mut x, &o);
 
             let mut hs = x.clone();
             ops::rms_norm(&mut hs, &layer.ffn_norm, cfg.rms_eps);
-            let mut gate = layer.project(li, LoraTarget::Gate, &hs, &spans)?;
-            let up = layer.project(li, LoraTarget::Up, &hs, &spans)?;
-            ops::gelu_mul(&mut gate, &up);
-            let mut down = layer.project(li, LoraTarget::Down, &gate, &spans)?;
+            let mut gate = layer.project(li, LoraTarget::Gate, &hs, &rows)?;
+            let up = layer.project(li, LoraTarget::Up, &hs, &rows)?;
+            ops::gelu_mul(&mut gate, &up, self.llama_cpp_rounding);
+            let mut down = layer.project(li, LoraTarget::Down, &gate, &rows)?;
             ops::rms_norm(&mut down, &layer.post_ffn_norm, cfg.rms_eps);
             add_assign(&mut x, &down);
         }
@@ -320,6 +353,8 @@ impl Gemma3 {
 
     /// Causal attention of every (token, head) against its own sequence's cache, which already
     /// holds the batch's new keys. Local layers see the last `window` positions, self included.
+    /// The query is scaled by `1/sqrt(head_dim)` first (llama.cpp scales Q, not the scores),
+    /// then `attention::attend_row` computes llama.cpp's flash attention.
     pub(crate) fn attend(
         &self,
         q: &[f32],
@@ -331,20 +366,32 @@ impl Gemma3 {
         let group = h / hkv;
         let kv_width = hkv * d;
         let scale = 1.0 / (d as f32).sqrt();
+        let isa = Isa::detect();
         let mut out = vec![0f32; q.len()];
         out.par_chunks_mut(d).enumerate().for_each(|(idx, o)| {
             let (t, head) = (idx / h, idx % h);
             let g = head / group;
-            let kv = kvs[layout.seq[t]];
             let pos = layout.pos[t];
             let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let qrow = &q[idx * d..(idx + 1) * d];
-            let mut scores: Vec<f32> = (lo..=pos)
-                .map(|j| ops::dot(qrow, &kv.k[j * kv_width + g * d..][..d]) * scale)
+            let qrow: Vec<f32> = q[idx * d..(idx + 1) * d]
+                .iter()
+                .map(|&x| x * scale)
                 .collect();
-            ops::softmax(&mut scores);
-            for (j, &p) in (lo..=pos).zip(&scores) {
-                ops::axpy(p, &kv.v[j * kv_width + g * d..][..d], o);
+            let first = lo * kv_width + g * d;
+            let n = pos + 1 - lo;
+            match kvs[layout.seq[t]] {
+                KvRef::F16 { k, v } => {
+                    let rows = Rows {
+                        keys: &k[first..],
+                        values: &v[first..],
+                        stride: kv_width,
+                        n,
+                    };
+                    attention::attend_row(isa, &qrow, &rows, o);
+                }
+                KvRef::F32 { k, v } => {
+                    attention::attend_row_f32(&qrow, &k[first..], &v[first..], kv_width, n, o)
+                }
             }
         });
         out

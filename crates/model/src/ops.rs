@@ -1,5 +1,9 @@
 //! Element-wise and attention kernels over row-major f32 slices.
 
+use std::sync::OnceLock;
+
+use half::f16;
+
 /// Independent accumulators so the reduction vectorises (f32 addition is not associative, so
 /// the compiler will not reorder a single running sum).
 const LANES: usize = 16;
@@ -31,11 +35,13 @@ pub(crate) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// RMS-normalises every row of width `weight.len()` in place and multiplies by `weight`
-/// (GGUF norm weights already include Gemma's +1).
+/// (GGUF norm weights already include Gemma's +1). As ggml: the squares (f32) summed in order
+/// in f64, the mean rounded to f32, then `x * scale * w`.
 pub(crate) fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     let n = weight.len();
     for row in x.chunks_exact_mut(n) {
-        let mean = dot(row, row) / n as f32;
+        let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+        let mean = (sum / n as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
         for (v, w) in row.iter_mut().zip(weight) {
             *v = *v * scale * w;
@@ -103,9 +109,10 @@ impl RopeTable {
             for head in tok.chunks_exact_mut(d) {
                 let (lo, hi) = head.split_at_mut(self.half);
                 for i in 0..self.half {
+                    // GCC contracts ggml's `x0*cos - x1*sin` and `x0*sin + x1*cos` this way.
                     let (x0, x1) = (lo[i], hi[i]);
-                    lo[i] = x0 * cos[i] - x1 * sin[i];
-                    hi[i] = x0 * sin[i] + x1 * cos[i];
+                    lo[i] = x0.mul_add(cos[i], -(x1 * sin[i]));
+                    hi[i] = x0.mul_add(sin[i], x1 * cos[i]);
                 }
             }
         }
@@ -133,13 +140,38 @@ impl RopeTable {
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const COEF_A: f32 = 0.044_715;
 
-/// `gate <- gelu_tanh(gate) * up`
-pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+/// `gate <- gelu_tanh(gate) * up`. With `f16_table`, through ggml's f16 table: the gate rounded
+/// to f16, its GELU looked up (computed once in f32 and rounded to f16); 0 below -10 and the
+/// identity above 10. Without, in f32.
+pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32], f16_table: bool) {
+    let table = gelu_table();
     for (g, u) in gate.iter_mut().zip(up) {
         let x = *g;
-        let y = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
-        *g = y * u;
+        *g = if !f16_table {
+            gelu(x) * u
+        } else if x <= -10.0 {
+            0.0
+        } else if x >= 10.0 {
+            x * u
+        } else {
+            table[f16::from_f32(x).to_bits() as usize] * u
+        };
     }
+}
+
+fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (COEF_A * x).mul_add(x, 1.0)).tanh())
+}
+
+/// GELU of every f16 value, rounded to f16 (ggml's `ggml_table_gelu_f16`, with the fused
+/// multiply-add GCC makes of `1 + a·x·x`).
+fn gelu_table() -> &'static [f32] {
+    static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| f16::from_f32(gelu(f16::from_bits(bits).to_f32())).to_f32())
+            .collect()
+    })
 }
 
 /// Backward of [`gelu_mul`] at inputs `gate`, `up` for output gradient `dy`: returns

@@ -9,8 +9,9 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
+use crate::cache::extend_f16;
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
-use crate::model::{add_assign, AdapterSpan, BatchLayout, Gemma3, KvRef, Layer};
+use crate::model::{add_assign, AdapterSpan, BatchLayout, BatchRows, Gemma3, KvRef, Layer};
 use crate::ops::{self, RopeTable};
 use crate::ModelError;
 
@@ -178,13 +179,18 @@ impl Gemma3 {
             })
             .into_iter()
             .collect();
+        // Each segment as the serving path computes a prompt of its length.
+        let rows = BatchRows {
+            adapters: &spans,
+            seqs: &segments,
+        };
         let ropes = Ropes::new(&layout.pos, cfg);
 
         let mut x = self.embed_tokens(seq.tokens)?;
         let mut tapes = Vec::new();
         for li in 0..self.layers.len() {
             let LayerOut { output, tape } =
-                self.layer_forward(li, &x, &layout, &segments, &ropes, &spans)?;
+                self.layer_forward(li, &x, &layout, &segments, &ropes, &rows)?;
             x = output;
             if record {
                 tapes.push(tape);
@@ -260,7 +266,7 @@ impl Gemma3 {
         layout: &BatchLayout,
         segments: &[std::ops::Range<usize>],
         ropes: &Ropes,
-        spans: &[AdapterSpan<'_>],
+        rows: &BatchRows<'_>,
     ) -> Result<LayerOut, ModelError> {
         let cfg = &self.cfg;
         let layer = &self.layers[li];
@@ -270,9 +276,9 @@ impl Gemma3 {
 
         let mut attn_normed = x.to_vec();
         ops::rms_norm(&mut attn_normed, &layer.attn_norm, cfg.rms_eps);
-        let q_pre = layer.project(li, LoraTarget::Q, &attn_normed, spans)?;
-        let k_pre = layer.project(li, LoraTarget::K, &attn_normed, spans)?;
-        let v = layer.project(li, LoraTarget::V, &attn_normed, spans)?;
+        let q_pre = layer.project(li, LoraTarget::Q, &attn_normed, rows)?;
+        let k_pre = layer.project(li, LoraTarget::K, &attn_normed, rows)?;
+        let v = layer.project(li, LoraTarget::V, &attn_normed, rows)?;
         let mut q = q_pre.clone();
         let mut k = k_pre.clone();
         ops::rms_norm(&mut q, &layer.q_norm, cfg.rms_eps);
@@ -280,17 +286,33 @@ impl Gemma3 {
         let rope = ropes.get(global);
         rope.apply(&mut q, h);
         rope.apply(&mut k, hkv);
+        // The serving path attends over its f16 cache: the same rounding here.
+        let (mut k16, mut v16) = (Vec::new(), Vec::new());
+        if self.llama_cpp_rounding {
+            extend_f16(&mut k16, &k);
+            extend_f16(&mut v16, &v);
+        }
         let kvs: Vec<KvRef> = segments
             .iter()
-            .map(|s| KvRef {
-                k: &k[s.start * kv_width..s.end * kv_width],
-                v: &v[s.start * kv_width..s.end * kv_width],
+            .map(|s| {
+                let rows = s.start * kv_width..s.end * kv_width;
+                if self.llama_cpp_rounding {
+                    KvRef::F16 {
+                        k: &k16[rows.clone()],
+                        v: &v16[rows],
+                    }
+                } else {
+                    KvRef::F32 {
+                        k: &k[rows.clone()],
+                        v: &v[rows],
+                    }
+                }
             })
             .collect();
         let window = (!global).then_some(cfg.sliding_window);
         let attn = self.attend(&q, &kvs, layout, window);
 
-        let o = layer.project(li, LoraTarget::O, &attn, spans)?;
+        let o = layer.project(li, LoraTarget::O, &attn, rows)?;
         let mut o_normed = o.clone();
         ops::rms_norm(&mut o_normed, &layer.post_attn_norm, cfg.rms_eps);
         let mut x_mid = x.to_vec();
@@ -298,11 +320,11 @@ impl Gemma3 {
 
         let mut ffn_normed = x_mid.clone();
         ops::rms_norm(&mut ffn_normed, &layer.ffn_norm, cfg.rms_eps);
-        let gate = layer.project(li, LoraTarget::Gate, &ffn_normed, spans)?;
-        let up = layer.project(li, LoraTarget::Up, &ffn_normed, spans)?;
+        let gate = layer.project(li, LoraTarget::Gate, &ffn_normed, rows)?;
+        let up = layer.project(li, LoraTarget::Up, &ffn_normed, rows)?;
         let mut act = gate.clone();
-        ops::gelu_mul(&mut act, &up);
-        let down = layer.project(li, LoraTarget::Down, &act, spans)?;
+        ops::gelu_mul(&mut act, &up, self.llama_cpp_rounding);
+        let down = layer.project(li, LoraTarget::Down, &act, rows)?;
         let mut down_normed = down.clone();
         ops::rms_norm(&mut down_normed, &layer.post_ffn_norm, cfg.rms_eps);
         let mut output = x_mid.clone();
@@ -444,7 +466,7 @@ impl Gemma3 {
     }
 
     /// Gradients of causal (windowed, segment-isolated) attention to q, k and v. The softmax is
-    /// recomputed from q and k exactly as the forward computed it.
+    /// recomputed from q and k in f32 (the forward's f16 roundings are not differentiated).
     fn attend_backward(
         &self,
         lt: &LayerTape,

@@ -23,6 +23,10 @@ fn tiny_model(name: &str) -> Gemma3 {
     model
 }
 
+fn f16_round(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -249,7 +253,8 @@ fn tiny_model_is_deterministic_and_greedy_output_varies() {
 }
 
 /// Straightforward single-sequence Gemma 3 over the dequantized weights: no cache, explicit
-/// mask, f32 everywhere. `window` = None turns the sliding window off.
+/// mask, f32 everywhere except where llama.cpp rounds to f16 (the scaled query, keys, values,
+/// GELU's input and output). `window` = None turns the sliding window off.
 fn reference_logits(path: &std::path::Path, toks: &[u32], window: Option<usize>) -> Vec<Vec<f32>> {
     let mut f = std::fs::File::open(path).expect("open");
     let content = gguf_file::Content::read(&mut f).expect("read gguf");
@@ -355,9 +360,20 @@ fn reference_logits(path: &std::path::Path, toks: &[u32], window: Option<usize>)
                 head.copy_from_slice(&norm(head, &kn));
                 rope(head, pos, base);
             }
-            qs.push(q);
-            ks.push(k);
-            vs.push(matvec(&wv, &h, nkv * dh));
+            // llama.cpp's precision: the scaled query, keys and values in f16.
+            let scale = 1.0 / (dh as f32).sqrt();
+            qs.push(
+                q.iter()
+                    .map(|&x| f16_round(x * scale))
+                    .collect::<Vec<f32>>(),
+            );
+            ks.push(k.iter().map(|&x| f16_round(x)).collect::<Vec<f32>>());
+            vs.push(
+                matvec(&wv, &h, nkv * dh)
+                    .iter()
+                    .map(|&x| f16_round(x))
+                    .collect::<Vec<f32>>(),
+            );
         }
         for i in 0..n {
             let mut attn = vec![0f32; nh * dh];
@@ -372,7 +388,6 @@ fn reference_logits(path: &std::path::Path, toks: &[u32], window: Option<usize>)
                                 .zip(&ks[j][g * dh..(g + 1) * dh])
                                 .map(|(a, b)| a * b)
                                 .sum::<f32>()
-                                / (dh as f32).sqrt()
                         } else {
                             f32::NEG_INFINITY
                         }
@@ -396,7 +411,11 @@ fn reference_logits(path: &std::path::Path, toks: &[u32], window: Option<usize>)
                 .iter()
                 .zip(&up)
                 .map(|(&g, &u)| {
-                    0.5 * g * (1.0 + (0.797_884_6 * g * (1.0 + 0.044_715 * g * g)).tanh()) * u
+                    // ggml's GELU table: f16 in, f16 out.
+                    let g = f16_round(g);
+                    f16_round(
+                        0.5 * g * (1.0 + (0.797_884_6 * g * (1.0 + 0.044_715 * g * g)).tanh()),
+                    ) * u
                 })
                 .collect();
             let d = norm(&matvec(&wd, &act, hd), &pfn);
@@ -411,7 +430,14 @@ fn reference_logits(path: &std::path::Path, toks: &[u32], window: Option<usize>)
 
 #[test]
 fn matches_reference_attention_with_sliding_window() {
-    let path = tiny_path("reference", 7);
+    // F32 weights: with 8-bit activations, an f16 rounding that lands on the other side of a
+    // tie (from a last-bit difference upstream) flips activation quanta and moves these random
+    // logits by ~0.2; without them the two implementations stay within f16 precision.
+    let path = std::env::temp_dir().join(format!(
+        "temper-model-{}-reference-f32.gguf",
+        std::process::id()
+    ));
+    tiny::write_tiny_gguf_f32(&path, 7).expect("write tiny model");
     let model = load_gguf(&path).expect("load").model;
     let toks = tokens(20, 17);
     let ours = run(&model, &toks, &mut model.new_cache(), true);
@@ -429,7 +455,8 @@ fn matches_reference_attention_with_sliding_window() {
         }
     }
     eprintln!("max |model - reference| {worst}, window effect {window_effect}");
-    assert!(worst < 1e-3, "model differs from the reference by {worst}");
+    // The reference keeps f32 attention sums where llama.cpp (and we) accumulate in f16.
+    assert!(worst < 2e-2, "model differs from the reference by {worst}");
     assert!(
         window_effect > 1.0,
         "the window changes nothing: {window_effect}"

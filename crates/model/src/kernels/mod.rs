@@ -29,6 +29,7 @@ mod q8_0;
 #[cfg(test)]
 mod test_util;
 
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -178,20 +179,59 @@ fn row_pairs(w: &[u8], row_bytes: usize) -> impl Iterator<Item = (usize, &[u8], 
     })
 }
 
+/// Which of llama.cpp's kernels a row's result reproduces. llama.cpp picks its kernel by the
+/// number of activation rows of the call, and for Q4_K and Q6_K the two compute different
+/// bits: its repacked Q4_K kernels take rows four at a time (one fused multiply-add per 64
+/// values) and the rows left over one at a time (one per 256); Q6_K runs its tiled kernel for
+/// eight rows or more and a per-row dot product for fewer. Q8_0 (and Q5_0) compute the same
+/// either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LlamaPath {
+    /// One row at a time (decoding, and the rows a block leaves over).
+    Row,
+    /// A block of rows (a prompt).
+    Block,
+}
+
+/// How llama.cpp computes the rows of one call of `rows.len()` rows with a `format` weight:
+/// consecutive ranges of `rows` and the path of each (empty ranges left out).
+pub(crate) fn llama_paths(
+    format: WeightFormat,
+    rows: Range<usize>,
+) -> impl Iterator<Item = (Range<usize>, LlamaPath)> {
+    let n = rows.len();
+    let blocked = match format {
+        WeightFormat::Q8_0 => 0,
+        WeightFormat::Q4K => n - n % 4,
+        WeightFormat::Q6K if n >= 8 => n,
+        WeightFormat::Q6K => 0,
+    };
+    let split = rows.start + blocked;
+    [
+        (rows.start..split, LlamaPath::Block),
+        (split..rows.end, LlamaPath::Row),
+    ]
+    .into_iter()
+    .filter(|(r, _)| !r.is_empty())
+}
+
 /// `y = x · Wᵀ` for `W` `[out_dim, in_dim]` in `format` (as `prepare` lays it out) and `x`
 /// holding `x.len() / in_dim` rows. `in_dim` must be a multiple of the block size.
 pub(crate) fn matmul(
     format: WeightFormat,
     isa: Isa,
+    path: LlamaPath,
     w: &[u8],
     in_dim: usize,
     out_dim: usize,
     x: &[f32],
 ) -> Vec<f32> {
-    match format {
-        WeightFormat::Q8_0 => matmul_with::<q8_0::Q8_0>(isa, w, (in_dim, out_dim), x),
-        WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, (in_dim, out_dim), x),
-        WeightFormat::Q6K => matmul_with::<q6_k::Q6K>(isa, w, (in_dim, out_dim), x),
+    let dims = (in_dim, out_dim);
+    match (format, path) {
+        (WeightFormat::Q8_0, _) => matmul_with::<q8_0::Q8_0>(isa, w, dims, x),
+        (WeightFormat::Q4K, _) => matmul_with::<q4_k::Q4K>(isa, w, dims, x),
+        (WeightFormat::Q6K, LlamaPath::Row) => matmul_with::<q6_k::Q6K<false>>(isa, w, dims, x),
+        (WeightFormat::Q6K, LlamaPath::Block) => matmul_with::<q6_k::Q6K<true>>(isa, w, dims, x),
     }
 }
 

@@ -1,13 +1,12 @@
 //! Q6_K weights (256 per block: 4 low bits, 2 high bits, sixteen i8 scales, f16 d) against Q8_K
 //! activations: ggml's `ggml_vec_dot_q6_K_q8_K` AVX2 arithmetic. Lane `k` of eight gathers
-//! `scale * (q - 32) * a` over bytes `4k..4k+3` of every 32-value run in i32, then
-//! `fma(d, sum, acc_k)` per block.
+//! `scale * q * a` (q unsigned, 0..63) over bytes `4k..4k+3` of every 32-value run in i32 and
+//! takes back the offset of 32 through the activation sums of values `32k..32k+31`
+//! (`32 * (bsum[2k]·scale[2k] + bsum[2k+1]·scale[2k+1])`), then `fma(d, sum, acc_k)` per block.
 
 use half::f16;
 
 use super::activations::{quantize_q8_k, Q8KBlock};
-#[cfg(target_arch = "x86_64")]
-use super::with_act_rows;
 use super::{hsum8, Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 256;
@@ -16,9 +15,11 @@ const QH: usize = 128;
 const SCALES: usize = 192;
 const D: usize = 208;
 
-pub(crate) struct Q6K;
+/// Q6_K rows: `TILED = false` is ggml's `ggml_vec_dot_q6_K_q8_K` (`LlamaPath::Row`),
+/// `TILED = true` its tiled K-quant matmul (`LlamaPath::Block`).
+pub(crate) struct Q6K<const TILED: bool>;
 
-impl Kernel for Q6K {
+impl<const TILED: bool> Kernel for Q6K<TILED> {
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;
@@ -29,7 +30,7 @@ impl Kernel for Q6K {
     }
 
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
-        scalar(w, acts, nb, out, stride);
+        scalar::<TILED>(w, acts, nb, out, stride);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -44,9 +45,15 @@ impl Kernel for Q6K {
         let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
-            match isa {
-                Isa::Avx512 => with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride)),
-                _ => with_act_rows!(na, x86::rows(w, acts, nb, out, stride)),
+            match (isa, na) {
+                (Isa::Avx512, 1) => x86::avx512_rows::<1, TILED>(w, acts, nb, out, stride),
+                (Isa::Avx512, 2) => x86::avx512_rows::<2, TILED>(w, acts, nb, out, stride),
+                (Isa::Avx512, 3) => x86::avx512_rows::<3, TILED>(w, acts, nb, out, stride),
+                (Isa::Avx512, _) => x86::avx512_rows::<4, TILED>(w, acts, nb, out, stride),
+                (_, 1) => x86::rows::<1, TILED>(w, acts, nb, out, stride),
+                (_, 2) => x86::rows::<2, TILED>(w, acts, nb, out, stride),
+                (_, 3) => x86::rows::<3, TILED>(w, acts, nb, out, stride),
+                (_, _) => x86::rows::<4, TILED>(w, acts, nb, out, stride),
             }
         }
     }
@@ -54,6 +61,13 @@ impl Kernel for Q6K {
 
 fn scale(b: &[u8]) -> f32 {
     f16::from_le_bytes([b[D], b[D + 1]]).to_f32()
+}
+
+/// One super-block of ggml's tiled K-quant matmul: the block's exact integer sum times the
+/// weight scale (rounded), then `fma(that, activation scale, acc)`.
+#[inline(always)]
+fn tiled_step(sum: i32, dw: f32, da: f32, acc: f32) -> f32 {
+    (sum as f32 * dw).mul_add(da, acc)
 }
 
 /// The 6-bit quant at byte `b` (0..32) of run `c` (0..4) in half `j` (0..2) of the block, as
@@ -65,11 +79,18 @@ fn quant(wb: &[u8], j: usize, c: usize, b: usize) -> i32 {
     (low | high << 4) as i32
 }
 
-/// The reference: ggml's AVX2 lanes in scalar code.
-fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize) {
+/// The reference: ggml's AVX2 lanes in scalar code (`TILED`: the tiled kernel's order).
+fn scalar<const TILED: bool>(
+    w: &[u8],
+    acts: &[Q8KBlock],
+    nb: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
     for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             let mut acc = [0f32; 8];
+            let mut tiled = 0f32;
             for (wb, ab) in wrow.chunks_exact(BLOCK_BYTES).zip(arow) {
                 let d = ab.d * scale(wb);
                 let mut sumi = [0i32; 8];
@@ -78,19 +99,27 @@ fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize
                         for (k, s) in sumi.iter_mut().enumerate() {
                             let sc = wb[SCALES + 8 * j + 2 * c + k / 4] as i8 as i32;
                             let run: i32 = (4 * k..4 * k + 4)
-                                .map(|b| {
-                                    (quant(wb, j, c, b) - 32) * ab.qs[128 * j + 32 * c + b] as i32
-                                })
+                                .map(|b| quant(wb, j, c, b) * ab.qs[128 * j + 32 * c + b] as i32)
                                 .sum();
                             *s += sc * run;
                         }
                     }
                 }
-                for (acc, s) in acc.iter_mut().zip(sumi) {
-                    *acc = d.mul_add(s as f32, *acc);
+                for (k, s) in sumi.iter_mut().enumerate() {
+                    let sc = |i: usize| wb[SCALES + i] as i8 as i32;
+                    let offset = ab.bsums[2 * k] as i32 * sc(2 * k)
+                        + ab.bsums[2 * k + 1] as i32 * sc(2 * k + 1);
+                    *s -= 32 * offset;
+                }
+                if TILED {
+                    tiled = tiled_step(sumi.iter().sum(), scale(wb), ab.d, tiled);
+                } else {
+                    for (acc, s) in acc.iter_mut().zip(sumi) {
+                        *acc = d.mul_add(s as f32, *acc);
+                    }
                 }
             }
-            out[a * stride + r] = hsum8(&acc);
+            out[a * stride + r] = if TILED { tiled } else { hsum8(&acc) };
         }
     }
 }
@@ -101,7 +130,16 @@ mod x86 {
 
     use super::super::row_pairs;
     use super::super::x86::{half, hsum8, pair, pair_ps};
-    use super::{scale, Q8KBlock, BLOCK_BYTES, QH, SCALES};
+    use super::{scale, tiled_step, Q8KBlock, BLOCK_BYTES, QH, SCALES};
+
+    /// The eight i32 lanes summed (exact: wrapping never happens for these magnitudes).
+    #[target_feature(enable = "avx2")]
+    fn hsum_i32(x: __m256i) -> i32 {
+        let mut lanes = [0i32; 8];
+        // SAFETY: eight i32.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, x) };
+        lanes.iter().sum()
+    }
 
     /// Run `c`'s two scales of half `j` (one per 16 values) as sixteen i16 lanes.
     #[target_feature(enable = "avx2")]
@@ -116,7 +154,7 @@ mod x86 {
     /// The AVX2 arithmetic with two weight rows per register (row `r` in the low eight lanes,
     /// `r + 1` in the high eight), sharing each activation load.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512_rows<const NA: usize>(
+    pub(super) unsafe fn avx512_rows<const NA: usize, const TILED: bool>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
@@ -125,10 +163,10 @@ mod x86 {
     ) {
         let m4 = _mm512_set1_epi8(0xf);
         let m2 = _mm512_set1_epi8(3);
-        let m32 = _mm512_set1_epi8(32);
         let rows = w.len() / (nb * BLOCK_BYTES);
         for (r, w0, w1) in row_pairs(w, nb * BLOCK_BYTES) {
             let mut acc = [_mm512_setzero_ps(); NA];
+            let mut tiled = [[0f32; 2]; NA];
             for b in 0..nb {
                 let p = [
                     w0[b * BLOCK_BYTES..].as_ptr(),
@@ -179,24 +217,50 @@ mod x86 {
                             let q8c = _mm512_broadcast_i64x4(unsafe {
                                 _mm256_loadu_si256(q8.add(128 * j + 32 * c) as *const __m256i)
                             });
-                            let p16 = _mm512_sub_epi16(
-                                _mm512_maddubs_epi16(q[c], q8c),
-                                _mm512_maddubs_epi16(m32, q8c),
-                            );
+                            let p16 = _mm512_maddubs_epi16(q[c], q8c);
                             *sumi = _mm512_add_epi32(*sumi, _mm512_madd_epi16(scales[c], p16));
                         }
                     }
                 }
+                // SAFETY: each block's sixteen scales at 192..208.
+                let all_scales = unsafe {
+                    pair(
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(p[0].add(SCALES) as *const __m128i)),
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(p[1].add(SCALES) as *const __m128i)),
+                    )
+                };
+                for (a, sumi) in sumi.iter_mut().enumerate() {
+                    // SAFETY: `bsums` is 32 bytes.
+                    let bsums = _mm512_broadcast_i64x4(unsafe {
+                        _mm256_loadu_si256(acts[a * nb + b].bsums.as_ptr() as *const __m256i)
+                    });
+                    let offset = _mm512_slli_epi32::<5>(_mm512_madd_epi16(bsums, all_scales));
+                    *sumi = _mm512_sub_epi32(*sumi, offset);
+                }
                 for a in 0..NA {
                     let ad = acts[a * nb + b].d;
-                    let d = pair_ps(ad * dx.0, ad * dx.1);
-                    acc[a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi[a]), acc[a]);
+                    if TILED {
+                        let sums = [
+                            hsum_i32(_mm512_castsi512_si256(sumi[a])),
+                            hsum_i32(_mm512_extracti64x4_epi64::<1>(sumi[a])),
+                        ];
+                        for (h, dw) in [dx.0, dx.1].into_iter().enumerate() {
+                            tiled[a][h] = tiled_step(sums[h], dw, ad, tiled[a][h]);
+                        }
+                    } else {
+                        let d = pair_ps(ad * dx.0, ad * dx.1);
+                        acc[a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi[a]), acc[a]);
+                    }
                 }
             }
             for (a, acc) in acc.iter().enumerate() {
                 for h in 0..2 {
                     if r + h < rows {
-                        out[a * stride + r + h] = hsum8(half(*acc, h));
+                        out[a * stride + r + h] = if TILED {
+                            tiled[a][h]
+                        } else {
+                            hsum8(half(*acc, h))
+                        };
                     }
                 }
             }
@@ -204,7 +268,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn rows<const NA: usize>(
+    pub(super) unsafe fn rows<const NA: usize, const TILED: bool>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
@@ -213,9 +277,9 @@ mod x86 {
     ) {
         let m4 = _mm256_set1_epi8(0xf);
         let m2 = _mm256_set1_epi8(3);
-        let m32 = _mm256_set1_epi8(32);
         for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
             let mut acc = [_mm256_setzero_ps(); NA];
+            let mut tiled = [0f32; NA];
             for b in 0..nb {
                 let wb = &wrow[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
                 let dx = scale(wb);
@@ -254,21 +318,35 @@ mod x86 {
                             let q8c = unsafe {
                                 _mm256_loadu_si256(q8.add(128 * j + 32 * c) as *const __m256i)
                             };
-                            let p16 = _mm256_sub_epi16(
-                                _mm256_maddubs_epi16(q[c], q8c),
-                                _mm256_maddubs_epi16(m32, q8c),
-                            );
+                            let p16 = _mm256_maddubs_epi16(q[c], q8c);
                             *sumi = _mm256_add_epi32(*sumi, _mm256_madd_epi16(scales[c], p16));
                         }
                     }
                 }
+                // SAFETY: the block's sixteen scales at 192..208.
+                let all_scales = _mm256_cvtepi8_epi16(unsafe {
+                    _mm_loadu_si128(p.add(SCALES) as *const __m128i)
+                });
+                for (a, sumi) in sumi.iter_mut().enumerate() {
+                    // SAFETY: `bsums` is 32 bytes.
+                    let bsums = unsafe {
+                        _mm256_loadu_si256(acts[a * nb + b].bsums.as_ptr() as *const __m256i)
+                    };
+                    let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, all_scales));
+                    *sumi = _mm256_sub_epi32(*sumi, offset);
+                }
                 for a in 0..NA {
-                    let d = _mm256_set1_ps(acts[a * nb + b].d * dx);
-                    acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[a]), acc[a]);
+                    let ad = acts[a * nb + b].d;
+                    if TILED {
+                        tiled[a] = tiled_step(hsum_i32(sumi[a]), dx, ad, tiled[a]);
+                    } else {
+                        let d = _mm256_set1_ps(ad * dx);
+                        acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[a]), acc[a]);
+                    }
                 }
             }
             for (a, acc) in acc.iter().enumerate() {
-                out[a * stride + r] = hsum8(*acc);
+                out[a * stride + r] = if TILED { tiled[a] } else { hsum8(*acc) };
             }
         }
     }
