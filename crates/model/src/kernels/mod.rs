@@ -10,10 +10,15 @@
 //! - Q8_0 (and Q5_0, widened to Q8_0): ggml's AVX2 `ggml_vec_dot_q8_0_q8_0` and llamafile's
 //!   tinyBLAS order, eight f32 lanes per row (lane `k`: four products of each block, one fused
 //!   multiply-add by `dw·da` per block), then `hsum_float_8` (see `q8_0`);
-//! - Q4_K: the repacked `q4_K_8x8` gemv/gemm, one integer per row and block for the scaled quants
-//!   and one for the mins, each into its own f32 accumulator (see `q4_k`);
-//! - Q6_K: ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`, eight f32 lanes, one fused multiply-add per
-//!   block, `hsum_float_8` (see `q6_k`).
+//! - Q4_K: the repacked `q4_K_8x8` gemv (rows llama.cpp computes one at a time) and gemm (four
+//!   at a time), an integer per row for the scaled quants and one for the mins, each into its own
+//!   f32 accumulator, once per block (gemv) or per 64 values (gemm) (see `q4_k`);
+//! - Q6_K: ggml's AVX2 `ggml_vec_dot_q6_K_q8_K` for calls of fewer than eight rows, eight f32
+//!   lanes, one fused multiply-add per block, `hsum_float_8`; its tiled K-quant matmul for more,
+//!   one f32 per row (see `q6_k`).
+//!
+//! Which of a format's paths a row takes depends on how many rows llama.cpp's call has
+//! (`LlamaPath`, `llama_paths`); Q8_0 has one.
 //!
 //! Each scalar reference computes exactly what its SIMD paths compute, so all paths give the same
 //! bits, and a row's result never depends on the other rows or on how the work is tiled (batch
@@ -229,7 +234,8 @@ pub(crate) fn matmul(
     let dims = (in_dim, out_dim);
     match (format, path) {
         (WeightFormat::Q8_0, _) => matmul_with::<q8_0::Q8_0>(isa, w, dims, x),
-        (WeightFormat::Q4K, _) => matmul_with::<q4_k::Q4K>(isa, w, dims, x),
+        (WeightFormat::Q4K, LlamaPath::Row) => matmul_with::<q4_k::Q4K<false>>(isa, w, dims, x),
+        (WeightFormat::Q4K, LlamaPath::Block) => matmul_with::<q4_k::Q4K<true>>(isa, w, dims, x),
         (WeightFormat::Q6K, LlamaPath::Row) => matmul_with::<q6_k::Q6K<false>>(isa, w, dims, x),
         (WeightFormat::Q6K, LlamaPath::Block) => matmul_with::<q6_k::Q6K<true>>(isa, w, dims, x),
     }
@@ -472,7 +478,12 @@ mod tests {
             (WeightFormat::Q4K, 2048, 640, 128, 10),
             (WeightFormat::Q6K, 2048, 640, 128, 10),
         ] {
-            let label = format!("{format:?} {isa:?} {rows} x {in_dim} -> {out_dim}");
+            let path = if rows == 1 {
+                LlamaPath::Row
+            } else {
+                LlamaPath::Block
+            };
+            let label = format!("{format:?} {isa:?} {path:?} {rows} x {in_dim} -> {out_dim}");
             if !label.contains(&std::env::var("KERNEL_BENCH").unwrap_or_default()) {
                 continue;
             }
@@ -483,7 +494,7 @@ mod tests {
             for _ in 0..15 {
                 let t = Instant::now();
                 for _ in 0..reps {
-                    std::hint::black_box(matmul(format, isa, &w, in_dim, out_dim, &x));
+                    std::hint::black_box(matmul(format, isa, path, &w, in_dim, out_dim, &x));
                 }
                 best = best.min(t.elapsed().as_secs_f64() / reps as f64);
             }

@@ -1,10 +1,13 @@
 //! Q4_K weights (256 per block: f16 d and dmin, twelve bytes of 6-bit scales and mins, 4-bit
-//! quants) against Q8_K activations, with the arithmetic of ggml's repacked `q4_K_8x8` gemv/gemm
+//! quants) against Q8_K activations, with the arithmetic of ggml's repacked `q4_K_8x8` kernels
 //! (what llama.cpp's x86 CPU backend runs for Q4_K weights, and so what our reference logprobs
-//! were computed with). Per block a row's dot product is two exact integers, `Σ_j scale_j Σ q·a`
-//! and `Σ_j min_j q8s_j` (`q8s_j` the activation's sum over sub-block `j`), each taken into its
-//! own f32 accumulator by one fused multiply-add with `d·da` and `dmin·da`; the row's result is
-//! the first minus the second.
+//! were computed with). A row's dot product is made of exact integers, `Σ_j scale_j Σ q·a` and
+//! `Σ_j min_j q8s_j` (`q8s_j` the activation's sum over sub-block `j`), each taken into its own
+//! f32 accumulator by fused multiply-adds with `d·da` and `dmin·da`; the row's result is the
+//! first minus the second. The gemv (`Q4K<false>`, `LlamaPath::Row`: rows llama.cpp computes
+//! one at a time) takes one multiply-add per block (256 values); the gemm (`Q4K<true>`,
+//! `LlamaPath::Block`: rows it computes four at a time) one per 64 values (sub-blocks `2c` and
+//! `2c + 1`).
 //!
 //! The weight is interleaved at load, sixteen rows per group (as Q8_0): per block the sixteen d,
 //! the sixteen dmin, the scales and mins unpacked to bytes, then 32 steps of sixteen rows × four
@@ -15,8 +18,6 @@
 use half::f16;
 
 use super::activations::{quantize_q8_k, Q8KBlock};
-#[cfg(target_arch = "x86_64")]
-use super::with_act_rows;
 use super::{Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 256;
@@ -35,9 +36,11 @@ const SCALES: usize = 4 * GROUP;
 const MINS: usize = SCALES + 8 * GROUP;
 const QS: usize = MINS + 8 * GROUP;
 
-pub(crate) struct Q4K;
+/// Q4_K rows: `TILED = false` is ggml's `ggml_gemv_q4_K_8x8_q8_K` (`LlamaPath::Row`),
+/// `TILED = true` its `ggml_gemm_q4_K_8x8_q8_K` (`LlamaPath::Block`).
+pub(crate) struct Q4K<const TILED: bool>;
 
-impl Kernel for Q4K {
+impl<const TILED: bool> Kernel for Q4K<TILED> {
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;
@@ -48,7 +51,7 @@ impl Kernel for Q4K {
     }
 
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
-        scalar(w, acts, nb, out, stride);
+        scalar::<TILED>(w, acts, nb, out, stride);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -63,9 +66,15 @@ impl Kernel for Q4K {
         let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
-            match isa {
-                Isa::Avx512 => with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride)),
-                _ => with_act_rows!(na, x86::avx2_rows(w, acts, nb, out, stride)),
+            match (isa, na) {
+                (Isa::Avx512, 1) => x86::avx512_rows::<1, TILED>(w, acts, nb, out, stride),
+                (Isa::Avx512, 2) => x86::avx512_rows::<2, TILED>(w, acts, nb, out, stride),
+                (Isa::Avx512, 3) => x86::avx512_rows::<3, TILED>(w, acts, nb, out, stride),
+                (Isa::Avx512, _) => x86::avx512_rows::<4, TILED>(w, acts, nb, out, stride),
+                (_, 1) => x86::avx2_rows::<1, TILED>(w, acts, nb, out, stride),
+                (_, 2) => x86::avx2_rows::<2, TILED>(w, acts, nb, out, stride),
+                (_, 3) => x86::avx2_rows::<3, TILED>(w, acts, nb, out, stride),
+                (_, _) => x86::avx2_rows::<4, TILED>(w, acts, nb, out, stride),
             }
         }
     }
@@ -167,34 +176,52 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// The reference: ggml's repacked Q4_K arithmetic, row by row.
-fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize) {
+/// The reference: ggml's repacked Q4_K arithmetic, row by row (`TILED`: the gemm's
+/// multiply-adds per 64 values).
+fn scalar<const TILED: bool>(
+    w: &[u8],
+    acts: &[Q8KBlock],
+    nb: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
     for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for r in 0..GROUP {
                 let (mut acc, mut acc_min) = (0f32, 0f32);
                 for (gb, ab) in group.chunks_exact(GROUP_BLOCK).zip(arow) {
-                    let mut isum = 0i32;
-                    for j in 0..8 {
-                        // Sub-block j: nibble j % 2 of quant bytes 32 (j / 2) .. + 32.
-                        let sub: i32 = (0..32)
-                            .map(|i| {
-                                let byte = 32 * (j / 2) + i;
-                                let q = gb[QS + 64 * (byte / 4) + 4 * r + byte % 4];
-                                let q = if j % 2 == 0 { q & 0xf } else { q >> 4 };
-                                q as i32 * ab.qs[32 * j + i] as i32
-                            })
-                            .sum();
-                        isum += gb[SCALES + GROUP * j + r] as i32 * sub;
+                    let d = f16_at(gb, D + 2 * r) * ab.d;
+                    let dmin = f16_at(gb, DMIN + 2 * r) * ab.d;
+                    let (mut isum, mut msum) = (0i32, 0i32);
+                    for c in 0..4 {
+                        // Sub-blocks 2c and 2c + 1: the low and high nibbles of quant bytes
+                        // 32c..32c + 32.
+                        let (mut isum_c, mut msum_c) = (0i32, 0i32);
+                        for (k, j) in [2 * c, 2 * c + 1].into_iter().enumerate() {
+                            let sub: i32 = (0..32)
+                                .map(|i| {
+                                    let byte = 32 * c + i;
+                                    let q = gb[QS + 64 * (byte / 4) + 4 * r + byte % 4];
+                                    let q = if k == 0 { q & 0xf } else { q >> 4 };
+                                    q as i32 * ab.qs[32 * j + i] as i32
+                                })
+                                .sum();
+                            isum_c += gb[SCALES + GROUP * j + r] as i32 * sub;
+                            let min = gb[MINS + 32 * c + 2 * r + k];
+                            msum_c += min as i32 * ab.sums32[j] as i32;
+                        }
+                        if TILED {
+                            acc = (isum_c as f32).mul_add(d, acc);
+                            acc_min = (msum_c as f32).mul_add(dmin, acc_min);
+                        } else {
+                            isum += isum_c;
+                            msum += msum_c;
+                        }
                     }
-                    let msum: i32 = (0..8)
-                        .map(|j| {
-                            let min = gb[MINS + 32 * (j / 2) + 2 * r + j % 2];
-                            min as i32 * ab.sums32[j] as i32
-                        })
-                        .sum();
-                    acc = (isum as f32).mul_add(f16_at(gb, D + 2 * r) * ab.d, acc);
-                    acc_min = (msum as f32).mul_add(f16_at(gb, DMIN + 2 * r) * ab.d, acc_min);
+                    if !TILED {
+                        acc = (isum as f32).mul_add(d, acc);
+                        acc_min = (msum as f32).mul_add(dmin, acc_min);
+                    }
                 }
                 out[a * stride + g * GROUP + r] = acc - acc_min;
             }
@@ -229,7 +256,7 @@ mod x86 {
     /// No VNNI: half a group (eight rows) per register; four quants times four activation
     /// values through `maddubs` (unsigned 4-bit times signed, exact in i16) and `madd`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2_rows<const NA: usize>(
+    pub(super) unsafe fn avx2_rows<const NA: usize, const TILED: bool>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
@@ -244,7 +271,17 @@ mod x86 {
                 let mut acc_min = [_mm256_setzero_ps(); NA];
                 for (b, gb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
                     let p = gb.as_ptr();
+                    // SAFETY: d and dmin of rows 8h.. are inside the block.
+                    let (dw, dminw) = unsafe {
+                        (
+                            _mm256_cvtph_ps(_mm_loadu_si128(p.add(D + 16 * h) as *const __m128i)),
+                            _mm256_cvtph_ps(
+                                _mm_loadu_si128(p.add(DMIN + 16 * h) as *const __m128i),
+                            ),
+                        )
+                    };
                     let mut isum = [_mm256_setzero_si256(); NA];
+                    let mut msum = [_mm256_setzero_si256(); NA];
                     for c in 0..4 {
                         let mut sub = [[_mm256_setzero_si256(); 2]; NA];
                         for t in 0..8 {
@@ -265,52 +302,47 @@ mod x86 {
                                 }
                             }
                         }
-                        // SAFETY: scales of sub-blocks 2c and 2c + 1, eight rows from 8h.
-                        let sc = unsafe {
-                            [0, 1].map(|k| {
-                                _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                    p.add(SCALES + GROUP * (2 * c + k) + 8 * h) as *const __m128i,
-                                ))
-                            })
+                        // SAFETY: scales and mins of sub-blocks 2c and 2c + 1, rows 8h...
+                        let (sc, mins) = unsafe {
+                            (
+                                [0, 1].map(|k| {
+                                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                        p.add(SCALES + GROUP * (2 * c + k) + 8 * h)
+                                            as *const __m128i,
+                                    ))
+                                }),
+                                _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                    p.add(MINS + 32 * c + 16 * h) as *const __m128i,
+                                )),
+                            )
                         };
-                        for (isum, sub) in isum.iter_mut().zip(&sub) {
-                            let lo = _mm256_mullo_epi32(sub[0], sc[0]);
-                            let hi = _mm256_mullo_epi32(sub[1], sc[1]);
-                            *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(lo, hi));
+                        for a in 0..NA {
+                            let ab = &acts[a * nb + b];
+                            let lo = _mm256_mullo_epi32(sub[a][0], sc[0]);
+                            let hi = _mm256_mullo_epi32(sub[a][1], sc[1]);
+                            let isum_c = _mm256_add_epi32(lo, hi);
+                            let pair = _mm256_set1_epi32(sums_pair(ab, c));
+                            let msum_c = _mm256_madd_epi16(mins, pair);
+                            if TILED {
+                                let da = _mm256_set1_ps(ab.d);
+                                let (i, m) =
+                                    (_mm256_cvtepi32_ps(isum_c), _mm256_cvtepi32_ps(msum_c));
+                                acc[a] = _mm256_fmadd_ps(i, _mm256_mul_ps(dw, da), acc[a]);
+                                acc_min[a] =
+                                    _mm256_fmadd_ps(m, _mm256_mul_ps(dminw, da), acc_min[a]);
+                            } else {
+                                isum[a] = _mm256_add_epi32(isum[a], isum_c);
+                                msum[a] = _mm256_add_epi32(msum[a], msum_c);
+                            }
                         }
                     }
-                    // SAFETY: d, dmin and mins of rows 8h.. are inside the block.
-                    let (dw, dminw, mins) = unsafe {
-                        (
-                            _mm256_cvtph_ps(_mm_loadu_si128(p.add(D + 16 * h) as *const __m128i)),
-                            _mm256_cvtph_ps(
-                                _mm_loadu_si128(p.add(DMIN + 16 * h) as *const __m128i),
-                            ),
-                            [0, 1, 2, 3].map(|m| {
-                                _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                                    p.add(MINS + 32 * m + 16 * h) as *const __m128i
-                                ))
-                            }),
-                        )
-                    };
-                    for a in 0..NA {
-                        let ab = &acts[a * nb + b];
-                        let mut msum = _mm256_setzero_si256();
-                        for (m, mins) in mins.iter().enumerate() {
-                            let pair = _mm256_set1_epi32(sums_pair(ab, m));
-                            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(*mins, pair));
+                    if !TILED {
+                        for a in 0..NA {
+                            let da = _mm256_set1_ps(acts[a * nb + b].d);
+                            let (i, m) = (_mm256_cvtepi32_ps(isum[a]), _mm256_cvtepi32_ps(msum[a]));
+                            acc[a] = _mm256_fmadd_ps(i, _mm256_mul_ps(dw, da), acc[a]);
+                            acc_min[a] = _mm256_fmadd_ps(m, _mm256_mul_ps(dminw, da), acc_min[a]);
                         }
-                        let da = _mm256_set1_ps(ab.d);
-                        acc[a] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(isum[a]),
-                            _mm256_mul_ps(dw, da),
-                            acc[a],
-                        );
-                        acc_min[a] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(msum),
-                            _mm256_mul_ps(dminw, da),
-                            acc_min[a],
-                        );
                     }
                 }
                 for a in 0..NA {
@@ -325,7 +357,7 @@ mod x86 {
     /// A whole group per register. Few activation rows get more partial sums per sub-block, so
     /// the VNNI chains stay short enough to overlap.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512_rows<const NA: usize>(
+    pub(super) unsafe fn avx512_rows<const NA: usize, const TILED: bool>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
@@ -344,7 +376,15 @@ mod x86 {
             let mut acc_min = [_mm512_setzero_ps(); NA];
             for (b, gb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
                 let p = gb.as_ptr();
+                // SAFETY: d and dmin are inside the group block.
+                let (dw, dminw) = unsafe {
+                    (
+                        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(D) as *const __m256i)),
+                        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(DMIN) as *const __m256i)),
+                    )
+                };
                 let mut isum = [_mm512_setzero_si512(); NA];
+                let mut msum = [_mm512_setzero_si512(); NA];
                 for c in 0..4 {
                     let mut sub = [[[_mm512_setzero_si512(); 4]; 2]; NA];
                     // Step `t` into partial sum `chain` (constants, so the sums stay in
@@ -375,51 +415,49 @@ mod x86 {
                     step!(5, 1 % chains);
                     step!(6, 2 % chains);
                     step!(7, 3 % chains);
-                    // SAFETY: the sixteen scales of sub-blocks 2c and 2c + 1.
-                    let sc = unsafe {
-                        [0, 1].map(|k| {
-                            _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                p.add(SCALES + GROUP * (2 * c + k)) as *const __m128i,
-                            ))
-                        })
+                    // SAFETY: the sixteen scales of sub-blocks 2c and 2c + 1, and their mins.
+                    let (sc, mins) = unsafe {
+                        (
+                            [0, 1].map(|k| {
+                                _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                    p.add(SCALES + GROUP * (2 * c + k)) as *const __m128i,
+                                ))
+                            }),
+                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                                p.add(MINS + 32 * c) as *const __m256i
+                            )),
+                        )
                     };
-                    for (isum, sub) in isum.iter_mut().zip(&sub) {
+                    for (a, sub) in sub.iter().enumerate() {
+                        let ab = &acts[a * nb + b];
+                        let mut isum_c = _mm512_setzero_si512();
                         for (sub, sc) in sub.iter().zip(sc) {
                             let s = _mm512_add_epi32(
                                 _mm512_add_epi32(sub[0], sub[1]),
                                 _mm512_add_epi32(sub[2], sub[3]),
                             );
-                            *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(s, sc));
+                            isum_c = _mm512_add_epi32(isum_c, _mm512_mullo_epi32(s, sc));
+                        }
+                        let pair = _mm512_set1_epi32(sums_pair(ab, c));
+                        let msum_c = _mm512_madd_epi16(mins, pair);
+                        if TILED {
+                            let da = _mm512_set1_ps(ab.d);
+                            let (i, m) = (_mm512_cvtepi32_ps(isum_c), _mm512_cvtepi32_ps(msum_c));
+                            acc[a] = _mm512_fmadd_ps(i, _mm512_mul_ps(dw, da), acc[a]);
+                            acc_min[a] = _mm512_fmadd_ps(m, _mm512_mul_ps(dminw, da), acc_min[a]);
+                        } else {
+                            isum[a] = _mm512_add_epi32(isum[a], isum_c);
+                            msum[a] = _mm512_add_epi32(msum[a], msum_c);
                         }
                     }
                 }
-                // SAFETY: d, dmin and mins are inside the group block.
-                let (dw, dminw, mins) = unsafe {
-                    (
-                        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(D) as *const __m256i)),
-                        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(DMIN) as *const __m256i)),
-                        [0, 1, 2, 3].map(|m| {
-                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-                                p.add(MINS + 32 * m) as *const __m256i
-                            ))
-                        }),
-                    )
-                };
-                for a in 0..NA {
-                    let ab = &acts[a * nb + b];
-                    let mut msum = _mm512_setzero_si512();
-                    for (m, mins) in mins.iter().enumerate() {
-                        msum =
-                            _mm512_dpwssd_epi32(msum, *mins, _mm512_set1_epi32(sums_pair(ab, m)));
+                if !TILED {
+                    for a in 0..NA {
+                        let da = _mm512_set1_ps(acts[a * nb + b].d);
+                        let (i, m) = (_mm512_cvtepi32_ps(isum[a]), _mm512_cvtepi32_ps(msum[a]));
+                        acc[a] = _mm512_fmadd_ps(i, _mm512_mul_ps(dw, da), acc[a]);
+                        acc_min[a] = _mm512_fmadd_ps(m, _mm512_mul_ps(dminw, da), acc_min[a]);
                     }
-                    let da = _mm512_set1_ps(ab.d);
-                    acc[a] =
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[a]), _mm512_mul_ps(dw, da), acc[a]);
-                    acc_min[a] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(msum),
-                        _mm512_mul_ps(dminw, da),
-                        acc_min[a],
-                    );
                 }
             }
             for a in 0..NA {
@@ -469,8 +507,9 @@ mod tests {
         }
     }
 
-    /// The kernel's formula written directly on GGUF blocks and activation quants.
-    fn straightforward(wrow: &[u8], arow: &[Q8KBlock]) -> f32 {
+    /// The kernel's formula written directly on GGUF blocks and activation quants: one
+    /// multiply-add per `per` values (256: the gemv, 64: the gemm).
+    fn straightforward(wrow: &[u8], arow: &[Q8KBlock], per: usize) -> f32 {
         let (mut acc, mut acc_min) = (0f32, 0f32);
         for (wb, ab) in wrow.chunks_exact(GGUF_BLOCK_BYTES).zip(arow) {
             let d = f16::from_le_bytes([wb[0], wb[1]]).to_f32();
@@ -488,15 +527,17 @@ mod tests {
                 isum += scale * dot;
                 let q8s: i32 = ab.qs[32 * j..32 * j + 32].iter().map(|&v| v as i32).sum();
                 msum += min * q8s;
+                if (32 * (j + 1)) % per == 0 {
+                    acc = (isum as f32).mul_add(d * ab.d, acc);
+                    acc_min = (msum as f32).mul_add(dmin * ab.d, acc_min);
+                    (isum, msum) = (0, 0);
+                }
             }
-            acc = (isum as f32).mul_add(d * ab.d, acc);
-            acc_min = (msum as f32).mul_add(dmin * ab.d, acc_min);
         }
         acc - acc_min
     }
 
-    #[test]
-    fn scalar_reference_is_the_repacked_ggml_formula() {
+    fn check_scalar_reference<const TILED: bool>() {
         let mut rng = Rng::new(14);
         let (rows, nb, na) = (21, 3, 3);
         let w = random_weights(&mut rng, rows, nb);
@@ -508,18 +549,24 @@ mod tests {
         let packed = interleave(&w, rows);
         let stride = packed.len() / (nb * BLOCK_BYTES);
         let mut out = vec![0f32; na * stride];
-        // The tile takes up to four activation rows over every (padded) weight row.
-        scalar(&packed, &acts, nb, &mut out, stride);
+        scalar::<TILED>(&packed, &acts, nb, &mut out, stride);
+        let per = if TILED { 64 } else { 256 };
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for (r, wrow) in w.chunks_exact(nb * GGUF_BLOCK_BYTES).enumerate() {
-                let want = straightforward(wrow, arow);
+                let want = straightforward(wrow, arow, per);
                 assert_eq!(
                     out[a * stride + r].to_bits(),
                     want.to_bits(),
-                    "act {a} row {r}"
+                    "tiled {TILED} act {a} row {r}"
                 );
             }
         }
+    }
+
+    #[test]
+    fn scalar_reference_is_the_repacked_ggml_formula() {
+        check_scalar_reference::<false>();
+        check_scalar_reference::<true>();
     }
 
     #[test]

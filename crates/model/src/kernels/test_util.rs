@@ -104,15 +104,7 @@ pub(crate) fn check_paths_agree(
                 }
             }
         }
-        let reference = matmul(
-            format,
-            Isa::Scalar,
-            LlamaPath::Row,
-            w,
-            in_dim,
-            out_dim,
-            &x,
-        );
+        let reference = matmul(format, Isa::Scalar, LlamaPath::Row, w, in_dim, out_dim, &x);
         let xa = dequantized_activations(format, &x);
         for (r, xr) in xa.chunks_exact(in_dim).enumerate() {
             for (c, wr) in wf.chunks_exact(in_dim).enumerate() {
