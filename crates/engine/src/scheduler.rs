@@ -281,14 +281,16 @@ impl Group {
 
     /// Frees every cache; what was generated stays, to be replayed on readmission.
     fn preempt(&mut self, model: &Gemma3) {
+        let prompt_len = self.req.prompt.len();
         match &mut self.phase {
             Phase::Prefill { cache, done } => {
-                *cache = model.new_cache();
+                *cache = model.new_prompt_cache(prompt_len);
                 *done = 0;
             }
             Phase::Decode { seqs } => {
                 for s in seqs {
-                    s.cache = model.new_cache();
+                    // The replayed output is computed as the decode steps that made it.
+                    s.cache = model.new_prompt_cache(prompt_len);
                     // The replay computes this row again.
                     s.waiting_row = None;
                 }
@@ -419,7 +421,7 @@ impl Scheduler {
         self.requeue(Group {
             id: self.arrivals,
             phase: Phase::Prefill {
-                cache: self.model.new_cache(),
+                cache: self.model.new_prompt_cache(s.req.prompt.len()),
                 done: 0,
             },
             req: s.req,

@@ -1,6 +1,11 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use crate::kernels::LlamaCall;
+
+/// Rows per llama.cpp `llama_decode` of a prompt (its default `n_ubatch`).
+pub(crate) const LLAMA_UBATCH: usize = 512;
+
 /// Keys and values of one sequence, per layer, row-major `[len, kv_heads * head_dim]` (keys
 /// already normed and rotated), in f16 as llama.cpp keeps them. `Clone` forks a prefilled
 /// prompt.
@@ -9,6 +14,8 @@ pub struct SeqCache {
     len: usize,
     kv_width: usize,
     layers: Vec<LayerKv>,
+    /// The request's prompt length, when known (see `Gemma3::new_prompt_cache`).
+    prompt_len: Option<usize>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -23,7 +30,45 @@ impl SeqCache {
             len: 0,
             kv_width,
             layers: vec![LayerKv::default(); num_layers],
+            prompt_len: None,
         }
+    }
+
+    pub(crate) fn set_prompt_len(&mut self, n: usize) {
+        self.prompt_len = Some(n);
+    }
+
+    /// The llama.cpp calls that compute the positions `start..start + n` of this sequence
+    /// (batch rows from `row`): with a known prompt, the prompt in calls of `LLAMA_UBATCH`
+    /// rows and every later token alone (a decode step), however the tokens are chunked;
+    /// otherwise the positions as one call.
+    pub(crate) fn llama_calls(&self, row: usize, n: usize) -> Vec<LlamaCall> {
+        let start = self.len;
+        let Some(prompt) = self.prompt_len else {
+            return vec![LlamaCall {
+                rows: row..row + n,
+                first: 0,
+                len: n,
+            }];
+        };
+        let mut calls = Vec::new();
+        let mut p = start;
+        while p < start + n {
+            let (call_start, call_len) = if p < prompt {
+                let u = p / LLAMA_UBATCH * LLAMA_UBATCH;
+                (u, (prompt - u).min(LLAMA_UBATCH))
+            } else {
+                (p, 1)
+            };
+            let end = (call_start + call_len).min(start + n);
+            calls.push(LlamaCall {
+                rows: row + (p - start)..row + (end - start),
+                first: p - call_start,
+                len: call_len,
+            });
+            p = end;
+        }
+        calls
     }
 
     /// Number of tokens cached (the position the next token takes).

@@ -6,7 +6,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::f16;
 
-use crate::kernels::{self, Isa, LlamaPath, WeightFormat};
+use crate::kernels::{self, Isa, LlamaCall, LlamaPath, WeightFormat};
 use crate::ModelError;
 
 /// `y = x · Wᵀ` over a quantized weight `[out, in]`. The one place matmuls happen, so the kernel
@@ -134,23 +134,20 @@ impl Linear {
         self.forward_on(x, LlamaPath::Row)
     }
 
-    /// As `forward`, for a batch whose sequences hold the rows `seqs` (ascending, disjoint, all
-    /// of `x`): each sequence's rows as llama.cpp computes a call of that many rows
+    /// As `forward`, for a batch whose rows belong to the llama.cpp calls `calls` (ascending,
+    /// disjoint, covering `x`): each row as llama.cpp computes it in its call
     /// (`kernels::llama_paths`), so a row's result depends on its own sequence only.
     pub(crate) fn forward_split(
         &self,
         x: &[f32],
-        seqs: &[Range<usize>],
+        calls: &[LlamaCall],
     ) -> Result<Vec<f32>, ModelError> {
         let Weight::Kernel { format, .. } = &self.weight else {
             return self.forward(x);
         };
         // Runs of one path across the batch, each one matmul.
         let mut runs: Vec<(Range<usize>, LlamaPath)> = Vec::new();
-        for (r, path) in seqs
-            .iter()
-            .flat_map(|s| kernels::llama_paths(*format, s.clone()))
-        {
+        for (r, path) in calls.iter().flat_map(|c| kernels::llama_paths(*format, c)) {
             match runs.last_mut() {
                 Some((last, p)) if *p == path && last.end == r.start => last.end = r.end,
                 _ => runs.push((r, path)),

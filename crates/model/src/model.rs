@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use crate::attention::{self, Rows};
 use crate::cache::{LayerKv, SeqCache};
-use crate::kernels::Isa;
+use crate::kernels::{Isa, LlamaCall};
 use crate::linear::Linear;
 use crate::lora::{LoraAdapter, LoraTarget};
 use crate::ops::{self, RopeTable};
@@ -62,9 +62,8 @@ pub(crate) struct AdapterSpan<'a> {
 /// What the projections of a batch need to know about its rows.
 pub(crate) struct BatchRows<'a> {
     pub(crate) adapters: &'a [AdapterSpan<'a>],
-    /// Each sequence's rows: computed as llama.cpp computes a call of that many rows
-    /// (`Linear::forward_split`).
-    pub(crate) seqs: &'a [std::ops::Range<usize>],
+    /// The llama.cpp call each row belongs to (`Linear::forward_split`).
+    pub(crate) calls: &'a [LlamaCall],
 }
 
 impl Layer {
@@ -91,7 +90,7 @@ impl Layer {
         rows: &BatchRows<'_>,
     ) -> Result<Vec<f32>, ModelError> {
         let linear = self.linear(target);
-        let mut y = linear.forward_split(x, rows.seqs)?;
+        let mut y = linear.forward_split(x, rows.calls)?;
         let spans = rows.adapters;
         let (din, dout) = (linear.in_dim(), linear.out_dim());
         for s in spans {
@@ -157,6 +156,17 @@ impl Gemma3 {
 
     pub fn new_cache(&self) -> SeqCache {
         SeqCache::new(self.cfg.num_layers, self.kv_width())
+    }
+
+    /// A cache for a request whose prompt has `prompt_len` tokens: the forward computes the
+    /// prompt as llama.cpp prefills it (calls of 512 rows) and every later token as one of its
+    /// decode steps, however the engine chunks them, so a replay after a preemption and a
+    /// prompt chunked under load give the same numbers. A plain `new_cache` computes each
+    /// forward's tokens as one call.
+    pub fn new_prompt_cache(&self, prompt_len: usize) -> SeqCache {
+        let mut cache = self.new_cache();
+        cache.set_prompt_len(prompt_len);
+        cache
     }
 
     fn kv_width(&self) -> usize {
@@ -240,22 +250,21 @@ impl Gemma3 {
         }
 
         let mut spans = Vec::new();
-        let mut seqs = Vec::new();
+        let mut calls = Vec::new();
         let mut off = 0;
         for s in batch.iter() {
-            let rows = off..off + s.tokens.len();
             if let Some(adapter) = s.adapter {
                 spans.push(AdapterSpan {
-                    rows: rows.clone(),
+                    rows: off..off + s.tokens.len(),
                     adapter,
                 });
             }
-            seqs.push(rows);
+            calls.extend(s.cache.llama_calls(off, s.tokens.len()));
             off += s.tokens.len();
         }
         let rows = BatchRows {
             adapters: &spans,
-            seqs: &seqs,
+            calls: &calls,
         };
 
         let mut x = self.embed_tokens(&tokens)?;

@@ -9,7 +9,8 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::cache::extend_f16;
+use crate::cache::{extend_f16, LLAMA_UBATCH};
+use crate::kernels::LlamaCall;
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
 use crate::model::{add_assign, AdapterSpan, BatchLayout, BatchRows, Gemma3, KvRef, Layer};
 use crate::ops::{self, RopeTable};
@@ -179,10 +180,10 @@ impl Gemma3 {
             })
             .into_iter()
             .collect();
-        // Each segment as the serving path computes a prompt of its length.
+        let calls = llama_calls(seq.scored, &segments);
         let rows = BatchRows {
             adapters: &spans,
-            seqs: &segments,
+            calls: &calls,
         };
         let ropes = Ropes::new(&layout.pos, cfg);
 
@@ -636,4 +637,29 @@ impl RowSoftmax {
             entropy: sum.ln() - weighted / sum,
         }
     }
+}
+
+/// The llama.cpp calls the serving path used for a packed sequence's rows: a sampled (scored)
+/// token was a decode step of its own; each run of other tokens of a segment, a prompt
+/// prefilled in calls of `LLAMA_UBATCH` rows.
+fn llama_calls(scored: &[bool], segments: &[std::ops::Range<usize>]) -> Vec<LlamaCall> {
+    let mut calls = Vec::new();
+    for seg in segments {
+        let mut t = seg.start;
+        while t < seg.end {
+            let end = if scored[t] {
+                t + 1
+            } else {
+                let run_end = (t..seg.end).find(|&u| scored[u]).unwrap_or(seg.end);
+                run_end.min(t + LLAMA_UBATCH)
+            };
+            calls.push(LlamaCall {
+                rows: t..end,
+                first: 0,
+                len: end - t,
+            });
+            t = end;
+        }
+    }
+    calls
 }

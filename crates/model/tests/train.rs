@@ -14,9 +14,10 @@ fn scored_all(segment_lens: &[usize]) -> Vec<bool> {
 }
 
 /// The serving forward's log-softmax (and entropy) of each next token of `toks`, one segment
-/// alone, computed from its full logits.
+/// alone, computed from its full logits: the first token a prompt, every later one a sampled
+/// token (as `scored_all` marks them), so each row is computed as its decode step was.
 fn serving_scores(model: &Gemma3, toks: &[u32], adapter: Option<&LoraAdapter>) -> TokenScores {
-    let mut cache = model.new_cache();
+    let mut cache = model.new_prompt_cache(1);
     let logits = model
         .forward(&mut [SeqInput {
             tokens: toks,

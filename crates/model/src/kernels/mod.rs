@@ -198,23 +198,33 @@ pub(crate) enum LlamaPath {
     Block,
 }
 
-/// How llama.cpp computes the rows of one call of `rows.len()` rows with a `format` weight:
-/// consecutive ranges of `rows` and the path of each (empty ranges left out).
+/// Rows of a batch that belong to one llama.cpp call (one `llama_decode`): `rows` are the
+/// call's rows `first..first + rows.len()` of `len`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LlamaCall {
+    pub(crate) rows: Range<usize>,
+    pub(crate) first: usize,
+    pub(crate) len: usize,
+}
+
+/// How llama.cpp computes the rows of `call` with a `format` weight: consecutive ranges of the
+/// batch rows and the path of each (empty ranges left out).
 pub(crate) fn llama_paths(
     format: WeightFormat,
-    rows: Range<usize>,
+    call: &LlamaCall,
 ) -> impl Iterator<Item = (Range<usize>, LlamaPath)> {
-    let n = rows.len();
+    let n = call.len;
+    // The call's rows `0..blocked` take the block path.
     let blocked = match format {
         WeightFormat::Q8_0 => 0,
         WeightFormat::Q4K => n - n % 4,
         WeightFormat::Q6K if n >= 8 => n,
         WeightFormat::Q6K => 0,
     };
-    let split = rows.start + blocked;
+    let split = call.rows.start + blocked.saturating_sub(call.first).min(call.rows.len());
     [
-        (rows.start..split, LlamaPath::Block),
-        (split..rows.end, LlamaPath::Row),
+        (call.rows.start..split, LlamaPath::Block),
+        (split..call.rows.end, LlamaPath::Row),
     ]
     .into_iter()
     .filter(|(r, _)| !r.is_empty())
