@@ -284,6 +284,31 @@ mod x86 {
         (reduce_lanes(&lanes) as f64 + dot_tail(key, q, whole)) as f32
     }
 
+    /// `update_avx2` sixteen at a time.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn update_avx512(out: &mut [f32], value: &[f16], rescale: f32, weight: f32) {
+        let d = out.len();
+        let (r, w) = (_mm512_set1_ps(rescale), _mm512_set1_ps(weight));
+        let round16 = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+        let mut i = 0;
+        while i + 16 <= d {
+            // SAFETY: sixteen values of `out` and `value` from `i`.
+            unsafe {
+                let mut o = _mm512_loadu_ps(out.as_ptr().add(i));
+                if rescale != 1.0 {
+                    o = round16(_mm512_mul_ps(o, r));
+                }
+                let v =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(value.as_ptr().add(i) as *const __m256i));
+                o = round16(_mm512_fmadd_ps(v, w, o));
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), o);
+            }
+            i += 16;
+        }
+        // SAFETY: this function's features include AVX2's.
+        unsafe { update_avx2(&mut out[i..], &value[i..], rescale, weight) };
+    }
+
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn attend_row_avx512(q: &[f32], rows: &Rows<'_>, out: &mut [f32]) {
         let d = q.len();
@@ -296,8 +321,8 @@ mod x86 {
             // SAFETY: this function's features; the slices are `d` long.
             let score = unsafe { dot_avx512(key, &q) };
             let (rescale, weight) = online_step(score, &mut max, &mut sum);
-            // SAFETY: as above (AVX-512 implies the AVX2 features enabled here).
-            unsafe { update_avx2(out, value, rescale, weight) };
+            // SAFETY: as above.
+            unsafe { update_avx512(out, value, rescale, weight) };
         }
         // SAFETY: as above.
         unsafe { finish_avx2(out, sum) };
