@@ -34,24 +34,71 @@ pub(crate) struct Rows<'a> {
 }
 
 /// `out = softmax(q · Kᵀ) · V` for one (already scaled) query row `q`, llama.cpp's arithmetic.
-pub(crate) fn attend_row(isa: Isa, q: &[f32], rows: &Rows<'_>, out: &mut [f32]) {
+/// `split`: the row where ggml divides the keys between its two threads for a decode step with
+/// a long cache (`flash_attn_ext`'s split-KV path): each part's online softmax separately, then
+/// the two combined in order.
+pub(crate) fn attend_row(
+    isa: Isa,
+    q: &[f32],
+    rows: &Rows<'_>,
+    split: Option<usize>,
+    out: &mut [f32],
+) {
     let d = q.len();
     assert!(out.len() == d && rows.n > 0);
     assert!(rows.keys.len() >= (rows.n - 1) * rows.stride + d);
     assert!(rows.values.len() >= (rows.n - 1) * rows.stride + d);
+    let q: Vec<f32> = q.iter().map(|&x| round_f16(x)).collect();
+    let Some(split) = split.filter(|&s| s > 0 && s < rows.n) else {
+        let (_, sum) = partial(isa, &q, rows, out);
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+        return;
+    };
+    // ggml_flash_attn_ext_reduce_partials, with the FMAs GCC makes of its two products.
+    let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+    out.fill(0.0);
+    let mut acc = vec![0f32; d];
+    for part in [0..split, split..rows.n] {
+        let sub = Rows {
+            keys: &rows.keys[part.start * rows.stride..],
+            values: &rows.values[part.start * rows.stride..],
+            stride: rows.stride,
+            n: part.len(),
+        };
+        let (m, s) = partial(isa, &q, &sub, &mut acc);
+        if s == 0.0 {
+            continue;
+        }
+        let new_max = max.max(m);
+        let (scale_old, scale_new) = ((max - new_max).exp(), (m - new_max).exp());
+        for (o, a) in out.iter_mut().zip(&acc) {
+            *o = o.mul_add(scale_old, a * scale_new);
+        }
+        sum = sum.mul_add(scale_old, s * scale_new);
+        max = new_max;
+    }
+    if sum != 0.0 {
+        let inv = 1.0 / sum;
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+    }
+}
+
+/// One part's online softmax with `isa`'s instructions (see `partial_scalar`).
+fn partial(isa: Isa, q: &[f32], rows: &Rows<'_>, acc: &mut [f32]) -> (f32, f32) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            // SAFETY: `Isa::Avx512` is only detected on CPUs with AVX-512 F and F16C; the
-            // bounds were checked above.
-            unsafe { x86::attend_row_avx512(q, rows, out) }
-        }
+        // SAFETY: `Isa::Avx512` is only detected on CPUs with AVX-512 F and F16C; the slices
+        // were checked by `attend_row`.
+        Isa::Avx512 => unsafe { x86::partial_avx512(q, rows, acc) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            // SAFETY: as above, for AVX2, FMA and F16C.
-            unsafe { x86::attend_row_avx2(q, rows, out) }
-        }
-        _ => attend_row_scalar(q, rows, out),
+        // SAFETY: as above, for AVX2, FMA and F16C.
+        Isa::Avx2 => unsafe { x86::partial_avx2(q, rows, acc) },
+        _ => partial_scalar(q, rows, acc),
     }
 }
 
@@ -123,28 +170,26 @@ fn online_step(score: f32, max: &mut f32, sum: &mut f32) -> (f32, f32) {
     (rescale, weight)
 }
 
-fn attend_row_scalar(q: &[f32], rows: &Rows<'_>, out: &mut [f32]) {
+/// The online softmax over `rows` for the (f16-valued) query `q`: leaves the unnormalised
+/// output in `acc` and returns the maximum and the sum.
+fn partial_scalar(q: &[f32], rows: &Rows<'_>, acc: &mut [f32]) -> (f32, f32) {
     let d = q.len();
-    let q: Vec<f32> = q.iter().map(|&x| round_f16(x)).collect();
     let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-    out.fill(0.0);
+    acc.fill(0.0);
     for j in 0..rows.n {
         let key = &rows.keys[j * rows.stride..][..d];
         let value = &rows.values[j * rows.stride..][..d];
-        let (rescale, weight) = online_step(dot_scalar(key, &q), &mut max, &mut sum);
+        let (rescale, weight) = online_step(dot_scalar(key, q), &mut max, &mut sum);
         if rescale != 1.0 {
-            for o in out.iter_mut() {
+            for o in acc.iter_mut() {
                 *o = round_f16(*o * rescale);
             }
         }
-        for (o, v) in out.iter_mut().zip(value) {
+        for (o, v) in acc.iter_mut().zip(value) {
             *o = round_f16(v.to_f32().mul_add(weight, *o));
         }
     }
-    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-    for o in out.iter_mut() {
-        *o *= inv;
-    }
+    (max, sum)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -202,14 +247,6 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn finish_avx2(out: &mut [f32], sum: f32) {
-        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-        for o in out.iter_mut() {
-            *o *= inv;
-        }
-    }
-
     /// Each sixteen-lane accumulator as two eight-lane registers (low lanes, high lanes).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_avx2(key: &[f16], q: &[f32]) -> f32 {
@@ -238,28 +275,21 @@ mod x86 {
         (reduce_lanes(&lanes) as f64 + dot_tail(key, q, whole)) as f32
     }
 
-    /// Rounds `q` to f16 values in f32 (the query as ggml converts it).
-    fn round_query(q: &[f32]) -> Vec<f32> {
-        q.iter().map(|&x| super::round_f16(x)).collect()
-    }
-
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn attend_row_avx2(q: &[f32], rows: &Rows<'_>, out: &mut [f32]) {
+    pub(super) unsafe fn partial_avx2(q: &[f32], rows: &Rows<'_>, acc: &mut [f32]) -> (f32, f32) {
         let d = q.len();
-        let q = round_query(q);
         let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-        out.fill(0.0);
+        acc.fill(0.0);
         for j in 0..rows.n {
             let key = &rows.keys[j * rows.stride..][..d];
             let value = &rows.values[j * rows.stride..][..d];
             // SAFETY: this function's features; the slices are `d` long.
-            let score = unsafe { dot_avx2(key, &q) };
+            let score = unsafe { dot_avx2(key, q) };
             let (rescale, weight) = online_step(score, &mut max, &mut sum);
             // SAFETY: as above.
-            unsafe { update_avx2(out, value, rescale, weight) };
+            unsafe { update_avx2(acc, value, rescale, weight) };
         }
-        // SAFETY: as above.
-        unsafe { finish_avx2(out, sum) };
+        (max, sum)
     }
 
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
@@ -310,22 +340,20 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn attend_row_avx512(q: &[f32], rows: &Rows<'_>, out: &mut [f32]) {
+    pub(super) unsafe fn partial_avx512(q: &[f32], rows: &Rows<'_>, acc: &mut [f32]) -> (f32, f32) {
         let d = q.len();
-        let q = round_query(q);
         let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-        out.fill(0.0);
+        acc.fill(0.0);
         for j in 0..rows.n {
             let key = &rows.keys[j * rows.stride..][..d];
             let value = &rows.values[j * rows.stride..][..d];
             // SAFETY: this function's features; the slices are `d` long.
-            let score = unsafe { dot_avx512(key, &q) };
+            let score = unsafe { dot_avx512(key, q) };
             let (rescale, weight) = online_step(score, &mut max, &mut sum);
             // SAFETY: as above.
-            unsafe { update_avx512(out, value, rescale, weight) };
+            unsafe { update_avx512(acc, value, rescale, weight) };
         }
-        // SAFETY: as above.
-        unsafe { finish_avx2(out, sum) };
+        (max, sum)
     }
 }
 
@@ -380,16 +408,21 @@ mod tests {
                 stride,
                 n,
             };
-            let mut reference = vec![0f32; d];
-            attend_row(Isa::Scalar, &q, &rows, &mut reference);
-            for isa in isas() {
-                let mut out = vec![1f32; d];
-                attend_row(isa, &q, &rows, &mut out);
-                let same = out
-                    .iter()
-                    .zip(&reference)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{isa:?} d={d} n={n}: {out:?} vs {reference:?}");
+            for split in [None, Some(n / 2)] {
+                let mut reference = vec![0f32; d];
+                attend_row(Isa::Scalar, &q, &rows, split, &mut reference);
+                for isa in isas() {
+                    let mut out = vec![1f32; d];
+                    attend_row(isa, &q, &rows, split, &mut out);
+                    let same = out
+                        .iter()
+                        .zip(&reference)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{isa:?} d={d} n={n} {split:?}: {out:?} vs {reference:?}"
+                    );
+                }
             }
         }
     }
@@ -411,7 +444,9 @@ mod tests {
             n,
         };
         let mut out = vec![0f32; d];
-        attend_row(Isa::detect(), &q, &rows, &mut out);
+        attend_row(Isa::detect(), &q, &rows, None, &mut out);
+        let mut split = vec![0f32; d];
+        attend_row(Isa::detect(), &q, &rows, Some(n / 3), &mut split);
         let scores: Vec<f64> = (0..n)
             .map(|j| (0..d).map(|i| q[i] as f64 * kf[j * d + i] as f64).sum())
             .collect();
@@ -420,11 +455,9 @@ mod tests {
         let total: f64 = w.iter().sum();
         for i in 0..d {
             let exact: f64 = (0..n).map(|j| w[j] * vf[j * d + i] as f64).sum::<f64>() / total;
-            assert!(
-                (out[i] as f64 - exact).abs() < 2e-3,
-                "{i}: {} vs {exact}",
-                out[i]
-            );
+            for got in [out[i], split[i]] {
+                assert!((got as f64 - exact).abs() < 2e-3, "{i}: {got} vs {exact}");
+            }
         }
     }
 }

@@ -64,6 +64,8 @@ pub(crate) struct BatchRows<'a> {
     pub(crate) adapters: &'a [AdapterSpan<'a>],
     /// The llama.cpp call each row belongs to (`Linear::forward_split`).
     pub(crate) calls: &'a [LlamaCall],
+    /// Per row: a one-row call (a decode step), for the attention (`Gemma3::attend`).
+    pub(crate) decode: Vec<bool>,
 }
 
 impl Layer {
@@ -265,6 +267,7 @@ impl Gemma3 {
         let rows = BatchRows {
             adapters: &spans,
             calls: &calls,
+            decode: decode_rows(&calls, tokens.len()),
         };
 
         let mut x = self.embed_tokens(&tokens)?;
@@ -298,7 +301,7 @@ impl Gemma3 {
                 })
                 .collect();
             let window = (!global).then_some(cfg.sliding_window);
-            let attn = self.attend(&q, &kvs, &layout, window);
+            let attn = self.attend(&q, &kvs, &layout, window, &rows.decode);
 
             let mut o = layer.project(li, LoraTarget::O, &attn, &rows)?;
             ops::rms_norm(&mut o, &layer.post_attn_norm, cfg.rms_eps);
@@ -364,12 +367,15 @@ impl Gemma3 {
     /// holds the batch's new keys. Local layers see the last `window` positions, self included.
     /// The query is scaled by `1/sqrt(head_dim)` first (llama.cpp scales Q, not the scores),
     /// then `attention::attend_row` computes llama.cpp's flash attention.
+    /// `decode[t]`: token `t` is a llama.cpp call of one row (a decode step), whose attention
+    /// ggml splits across its threads once its KV view reaches 512 cells (`llama_kv_split`).
     pub(crate) fn attend(
         &self,
         q: &[f32],
         kvs: &[KvRef<'_>],
         layout: &BatchLayout,
         window: Option<usize>,
+        decode: &[bool],
     ) -> Vec<f32> {
         let (h, hkv, d) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
         let group = h / hkv;
@@ -396,7 +402,11 @@ impl Gemma3 {
                         stride: kv_width,
                         n,
                     };
-                    attention::attend_row(isa, &qrow, &rows, o);
+                    let split = decode[t]
+                        .then(|| llama_kv_split(pos + 1))
+                        .flatten()
+                        .map(|cell| cell.saturating_sub(lo));
+                    attention::attend_row(isa, &qrow, &rows, split, o);
                 }
                 KvRef::F32 { k, v } => {
                     attention::attend_row_f32(&qrow, &k[first..], &v[first..], kv_width, n, o)
@@ -405,6 +415,25 @@ impl Gemma3 {
         });
         out
     }
+}
+
+/// llama.cpp pads its KV view to 256 cells, and from 512 on ggml splits a decode step's
+/// attention across its threads (two, in the reference build) at half the view: the cell (= the
+/// position, cells filling in order) where the second part starts, for a cache of `len`.
+fn llama_kv_split(len: usize) -> Option<usize> {
+    const PAD: usize = 256;
+    const THREADS: usize = 2;
+    let view = len.next_multiple_of(PAD).max(PAD);
+    (view >= 2 * PAD).then(|| view.div_ceil(THREADS))
+}
+
+/// Which rows are one-row llama.cpp calls (decode steps).
+pub(crate) fn decode_rows(calls: &[LlamaCall], rows: usize) -> Vec<bool> {
+    let mut decode = vec![false; rows];
+    for c in calls.iter().filter(|c| c.len == 1) {
+        decode[c.rows.clone()].fill(true);
+    }
+    decode
 }
 
 pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {

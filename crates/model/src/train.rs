@@ -12,7 +12,9 @@ use rayon::prelude::*;
 use crate::cache::{extend_f16, LLAMA_UBATCH};
 use crate::kernels::LlamaCall;
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
-use crate::model::{add_assign, AdapterSpan, BatchLayout, BatchRows, Gemma3, KvRef, Layer};
+use crate::model::{
+    add_assign, decode_rows, AdapterSpan, BatchLayout, BatchRows, Gemma3, KvRef, Layer,
+};
 use crate::ops::{self, RopeTable};
 use crate::ModelError;
 
@@ -184,6 +186,7 @@ impl Gemma3 {
         let rows = BatchRows {
             adapters: &spans,
             calls: &calls,
+            decode: decode_rows(&calls, n),
         };
         let ropes = Ropes::new(&layout.pos, cfg);
 
@@ -311,7 +314,7 @@ impl Gemma3 {
             })
             .collect();
         let window = (!global).then_some(cfg.sliding_window);
-        let attn = self.attend(&q, &kvs, layout, window);
+        let attn = self.attend(&q, &kvs, layout, window, &rows.decode);
 
         let o = layer.project(li, LoraTarget::O, &attn, rows)?;
         let mut o_normed = o.clone();

@@ -100,6 +100,41 @@ fn logits_equal_llama_cpp_bit_for_bit() {
     eprintln!("{exact}/{total} logits identical to llama.cpp's");
 }
 
+/// A long context: the prompt in llama.cpp's calls of 58 tokens, then decode steps past 256
+/// positions, where ggml splits the attention across its threads: identical bits again.
+#[test]
+fn long_context_logits_equal_llama_cpp_bit_for_bit() {
+    let Some(model) = model() else {
+        return;
+    };
+    let s: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/llama-logits-long.json")).expect("json");
+    let (prompt, greedy) = (ids(&s["prompt_ids"]), ids(&s["ids"]));
+    let chunk = s["chunk"].as_u64().expect("chunk") as usize;
+    // A plain cache: each forward is one llama.cpp call, as the fixture's calls were.
+    let mut cache = model.new_cache();
+    let mut row = Vec::new();
+    for c in prompt.chunks(chunk) {
+        row = step(&model, &mut cache, c);
+    }
+    for (pos, top) in s["top_logits"].as_array().expect("top").iter().enumerate() {
+        for entry in top.as_array().expect("entries") {
+            let id = entry[0].as_u64().expect("id") as usize;
+            let want = entry[1].as_u64().expect("bits") as u32;
+            assert_eq!(
+                row[id].to_bits(),
+                want,
+                "position {}: logit of {id}",
+                prompt.len() + pos
+            );
+        }
+        assert_eq!(argmax(&row), greedy[pos]);
+        if pos + 1 < greedy.len() {
+            row = step(&model, &mut cache, &greedy[pos..pos + 1]);
+        }
+    }
+}
+
 /// Greedy decoding through the cache against llama-server's golden continuations (issue 2 asks
 /// for the first 16 ids on at least 4 of the 5 prompts). The server's own logprobs carry more
 /// than the logits: it sums the softmax in f32, and it reuses the previous request's prompt
