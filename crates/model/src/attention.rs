@@ -11,7 +11,10 @@
 //!   `exp(old max - new max)`, otherwise the value is weighted by `exp(score - max)`; the
 //!   accumulator is kept in f16 (every update rounds), the running sum in f32
 //!   (`sum = fma(sum, rescale, weight)`);
-//! - the output is the accumulator times `1 / sum`.
+//! - the output is the accumulator times `1 / sum`;
+//! - a decode step whose KV view reaches 512 cells takes ggml's split-KV path: the keys split
+//!   between its two threads, each part's online softmax as above, the two combined as
+//!   `ggml_flash_attn_ext_reduce_partials` does (`attend_row`'s `split`).
 //!
 //! The scalar reference and the SIMD paths compute the same bits (tested on random data).
 
