@@ -2,7 +2,7 @@
 //! flash attention computes it (ggml's `flash_attn_ext_f16_one_chunk` on an AVX-512 build
 //! without AVX512-FP16), so that our logits match the reference build bit for bit:
 //!
-//! - the query (already multiplied by the attention scale) is rounded to f16;
+//! - the query, multiplied by the attention scale, is rounded to f16;
 //! - a score is `ggml_vec_dot_f16`: four accumulators of sixteen f32 lanes, one fused
 //!   multiply-add per value over whole steps of 64 values, folded `a0+a2`, `a1+a3`, then
 //!   `a0+a1`, then the sixteen lanes as GCC's `_mm512_reduce_add_ps` (halves, quarters, then
@@ -36,13 +36,15 @@ pub(crate) struct Rows<'a> {
     pub(crate) n: usize,
 }
 
-/// `out = softmax(q · Kᵀ) · V` for one (already scaled) query row `q`, llama.cpp's arithmetic.
+/// `out = softmax((scale·q) · Kᵀ) · V` for one query row `q`, llama.cpp's arithmetic (it
+/// scales Q, then rounds it to f16).
 /// `split`: the row where ggml divides the keys between its two threads for a decode step with
 /// a long cache (`flash_attn_ext`'s split-KV path): each part's online softmax separately, then
 /// the two combined in order.
 pub(crate) fn attend_row(
     isa: Isa,
     q: &[f32],
+    scale: f32,
     rows: &Rows<'_>,
     split: Option<usize>,
     out: &mut [f32],
@@ -51,7 +53,7 @@ pub(crate) fn attend_row(
     assert!(out.len() == d && rows.n > 0);
     assert!(rows.keys.len() >= (rows.n - 1) * rows.stride + d);
     assert!(rows.values.len() >= (rows.n - 1) * rows.stride + d);
-    let q: Vec<f32> = q.iter().map(|&x| round_f16(x)).collect();
+    let q: Vec<f32> = q.iter().map(|&x| round_f16(x * scale)).collect();
     let Some(split) = split.filter(|&s| s > 0 && s < rows.n) else {
         let (_, sum) = partial(isa, &q, rows, out);
         let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
@@ -101,7 +103,7 @@ fn partial(isa: Isa, q: &[f32], rows: &Rows<'_>, acc: &mut [f32]) -> (f32, f32) 
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2, FMA and F16C.
         Isa::Avx2 => unsafe { x86::partial_avx2(q, rows, acc) },
-        _ => partial_scalar(q, rows, acc),
+        _ => online_softmax(q, rows, acc, dot_scalar, update_scalar),
     }
 }
 
@@ -109,6 +111,7 @@ fn partial(isa: Isa, q: &[f32], rows: &Rows<'_>, acc: &mut [f32]) -> (f32, f32) 
 /// softmax): a smooth function, for gradient checks.
 pub(crate) fn attend_row_f32(
     q: &[f32],
+    scale: f32,
     keys: &[f32],
     values: &[f32],
     stride: usize,
@@ -117,7 +120,7 @@ pub(crate) fn attend_row_f32(
 ) {
     let d = q.len();
     let mut scores: Vec<f32> = (0..n)
-        .map(|j| ops::dot(q, &keys[j * stride..][..d]))
+        .map(|j| ops::dot(q, &keys[j * stride..][..d]) * scale)
         .collect();
     ops::softmax(&mut scores);
     out.fill(0.0);
@@ -173,26 +176,38 @@ fn online_step(score: f32, max: &mut f32, sum: &mut f32) -> (f32, f32) {
     (rescale, weight)
 }
 
-/// The online softmax over `rows` for the (f16-valued) query `q`: leaves the unnormalised
-/// output in `acc` and returns the maximum and the sum.
-fn partial_scalar(q: &[f32], rows: &Rows<'_>, acc: &mut [f32]) -> (f32, f32) {
+/// The online softmax over `rows` for the (f16-valued) query `q` with a path's dot product and
+/// accumulator update: leaves the unnormalised output in `acc` and returns the maximum and the
+/// sum. Inlined into each path, so its kernels inline too.
+#[inline(always)]
+fn online_softmax(
+    q: &[f32],
+    rows: &Rows<'_>,
+    acc: &mut [f32],
+    dot: impl Fn(&[f16], &[f32]) -> f32,
+    update: impl Fn(&mut [f32], &[f16], f32, f32),
+) -> (f32, f32) {
     let d = q.len();
     let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
     acc.fill(0.0);
     for j in 0..rows.n {
         let key = &rows.keys[j * rows.stride..][..d];
         let value = &rows.values[j * rows.stride..][..d];
-        let (rescale, weight) = online_step(dot_scalar(key, q), &mut max, &mut sum);
-        if rescale != 1.0 {
-            for o in acc.iter_mut() {
-                *o = round_f16(*o * rescale);
-            }
-        }
-        for (o, v) in acc.iter_mut().zip(value) {
-            *o = round_f16(v.to_f32().mul_add(weight, *o));
-        }
+        let (rescale, weight) = online_step(dot(key, q), &mut max, &mut sum);
+        update(acc, value, rescale, weight);
     }
     (max, sum)
+}
+
+/// `acc = round_f16(fma(v, weight, round_f16(acc * rescale)))` element-wise (ggml's
+/// `ggml_vec_scale_f16` on a new maximum, then `ggml_vec_mad_f16`).
+fn update_scalar(acc: &mut [f32], value: &[f16], rescale: f32, weight: f32) {
+    for (o, v) in acc.iter_mut().zip(value) {
+        if rescale != 1.0 {
+            *o = round_f16(*o * rescale);
+        }
+        *o = round_f16(v.to_f32().mul_add(weight, *o));
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -201,7 +216,7 @@ mod x86 {
 
     use half::f16;
 
-    use super::{online_step, reduce_lanes, Rows, LANES, STEP};
+    use super::{online_softmax, reduce_lanes, Rows, LANES, STEP};
 
     /// Rounds eight f32 to f16 and back (round to nearest even, as F16C does for ggml).
     #[inline(always)]
@@ -242,12 +257,7 @@ mod x86 {
             }
             i += 8;
         }
-        for (o, v) in out[i..].iter_mut().zip(&value[i..]) {
-            if rescale != 1.0 {
-                *o = super::round_f16(*o * rescale);
-            }
-            *o = super::round_f16(v.to_f32().mul_add(weight, *o));
-        }
+        super::update_scalar(&mut out[i..], &value[i..], rescale, weight);
     }
 
     /// Each sixteen-lane accumulator as two eight-lane registers (low lanes, high lanes).
@@ -280,19 +290,14 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn partial_avx2(q: &[f32], rows: &Rows<'_>, acc: &mut [f32]) -> (f32, f32) {
-        let d = q.len();
-        let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-        acc.fill(0.0);
-        for j in 0..rows.n {
-            let key = &rows.keys[j * rows.stride..][..d];
-            let value = &rows.values[j * rows.stride..][..d];
-            // SAFETY: this function's features; the slices are `d` long.
-            let score = unsafe { dot_avx2(key, q) };
-            let (rescale, weight) = online_step(score, &mut max, &mut sum);
-            // SAFETY: as above.
-            unsafe { update_avx2(acc, value, rescale, weight) };
-        }
-        (max, sum)
+        // SAFETY (both closures): this function's features; the slices are `d` long.
+        online_softmax(
+            q,
+            rows,
+            acc,
+            |k, q| unsafe { dot_avx2(k, q) },
+            |o, v, r, w| unsafe { update_avx2(o, v, r, w) },
+        )
     }
 
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
@@ -344,19 +349,14 @@ mod x86 {
 
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn partial_avx512(q: &[f32], rows: &Rows<'_>, acc: &mut [f32]) -> (f32, f32) {
-        let d = q.len();
-        let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-        acc.fill(0.0);
-        for j in 0..rows.n {
-            let key = &rows.keys[j * rows.stride..][..d];
-            let value = &rows.values[j * rows.stride..][..d];
-            // SAFETY: this function's features; the slices are `d` long.
-            let score = unsafe { dot_avx512(key, q) };
-            let (rescale, weight) = online_step(score, &mut max, &mut sum);
-            // SAFETY: as above.
-            unsafe { update_avx512(acc, value, rescale, weight) };
-        }
-        (max, sum)
+        // SAFETY (both closures): this function's features; the slices are `d` long.
+        online_softmax(
+            q,
+            rows,
+            acc,
+            |k, q| unsafe { dot_avx512(k, q) },
+            |o, v, r, w| unsafe { update_avx512(o, v, r, w) },
+        )
     }
 }
 
@@ -413,10 +413,10 @@ mod tests {
             };
             for split in [None, Some(n / 2)] {
                 let mut reference = vec![0f32; d];
-                attend_row(Isa::Scalar, &q, &rows, split, &mut reference);
+                attend_row(Isa::Scalar, &q, 1.0, &rows, split, &mut reference);
                 for isa in isas() {
                     let mut out = vec![1f32; d];
-                    attend_row(isa, &q, &rows, split, &mut out);
+                    attend_row(isa, &q, 1.0, &rows, split, &mut out);
                     let same = out
                         .iter()
                         .zip(&reference)
@@ -447,9 +447,9 @@ mod tests {
             n,
         };
         let mut out = vec![0f32; d];
-        attend_row(Isa::detect(), &q, &rows, None, &mut out);
+        attend_row(Isa::detect(), &q, 1.0, &rows, None, &mut out);
         let mut split = vec![0f32; d];
-        attend_row(Isa::detect(), &q, &rows, Some(n / 3), &mut split);
+        attend_row(Isa::detect(), &q, 1.0, &rows, Some(n / 3), &mut split);
         let scores: Vec<f64> = (0..n)
             .map(|j| (0..d).map(|i| q[i] as f64 * kf[j * d + i] as f64).sum())
             .collect();

@@ -68,6 +68,25 @@ pub(crate) struct BatchRows<'a> {
     pub(crate) decode: Vec<bool>,
 }
 
+impl<'a> BatchRows<'a> {
+    /// A batch of `rows` rows in `calls`.
+    pub(crate) fn new(
+        adapters: &'a [AdapterSpan<'a>],
+        calls: &'a [LlamaCall],
+        rows: usize,
+    ) -> Self {
+        let mut decode = vec![false; rows];
+        for c in calls.iter().filter(|c| c.len == 1) {
+            decode[c.rows.clone()].fill(true);
+        }
+        Self {
+            adapters,
+            calls,
+            decode,
+        }
+    }
+}
+
 impl Layer {
     pub(crate) fn linear(&self, target: LoraTarget) -> &Linear {
         match target {
@@ -264,11 +283,7 @@ impl Gemma3 {
             calls.extend(s.cache.llama_calls(off, s.tokens.len()));
             off += s.tokens.len();
         }
-        let rows = BatchRows {
-            adapters: &spans,
-            calls: &calls,
-            decode: decode_rows(&calls, tokens.len()),
-        };
+        let rows = BatchRows::new(&spans, &calls, tokens.len());
 
         let mut x = self.embed_tokens(&tokens)?;
         let rope_local = RopeTable::new(&layout.pos, d, cfg.rope_base_local);
@@ -388,10 +403,7 @@ impl Gemma3 {
             let g = head / group;
             let pos = layout.pos[t];
             let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let qrow: Vec<f32> = q[idx * d..(idx + 1) * d]
-                .iter()
-                .map(|&x| x * scale)
-                .collect();
+            let qrow = &q[idx * d..(idx + 1) * d];
             let first = lo * kv_width + g * d;
             let n = pos + 1 - lo;
             match kvs[layout.seq[t]] {
@@ -406,10 +418,10 @@ impl Gemma3 {
                         .then(|| llama_kv_split(pos + 1))
                         .flatten()
                         .map(|cell| cell.saturating_sub(lo));
-                    attention::attend_row(isa, &qrow, &rows, split, o);
+                    attention::attend_row(isa, qrow, scale, &rows, split, o);
                 }
                 KvRef::F32 { k, v } => {
-                    attention::attend_row_f32(&qrow, &k[first..], &v[first..], kv_width, n, o)
+                    attention::attend_row_f32(qrow, scale, &k[first..], &v[first..], kv_width, n, o)
                 }
             }
         });
@@ -425,15 +437,6 @@ fn llama_kv_split(len: usize) -> Option<usize> {
     const THREADS: usize = 2;
     let view = len.next_multiple_of(PAD).max(PAD);
     (view >= 2 * PAD).then(|| view.div_ceil(THREADS))
-}
-
-/// Which rows are one-row llama.cpp calls (decode steps).
-pub(crate) fn decode_rows(calls: &[LlamaCall], rows: usize) -> Vec<bool> {
-    let mut decode = vec![false; rows];
-    for c in calls.iter().filter(|c| c.len == 1) {
-        decode[c.rows.clone()].fill(true);
-    }
-    decode
 }
 
 pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {

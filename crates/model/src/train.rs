@@ -12,9 +12,7 @@ use rayon::prelude::*;
 use crate::cache::{extend_f16, LLAMA_UBATCH};
 use crate::kernels::LlamaCall;
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
-use crate::model::{
-    add_assign, decode_rows, AdapterSpan, BatchLayout, BatchRows, Gemma3, KvRef, Layer,
-};
+use crate::model::{add_assign, AdapterSpan, BatchLayout, BatchRows, Gemma3, KvRef, Layer};
 use crate::ops::{self, RopeTable};
 use crate::ModelError;
 
@@ -183,11 +181,7 @@ impl Gemma3 {
             .into_iter()
             .collect();
         let calls = llama_calls(seq.scored, &segments);
-        let rows = BatchRows {
-            adapters: &spans,
-            calls: &calls,
-            decode: decode_rows(&calls, n),
-        };
+        let rows = BatchRows::new(&spans, &calls, n);
         let ropes = Ropes::new(&layout.pos, cfg);
 
         let mut x = self.embed_tokens(seq.tokens)?;

@@ -388,11 +388,15 @@ impl OutRows {
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_act_rows {
     ($na:expr, $($f:ident)::+($($arg:expr),*)) => {
+        with_act_rows!($na, $($f)::+[]($($arg),*))
+    };
+    // `[C, ...]`: further const generic arguments after the row count.
+    ($na:expr, $($f:ident)::+[$($c:tt),*]($($arg:expr),*)) => {
         match $na {
-            1 => $($f)::+::<1>($($arg),*),
-            2 => $($f)::+::<2>($($arg),*),
-            3 => $($f)::+::<3>($($arg),*),
-            _ => $($f)::+::<4>($($arg),*),
+            1 => $($f)::+::<1 $(, $c)*>($($arg),*),
+            2 => $($f)::+::<2 $(, $c)*>($($arg),*),
+            3 => $($f)::+::<3 $(, $c)*>($($arg),*),
+            _ => $($f)::+::<4 $(, $c)*>($($arg),*),
         }
     };
 }

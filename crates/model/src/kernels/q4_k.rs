@@ -18,6 +18,8 @@
 use half::f16;
 
 use super::activations::{quantize_q8_k, Q8KBlock};
+#[cfg(target_arch = "x86_64")]
+use super::with_act_rows;
 use super::{Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 256;
@@ -66,15 +68,11 @@ impl<const TILED: bool> Kernel for Q4K<TILED> {
         let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
-            match (isa, na) {
-                (Isa::Avx512, 1) => x86::avx512_rows::<1, TILED>(w, acts, nb, out, stride),
-                (Isa::Avx512, 2) => x86::avx512_rows::<2, TILED>(w, acts, nb, out, stride),
-                (Isa::Avx512, 3) => x86::avx512_rows::<3, TILED>(w, acts, nb, out, stride),
-                (Isa::Avx512, _) => x86::avx512_rows::<4, TILED>(w, acts, nb, out, stride),
-                (_, 1) => x86::avx2_rows::<1, TILED>(w, acts, nb, out, stride),
-                (_, 2) => x86::avx2_rows::<2, TILED>(w, acts, nb, out, stride),
-                (_, 3) => x86::avx2_rows::<3, TILED>(w, acts, nb, out, stride),
-                (_, _) => x86::avx2_rows::<4, TILED>(w, acts, nb, out, stride),
+            match isa {
+                Isa::Avx512 => {
+                    with_act_rows!(na, x86::avx512_rows[TILED](w, acts, nb, out, stride))
+                }
+                _ => with_act_rows!(na, x86::avx2_rows[TILED](w, acts, nb, out, stride)),
             }
         }
     }
@@ -255,6 +253,37 @@ mod x86 {
 
     /// No VNNI: half a group (eight rows) per register; four quants times four activation
     /// values through `maddubs` (unsigned 4-bit times signed, exact in i16) and `madd`.
+    /// `acc += (sums.0 as f32) * (dw·da)`, `acc_min += (sums.1 as f32) * (dmin·da)`, each one
+    /// FMA, for eight rows: one step of the repacked kernels' two accumulators.
+    #[target_feature(enable = "avx2,fma")]
+    fn fold8(
+        acc: &mut __m256,
+        acc_min: &mut __m256,
+        sums: (__m256i, __m256i),
+        scales: (__m256, __m256),
+        da: f32,
+    ) {
+        let da = _mm256_set1_ps(da);
+        let (i, m) = (_mm256_cvtepi32_ps(sums.0), _mm256_cvtepi32_ps(sums.1));
+        *acc = _mm256_fmadd_ps(i, _mm256_mul_ps(scales.0, da), *acc);
+        *acc_min = _mm256_fmadd_ps(m, _mm256_mul_ps(scales.1, da), *acc_min);
+    }
+
+    /// `fold8` for sixteen rows.
+    #[target_feature(enable = "avx512f")]
+    fn fold16(
+        acc: &mut __m512,
+        acc_min: &mut __m512,
+        sums: (__m512i, __m512i),
+        scales: (__m512, __m512),
+        da: f32,
+    ) {
+        let da = _mm512_set1_ps(da);
+        let (i, m) = (_mm512_cvtepi32_ps(sums.0), _mm512_cvtepi32_ps(sums.1));
+        *acc = _mm512_fmadd_ps(i, _mm512_mul_ps(scales.0, da), *acc);
+        *acc_min = _mm512_fmadd_ps(m, _mm512_mul_ps(scales.1, da), *acc_min);
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2_rows<const NA: usize, const TILED: bool>(
         w: &[u8],
@@ -324,12 +353,8 @@ mod x86 {
                             let pair = _mm256_set1_epi32(sums_pair(ab, c));
                             let msum_c = _mm256_madd_epi16(mins, pair);
                             if TILED {
-                                let da = _mm256_set1_ps(ab.d);
-                                let (i, m) =
-                                    (_mm256_cvtepi32_ps(isum_c), _mm256_cvtepi32_ps(msum_c));
-                                acc[a] = _mm256_fmadd_ps(i, _mm256_mul_ps(dw, da), acc[a]);
-                                acc_min[a] =
-                                    _mm256_fmadd_ps(m, _mm256_mul_ps(dminw, da), acc_min[a]);
+                                let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
+                                fold8(acc, acc_min, (isum_c, msum_c), (dw, dminw), ab.d);
                             } else {
                                 isum[a] = _mm256_add_epi32(isum[a], isum_c);
                                 msum[a] = _mm256_add_epi32(msum[a], msum_c);
@@ -338,10 +363,9 @@ mod x86 {
                     }
                     if !TILED {
                         for a in 0..NA {
-                            let da = _mm256_set1_ps(acts[a * nb + b].d);
-                            let (i, m) = (_mm256_cvtepi32_ps(isum[a]), _mm256_cvtepi32_ps(msum[a]));
-                            acc[a] = _mm256_fmadd_ps(i, _mm256_mul_ps(dw, da), acc[a]);
-                            acc_min[a] = _mm256_fmadd_ps(m, _mm256_mul_ps(dminw, da), acc_min[a]);
+                            let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
+                            let da = acts[a * nb + b].d;
+                            fold8(acc, acc_min, (isum[a], msum[a]), (dw, dminw), da);
                         }
                     }
                 }
@@ -441,10 +465,8 @@ mod x86 {
                         let pair = _mm512_set1_epi32(sums_pair(ab, c));
                         let msum_c = _mm512_madd_epi16(mins, pair);
                         if TILED {
-                            let da = _mm512_set1_ps(ab.d);
-                            let (i, m) = (_mm512_cvtepi32_ps(isum_c), _mm512_cvtepi32_ps(msum_c));
-                            acc[a] = _mm512_fmadd_ps(i, _mm512_mul_ps(dw, da), acc[a]);
-                            acc_min[a] = _mm512_fmadd_ps(m, _mm512_mul_ps(dminw, da), acc_min[a]);
+                            let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
+                            fold16(acc, acc_min, (isum_c, msum_c), (dw, dminw), ab.d);
                         } else {
                             isum[a] = _mm512_add_epi32(isum[a], isum_c);
                             msum[a] = _mm512_add_epi32(msum[a], msum_c);
@@ -453,10 +475,9 @@ mod x86 {
                 }
                 if !TILED {
                     for a in 0..NA {
-                        let da = _mm512_set1_ps(acts[a * nb + b].d);
-                        let (i, m) = (_mm512_cvtepi32_ps(isum[a]), _mm512_cvtepi32_ps(msum[a]));
-                        acc[a] = _mm512_fmadd_ps(i, _mm512_mul_ps(dw, da), acc[a]);
-                        acc_min[a] = _mm512_fmadd_ps(m, _mm512_mul_ps(dminw, da), acc_min[a]);
+                        let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
+                        let da = acts[a * nb + b].d;
+                        fold16(acc, acc_min, (isum[a], msum[a]), (dw, dminw), da);
                     }
                 }
             }

@@ -7,6 +7,8 @@
 use half::f16;
 
 use super::activations::{quantize_q8_k, Q8KBlock};
+#[cfg(target_arch = "x86_64")]
+use super::with_act_rows;
 use super::{hsum8, Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 256;
@@ -45,15 +47,11 @@ impl<const TILED: bool> Kernel for Q6K<TILED> {
         let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
-            match (isa, na) {
-                (Isa::Avx512, 1) => x86::avx512_rows::<1, TILED>(w, acts, nb, out, stride),
-                (Isa::Avx512, 2) => x86::avx512_rows::<2, TILED>(w, acts, nb, out, stride),
-                (Isa::Avx512, 3) => x86::avx512_rows::<3, TILED>(w, acts, nb, out, stride),
-                (Isa::Avx512, _) => x86::avx512_rows::<4, TILED>(w, acts, nb, out, stride),
-                (_, 1) => x86::rows::<1, TILED>(w, acts, nb, out, stride),
-                (_, 2) => x86::rows::<2, TILED>(w, acts, nb, out, stride),
-                (_, 3) => x86::rows::<3, TILED>(w, acts, nb, out, stride),
-                (_, _) => x86::rows::<4, TILED>(w, acts, nb, out, stride),
+            match isa {
+                Isa::Avx512 => {
+                    with_act_rows!(na, x86::avx512_rows[TILED](w, acts, nb, out, stride))
+                }
+                _ => with_act_rows!(na, x86::rows[TILED](w, acts, nb, out, stride)),
             }
         }
     }
