@@ -1,0 +1,191 @@
+"""The `openpipe-art` RL library, unchanged, against the real `temper serve` binary on the default
+model: its `ServerlessBackend` speaks our training API. Register, roll out through
+`model.openai_client()`, score, `backend.train(...)` with the defaults and with other options,
+read steps, serve checkpoints by name, delete checkpoints, and a tool-using agent. Run by
+scripts/art-tests.sh (which `make test` calls); prints a cargo-style `test result:` line."""
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+# The library reads these at import: no W&B account is involved, no price list is fetched.
+os.environ.pop("WANDB_API_KEY", None)
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import art  # noqa: E402
+import openai  # noqa: E402
+from art.serverless.backend import ServerlessBackend  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_openai_sdk import KEY, MODEL, Server  # noqa: E402
+
+SERVER = None
+WORK_DIR = None
+PROMPTS = ["Name a colour.", "Name a fruit.", "Name an animal.", "Name a country."]
+
+
+def setUpModule():
+    global SERVER, WORK_DIR
+    SERVER = Server("--enable-tool-calls")
+    # The library writes its local logs under the working directory.
+    WORK_DIR = tempfile.TemporaryDirectory()
+    os.chdir(WORK_DIR.name)
+
+
+def tearDownModule():
+    SERVER.stop()
+    os.chdir("/")
+    WORK_DIR.cleanup()
+
+
+async def registered(name):
+    backend = ServerlessBackend(api_key=KEY, base_url=SERVER.base_url)
+    model = art.TrainableModel(name=name, project="art-suite", base_model=MODEL)
+    await model.register(backend)
+    return backend, model
+
+
+def ask(text):
+    return [{"role": "user", "content": text}]
+
+
+async def first_token_probability(model, step, prompt, token):
+    """P(first answer token == token) at a checkpoint, from the top 20 logprobs of one token."""
+    r = await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(step=step), messages=ask(prompt), max_tokens=1,
+        temperature=0, logprobs=True, top_logprobs=20)
+    tops = r.choices[0].logprobs.content[0].top_logprobs
+    return next((2.718281828459045 ** t.logprob for t in tops if t.token == token), 0.0)
+
+
+async def rollouts(model, seed, reward, n=8, **kwargs):
+    """One group per prompt: n sampled answers, each scored by `reward(choice)`."""
+    client = model.openai_client()
+    groups = []
+    for k, prompt in enumerate(PROMPTS):
+        r = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=ask(prompt), n=n, max_tokens=6,
+            temperature=1.0, logprobs=True, seed=seed * 100 + k, **kwargs)
+        groups.append(art.TrajectoryGroup(
+            art.Trajectory(messages_and_choices=[*ask(prompt), choice], reward=reward(choice))
+            for choice in r.choices))
+    return groups
+
+
+class Loop(unittest.IsolatedAsyncioTestCase):
+    async def test_register_roll_out_train_and_learn(self):
+        backend, model = await registered("learner")
+        self.assertTrue(model.id)
+        self.assertEqual(await model.get_step(), 0)
+        # The rewarded behaviour: the base model's most likely first token of an answer to
+        # "Name a colour." (about one answer in eight starts with it).
+        client = model.openai_client()
+        r = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=ask(PROMPTS[0]), max_tokens=1,
+            temperature=0, logprobs=True, top_logprobs=1)
+        target = r.choices[0].logprobs.content[0].top_logprobs[0].token
+        before = await first_token_probability(model, 0, PROMPTS[0], target)
+
+        def reward(choice):
+            return 1.0 if choice.logprobs.content[0].token == target else 0.0
+
+        for round_ in range(3):
+            groups = await rollouts(model, round_, reward)
+            result = await backend.train(model, groups, learning_rate=1e-4)
+            self.assertEqual(result.step, round_ + 1)
+            self.assertIn("loss", result.metrics)
+        self.assertEqual(await model.get_step(), 3)
+        after = await first_token_probability(model, 3, PROMPTS[0], target)
+        print(f"\nP(first token {target!r}): step 0 {before:.3f} -> step 3 {after:.3f}", file=sys.stderr)
+        self.assertGreater(after, before * 1.5)
+        await backend.close()
+
+    async def test_options_steps_names_and_checkpoint_deletion(self):
+        backend, model = await registered("options")
+        # Rewards by answer length: every group has a spread.
+        def reward(choice):
+            return float(len(choice.message.content or ""))
+
+        result = await backend.train(model, await rollouts(model, 7, reward, n=4), ppo=True,
+                                     learning_rate=1e-4)
+        self.assertEqual(result.step, 1)
+        result = await backend.train(model, await rollouts(model, 8, reward, n=4),
+                                     importance_sampling_level="sequence", scale_rewards=False,
+                                     learning_rate=1e-4)
+        self.assertEqual(result.step, 2)
+        result = await backend.train(model, await rollouts(model, 9, reward, n=4),
+                                     importance_sampling_level="geometric_average",
+                                     advantage_balance=0.5, epsilon=0.5, epsilon_high=0.5,
+                                     max_negative_advantage_importance_sampling_weight=2.0,
+                                     mask_prob_ratio=True, kimi_k2_tau=0.1,
+                                     precalculate_logprobs=True, learning_rate=1e-4)
+        self.assertEqual(result.step, 3)
+        self.assertEqual(await model.get_step(), 3)
+        client = model.openai_client()
+        for step in (None, 0, 1, 2, 3):
+            r = await client.chat.completions.create(
+                model=model.get_inference_name(step=step), messages=ask("Hi"), max_tokens=2)
+            self.assertTrue(r.choices)
+        # Keeps the latest checkpoint only (no local history names a best one).
+        await model.delete_checkpoints()
+        self.assertEqual(await model.get_step(), 3)
+        with self.assertRaises(openai.NotFoundError):
+            await client.chat.completions.create(
+                model=model.get_inference_name(step=1), messages=ask("Hi"), max_tokens=2)
+        r = await client.chat.completions.create(
+            model=model.get_inference_name(step=3), messages=ask("Hi"), max_tokens=2)
+        self.assertTrue(r.choices)
+        await backend.close()
+
+
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Adds two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+
+
+class ToolAgent(unittest.IsolatedAsyncioTestCase):
+    async def test_tool_using_agent_trains(self):
+        backend, model = await registered("tool-agent")
+        client = model.openai_client()
+        groups = []
+        for k, (a, b) in enumerate([(2, 3), (10, 4), (7, 7)]):
+            messages = ask(f"What is {a} + {b}? Use the add tool.")
+            r = await client.chat.completions.create(
+                model=model.get_inference_name(), messages=messages, tools=[ADD],
+                tool_choice="required", n=4, max_tokens=40, temperature=1.0, logprobs=True,
+                seed=k)
+            trajectories = []
+            for choice in r.choices:
+                self.assertEqual(choice.finish_reason, "tool_calls")
+                call = choice.message.tool_calls[0]
+                self.assertEqual(call.function.name, "add")
+                args = json.loads(call.function.arguments)
+                result = args["a"] + args["b"]
+                # The agent runs the tool and lets the model answer with its result.
+                history = [*messages, choice,
+                           {"role": "tool", "tool_call_id": call.id, "content": str(result)}]
+                final = await client.chat.completions.create(
+                    model=model.get_inference_name(), messages=[*messages, choice.message.model_dump(exclude_none=True),
+                                                                history[-1]],
+                    tools=[ADD], tool_choice="none", max_tokens=8, temperature=1.0, logprobs=True, seed=k)
+                trajectories.append(art.Trajectory(
+                    messages_and_choices=[*history, final.choices[0]], tools=[ADD],
+                    reward=1.0 if (args["a"], args["b"]) == (a, b) else 0.0))
+            groups.append(art.TrajectoryGroup(trajectories))
+        result = await backend.train(model, groups, learning_rate=1e-4)
+        self.assertEqual(result.step, 1)
+        await backend.close()
+
+
+if __name__ == "__main__":
+    result = unittest.main(exit=False, verbosity=2).result
+    failed = len(result.failures) + len(result.errors)
+    passed = result.testsRun - failed - len(result.skipped)
+    status = "ok" if failed == 0 else "FAILED"
+    print(f"test result: {status}. {passed} passed; {failed} failed; {len(result.skipped)} ignored (python openpipe-art)")
+    sys.exit(0 if failed == 0 else 1)
