@@ -283,6 +283,89 @@ class StructuredOutputs(unittest.TestCase):
         self.assertEqual(e.exception.body.get("param"), "structured_outputs.regex")
 
 
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city.",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}]
+
+
+class ToolCalls(unittest.TestCase):
+    """A second server, started with `--enable-tool-calls`, serves tool_choice other than "none"."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server("--enable-tool-calls")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+
+    def _check(self, call):
+        self.assertTrue(call.id.startswith("chatcmpl-tool-"))
+        self.assertEqual(call.type, "function")
+        self.assertEqual(call.function.name, "get_weather")
+        args = json.loads(call.function.arguments)
+        self.assertEqual(sorted(args), ["city", "days"])
+        self.assertTrue(1 <= args["days"] <= 7)
+        return call.function.name, call.function.arguments
+
+    def test_required_tool_call(self):
+        r = client(self.server).chat.completions.create(
+            model=MODEL, messages=ask("What is the weather in Paris?"), max_tokens=100, temperature=0,
+            tools=WEATHER, tool_choice="required")
+        choice = r.choices[0]
+        self.assertEqual(choice.finish_reason, "tool_calls")
+        self.assertIsNone(choice.message.content)
+        self.assertGreaterEqual(len(choice.message.tool_calls), 1)
+        for call in choice.message.tool_calls:
+            self._check(call)
+
+    def test_named_function_streamed_equals_whole(self):
+        kwargs = dict(model=MODEL, messages=ask("Weather in Rome for three days?"), max_tokens=100,
+                      temperature=1.0, seed=4, tools=WEATHER, parallel_tool_calls=False,
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        whole = client(self.server).chat.completions.create(**kwargs)
+        calls = [self._check(c) for c in whole.choices[0].message.tool_calls]
+        self.assertEqual(len(calls), 1)
+        # Accumulate the deltas as OpenAI's own streaming helpers do.
+        streamed, finish = {}, None
+        for chunk in client(self.server).chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                for d in choice.delta.tool_calls or []:
+                    if d.index not in streamed:
+                        streamed[d.index] = [d.function.name, ""]
+                    streamed[d.index][1] += d.function.arguments or ""
+                finish = choice.finish_reason or finish
+        self.assertEqual([tuple(v) for _, v in sorted(streamed.items())], calls)
+        self.assertEqual(finish, "tool_calls")
+
+    def test_conversation_with_a_tool_result(self):
+        messages = ask("Weather in Paris?") + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C."}]
+        r = client(self.server).chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                                        temperature=0, tools=WEATHER, tool_choice="auto")
+        self.assertIn(r.choices[0].finish_reason, ("stop", "length", "tool_calls"))
+
+    def test_unknown_function_is_bad_request(self):
+        with self.assertRaises(openai.BadRequestError) as e:
+            client(self.server).chat.completions.create(
+                model=MODEL, messages=ask("hi"), max_tokens=2, tools=WEATHER,
+                tool_choice={"type": "function", "function": {"name": "nope"}})
+        self.assertEqual(e.exception.body.get("param"), "tool_choice")
+
+    def test_without_the_flag_only_none_is_served(self):
+        with self.assertRaises(openai.BadRequestError) as e:
+            client().chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=2,
+                                             tools=WEATHER, tool_choice="required")
+        self.assertEqual(e.exception.body.get("param"), "tool_choice")
+        self.assertIn("--enable-tool-calls", e.exception.body.get("message"))
+
+
 if __name__ == "__main__":
     result = unittest.main(exit=False, verbosity=2).result
     failed = len(result.failures) + len(result.errors)

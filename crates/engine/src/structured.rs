@@ -10,6 +10,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
 use serde_json::{Map, Value};
+use temper_text::tool_calls::{self, FunctionSchema};
 use temper_text::{TokenKind, Tokenizer};
 
 /// What a request's output must match (validated shape; compiled by `GrammarCompiler`).
@@ -30,6 +31,12 @@ pub enum OutputConstraint {
         triggers: Vec<String>,
         structures: Vec<TagStructure>,
         options: JsonOptions,
+    },
+    /// Tool calls in `temper_text::tool_calls`' format and nothing else: one or more calls (one
+    /// unless `parallel`), each of one of `functions` with arguments matching its schema.
+    ToolCalls {
+        functions: Vec<FunctionSchema>,
+        parallel: bool,
     },
 }
 
@@ -273,6 +280,24 @@ fn top_level_grammar(constraint: &OutputConstraint) -> Result<TopLevelGrammar, G
             structures,
             options,
         } => TopLevelGrammar::from_lark(structural_tag_lark(triggers, structures, options)?),
+        OutputConstraint::ToolCalls {
+            functions,
+            parallel,
+        } => {
+            if functions.is_empty() {
+                return Err(GrammarError::Invalid("no functions to call".into()));
+            }
+            let functions = functions
+                .iter()
+                .map(|f| {
+                    Ok(FunctionSchema {
+                        name: f.name.clone(),
+                        parameters: json_schema(&f.parameters, &JsonOptions::default())?,
+                    })
+                })
+                .collect::<Result<Vec<_>, GrammarError>>()?;
+            TopLevelGrammar::from_lark(tool_calls::grammar(&functions, *parallel))
+        }
     })
 }
 

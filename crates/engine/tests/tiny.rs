@@ -1100,6 +1100,74 @@ fn json_schema_output_parses_and_validates() {
     }
 }
 
+/// `tool_choice` "required": a random model's output is always calls that parse, of the given
+/// functions, with arguments matching their schemas; one call unless parallel.
+#[test]
+fn tool_call_constraint_gives_calls_that_parse_and_match_their_schemas() {
+    use temper_text::tool_calls::{FunctionSchema, ToolCallParser};
+    let e = default_engine();
+    let functions = vec![
+        FunctionSchema {
+            name: "get_weather".into(),
+            parameters: serde_json::json!({"type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8},
+                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                "required": ["city", "days"], "additionalProperties": false}),
+        },
+        FunctionSchema {
+            name: "get_time".into(),
+            parameters: serde_json::json!({"type": "object", "properties": {},
+                "additionalProperties": false}),
+        },
+    ];
+    let names: Vec<String> = functions.iter().map(|f| f.name.clone()).collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut parallel_calls = 0;
+    for parallel in [false, true] {
+        for seed in 0..8 {
+            let req = constrained(
+                &e,
+                "the cat",
+                300,
+                seeded(seed),
+                OutputConstraint::ToolCalls {
+                    functions: functions.clone(),
+                    parallel,
+                },
+            );
+            let c = run(&e, req).remove(0);
+            let max_calls = if parallel { usize::MAX } else { 1 };
+            let (content, calls) = ToolCallParser::new(names.clone(), max_calls).split(&c.text);
+            if !parallel {
+                assert_eq!(c.reason, Some(FinishReason::Stop), "{:?}", c.text);
+            }
+            if c.reason == Some(FinishReason::Stop) {
+                assert_eq!(content, None, "{:?}", c.text);
+                assert!(!calls.is_empty(), "{:?}", c.text);
+            }
+            if !parallel {
+                assert_eq!(calls.len(), 1, "{:?}", c.text);
+            } else {
+                parallel_calls += calls.len();
+            }
+            for call in calls {
+                let args: serde_json::Value = serde_json::from_str(&call.arguments).unwrap();
+                let args = args.as_object().expect("an object");
+                if call.name == "get_weather" {
+                    assert_eq!(args.len(), 2, "{args:?}");
+                    assert!(args["city"].as_str().unwrap().chars().count() <= 8);
+                    assert!((1..=7).contains(&args["days"].as_u64().unwrap()));
+                } else {
+                    assert!(args.is_empty(), "{args:?}");
+                }
+                seen.insert(call.name);
+            }
+        }
+    }
+    assert_eq!(seen.len(), 2, "both functions get called: {seen:?}");
+    assert!(parallel_calls >= 8, "{parallel_calls}");
+}
+
 #[test]
 fn lark_grammar_constraint() {
     let e = default_engine();

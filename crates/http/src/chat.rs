@@ -12,7 +12,8 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Serialize;
 use temper_engine::{FinishReason, GenerationEvent, StopReason};
-use temper_text::{ReasoningDelta, ReasoningParser, Tokenizer};
+use temper_text::tool_calls::{ParsedCall, ToolCallParser};
+use temper_text::{ReasoningParser, Tokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
 
@@ -23,7 +24,8 @@ use crate::extras::ServiceTier;
 use crate::prompt::{chat_prompt, logprob_entry, prompt_logprobs_at, reasoning_parser};
 use crate::protocol::{
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
-    ChunkChoice, Delta, FinishReasonJson, LogprobEntry, ResponseMessage, StopReasonJson, Usage,
+    ChunkChoice, Delta, DeltaToolCall, FinishReasonJson, LogprobEntry, ResponseFunctionCall,
+    ResponseMessage, ResponseToolCall, StopReasonJson, Usage,
 };
 use crate::state::{unix_now, AppState};
 use crate::structured::compile_constraint;
@@ -51,6 +53,8 @@ pub struct Completion {
     pub reasoning_parser: Option<ReasoningParser>,
     /// `include_reasoning`: when false, the split-off reasoning is dropped.
     pub include_reasoning: bool,
+    /// Finds tool calls in the content (`tool_choice` other than "none"); cloned per choice.
+    pub tool_parser: Option<ToolCallParser>,
     pub service_tier: Option<ServiceTier>,
 }
 
@@ -107,6 +111,7 @@ pub async fn chat_completions(
         return_tokens_as_token_ids: params.controls.return_tokens_as_token_ids,
         reasoning_parser,
         include_reasoning: params.include_reasoning,
+        tool_parser: params.tool_parser,
         service_tier: params.extras.service_tier,
         echo: params.echo,
     };
@@ -131,6 +136,27 @@ fn stop_json(reason: Option<StopReason>) -> Option<StopReasonJson> {
         StopReason::Token(t) => StopReasonJson::Token(t),
         StopReason::Repetition => StopReasonJson::Text("repetition_detected".to_owned()),
     })
+}
+
+/// A parsed call as the response shows it, with a fresh id (vLLM's form).
+fn response_call(call: ParsedCall) -> ResponseToolCall {
+    ResponseToolCall {
+        id: format!("chatcmpl-tool-{}", uuid::Uuid::new_v4().simple()),
+        r#type: "function",
+        function: ResponseFunctionCall {
+            name: call.name,
+            arguments: call.arguments,
+        },
+    }
+}
+
+/// A choice that called tools finishes with `tool_calls` (vLLM's rule), whatever ended it.
+fn finish_with_calls(reason: FinishReasonJson, called: bool) -> FinishReasonJson {
+    if called {
+        FinishReasonJson::ToolCalls
+    } else {
+        reason
+    }
 }
 
 fn engine_gone() -> ApiError {
@@ -225,15 +251,21 @@ pub async fn collect(
                     Some(parser) => parser.clone().split(&acc.text),
                     None => (None, acc.text),
                 };
+                let (content, calls) = match &c.tool_parser {
+                    Some(parser) => parser.clone().split(&content),
+                    None => (Some(content), Vec::new()),
+                };
+                let finish_reason = finish_with_calls(finish_reason, !calls.is_empty());
                 ChatChoice {
                     index,
                     message: ResponseMessage {
                         role: "assistant",
                         content: match &c.echo {
-                            Some(echo) => format!("{echo}{content}"),
+                            Some(echo) => Some(format!("{echo}{}", content.unwrap_or_default())),
                             None => content,
                         },
                         reasoning: reasoning.filter(|_| c.include_reasoning),
+                        tool_calls: calls.into_iter().map(response_call).collect(),
                     },
                     logprobs: c.logprobs.then_some(ChoiceLogprobs {
                         content: acc.logprobs,
@@ -270,6 +302,13 @@ pub fn sse_error(e: &ApiError) -> Bytes {
 
 pub const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
 
+/// What one piece of a choice's output turned into.
+struct ChoiceDelta {
+    reasoning: String,
+    content: String,
+    calls: Vec<DeltaToolCall>,
+}
+
 /// The streaming state machine. It owns the engine receiver: when the client disconnects, hyper
 /// drops the body stream, this state and the receiver with it, and the engine cancels.
 struct SseState {
@@ -281,6 +320,10 @@ struct SseState {
     finished: Vec<bool>,
     /// One per choice when the reasoning parser is on, else empty.
     parsers: Vec<ReasoningParser>,
+    /// One per choice when the output is parsed for tool calls, else empty.
+    tool_parsers: Vec<ToolCallParser>,
+    /// Calls streamed so far per choice (the next call's `index`).
+    calls: Vec<usize>,
     done: bool,
     span: tracing::Span,
 }
@@ -293,6 +336,11 @@ impl SseState {
             .as_ref()
             .map(|p| vec![p.clone(); n])
             .unwrap_or_default();
+        let tool_parsers = c
+            .tool_parser
+            .as_ref()
+            .map(|p| vec![p.clone(); n])
+            .unwrap_or_default();
         let mut s = SseState {
             rx,
             c,
@@ -301,6 +349,8 @@ impl SseState {
             completion_tokens: vec![0; n],
             finished: vec![false; n],
             parsers,
+            tool_parsers,
+            calls: vec![0; n],
             done: false,
             span: tracing::Span::current(),
         };
@@ -312,7 +362,7 @@ impl SseState {
                     delta: Delta {
                         role: Some("assistant"),
                         content: Some(String::new()),
-                        reasoning: None,
+                        ..Delta::default()
                     },
                     logprobs: None,
                     finish_reason: None,
@@ -332,7 +382,7 @@ impl SseState {
                         delta: Delta {
                             role: None,
                             content: Some(echo.clone()),
-                            reasoning: None,
+                            ..Delta::default()
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -347,10 +397,11 @@ impl SseState {
         s
     }
 
-    /// A choice's new text through its reasoning parser (when on); `end` flushes what the parser
-    /// held back. Reasoning is dropped when the request does not want it.
-    fn split(&mut self, choice: usize, text: &str, end: bool) -> ReasoningDelta {
-        let mut d = match self.parsers.get_mut(choice) {
+    /// A choice's new text through its reasoning parser, then its content through its tool-call
+    /// parser (each when on); `end` flushes what the parsers held back. Reasoning is dropped
+    /// when the request does not want it.
+    fn split(&mut self, choice: usize, text: &str, end: bool) -> ChoiceDelta {
+        let (mut reasoning, mut content) = match self.parsers.get_mut(choice) {
             Some(p) => {
                 let mut d = p.push(text);
                 if end {
@@ -358,17 +409,37 @@ impl SseState {
                     d.reasoning.push_str(&tail.reasoning);
                     d.content.push_str(&tail.content);
                 }
-                d
+                (d.reasoning, d.content)
             }
-            None => ReasoningDelta {
-                reasoning: String::new(),
-                content: text.to_owned(),
-            },
+            None => (String::new(), text.to_owned()),
         };
         if !self.c.include_reasoning {
-            d.reasoning.clear();
+            reasoning.clear();
         }
-        d
+        let mut calls = Vec::new();
+        if let Some(p) = self.tool_parsers.get_mut(choice) {
+            let mut d = p.push(&content);
+            if end {
+                d.content.push_str(&p.finish().content);
+            }
+            content = d.content;
+            let first = self.calls[choice];
+            self.calls[choice] += d.calls.len();
+            calls = d
+                .calls
+                .into_iter()
+                .enumerate()
+                .map(|(i, call)| DeltaToolCall {
+                    index: first + i,
+                    call: response_call(call),
+                })
+                .collect();
+        }
+        ChoiceDelta {
+            reasoning,
+            content,
+            calls,
+        }
     }
 
     fn usage(&self) -> Usage {
@@ -413,6 +484,7 @@ impl SseState {
                 let d = self.split(choice, &text, false);
                 if d.content.is_empty()
                     && d.reasoning.is_empty()
+                    && d.calls.is_empty()
                     && logprob.is_none()
                     && !self.c.return_token_ids
                 {
@@ -431,10 +503,13 @@ impl SseState {
                         index: choice,
                         delta: Delta {
                             role: None,
-                            // Content stays present (maybe empty) unless the chunk is reasoning.
-                            content: (!d.content.is_empty() || d.reasoning.is_empty())
-                                .then_some(d.content),
+                            // Content stays present (maybe empty) unless the chunk is reasoning
+                            // or calls.
+                            content: (!d.content.is_empty()
+                                || (d.reasoning.is_empty() && d.calls.is_empty()))
+                            .then_some(d.content),
                             reasoning: (!d.reasoning.is_empty()).then_some(d.reasoning),
+                            tool_calls: (!d.calls.is_empty()).then_some(d.calls),
                         },
                         logprobs,
                         finish_reason: None,
@@ -461,6 +536,7 @@ impl SseState {
                 }
                 self.completion_tokens[choice] = completion_tokens;
                 let d = self.split(choice, &text, true);
+                let finish_reason = finish_with_calls(finish_json(reason), self.calls[choice] > 0);
                 let chunk = self.chunk(
                     ChunkChoice {
                         index: choice,
@@ -468,9 +544,10 @@ impl SseState {
                             role: None,
                             content: (!d.content.is_empty()).then_some(d.content),
                             reasoning: (!d.reasoning.is_empty()).then_some(d.reasoning),
+                            tool_calls: (!d.calls.is_empty()).then_some(d.calls),
                         },
                         logprobs: None,
-                        finish_reason: Some(finish_json(reason)),
+                        finish_reason: Some(finish_reason),
                         stop_reason: stop_json(stop_reason),
                         token_ids: self.c.return_token_ids.then(Vec::new),
                     },
@@ -577,6 +654,7 @@ mod tests {
             echo: None,
             reasoning_parser: None,
             include_reasoning: true,
+            tool_parser: None,
             service_tier: None,
         }
     }

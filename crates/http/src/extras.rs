@@ -6,11 +6,14 @@
 use std::fmt::Debug;
 
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::{json, Value};
+use temper_engine::OutputConstraint;
+use temper_text::tool_calls::{FunctionSchema, ToolCallParser};
 use temper_text::{ChatMessage, ToolDef};
 
 use crate::error::ApiError;
 use crate::protocol::JsonObject;
+use crate::structured::RequestedConstraint;
 use crate::validation::ChatParams;
 
 /// `reasoning_effort`, handed to the chat template as its string.
@@ -110,6 +113,110 @@ pub fn tools(tools: Option<Vec<Value>>) -> Result<Option<Vec<ToolDef>>, ApiError
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Some)
+}
+
+/// What `tool_choice` makes of the output: the parser that finds calls in it (auto, required,
+/// a named function) and, for required and named choices, the constraint to calls.
+#[derive(Debug, Default)]
+pub struct ToolCalling {
+    pub parser: Option<ToolCallParser>,
+    pub constraint: Option<RequestedConstraint>,
+}
+
+/// `tool_choice` against the request's validated `tools`. "none" (also the default without
+/// the server flag) leaves the output alone; the tools still reach the template, as in vLLM.
+/// The other forms need `enabled` (`--enable-tool-calls`), as vLLM's need
+/// `--enable-auto-tool-choice`; with it, a request with tools and no `tool_choice` is "auto".
+pub fn tool_choice(
+    choice: Option<Value>,
+    tools: Option<&[ToolDef]>,
+    parallel: bool,
+    enabled: bool,
+) -> Result<ToolCalling, ApiError> {
+    let choice = match choice {
+        None | Some(Value::Null) if enabled && tools.is_some() => Value::from("auto"),
+        None | Some(Value::Null) => return Ok(ToolCalling::default()),
+        Some(c) => c,
+    };
+    if choice.as_str() == Some("none") {
+        return Ok(ToolCalling::default());
+    }
+    if !enabled {
+        return Err(ApiError::bad(
+            "tool_choice",
+            "The only supported `tool_choice` is \"none\": \"auto\", \"required\" and named \
+             functions need the server to be started with --enable-tool-calls.",
+        ));
+    }
+    let tools = match choice.as_str() {
+        Some("auto" | "required") | None => tools.ok_or_else(|| {
+            ApiError::bad(
+                "tool_choice",
+                "`tool_choice` other than \"none\" needs `tools`.",
+            )
+        })?,
+        Some(other) => {
+            return Err(ApiError::bad(
+                "tool_choice",
+                format!(
+                    "`tool_choice` must be \"none\", \"auto\", \"required\" or \
+                     {{\"type\": \"function\", \"function\": {{\"name\": …}}}}, got {other:?}."
+                ),
+            ))
+        }
+    };
+    // The functions calls may use: all of them, or the named one.
+    let callable: Vec<&ToolDef> = match &choice {
+        Value::String(_) => tools.iter().collect(),
+        named => {
+            let name = named
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| named.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    ApiError::bad(
+                        "tool_choice",
+                        "A named `tool_choice` is {\"type\": \"function\", \"function\": \
+                         {\"name\": …}}.",
+                    )
+                })?;
+            let tool = tools
+                .iter()
+                .find(|t| t.function.name == name)
+                .ok_or_else(|| {
+                    ApiError::bad(
+                        "tool_choice",
+                        format!(
+                            "`tool_choice` names the function {name:?}, which is not in `tools`."
+                        ),
+                    )
+                })?;
+            vec![tool]
+        }
+    };
+    let names = callable.iter().map(|t| t.function.name.clone()).collect();
+    let max_calls = if parallel { usize::MAX } else { 1 };
+    let constraint = (choice.as_str() != Some("auto")).then(|| RequestedConstraint {
+        param: "tools",
+        constraint: OutputConstraint::ToolCalls {
+            functions: callable
+                .iter()
+                .map(|t| FunctionSchema {
+                    name: t.function.name.clone(),
+                    // OpenAI: leaving `parameters` out declares a function without arguments.
+                    parameters: t.function.parameters.clone().unwrap_or_else(
+                        || json!({"type": "object", "properties": {}, "additionalProperties": false}),
+                    ),
+                })
+                .collect(),
+            parallel,
+        },
+    });
+    Ok(ToolCalling {
+        parser: Some(ToolCallParser::new(names, max_calls)),
+        constraint,
+    })
 }
 
 /// vLLM types documents as string-to-string maps (`title`, `text`, …).
@@ -244,6 +351,7 @@ mod tests {
         trust_request_chat_template: false,
         max_model_len: 100,
         priority_scheduling: false,
+        tool_calls: false,
     };
 
     fn validate(extra: Value) -> Result<ChatParams, ApiError> {

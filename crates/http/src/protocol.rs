@@ -165,19 +165,47 @@ pub struct ChatChoice {
 #[derive(Debug, Serialize)]
 pub struct ResponseMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `None` (null) only when tool calls were parsed and nothing else was said.
+    pub content: Option<String>,
     /// What the reasoning parser split off (models whose template marks thinking).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning: Option<String>,
+    /// Left out when there are none, as in responses without tools.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ResponseToolCall>,
+}
+
+/// A parsed tool call: `{id, type: "function", function: {name, arguments}}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResponseToolCall {
+    pub id: String,
+    pub r#type: &'static str,
+    pub function: ResponseFunctionCall,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResponseFunctionCall {
+    pub name: String,
+    /// The arguments' JSON text as generated.
+    pub arguments: String,
+}
+
+/// A streamed call: the whole call in one delta, with its position among the choice's calls.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeltaToolCall {
+    pub index: usize,
+    #[serde(flatten)]
+    pub call: ResponseToolCall,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum FinishReasonJson {
     Stop,
     Length,
     Repetition,
     Abort,
+    ToolCalls,
 }
 
 /// vLLM's `stop_reason`: the matched stop string, or the stop token id as an integer.
@@ -289,6 +317,8 @@ pub struct Delta {
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<DeltaToolCall>>,
 }
 
 #[derive(Debug, Serialize)]

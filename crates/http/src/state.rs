@@ -189,6 +189,8 @@ pub struct ServerOptions {
     /// binds a non-loopback address, so revoking the last store key never opens the server).
     pub require_key: bool,
     pub trust_request_chat_template: bool,
+    /// `--enable-tool-calls`: `tool_choice` other than "none" is served.
+    pub enable_tool_calls: bool,
     pub max_body_bytes: usize,
     /// Most `top_logprobs` per token; `None` = the whole vocabulary may be requested.
     pub max_logprobs: Option<usize>,
@@ -203,6 +205,7 @@ impl Default for ServerOptions {
             api_keys: Vec::new(),
             require_key: false,
             trust_request_chat_template: false,
+            enable_tool_calls: false,
             max_body_bytes: 4 * 1024 * 1024,
             max_logprobs: Some(20),
             max_n: 16,
@@ -312,6 +315,7 @@ impl AppState {
             trust_request_chat_template: self.inner.options.trust_request_chat_template,
             max_model_len: model.max_model_len,
             priority_scheduling: model.scheduling == Scheduling::Priority,
+            tool_calls: self.inner.options.enable_tool_calls,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! naming the field. Nothing downstream re-checks or sees the raw JSON.
 
 use temper_engine::{BeamSearch, GenerationRequest, Grammar, SamplingParams, StopParams};
+use temper_text::tool_calls::ToolCallParser;
 use temper_text::{ChatMessage, ContentPart, FunctionCall, MessageContent, ToolCall, ToolDef};
 
 use crate::error::ApiError;
@@ -26,6 +27,8 @@ pub struct Limits {
     pub max_model_len: usize,
     /// The model is served with `--scheduling priority`: `priority` may be non-zero.
     pub priority_scheduling: bool,
+    /// `--enable-tool-calls`: `tool_choice` may be other than "none".
+    pub tool_calls: bool,
 }
 
 /// A validated chat completion request.
@@ -57,9 +60,13 @@ pub struct ChatParams {
     /// `false` drops the reasoning parser's `reasoning` from the response.
     pub include_reasoning: bool,
     pub extras: RequestExtras,
-    /// `response_format` / `structured_outputs`; compiled for the served model by
+    /// `response_format` / `structured_outputs`, or the calls a `tool_choice` of "required" or
+    /// a named function demands; compiled for the served model by
     /// `crate::structured::compile_constraint`.
     pub constraint: Option<RequestedConstraint>,
+    /// Finds tool calls in each choice's output (`tool_choice` other than "none"), in its start
+    /// state.
+    pub tool_parser: Option<ToolCallParser>,
     /// Lower runs first (priority scheduling only; always 0 otherwise).
     pub priority: i64,
 }
@@ -116,15 +123,6 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
             "`priority` other than 0 needs priority scheduling (`temper serve --scheduling priority`), which this model is not served with.",
         ));
     }
-    if let Some(choice) = &req.tool_choice {
-        if !(choice.is_null() || choice.as_str() == Some("none")) {
-            return Err(ApiError::bad(
-                "tool_choice",
-                "The only supported `tool_choice` is \"none\".",
-            ));
-        }
-    }
-
     let stream = req.stream.unwrap_or(false);
     let stream_options = match (&req.stream_options, stream) {
         (Some(_), false) => {
@@ -291,8 +289,29 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         service_tier: extras::service_tier(req.service_tier)?,
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
     };
+    let tool_calling = extras::tool_choice(
+        req.tool_choice,
+        tools.as_deref(),
+        request_extras.parallel_tool_calls,
+        limits.tool_calls,
+    )?;
 
-    let constraint = requested_constraint(req.response_format, req.structured_outputs)?;
+    let constraint = match (
+        requested_constraint(req.response_format, req.structured_outputs)?,
+        tool_calling.constraint,
+    ) {
+        (Some(output), Some(_)) => {
+            return Err(ApiError::bad(
+                "tool_choice",
+                format!(
+                    "`tool_choice` \"required\" or a named function constrains the output to \
+                     tool calls: it cannot be combined with `{}`.",
+                    output.param
+                ),
+            ))
+        }
+        (output, calls) => output.or(calls),
+    };
     if use_beam_search {
         // Beam search ranks beams by the model's raw log-probabilities: none of these could
         // have an effect, so they are refused rather than ignored. Temperature 0 (deterministic)
@@ -384,6 +403,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         include_reasoning: req.include_reasoning.unwrap_or(true),
         extras: request_extras,
         constraint,
+        tool_parser: tool_calling.parser,
         priority,
     })
 }
@@ -611,6 +631,7 @@ mod tests {
         trust_request_chat_template: false,
         max_model_len: 100,
         priority_scheduling: false,
+        tool_calls: false,
     };
 
     fn request(extra: Value) -> ChatCompletionRequest {
@@ -809,13 +830,7 @@ mod tests {
     }
 
     #[test]
-    fn tool_choice_and_priority() {
-        rejected(json!({"tool_choice": "auto"}), "tool_choice");
-        rejected(
-            json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
-            "tool_choice",
-        );
-        ok(json!({"tool_choice": "none"}));
+    fn priority_needs_priority_scheduling() {
         rejected(json!({"priority": 1}), "priority");
         ok(json!({"priority": 0}));
         let priority = Limits {
@@ -824,6 +839,159 @@ mod tests {
         };
         let p = validate_chat(request(json!({"priority": -3})), &priority).unwrap();
         assert_eq!(p.priority, -3);
+    }
+
+    const TOOLS: Limits = Limits {
+        tool_calls: true,
+        ..LIMITS
+    };
+
+    fn weather_tools() -> Value {
+        json!([
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+            {"type": "function", "function": {"name": "get_time"}},
+        ])
+    }
+
+    fn with_tools(extra: Value) -> Value {
+        let mut body = json!({"tools": weather_tools()});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    }
+
+    fn tool_params(extra: Value) -> ChatParams {
+        validate_chat(request(with_tools(extra)), &TOOLS).unwrap()
+    }
+
+    fn called_functions(p: &ChatParams) -> (Vec<String>, bool) {
+        match &p.constraint {
+            Some(RequestedConstraint {
+                param: "tools",
+                constraint:
+                    temper_engine::OutputConstraint::ToolCalls {
+                        functions,
+                        parallel,
+                    },
+            }) => (
+                functions.iter().map(|f| f.name.clone()).collect(),
+                *parallel,
+            ),
+            other => panic!("not a tool-call constraint: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn tool_choice_without_the_flag_is_none_only() {
+        for choice in [
+            json!("auto"),
+            json!("required"),
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+        ] {
+            let body = with_tools(json!({"tool_choice": choice}));
+            match validate_chat(request(body), &LIMITS) {
+                Err(e) => {
+                    let v = serde_json::to_value(e.envelope()).unwrap();
+                    assert_eq!(v["error"]["param"], "tool_choice");
+                    assert!(v["error"]["message"]
+                        .as_str()
+                        .unwrap()
+                        .contains("--enable-tool-calls"));
+                }
+                Ok(_) => panic!("{choice} accepted without the flag"),
+            }
+        }
+        for extra in [json!({"tool_choice": "none"}), json!({})] {
+            let p = validate_chat(request(with_tools(extra)), &LIMITS).unwrap();
+            assert!(p.tool_parser.is_none() && p.constraint.is_none());
+            // The tools still reach the template.
+            assert_eq!(p.prompt.tools.unwrap().len(), 2);
+        }
+    }
+
+    #[test]
+    fn tool_choice_forms_with_the_flag() {
+        // "none": tools in the prompt, output left alone.
+        let p = tool_params(json!({"tool_choice": "none"}));
+        assert!(p.tool_parser.is_none() && p.constraint.is_none());
+        // "auto" (also the default with tools): parsed, not constrained.
+        for extra in [
+            json!({"tool_choice": "auto"}),
+            json!({}),
+            json!({"tool_choice": null}),
+        ] {
+            let p = tool_params(extra);
+            assert!(p.tool_parser.is_some() && p.constraint.is_none());
+        }
+        // Without tools nothing is parsed by default.
+        let p = validate_chat(request(json!({})), &TOOLS).unwrap();
+        assert!(p.tool_parser.is_none());
+        // "required": calls of every tool, parallel unless turned off.
+        let p = tool_params(json!({"tool_choice": "required"}));
+        assert!(p.tool_parser.is_some());
+        assert_eq!(
+            called_functions(&p),
+            (vec!["get_weather".to_owned(), "get_time".to_owned()], true)
+        );
+        let p = tool_params(json!({"tool_choice": "required", "parallel_tool_calls": false}));
+        assert!(!called_functions(&p).1);
+        // A named function: only that one.
+        let p = tool_params(
+            json!({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
+        );
+        assert_eq!(called_functions(&p), (vec!["get_time".to_owned()], true));
+        // A function without `parameters` takes no arguments.
+        let Some(RequestedConstraint {
+            constraint: temper_engine::OutputConstraint::ToolCalls { functions, .. },
+            ..
+        }) = &p.constraint
+        else {
+            unreachable!()
+        };
+        assert_eq!(
+            functions[0].parameters,
+            json!({"type": "object", "properties": {}, "additionalProperties": false})
+        );
+    }
+
+    #[test]
+    fn bad_tool_choices_name_the_field() {
+        let bad = |extra: Value, param: &str| rejected_with(with_tools(extra), &TOOLS, param);
+        bad(json!({"tool_choice": "any"}), "tool_choice");
+        bad(json!({"tool_choice": 3}), "tool_choice");
+        bad(
+            json!({"tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        );
+        bad(
+            json!({"tool_choice": {"type": "retrieval", "function": {"name": "get_time"}}}),
+            "tool_choice",
+        );
+        bad(json!({"tool_choice": {"type": "function"}}), "tool_choice");
+        // Calls cannot also be JSON of another schema.
+        bad(
+            json!({"tool_choice": "required", "response_format": {"type": "json_object"}}),
+            "tool_choice",
+        );
+        // Nor ranked by beam search.
+        bad(
+            json!({"tool_choice": "required", "use_beam_search": true, "n": 2, "temperature": 0}),
+            "tools",
+        );
+        // Choices other than "none" need tools; bad tool schemas are the tools' fault.
+        rejected_with(json!({"tool_choice": "required"}), &TOOLS, "tool_choice");
+        rejected_with(
+            json!({"tool_choice": "required", "tools": [{"type": "function",
+                "function": {"name": "f", "parameters": "object"}}]}),
+            &TOOLS,
+            "tools[0].function.parameters",
+        );
+        // "auto" with response_format is allowed: the output is parsed, not constrained twice.
+        let p =
+            tool_params(json!({"tool_choice": "auto", "response_format": {"type": "json_object"}}));
+        assert!(p.tool_parser.is_some() && p.constraint.is_some());
     }
 
     #[test]

@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// Honour a request's `chat_template` (otherwise such a request is a 400).
     #[arg(long, env = "TEMPER_TRUST_REQUEST_CHAT_TEMPLATE", num_args = 0..=1, default_missing_value = "true")]
     pub trust_request_chat_template: Option<bool>,
+    /// Serve tool calls (vLLM's `--enable-auto-tool-choice`): `tool_choice` "auto", "required"
+    /// or a named function, calls parsed into `tool_calls` (otherwise only "none" is accepted).
+    #[arg(long, env = "TEMPER_ENABLE_TOOL_CALLS", num_args = 0..=1, default_missing_value = "true")]
+    pub enable_tool_calls: Option<bool>,
     /// Longest prompt + completion, at most the model's context length [default: the model's].
     #[arg(long, env = "TEMPER_MAX_MODEL_LEN", value_name = "N")]
     pub max_model_len: Option<usize>,
@@ -108,6 +112,7 @@ pub struct FileConfig {
     pub data_dir: Option<PathBuf>,
     pub chat_template: Option<PathBuf>,
     pub trust_request_chat_template: Option<bool>,
+    pub enable_tool_calls: Option<bool>,
     pub max_model_len: Option<usize>,
     pub max_body_bytes: Option<usize>,
     pub max_logprobs: Option<i64>,
@@ -132,6 +137,7 @@ pub struct Config {
     pub data_dir: PathBuf,
     pub chat_template: Option<PathBuf>,
     pub trust_request_chat_template: bool,
+    pub enable_tool_calls: bool,
     pub max_model_len: Option<usize>,
     pub max_body_bytes: usize,
     /// `None` = unlimited.
@@ -293,6 +299,10 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
             .trust_request_chat_template
             .or(file.trust_request_chat_template)
             .unwrap_or(false),
+        enable_tool_calls: args
+            .enable_tool_calls
+            .or(file.enable_tool_calls)
+            .unwrap_or(false),
         max_model_len: args.max_model_len.or(file.max_model_len),
         max_body_bytes,
         max_logprobs,
@@ -348,6 +358,7 @@ mod tests {
         assert!(c.api_keys.is_empty());
         assert_eq!(c.data_dir, PathBuf::from("/h/data"));
         assert!(!c.trust_request_chat_template);
+        assert!(!c.enable_tool_calls);
         assert_eq!(c.max_logprobs, Some(20));
         assert_eq!(c.max_body_bytes, 4 << 20);
         assert_eq!(c.max_training_body_bytes, 64 << 20);
@@ -450,6 +461,26 @@ mod tests {
         )
         .unwrap();
         assert!(c.trust_request_chat_template);
+    }
+
+    #[test]
+    fn tool_calls_from_flag_or_file() {
+        let c = resolve(
+            args(&["--enable-tool-calls"]),
+            FileConfig::default(),
+            &home(),
+        )
+        .unwrap();
+        assert!(c.enable_tool_calls);
+        let file: FileConfig = toml::from_str("enable_tool_calls = true").unwrap();
+        assert!(
+            resolve(ServeArgs::default(), file, &home())
+                .unwrap()
+                .enable_tool_calls
+        );
+        let file: FileConfig = toml::from_str("enable_tool_calls = true").unwrap();
+        let c = resolve(args(&["--enable-tool-calls=false"]), file, &home()).unwrap();
+        assert!(!c.enable_tool_calls);
     }
 
     #[test]

@@ -115,6 +115,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             // is revoked.
             require_key: addrs.iter().any(|a| !a.ip().is_loopback()),
             trust_request_chat_template: cfg.trust_request_chat_template,
+            enable_tool_calls: cfg.enable_tool_calls,
             max_body_bytes: cfg.max_body_bytes,
             max_logprobs: cfg.max_logprobs,
             max_n: cfg.max_n,

@@ -9,6 +9,7 @@ mod reasoning;
 mod template;
 mod tojson;
 mod tokenizer;
+pub mod tool_calls;
 
 use std::path::PathBuf;
 

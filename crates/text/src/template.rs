@@ -177,6 +177,12 @@ fn template_error(err: Error) -> TextError {
 impl ChatTemplate {
     /// Hugging Face's Gemma 3 chat template: a system message is folded into the first user
     /// turn, `assistant` is rendered as `model`, contents are trimmed, roles must alternate.
+    ///
+    /// Extended for tools (the GGUF's template ignores them); without `tools` and tool messages
+    /// it renders exactly as Hugging Face's. `tools` are described after the system text in the
+    /// first user turn together with the call format; an assistant's `tool_calls` are written in
+    /// that format (`crate::tool_calls`) after its content; `tool` results, which Gemma has no
+    /// role for, are `<tool_response>` blocks in a user turn (consecutive results share one).
     pub const GEMMA3: &'static str = r#"{{ bos_token }}
 {%- if messages[0]['role'] == 'system' -%}
     {%- if messages[0]['content'] is string -%}
@@ -189,16 +195,35 @@ impl ChatTemplate {
     {%- set first_user_prefix = "" -%}
     {%- set loop_messages = messages -%}
 {%- endif -%}
+{%- if tools -%}
+    {%- set described = namespace(text='') -%}
+    {%- for tool in tools -%}
+        {%- set described.text = described.text + (tool['function'] | tojson) + '\n' -%}
+    {%- endfor -%}
+    {%- set first_user_prefix = first_user_prefix + 'You can call these functions, each described in JSON:\n' + described.text + '\nTo call functions, answer with one block per call and nothing else:\n<tool_call>\n{"name": "function name", "arguments": {"argument name": "value"}}\n</tool_call>\n\n' -%}
+{%- endif -%}
+{%- set turn = namespace(index=0) -%}
 {%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
+    {%- set is_tool = message['role'] == 'tool' -%}
+    {%- if not (is_tool and loop.previtem is defined and loop.previtem['role'] == 'tool') -%}
+        {%- if (message['role'] == 'user' or is_tool) != (turn.index % 2 == 0) -%}
+            {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif -%}
+        {%- set turn.index = turn.index + 1 -%}
+        {%- if (message['role'] == 'assistant') -%}
+            {%- set role = "model" -%}
+        {%- elif is_tool -%}
+            {%- set role = "user" -%}
+        {%- else -%}
+            {%- set role = message['role'] -%}
+        {%- endif -%}
+        {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
     {%- else -%}
-        {%- set role = message['role'] -%}
+        {{ '\n' }}
     {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if is_tool -%}
+        {{ '<tool_response>\n' }}
+    {%- endif -%}
     {%- if message['content'] is string -%}
         {{ message['content'] | trim }}
     {%- elif message['content'] is iterable -%}
@@ -209,10 +234,23 @@ impl ChatTemplate {
                 {{ item['text'] | trim }}
             {%- endif -%}
         {%- endfor -%}
-    {%- else -%}
+    {%- elif not message['tool_calls'] -%}
         {{ raise_exception("Invalid content type") }}
     {%- endif -%}
-    {{ '<end_of_turn>\n' }}
+    {%- if message['tool_calls'] -%}
+        {%- for call in message['tool_calls'] -%}
+            {%- if not loop.first or message['content'] -%}
+                {{ '\n' }}
+            {%- endif -%}
+            {{ '<tool_call>\n{"name": ' + (call['function']['name'] | tojson) + ', "arguments": ' + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}
+        {%- endfor -%}
+    {%- endif -%}
+    {%- if is_tool -%}
+        {{ '\n</tool_response>' }}
+    {%- endif -%}
+    {%- if not (is_tool and loop.nextitem is defined and loop.nextitem['role'] == 'tool') -%}
+        {{ '<end_of_turn>\n' }}
+    {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{'<start_of_turn>model\n'}}

@@ -246,3 +246,134 @@ fn thinking_is_marked_by_the_template_source() {
         .unwrap()
         .marks_thinking());
 }
+
+fn weather_tool() -> ToolDef {
+    ToolDef {
+        r#type: "function".into(),
+        function: FunctionDef {
+            name: "get_weather".into(),
+            description: Some("Weather of a city".into()),
+            // In sorted order: serde_json keeps or sorts keys depending on its features.
+            parameters: Some(serde_json::json!({
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "type": "object"
+            })),
+            strict: None,
+        },
+    }
+}
+
+fn call(id: &str, name: &str, arguments: &str) -> ToolCall {
+    ToolCall {
+        id: id.into(),
+        r#type: "function".into(),
+        function: FunctionCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        },
+    }
+}
+
+#[test]
+fn gemma3_describes_tools_writes_calls_and_wraps_tool_results() {
+    let kw = no_kwargs();
+    let tools = [weather_tool()];
+    let messages = [
+        ChatMessage::text("system", "Be brief."),
+        ChatMessage::text("user", "Weather in Paris and Rome?"),
+        ChatMessage {
+            role: "assistant".into(),
+            content: Some(MessageContent::Text("Checking.".into())),
+            tool_calls: Some(vec![
+                call("c1", "get_weather", r#"{"city": "Paris"}"#),
+                call("c2", "get_weather", r#"{"city": "Rome"}"#),
+            ]),
+            ..Default::default()
+        },
+        ChatMessage {
+            tool_call_id: Some("c1".into()),
+            ..ChatMessage::text("tool", "sunny")
+        },
+        ChatMessage {
+            tool_call_id: Some("c2".into()),
+            ..ChatMessage::text("tool", " rain ")
+        },
+        ChatMessage::text("assistant", "Sunny in Paris, rain in Rome."),
+        ChatMessage::text("user", "Thanks"),
+    ];
+    let mut inp = input(&messages, &kw);
+    inp.tools = Some(&tools);
+    assert_eq!(
+        gemma().render(&inp).expect("render"),
+        "<bos><start_of_turn>user\nBe brief.\n\n\
+         You can call these functions, each described in JSON:\n\
+         {\"name\": \"get_weather\", \"description\": \"Weather of a city\", \"parameters\": \
+         {\"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"], \"type\": \"object\"}}\n\
+         \nTo call functions, answer with one block per call and nothing else:\n\
+         <tool_call>\n{\"name\": \"function name\", \"arguments\": {\"argument name\": \"value\"}}\n</tool_call>\n\n\
+         Weather in Paris and Rome?<end_of_turn>\n\
+         <start_of_turn>model\nChecking.\n\
+         <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\
+         <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call><end_of_turn>\n\
+         <start_of_turn>user\n<tool_response>\nsunny\n</tool_response>\n\
+         <tool_response>\nrain\n</tool_response><end_of_turn>\n\
+         <start_of_turn>model\nSunny in Paris, rain in Rome.<end_of_turn>\n\
+         <start_of_turn>user\nThanks<end_of_turn>\n\
+         <start_of_turn>model\n"
+    );
+    // A tool result where the model should speak still breaks the alternation.
+    let wrong = [
+        ChatMessage::text("user", "q"),
+        ChatMessage::text("tool", "r"),
+    ];
+    assert!(matches!(
+        gemma().render(&input(&wrong, &kw)),
+        Err(TextError::Template(_))
+    ));
+}
+
+/// What the template writes for an assistant's calls is what the output parser reads back.
+#[test]
+fn gemma3_calls_parse_back_to_the_same_calls() {
+    use temper_text::tool_calls::{ParsedCall, ToolCallParser};
+    let kw = no_kwargs();
+    let calls = vec![
+        call("a", "get_weather", r#"{"city": "Paris", "days": [1, 2]}"#),
+        call("b", "get_time", r#"{"zone": "Europe/Rome", "exact": true}"#),
+        call("c", "ping", "{}"),
+    ];
+    for content in [None, Some("Let me check.")] {
+        let messages = [
+            ChatMessage::text("user", "q"),
+            ChatMessage {
+                role: "assistant".into(),
+                content: content.map(|c| MessageContent::Text(c.into())),
+                tool_calls: Some(calls.clone()),
+                ..Default::default()
+            },
+        ];
+        let mut inp = input(&messages, &kw);
+        inp.add_generation_prompt = false;
+        let text = gemma().render(&inp).expect("render");
+        let turn = text
+            .rsplit("<start_of_turn>model\n")
+            .next()
+            .and_then(|t| t.strip_suffix("<end_of_turn>\n"))
+            .expect("an assistant turn");
+        let parser = ToolCallParser::new(
+            vec!["get_weather".into(), "get_time".into(), "ping".into()],
+            usize::MAX,
+        );
+        let (parsed_content, parsed) = parser.split(turn);
+        assert_eq!(parsed_content.as_deref(), content);
+        let want: Vec<ParsedCall> = calls
+            .iter()
+            .map(|c| ParsedCall {
+                name: c.function.name.clone(),
+                arguments: c.function.arguments.clone(),
+            })
+            .collect();
+        assert_eq!(parsed, want, "{turn}");
+    }
+}

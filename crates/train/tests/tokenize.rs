@@ -241,3 +241,74 @@ fn tools_and_tool_calls_are_context() {
         "the template's text after the answer is context"
     );
 }
+
+/// With the shipped Gemma 3 template: a Choice that called a tool trains on exactly its sampled
+/// call tokens, and the tool result after it is context, written as the served prompt writes it.
+#[test]
+fn sampled_tool_calls_are_trainable_and_tool_results_context() {
+    let (tok, template) = setup();
+    let eot = tok.token_id("<end_of_turn>").unwrap();
+    let tools: Vec<temper_text::ToolDef> = serde_json::from_value(json!([{"type": "function",
+        "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]))
+    .unwrap();
+    let call_text =
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    let mut call_ids = tok.encode(call_text, false);
+    call_ids.push(eot);
+    let mut call_choice = choice(&call_ids, "");
+    call_choice["message"] = json!({"role": "assistant", "content": null, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]});
+    call_choice["finish_reason"] = json!("tool_calls");
+    let answer = tok.encode("It is sunny", false);
+    let mut req = request(json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        call_choice,
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        choice(&answer, "It is sunny"),
+    ]));
+    req.trajectory_groups[0].trajectories[0].tools = Some(tools.clone());
+    let job = tokenize_job(&req, &tok, &template).unwrap();
+    let s = &job.sequences[0];
+
+    let user = [ChatMessage::text("user", "Weather in Paris?")];
+    let served_text = template
+        .render(&TemplateInput {
+            messages: &user,
+            tools: Some(&tools),
+            documents: None,
+            add_generation_prompt: true,
+            continue_final_message: false,
+            reasoning_effort: None,
+            kwargs: &serde_json::Map::new(),
+        })
+        .unwrap();
+    assert!(served_text.contains("get_weather"), "{served_text}");
+    let served = tok.encode(&served_text, true);
+    assert_eq!(&s.tokens[..served.len()], served.as_slice());
+    let call_end = served.len() + call_ids.len();
+    assert_eq!(&s.tokens[served.len()..call_end], call_ids.as_slice());
+    let answer_start = s.tokens.len() - answer.len() - tok.encode("<end_of_turn>\n", true).len();
+    assert_eq!(
+        &s.tokens[answer_start..answer_start + answer.len()],
+        answer.as_slice()
+    );
+    let context = tok.decode(
+        &s.tokens[call_end..answer_start],
+        temper_text::DecodeOptions {
+            skip_special_tokens: false,
+            spaces_between_special_tokens: false,
+        },
+    );
+    assert_eq!(
+        context,
+        "\n<start_of_turn>user\n<tool_response>\nsunny\n</tool_response><end_of_turn>\n\
+         <start_of_turn>model\n"
+    );
+    let masked: Vec<usize> = (0..s.tokens.len()).filter(|&i| s.mask[i]).collect();
+    let want: Vec<usize> = (served.len()..call_end)
+        .chain(answer_start..answer_start + answer.len())
+        .collect();
+    assert_eq!(masked, want, "call and answer tokens only");
+}

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use temper_http::{AppState, ModelSpec, ServedModel, ServerOptions, Training, TrainingOptions};
 
 pub const KEY: &str = "test-key";
@@ -183,6 +183,9 @@ pub struct StreamedChoice {
     pub token_ids: Vec<u64>,
     pub finish_reason: Option<String>,
     pub finish_chunks: usize,
+    /// Tool calls reassembled from their deltas as OpenAI clients do: a call's first delta has
+    /// its `index`, `id`, `type` and `function.name`; `function.arguments` pieces are appended.
+    pub tool_calls: Vec<Value>,
 }
 
 /// Checks the chunk grammar of chat.md and collects each choice:
@@ -226,6 +229,26 @@ pub fn check_stream(events: &[Value], n: usize) -> (Vec<StreamedChoice>, Option<
         assert_eq!(choices[i].finish_chunks, 0, "chunk after finish: {ev}");
         if let Some(t) = delta["content"].as_str() {
             choices[i].content.push_str(t);
+        }
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            let k = call["index"].as_u64().unwrap() as usize;
+            let calls = &mut choices[i].tool_calls;
+            let arguments = call["function"]["arguments"].as_str().unwrap_or("");
+            if k == calls.len() {
+                assert!(
+                    call["id"].is_string(),
+                    "a call's first delta has its id: {ev}"
+                );
+                assert_eq!(call["type"], "function", "{ev}");
+                calls.push(json!({"id": call["id"], "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": arguments}}));
+            } else {
+                let so_far = calls[k]["function"]["arguments"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned();
+                calls[k]["function"]["arguments"] = json!(so_far + arguments);
+            }
         }
         if let Some(ids) = c["token_ids"].as_array() {
             choices[i]

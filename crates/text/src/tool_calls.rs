@@ -1,0 +1,357 @@
+//! The tool-call format: how the shipped Gemma 3 template writes an assistant's calls, the Lark
+//! grammar that constrains output to calls, and the parser that finds calls in output. The three
+//! must agree (tests render calls with the template and parse them back).
+//!
+//! A call is Hermes-style, one block per call, blocks separated by a line break:
+//!
+//! ```text
+//! <tool_call>
+//! {"name": "get_weather", "arguments": {"city": "Paris"}}
+//! </tool_call>
+//! ```
+//!
+//! Plain tags and one JSON object are easy for a small base model to copy from the prompt, easy
+//! to constrain (the envelope is literal text around one JSON value) and easy to find in free
+//! text.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+pub const CALL_OPEN: &str = "<tool_call>";
+pub const CALL_CLOSE: &str = "</tool_call>";
+/// Between consecutive calls.
+pub const CALL_SEPARATOR: &str = "\n";
+
+/// One call found in output. `arguments` is the arguments' JSON text exactly as generated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// A function constrained output may call: its name and the JSON schema of its arguments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FunctionSchema {
+    pub name: String,
+    pub parameters: serde_json::Value,
+}
+
+/// A Lark grammar whose sentences are calls of `functions` (at least one; at most one when
+/// `parallel` is false), separated by `CALL_SEPARATOR`, with nothing around them. Each call is
+/// the template's exact envelope around JSON matching the function's schema, embedded as given
+/// (the caller adds its JSON whitespace options).
+pub fn grammar(functions: &[FunctionSchema], parallel: bool) -> String {
+    let literal = |s: &str| serde_json::Value::String(s.to_owned()).to_string();
+    let mut rules = Vec::with_capacity(functions.len());
+    for (i, f) in functions.iter().enumerate() {
+        let open = format!(
+            "{CALL_OPEN}\n{{\"name\": {}, \"arguments\": ",
+            serde_json::Value::String(f.name.clone())
+        );
+        rules.push(format!(
+            "call_{i}: {} %json {} {}",
+            literal(&open),
+            f.parameters,
+            literal(&format!("}}\n{CALL_CLOSE}"))
+        ));
+    }
+    let calls: Vec<String> = (0..functions.len()).map(|i| format!("call_{i}")).collect();
+    let start = if parallel {
+        format!("start: call ({} call)*", literal(CALL_SEPARATOR))
+    } else {
+        "start: call".to_owned()
+    };
+    format!(
+        "{start}\ncall: {}\n{}\n",
+        calls.join(" | "),
+        rules.join("\n")
+    )
+}
+
+/// The body between the tags: `{"name": …, "arguments": …}` in any order and spacing.
+#[derive(Deserialize)]
+struct CallBody<'a> {
+    name: String,
+    #[serde(borrow)]
+    arguments: &'a RawValue,
+}
+
+/// What one pushed piece of output turned into.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ToolCallDelta {
+    pub content: String,
+    pub calls: Vec<ParsedCall>,
+}
+
+/// Finds calls in output, whole or streamed (`split` is `push` of the whole text then `finish`,
+/// so concatenated deltas equal the whole parse).
+///
+/// Rules: a call is `CALL_OPEN`, a JSON object with a `name` among the request's functions and
+/// `arguments`, then `CALL_CLOSE`. Everything else is content, except whitespace touching a call
+/// (the separators and the line break before the first call). A block that does not parse, or
+/// that generation left unfinished, stays content as written. After `max_calls` calls, further
+/// blocks are content.
+#[derive(Debug, Clone)]
+pub struct ToolCallParser {
+    names: Vec<String>,
+    max_calls: usize,
+    calls: usize,
+    /// Unresolved text: not yet known to be content or a call.
+    held: String,
+    /// Inside a block: `held` is what follows `CALL_OPEN`.
+    in_call: bool,
+    /// Whitespace seen right before the open block: content again if the block is not a call.
+    space_before: String,
+    /// The last thing resolved was a call: leading whitespace is dropped.
+    after_call: bool,
+}
+
+impl ToolCallParser {
+    pub fn new(names: Vec<String>, max_calls: usize) -> Self {
+        ToolCallParser {
+            names,
+            max_calls,
+            calls: 0,
+            held: String::new(),
+            in_call: false,
+            space_before: String::new(),
+            after_call: false,
+        }
+    }
+
+    /// One whole output: its content (`None` when there is none but whitespace around calls)
+    /// and its calls.
+    pub fn split(mut self, text: &str) -> (Option<String>, Vec<ParsedCall>) {
+        let mut out = self.push(text);
+        let last = self.finish();
+        out.content.push_str(&last.content);
+        out.calls.extend(last.calls);
+        let content = (!out.content.is_empty()).then_some(out.content);
+        (content, out.calls)
+    }
+
+    pub fn push(&mut self, text: &str) -> ToolCallDelta {
+        self.held.push_str(text);
+        let mut out = ToolCallDelta::default();
+        loop {
+            if self.in_call {
+                let Some(end) = self.held.find(CALL_CLOSE) else {
+                    return out;
+                };
+                let body = &self.held[..end];
+                match self.call(body) {
+                    Some(call) => {
+                        out.calls.push(call);
+                        self.calls += 1;
+                        self.space_before.clear();
+                        self.after_call = true;
+                    }
+                    None => {
+                        out.content
+                            .push_str(&std::mem::take(&mut self.space_before));
+                        out.content.push_str(CALL_OPEN);
+                        out.content.push_str(&self.held[..end + CALL_CLOSE.len()]);
+                        self.after_call = false;
+                    }
+                }
+                self.held.drain(..end + CALL_CLOSE.len());
+                self.in_call = false;
+                continue;
+            }
+            if self.after_call {
+                let trimmed = self.held.trim_start();
+                if trimmed.is_empty() {
+                    self.held.clear();
+                    return out;
+                }
+                self.held.drain(..self.held.len() - trimmed.len());
+                self.after_call = false;
+            }
+            let open = (self.calls < self.max_calls)
+                .then(|| self.held.find(CALL_OPEN))
+                .flatten();
+            match open {
+                Some(at) => {
+                    let before = &self.held[..at];
+                    let text = before.trim_end();
+                    out.content.push_str(text);
+                    self.space_before = before[text.len()..].to_owned();
+                    self.held.drain(..at + CALL_OPEN.len());
+                    self.in_call = true;
+                }
+                None => {
+                    // Hold back trailing whitespace (it is dropped if a call follows) and
+                    // whatever could be the start of `CALL_OPEN`.
+                    let keep = if self.calls < self.max_calls {
+                        partial_open(&self.held)
+                    } else {
+                        0
+                    };
+                    let resolved = &self.held[..self.held.len() - keep];
+                    let emit = resolved.trim_end().len();
+                    out.content.push_str(&self.held[..emit]);
+                    self.held.drain(..emit);
+                    return out;
+                }
+            }
+        }
+    }
+
+    /// The end of the output: held text is content (an unfinished block included), except
+    /// whitespace after a call.
+    pub fn finish(&mut self) -> ToolCallDelta {
+        let mut content = std::mem::take(&mut self.space_before);
+        if self.in_call {
+            content.push_str(CALL_OPEN);
+        }
+        let held = std::mem::take(&mut self.held);
+        if !(self.after_call && held.trim().is_empty()) {
+            content.push_str(&held);
+        }
+        self.in_call = false;
+        ToolCallDelta {
+            content,
+            calls: Vec::new(),
+        }
+    }
+
+    fn call(&self, body: &str) -> Option<ParsedCall> {
+        let body: CallBody<'_> = serde_json::from_str(body.trim()).ok()?;
+        self.names.contains(&body.name).then(|| ParsedCall {
+            name: body.name,
+            arguments: body.arguments.get().to_owned(),
+        })
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `CALL_OPEN`.
+fn partial_open(text: &str) -> usize {
+    (1..CALL_OPEN.len())
+        .rev()
+        .find(|&n| text.ends_with(&CALL_OPEN[..n]))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parser() -> ToolCallParser {
+        ToolCallParser::new(vec!["f".into(), "g".into()], usize::MAX)
+    }
+
+    fn call(name: &str, arguments: &str) -> ParsedCall {
+        ParsedCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    /// Every split of `text` into two pushes gives the whole parse.
+    fn streamed_agrees(p: &ToolCallParser, text: &str) {
+        let whole = p.clone().split(text);
+        for cut in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+            for step in [1, 3, 7] {
+                let mut s = p.clone();
+                let mut content = String::new();
+                let mut calls = Vec::new();
+                let mut pieces = vec![&text[..cut]];
+                let rest = &text[cut..];
+                let mut i = 0;
+                while i < rest.len() {
+                    let mut j = (i + step).min(rest.len());
+                    while !rest.is_char_boundary(j) {
+                        j += 1;
+                    }
+                    pieces.push(&rest[i..j]);
+                    i = j;
+                }
+                for piece in pieces {
+                    let d = s.push(piece);
+                    content.push_str(&d.content);
+                    calls.extend(d.calls);
+                }
+                let d = s.finish();
+                content.push_str(&d.content);
+                calls.extend(d.calls);
+                let content = (!content.is_empty()).then_some(content);
+                assert_eq!(
+                    (content, calls),
+                    whole,
+                    "{text:?} cut at {cut}, step {step}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn calls_and_content() {
+        let two = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n\
+                   <tool_call>\n{\"arguments\":{\"b\" : [2]},\"name\":\"g\"}\n</tool_call>";
+        assert_eq!(
+            parser().split(two),
+            (
+                None,
+                vec![call("f", "{\"a\": 1}"), call("g", "{\"b\" : [2]}")]
+            )
+        );
+        let text = format!("Let me look.\n\n{two}\n");
+        assert_eq!(parser().split(&text).0.as_deref(), Some("Let me look."));
+        assert_eq!(parser().split(&text).1.len(), 2);
+        // One call allowed: the second block is content.
+        let (content, calls) = ToolCallParser::new(vec!["f".into(), "g".into()], 1).split(two);
+        assert_eq!(calls, vec![call("f", "{\"a\": 1}")]);
+        assert!(content.unwrap().starts_with("<tool_call>\n{\"arguments\""));
+        assert_eq!(
+            parser().split("no calls here  "),
+            (Some("no calls here  ".into()), vec![])
+        );
+        for text in [two, &text, "a <tool_call> b", "x<tool_"] {
+            streamed_agrees(&parser(), text);
+        }
+    }
+
+    #[test]
+    fn malformed_or_unfinished_blocks_stay_content() {
+        for text in [
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}\n</tool_call>",
+            "<tool_call>{\"name\": \"unknown\", \"arguments\": {}}</tool_call>",
+            "<tool_call>{\"arguments\": {}}</tool_call>",
+            "Sure. <tool_call>\n{\"name\": \"f\", \"argu",
+            "<tool_",
+        ] {
+            assert_eq!(parser().split(text), (Some(text.to_owned()), vec![]));
+            streamed_agrees(&parser(), text);
+        }
+        let mixed = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call> then \
+                     <tool_call>{\"name\": \"f\", \"argu";
+        let (content, calls) = parser().split(mixed);
+        assert_eq!(calls, vec![call("f", "{}")]);
+        assert_eq!(
+            content.as_deref(),
+            Some("then <tool_call>{\"name\": \"f\", \"argu")
+        );
+        streamed_agrees(&parser(), mixed);
+    }
+
+    #[test]
+    fn grammar_embeds_each_schema_in_the_envelope() {
+        let functions = [
+            FunctionSchema {
+                name: "f".into(),
+                parameters: serde_json::json!({"type": "object"}),
+            },
+            FunctionSchema {
+                name: "g\"".into(),
+                parameters: serde_json::json!(true),
+            },
+        ];
+        assert_eq!(
+            grammar(&functions, true),
+            "start: call (\"\\n\" call)*\ncall: call_0 | call_1\n\
+             call_0: \"<tool_call>\\n{\\\"name\\\": \\\"f\\\", \\\"arguments\\\": \" %json {\"type\":\"object\"} \"}\\n</tool_call>\"\n\
+             call_1: \"<tool_call>\\n{\\\"name\\\": \\\"g\\\\\\\"\\\", \\\"arguments\\\": \" %json true \"}\\n</tool_call>\"\n"
+        );
+        assert!(grammar(&functions[..1], false).starts_with("start: call\ncall: call_0\n"));
+    }
+}
