@@ -95,6 +95,7 @@ class Loop(unittest.IsolatedAsyncioTestCase):
 
         for round_ in range(3):
             groups = await rollouts(model, round_, reward)
+            await model.log(groups, split="train")
             result = await backend.train(model, groups, learning_rate=1e-4)
             self.assertEqual(result.step, round_ + 1)
             self.assertIn("loss", result.metrics)
@@ -157,8 +158,8 @@ class ToolAgent(unittest.IsolatedAsyncioTestCase):
             messages = ask(f"What is {a} + {b}? Use the add tool.")
             r = await client.chat.completions.create(
                 model=model.get_inference_name(), messages=messages, tools=[ADD],
-                tool_choice="required", n=4, max_tokens=40, temperature=1.0, logprobs=True,
-                seed=k)
+                tool_choice="required", parallel_tool_calls=False, n=4, max_tokens=40,
+                temperature=1.0, logprobs=True, seed=k)
             trajectories = []
             for choice in r.choices:
                 self.assertEqual(choice.finish_reason, "tool_calls")
@@ -173,9 +174,12 @@ class ToolAgent(unittest.IsolatedAsyncioTestCase):
                     model=model.get_inference_name(), messages=[*messages, choice.message.model_dump(exclude_none=True),
                                                                 history[-1]],
                     tools=[ADD], tool_choice="none", max_tokens=8, temperature=1.0, logprobs=True, seed=k)
+                # Right arguments earn 1; the answer's length breaks ties so that every group
+                # has something to learn from.
+                answer = final.choices[0].message.content or ""
                 trajectories.append(art.Trajectory(
                     messages_and_choices=[*history, final.choices[0]], tools=[ADD],
-                    reward=1.0 if (args["a"], args["b"]) == (a, b) else 0.0))
+                    reward=float((args["a"], args["b"]) == (a, b)) + len(answer) / 100))
             groups.append(art.TrajectoryGroup(trajectories))
         result = await backend.train(model, groups, learning_rate=1e-4)
         self.assertEqual(result.step, 1)
