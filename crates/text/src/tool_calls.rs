@@ -119,14 +119,14 @@ impl ToolCallParser {
         }
     }
 
-    /// One whole output: its content (`None` when there is none but whitespace around calls)
-    /// and its calls.
+    /// One whole output: its content and its calls. Content is `None` when the output is
+    /// calls and nothing else (OpenAI's null content), `Some` (maybe empty) without calls.
     pub fn split(mut self, text: &str) -> (Option<String>, Vec<ParsedCall>) {
         let mut out = self.push(text);
         let last = self.finish();
         out.content.push_str(&last.content);
         out.calls.extend(last.calls);
-        let content = (!out.content.is_empty()).then_some(out.content);
+        let content = (!out.content.is_empty() || out.calls.is_empty()).then_some(out.content);
         (content, out.calls)
     }
 
@@ -274,7 +274,7 @@ mod tests {
                 let d = s.finish();
                 content.push_str(&d.content);
                 calls.extend(d.calls);
-                let content = (!content.is_empty()).then_some(content);
+                let content = (!content.is_empty() || calls.is_empty()).then_some(content);
                 assert_eq!(
                     (content, calls),
                     whole,
@@ -306,7 +306,8 @@ mod tests {
             parser().split("no calls here  "),
             (Some("no calls here  ".into()), vec![])
         );
-        for text in [two, &text, "a <tool_call> b", "x<tool_"] {
+        assert_eq!(parser().split(""), (Some(String::new()), vec![]));
+        for text in [two, &text, "a <tool_call> b", "x<tool_", ""] {
             streamed_agrees(&parser(), text);
         }
     }
