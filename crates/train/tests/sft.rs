@@ -4,36 +4,15 @@
 use std::sync::atomic::AtomicBool;
 
 use serde_json::{json, Value};
-use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence};
-use temper_text::{ChatMessage, ChatTemplate, TemplateInput, Tokenizer};
+use temper_model::{LoraAdapter, LoraConfig, PackedSequence};
+use temper_text::ChatMessage;
 use temper_train::{
     run_sft_job, tokenize_sft_job, SftRequest, TrainError, TrainEvent, TrainerConfig,
 };
 
-struct Tiny {
-    model: Gemma3,
-    tokenizer: Tokenizer,
-    template: ChatTemplate,
-}
+mod common;
 
-fn tiny() -> Tiny {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    temper_model::tiny::write_tiny_gguf(&path, 11).unwrap();
-    let loaded = temper_model::load_gguf(&path).unwrap();
-    let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path).unwrap();
-    let template = ChatTemplate::new(
-        ChatTemplate::GEMMA3,
-        tokenizer.bos_token().map(str::to_owned),
-        tokenizer.eos_token().map(str::to_owned),
-    )
-    .unwrap();
-    Tiny {
-        model: loaded.model,
-        tokenizer,
-        template,
-    }
-}
+use common::{tiny, Tiny};
 
 fn request(body: Value) -> SftRequest {
     serde_json::from_value(body).unwrap()
@@ -49,7 +28,7 @@ fn assistant(text: &str) -> Value {
 
 #[test]
 fn assistant_turns_are_trained_as_the_template_renders_them() {
-    let t = tiny();
+    let t = tiny(11);
     let tok = &t.tokenizer;
     // ART's SFT line shape (`messages`) and a Trajectory object (`messages_and_choices`, with a
     // Choice) tokenize alike; the user message after the last answer is dropped.
@@ -76,22 +55,13 @@ fn assistant_turns_are_trained_as_the_template_renders_them() {
     assert_eq!(seq.source, "trajectories[0].messages");
 
     // The context before the first answer is the served prompt, generation prompt included.
-    let served = t
-        .template
-        .render(&TemplateInput {
-            messages: &[
-                ChatMessage::text("system", "be brief"),
-                ChatMessage::text("user", "the cat"),
-            ],
-            tools: None,
-            documents: None,
-            add_generation_prompt: true,
-            continue_final_message: false,
-            reasoning_effort: None,
-            kwargs: &serde_json::Map::new(),
-        })
-        .unwrap();
-    let served = tok.encode(&served, true);
+    let served = common::served_prompt(
+        &t,
+        &[
+            ChatMessage::text("system", "be brief"),
+            ChatMessage::text("user", "the cat"),
+        ],
+    );
     assert_eq!(&seq.tokens[..served.len()], &served[..]);
     assert!(seq.mask[..served.len()].iter().all(|m| !m));
     // Trained: each answer as rendered (the template trims it) with its end of turn.
@@ -114,7 +84,7 @@ fn assistant_turns_are_trained_as_the_template_renders_them() {
 
 #[test]
 fn invalid_sft_requests_name_the_field() {
-    let t = tiny();
+    let t = tiny(11);
     let good = json!({"messages": [user("q"), assistant("a")]});
     let param = |body: Value| match tokenize_sft_job(&request(body), &t.tokenizer, &t.template) {
         Err(TrainError::Invalid { param, .. }) => param,
@@ -176,7 +146,7 @@ fn answer_logprob(t: &Tiny, tokens: &[u32], mask: &[bool], adapter: &LoraAdapter
 
 #[test]
 fn sft_raises_the_likelihood_of_the_answers() {
-    let t = tiny();
+    let t = tiny(11);
     let conversation = |q: &str, a: &str| json!({"messages": [user(q), assistant(a)]});
     let req = request(json!({
         "trajectories": [conversation("pick one", "a"), conversation("pick two", "b b"),
@@ -250,7 +220,7 @@ fn sft_raises_the_likelihood_of_the_answers() {
 
 #[test]
 fn a_cancelled_sft_job_stops() {
-    let t = tiny();
+    let t = tiny(11);
     let req = request(json!({"trajectories": [{"messages": [user("q"), assistant("a")]}]}));
     let job = tokenize_sft_job(&req, &t.tokenizer, &t.template).unwrap();
     let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
