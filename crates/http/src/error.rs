@@ -22,6 +22,9 @@ pub enum ApiError {
     /// A name that is taken, or a state change the resource's state forbids.
     #[error("{0}")]
     Conflict(String),
+    /// An `Idempotency-Key` used with another body, or while its first request is handled.
+    #[error("{0}")]
+    IdempotencyConflict(String),
     #[error("Method {0} is not allowed on this path.")]
     MethodNotAllowed(String),
     #[error("The request body is larger than the limit of {0} bytes.")]
@@ -55,7 +58,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Conflict(_) | ApiError::IdempotencyConflict(_) => StatusCode::CONFLICT,
             ApiError::RequestTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ServiceUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -68,7 +71,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => "AuthenticationError",
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => "NotFoundError",
             ApiError::MethodNotAllowed(_) => "MethodNotAllowedError",
-            ApiError::Conflict(_) => "ConflictError",
+            ApiError::Conflict(_) | ApiError::IdempotencyConflict(_) => "ConflictError",
             ApiError::RequestTooLarge(_) => "RequestTooLargeError",
             ApiError::ServiceUnavailable(_) => "ServiceUnavailableError",
             ApiError::Internal(_) => "InternalServerError",
@@ -79,6 +82,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest { param, .. } => param.as_deref(),
             ApiError::ModelNotFound(_) => Some("model"),
+            ApiError::IdempotencyConflict(_) => Some(crate::training::idempotency::HEADER),
             _ => None,
         }
     }
@@ -213,6 +217,12 @@ mod tests {
                 None,
             ),
             (ApiError::Conflict("c".into()), 409, "ConflictError", None),
+            (
+                ApiError::IdempotencyConflict("k".into()),
+                409,
+                "ConflictError",
+                Some("Idempotency-Key"),
+            ),
             (
                 ApiError::RequestTooLarge(10),
                 413,

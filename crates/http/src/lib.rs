@@ -54,7 +54,7 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// training.md's preview API, with its own (larger) body limit.
+/// training.md's preview API, with its own (larger) body limit and `Idempotency-Key`s.
 fn training_routes(state: &AppState) -> Router<AppState> {
     use training::routes as r;
     let limit = state
@@ -81,6 +81,11 @@ fn training_routes(state: &AppState) -> Router<AppState> {
         .route("/v1/preview/training-jobs/{id}", get(r::get_job))
         .route("/v1/preview/training-jobs/{id}/events", get(r::list_events))
         .route("/v1/preview/training-jobs/{id}/cancel", post(r::cancel_job))
+        .route("/v1/preview/sft-training-jobs", post(r::create_sft_job))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            training::idempotency::idempotent,
+        ))
         .layer(DefaultBodyLimit::max(limit))
         .layer(Extension(extract::BodyLimit(limit)))
 }

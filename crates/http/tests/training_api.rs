@@ -141,7 +141,12 @@ async fn another_teams_resources_are_not_found() {
     let id = model["id"].as_str().unwrap();
     let job = api
         .store()
-        .enqueue_job("team-a", id.parse().unwrap(), "{}")
+        .enqueue_job(
+            "team-a",
+            id.parse().unwrap(),
+            temper_store::JobKind::Rl,
+            "{}",
+        )
         .await
         .unwrap();
 
@@ -399,7 +404,10 @@ async fn add_checkpoints(api: &Api, model_id: uuid::Uuid, n: i64) {
 async fn add_checkpoints_from(api: &Api, model_id: uuid::Uuid, first: i64, last: i64) {
     let store = api.store();
     for step in first..=last {
-        let job = store.enqueue_job("default", model_id, "{}").await.unwrap();
+        let job = store
+            .enqueue_job("default", model_id, temper_store::JobKind::Rl, "{}")
+            .await
+            .unwrap();
         let claimed = store.claim_next_job().await.unwrap().unwrap();
         assert_eq!(claimed.id, job.id);
         store
@@ -499,8 +507,14 @@ async fn job_reads_events_and_cancel() {
     let model = api.create_model(KEY, "m").await;
     let model_id: uuid::Uuid = model["id"].as_str().unwrap().parse().unwrap();
     let store = api.store();
-    let first = store.enqueue_job("default", model_id, "{}").await.unwrap();
-    let second = store.enqueue_job("default", model_id, "{}").await.unwrap();
+    let first = store
+        .enqueue_job("default", model_id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    let second = store
+        .enqueue_job("default", model_id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
 
     let (status, job) = api
         .get(&format!("/v1/preview/training-jobs/{}", first.id), KEY)
@@ -514,6 +528,7 @@ async fn job_reads_events_and_cancel() {
             "error",
             "finished_at",
             "id",
+            "kind",
             "model_id",
             "started_at",
             "status",
@@ -521,6 +536,7 @@ async fn job_reads_events_and_cancel() {
         ]
     );
     assert_eq!(job["status"], "queued");
+    assert_eq!(job["kind"], "rl");
     assert_eq!(job["model_id"], model["id"]);
 
     // Newest first, with a cursor.

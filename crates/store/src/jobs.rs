@@ -76,12 +76,42 @@ impl FromStr for JobStatus {
     }
 }
 
+/// What a job trains, stored with it: the worker reads its request as this kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobKind {
+    /// `POST /v1/preview/training-jobs`: trajectory groups and rewards.
+    Rl,
+    /// `POST /v1/preview/sft-training-jobs`: supervised fine-tuning on the assistant turns.
+    Sft,
+}
+
+impl JobKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobKind::Rl => "rl",
+            JobKind::Sft => "sft",
+        }
+    }
+}
+
+impl FromStr for JobKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "rl" => Ok(JobKind::Rl),
+            "sft" => Ok(JobKind::Sft),
+            _ => Err(Error::Corrupt(format!("job kind {s:?}"))),
+        }
+    }
+}
+
 /// A job without its request payload (see [`Store::job_request`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Job {
     pub id: Uuid,
     pub model_id: Uuid,
     pub team: String,
+    pub kind: JobKind,
     pub status: JobStatus,
     /// The checkpoint step the job ended at; `None` until it succeeds.
     pub step: Option<i64>,
@@ -104,7 +134,7 @@ pub struct Event {
 
 macro_rules! job_columns {
     () => {
-        "id, model_id, team, status, step, error, created_at, started_at, finished_at"
+        "id, model_id, team, kind, status, step, error, created_at, started_at, finished_at"
     };
 }
 
@@ -113,6 +143,7 @@ fn job(row: &SqliteRow) -> Result<Job> {
         id: parse_uuid(row.try_get("id")?)?,
         model_id: parse_uuid(row.try_get("model_id")?)?,
         team: row.try_get("team")?,
+        kind: row.try_get::<&str, _>("kind")?.parse()?,
         status: row.try_get::<&str, _>("status")?.parse()?,
         step: row.try_get("step")?,
         error: row.try_get("error")?,
@@ -177,13 +208,20 @@ async fn state_error(conn: &mut sqlx::SqliteConnection, id: Uuid) -> Error {
 impl Store {
     /// Queues a job for one of the team's models, storing the request body (JSON) as posted.
     /// Returns once the job is committed to disk.
-    pub async fn enqueue_job(&self, team: &str, model_id: Uuid, request: &str) -> Result<Job> {
+    pub async fn enqueue_job(
+        &self,
+        team: &str,
+        model_id: Uuid,
+        kind: JobKind,
+        request: &str,
+    ) -> Result<Job> {
         serde_json::from_str::<serde::de::IgnoredAny>(request)
             .map_err(|e| invalid("request", format!("not JSON: {e}")))?;
         let job = Job {
             id: Uuid::new_v4(),
             model_id,
             team: team.to_owned(),
+            kind,
             status: JobStatus::Queued,
             step: None,
             error: None,
@@ -193,10 +231,11 @@ impl Store {
         };
         // One statement: the model check and the insert cannot race a deletion.
         let inserted = sqlx::query(
-            "INSERT INTO training_jobs (id, model_id, team, status, request, created_at) \
-             SELECT ?, id, team, 'queued', ?, ? FROM models WHERE id = ? AND team = ?",
+            "INSERT INTO training_jobs (id, model_id, team, kind, status, request, created_at) \
+             SELECT ?, id, team, ?, 'queued', ?, ? FROM models WHERE id = ? AND team = ?",
         )
         .bind(job.id.to_string())
+        .bind(kind.as_str())
         .bind(request)
         .bind(job.created_at)
         .bind(model_id.to_string())
@@ -446,7 +485,8 @@ impl Store {
 
     /// At start-up, before any worker runs: jobs left running by a crash go back to the queue
     /// (they are re-run from their start; their partial weights are the trainer's to discard),
-    /// each with a `training_requeued` event. Returns their ids, oldest first.
+    /// each with a `training_requeued` event. Returns their ids, oldest first. Idempotency keys
+    /// whose first request never got its answer are released.
     pub async fn recover_after_crash(&self) -> Result<Vec<Uuid>> {
         let at = now();
         let mut tx = self.write_tx().await?;
@@ -467,6 +507,7 @@ impl Store {
         for id in &ids {
             insert_event(&mut tx, id, event::TRAINING_REQUEUED, &data, at).await?;
         }
+        crate::idempotency::release_unfinished(&mut tx).await?;
         tx.commit().await?;
         ids.iter().map(|s| parse_uuid(s)).collect()
     }

@@ -4,6 +4,7 @@
 //! Every query lives in this crate; callers get typed values. Team-scoped methods treat another
 //! team's rows exactly like missing ones ([`Error::NotFound`]), so existence never leaks.
 
+mod idempotency;
 mod jobs;
 mod keys;
 mod models;
@@ -19,7 +20,8 @@ use sqlx::sqlite::{
 };
 use sqlx::SqlSafeStr;
 
-pub use jobs::{event, Event, Job, JobStatus};
+pub use idempotency::{Claim, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN};
+pub use jobs::{event, Event, Job, JobKind, JobStatus};
 pub use keys::{KeyInfo, Team, SECRET_PREFIX};
 pub use models::{Checkpoint, DeletedCheckpoints, DeletedModel, Model, NewModel};
 
@@ -97,13 +99,23 @@ pub struct Store {
 fn migrator() -> Migrator {
     // Embedded with include_str! rather than `sqlx::migrate!`: that macro needs sqlx's
     // proc-macro crate, which builds SQLite a second time for the host.
-    Migrator::with_migrations(vec![Migration::new(
-        1,
-        Cow::Borrowed("initial"),
-        MigrationType::Simple,
-        include_str!("../migrations/0001_initial.sql").into_sql_str(),
-        false,
-    )])
+    let migration = |version, description, sql: &'static str| {
+        Migration::new(
+            version,
+            Cow::Borrowed(description),
+            MigrationType::Simple,
+            sql.into_sql_str(),
+            false,
+        )
+    };
+    Migrator::with_migrations(vec![
+        migration(1, "initial", include_str!("../migrations/0001_initial.sql")),
+        migration(
+            2,
+            "job_kind_idempotency",
+            include_str!("../migrations/0002_job_kind_idempotency.sql"),
+        ),
+    ])
 }
 
 impl Store {

@@ -23,7 +23,12 @@ async fn model(store: &Store, team: &str, name: &str) -> Model {
 /// Runs one job of `model` to a new checkpoint at `step`.
 async fn train(store: &Store, model: &Model, step: i64) -> Uuid {
     let job = store
-        .enqueue_job(&model.team, model.id, r#"{"trajectory_groups": []}"#)
+        .enqueue_job(
+            &model.team,
+            model.id,
+            temper_store::JobKind::Rl,
+            r#"{"trajectory_groups": []}"#,
+        )
         .await
         .unwrap();
     let claimed = store.claim_next_job().await.unwrap().expect("a queued job");
@@ -130,7 +135,10 @@ async fn another_teams_rows_are_not_found() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(&dir).await;
     let m = model(&store, "acme", "agent").await;
-    let job = store.enqueue_job("acme", m.id, "{}").await.unwrap();
+    let job = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
 
     let nf = |r: Result<_, Error>, what: &str| match r {
         Err(Error::NotFound(w)) => assert_eq!(w, what),
@@ -167,7 +175,10 @@ async fn another_teams_rows_are_not_found() {
         "model",
     );
     nf(
-        store.enqueue_job("globex", m.id, "{}").await.map(|_| ()),
+        store
+            .enqueue_job("globex", m.id, temper_store::JobKind::Rl, "{}")
+            .await
+            .map(|_| ()),
         "model",
     );
     nf(
@@ -372,7 +383,10 @@ async fn delete_checkpoints_reports_missing_steps() {
     ));
 
     // Deleting the model removes what is left and fails its pending jobs.
-    let queued = store.enqueue_job("acme", m.id, "{}").await.unwrap();
+    let queued = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
     let d = store.delete_model("acme", m.id).await.unwrap();
     assert_eq!(d.deleted_checkpoints, 2);
     assert_eq!(d.failed_jobs, vec![queued.id]);
@@ -396,9 +410,18 @@ async fn jobs_run_in_order_per_model() {
     let store = open(&dir).await;
     let a = model(&store, "acme", "a").await;
     let b = model(&store, "acme", "b").await;
-    let a1 = store.enqueue_job("acme", a.id, "{\"n\": 1}").await.unwrap();
-    let a2 = store.enqueue_job("acme", a.id, "{\"n\": 2}").await.unwrap();
-    let b1 = store.enqueue_job("acme", b.id, "{\"n\": 3}").await.unwrap();
+    let a1 = store
+        .enqueue_job("acme", a.id, temper_store::JobKind::Rl, "{\"n\": 1}")
+        .await
+        .unwrap();
+    let a2 = store
+        .enqueue_job("acme", a.id, temper_store::JobKind::Rl, "{\"n\": 2}")
+        .await
+        .unwrap();
+    let b1 = store
+        .enqueue_job("acme", b.id, temper_store::JobKind::Rl, "{\"n\": 3}")
+        .await
+        .unwrap();
     assert_eq!(a1.status, JobStatus::Queued);
 
     let first = store.claim_next_job().await.unwrap().unwrap();
@@ -461,7 +484,9 @@ async fn jobs_run_in_order_per_model() {
         })
     ));
     assert!(matches!(
-        store.enqueue_job("acme", a.id, "not json").await,
+        store
+            .enqueue_job("acme", a.id, temper_store::JobKind::Rl, "not json")
+            .await,
         Err(Error::Invalid {
             field: "request",
             ..
@@ -492,7 +517,10 @@ async fn events_after_is_idempotent() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(&dir).await;
     let m = model(&store, "acme", "agent").await;
-    let job = store.enqueue_job("acme", m.id, "{}").await.unwrap();
+    let job = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
     // Not running yet: no events can be appended.
     assert!(matches!(
         store
@@ -573,11 +601,11 @@ async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
         let store = open(&dir).await;
         let m = model(&store, "acme", "agent").await;
         let running = store
-            .enqueue_job("acme", m.id, r#"{"n": 1}"#)
+            .enqueue_job("acme", m.id, temper_store::JobKind::Rl, r#"{"n": 1}"#)
             .await
             .unwrap();
         let queued = store
-            .enqueue_job("acme", m.id, r#"{"n": 2}"#)
+            .enqueue_job("acme", m.id, temper_store::JobKind::Rl, r#"{"n": 2}"#)
             .await
             .unwrap();
         store.claim_next_job().await.unwrap().unwrap();
@@ -640,7 +668,10 @@ async fn concurrent_claims_take_one_job_per_model() {
     for name in ["a", "b", "c"] {
         let m = model(&store, "acme", name).await;
         for _ in 0..2 {
-            store.enqueue_job("acme", m.id, "{}").await.unwrap();
+            store
+                .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+                .await
+                .unwrap();
         }
         models.push(m.id);
     }
@@ -675,11 +706,11 @@ async fn crash_child() {
     let store = Store::open(std::path::Path::new(&dir)).await.unwrap();
     let m = model(&store, "acme", "agent").await;
     let running = store
-        .enqueue_job("acme", m.id, r#"{"n": 1}"#)
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, r#"{"n": 1}"#)
         .await
         .unwrap();
     let queued = store
-        .enqueue_job("acme", m.id, r#"{"n": 2}"#)
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, r#"{"n": 2}"#)
         .await
         .unwrap();
     store.claim_next_job().await.unwrap().unwrap();
@@ -724,4 +755,92 @@ fn a_killed_process_loses_no_accepted_job() {
         assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, ids[0]);
         store.close().await;
     });
+}
+
+#[tokio::test]
+async fn jobs_keep_their_kind_and_request_across_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let m = model(&store, "acme", "m").await;
+    let request = r#"{"trajectories": [{"messages": [], "metadata": {"scenario_id": "s1"}}]}"#;
+    let sft = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Sft, request)
+        .await
+        .unwrap();
+    assert_eq!(sft.kind, temper_store::JobKind::Sft);
+    store.close().await;
+    let store = open(&dir).await;
+    let job = store.get_job("acme", sft.id).await.unwrap();
+    assert_eq!(job.kind, temper_store::JobKind::Sft);
+    assert_eq!(store.job_request(sft.id).await.unwrap(), request);
+}
+
+#[tokio::test]
+async fn idempotency_keys_claim_replay_mismatch_and_release() {
+    use temper_store::{Claim, IdempotencyKey};
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let key = IdempotencyKey {
+        team: "acme",
+        key: "k1",
+        route: "POST /v1/preview/training-jobs",
+    };
+    assert_eq!(
+        store.claim_idempotency(key, b"body").await.unwrap(),
+        Claim::Claimed
+    );
+    // A second claim while the first is handled: in progress; another body: a mismatch.
+    assert_eq!(
+        store.claim_idempotency(key, b"body").await.unwrap(),
+        Claim::InProgress
+    );
+    assert_eq!(
+        store.claim_idempotency(key, b"other").await.unwrap(),
+        Claim::Mismatch
+    );
+    // The same key on another route or of another team is another key.
+    let other_route = IdempotencyKey {
+        route: "POST /v1/preview/models",
+        ..key
+    };
+    let other_team = IdempotencyKey {
+        team: "globex",
+        ..key
+    };
+    for k in [other_route, other_team] {
+        assert_eq!(
+            store.claim_idempotency(k, b"other").await.unwrap(),
+            Claim::Claimed
+        );
+        store.release_idempotency(k).await.unwrap();
+    }
+    store
+        .complete_idempotency(key, 200, br#"{"id": "x"}"#)
+        .await
+        .unwrap();
+    let replay = Claim::Replay {
+        status: 200,
+        body: br#"{"id": "x"}"#.to_vec(),
+    };
+    assert_eq!(store.claim_idempotency(key, b"body").await.unwrap(), replay);
+    // Answers survive a restart; a claim a crash left unanswered is released by the recovery.
+    let pending = IdempotencyKey { key: "k2", ..key };
+    assert_eq!(
+        store.claim_idempotency(pending, b"body").await.unwrap(),
+        Claim::Claimed
+    );
+    store.close().await;
+    let store = open(&dir).await;
+    store.recover_after_crash().await.unwrap();
+    assert_eq!(store.claim_idempotency(key, b"body").await.unwrap(), replay);
+    assert_eq!(
+        store.claim_idempotency(pending, b"body").await.unwrap(),
+        Claim::Claimed
+    );
+    // Released: the key can be claimed again.
+    store.release_idempotency(pending).await.unwrap();
+    assert_eq!(
+        store.claim_idempotency(pending, b"new").await.unwrap(),
+        Claim::Claimed
+    );
 }

@@ -1,17 +1,26 @@
 //! temper-train: trajectories → tokens, advantages, the RL loss and the LoRA optimisation loop
 //! (training.md). The HTTP layer parses bodies into [`TrainingRequest`] and calls
-//! [`tokenize_job`] at the edge; the job worker calls [`run_job`].
+//! [`tokenize_job`] at the edge; the job worker calls [`run_job`]. SFT jobs go the same way:
+//! [`SftRequest`], [`tokenize_sft_job`], [`run_sft_job`].
 
 mod request;
+mod summary;
 mod tokenize;
 mod trainer;
 
 pub use request::{
-    Choice, ChoiceLogprobs, ExperimentalConfig, History, LossConfig, MessageOrChoice, TokenLogprob,
-    TrainingRequest, Trajectory, TrajectoryGroup,
+    Choice, ChoiceLogprobs, ExperimentalConfig, History, LearningRate, LossConfig, MessageOrChoice,
+    SftConfig, SftRequest, SftSchedule, SftTrajectory, TokenLogprob, TrainingRequest, Trajectory,
+    TrajectoryGroup, SFT_DEFAULT_BATCH_SIZE, SFT_DEFAULT_EPOCHS, SFT_DEFAULT_LEARNING_RATE,
 };
-pub use tokenize::{tokenize_job, TokenizedJob, TokenizedSequence};
-pub use trainer::{group_advantages, run_job, token_loss, StepMetrics, TrainEvent, TrainerConfig};
+pub use summary::mean_trajectory_metrics;
+pub use tokenize::{
+    tokenize_job, tokenize_sft_job, TokenizedJob, TokenizedSequence, TokenizedSftJob,
+};
+pub use trainer::{
+    group_advantages, run_job, run_sft_job, token_loss, SftStepMetrics, StepMetrics, TrainEvent,
+    TrainerConfig,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {

@@ -164,3 +164,115 @@ impl ExperimentalConfig {
         })
     }
 }
+
+/// An SFT job as posted (`POST /v1/preview/sft-training-jobs`, less the model).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct SftRequest {
+    pub trajectories: Vec<SftTrajectory>,
+    #[serde(default)]
+    pub config: Option<SftConfig>,
+}
+
+/// One conversation to imitate: ART's SFT line `{"messages", "tools"}` or a Trajectory object
+/// (`messages_and_choices`; its reward, metrics and the like are accepted and not read).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct SftTrajectory {
+    #[serde(alias = "messages")]
+    pub messages_and_choices: Vec<MessageOrChoice>,
+    #[serde(default)]
+    pub tools: Option<Vec<ToolDef>>,
+}
+
+/// ART's `SFTTrainingConfig` plus `epochs`; `None` (or null) is the default.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SftConfig {
+    pub learning_rate: Option<LearningRate>,
+    pub batch_size: Option<u64>,
+    pub epochs: Option<u64>,
+}
+
+/// One rate for every batch, or one per batch (ART's per-batch schedule).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum LearningRate {
+    Constant(f64),
+    PerBatch(Vec<f64>),
+}
+
+/// ART's `TrainSFTConfig` defaults: learning rate 5e-5, batch size 2 (the backends' "auto"),
+/// one epoch.
+pub const SFT_DEFAULT_LEARNING_RATE: f64 = 5e-5;
+pub const SFT_DEFAULT_BATCH_SIZE: usize = 2;
+pub const SFT_DEFAULT_EPOCHS: usize = 1;
+/// Bounds that keep a job's step count sane (a typo such as `epochs: 1e9` is a 400, not a job
+/// that never ends).
+const SFT_MAX_BATCH_SIZE: u64 = 1024;
+const SFT_MAX_EPOCHS: u64 = 100;
+
+/// `SftConfig` resolved against the number of trajectories: every optimizer step's batch and
+/// learning rate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SftSchedule {
+    pub batch_size: usize,
+    pub epochs: usize,
+    /// One per optimizer step (batches of every epoch, in order).
+    pub learning_rates: Vec<f64>,
+}
+
+impl SftConfig {
+    pub fn resolve(&self, num_trajectories: usize) -> Result<SftSchedule, crate::TrainError> {
+        let bad = |field: &str, why: String| {
+            Err(crate::TrainError::Invalid {
+                param: format!("config.{field}"),
+                message: why,
+            })
+        };
+        let batch_size = self.batch_size.unwrap_or(SFT_DEFAULT_BATCH_SIZE as u64);
+        if !(1..=SFT_MAX_BATCH_SIZE).contains(&batch_size) {
+            return bad(
+                "batch_size",
+                format!("must be an integer from 1 to {SFT_MAX_BATCH_SIZE}"),
+            );
+        }
+        let epochs = self.epochs.unwrap_or(SFT_DEFAULT_EPOCHS as u64);
+        if !(1..=SFT_MAX_EPOCHS).contains(&epochs) {
+            return bad(
+                "epochs",
+                format!("must be an integer from 1 to {SFT_MAX_EPOCHS}"),
+            );
+        }
+        let (batch_size, epochs) = (batch_size as usize, epochs as usize);
+        let steps = num_trajectories.div_ceil(batch_size) * epochs;
+        let learning_rates = match &self.learning_rate {
+            None => vec![SFT_DEFAULT_LEARNING_RATE; steps],
+            Some(LearningRate::Constant(lr)) => vec![*lr; steps],
+            Some(LearningRate::PerBatch(lrs)) if lrs.len() != steps => {
+                return bad(
+                    "learning_rate",
+                    format!(
+                        "a list needs one rate per batch: {steps} ({num_trajectories} \
+                         trajectories in batches of {batch_size}, {epochs} epoch(s)), got {}",
+                        lrs.len()
+                    ),
+                );
+            }
+            Some(LearningRate::PerBatch(lrs)) => lrs.clone(),
+        };
+        if let Some(i) = learning_rates
+            .iter()
+            .position(|lr| !(lr.is_finite() && *lr > 0.0))
+        {
+            let field = match self.learning_rate {
+                Some(LearningRate::PerBatch(_)) => format!("learning_rate[{i}]"),
+                _ => "learning_rate".to_owned(),
+            };
+            return bad(&field, "must be a number > 0".to_owned());
+        }
+        Ok(SftSchedule {
+            batch_size,
+            epochs,
+            learning_rates,
+        })
+    }
+}

@@ -5,25 +5,29 @@
 //! tokenized as the server tokenizes prompts; each sentinel becomes the Choice's exact sampled
 //! tokens (mask 1, old logprobs from the request). When the sampled tokens end with the
 //! template's end-of-turn token, the same text right after the sentinel is not repeated.
+//!
+//! SFT conversations go through the same rendering and sequence building; their assistant turns
+//! are trained on as the template renders them (see [`tokenize_sft_job`]).
 
 use temper_text::{ChatMessage, ChatTemplate, TemplateInput, Tokenizer};
 
-use crate::request::{Choice, MessageOrChoice, TrainingRequest};
+use crate::request::{Choice, MessageOrChoice, SftRequest, SftSchedule, TrainingRequest};
 use crate::TrainError;
 
 /// One tokenized conversation (a trajectory or one of its additional histories).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenizedSequence {
     pub tokens: Vec<u32>,
-    /// Trainable (sampled) tokens.
+    /// Trainable tokens (RL: the sampled ones; SFT: the assistant turns).
     pub mask: Vec<bool>,
     /// The sampler's logprob per token (0 where not trainable, NaN where the request gave none).
     pub old_logprobs: Vec<f32>,
-    /// Index of the group and of the trajectory in it.
+    /// Index of the group and of the trajectory in it (SFT: group 0).
     pub group: usize,
     pub trajectory: usize,
     /// Where it is in the request: `trajectory_groups[g].trajectories[t].messages_and_choices`
-    /// or `...trajectories[t].additional_histories[h].messages_and_choices`.
+    /// or `...trajectories[t].additional_histories[h].messages_and_choices` (SFT:
+    /// `trajectories[t].messages`).
     pub source: String,
 }
 
@@ -42,21 +46,38 @@ pub struct TokenizedJob {
 }
 
 impl TokenizedJob {
-    /// Every sequence fits the trainer's `max_seq_len`: a longer one would have to be cut, and
-    /// a cut trajectory trains on part of an answer with the whole answer's reward, so it is an
-    /// error naming the sequence instead.
     pub fn check_lengths(&self, max_seq_len: usize) -> Result<(), TrainError> {
-        match self.sequences.iter().find(|s| s.tokens.len() > max_seq_len) {
-            Some(s) => Err(TrainError::invalid(
-                &s.source,
-                format!(
-                    "is {} tokens long once tokenized; this server trains sequences of at most \
-                     {max_seq_len} tokens (`--max-train-seq-len`)",
-                    s.tokens.len()
-                ),
-            )),
-            None => Ok(()),
-        }
+        check_lengths(&self.sequences, max_seq_len)
+    }
+}
+
+/// An SFT job: one sequence per trajectory, and its batches' learning rates.
+#[derive(Debug, Clone)]
+pub struct TokenizedSftJob {
+    pub sequences: Vec<TokenizedSequence>,
+    pub schedule: SftSchedule,
+}
+
+impl TokenizedSftJob {
+    pub fn check_lengths(&self, max_seq_len: usize) -> Result<(), TrainError> {
+        check_lengths(&self.sequences, max_seq_len)
+    }
+}
+
+/// Every sequence fits the trainer's `max_seq_len`: a longer one would have to be cut, and a cut
+/// trajectory trains on part of an answer (with the whole answer's reward), so it is an error
+/// naming the sequence instead.
+fn check_lengths(sequences: &[TokenizedSequence], max_seq_len: usize) -> Result<(), TrainError> {
+    match sequences.iter().find(|s| s.tokens.len() > max_seq_len) {
+        Some(s) => Err(TrainError::invalid(
+            &s.source,
+            format!(
+                "is {} tokens long once tokenized; this server trains sequences of at most \
+                 {max_seq_len} tokens (`--max-train-seq-len`)",
+                s.tokens.len()
+            ),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -140,7 +161,150 @@ pub fn tokenize_job(
     })
 }
 
+/// Tokenizes every trajectory of an SFT request and resolves its schedule; a trajectory without
+/// an assistant message, like anything else it could not train on, is an error naming it.
+pub fn tokenize_sft_job(
+    req: &SftRequest,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+) -> Result<TokenizedSftJob, TrainError> {
+    if req.trajectories.is_empty() {
+        return Err(TrainError::invalid("trajectories", "must not be empty"));
+    }
+    let schedule = req
+        .config
+        .clone()
+        .unwrap_or_default()
+        .resolve(req.trajectories.len())?;
+    let mut sequences = Vec::with_capacity(req.trajectories.len());
+    for (t, traj) in req.trajectories.iter().enumerate() {
+        let path = format!("trajectories[{t}].messages");
+        let items = &traj.messages_and_choices;
+        let Some((tokens, mask, old_logprobs)) =
+            tokenize_targets(items, traj.tools.as_deref(), tokenizer, template, &path)?
+        else {
+            return Err(TrainError::invalid(
+                path,
+                "has no assistant message to learn from",
+            ));
+        };
+        sequences.push(TokenizedSequence {
+            tokens,
+            mask,
+            old_logprobs,
+            group: 0,
+            trajectory: t,
+            source: path,
+        });
+    }
+    Ok(TokenizedSftJob {
+        sequences,
+        schedule,
+    })
+}
+
 type Tokenized = (Vec<u32>, Vec<bool>, Vec<f32>);
+
+/// A Choice as the message the template renders (always the assistant's).
+fn as_message(item: &MessageOrChoice) -> ChatMessage {
+    match item {
+        MessageOrChoice::Message(m) => m.clone(),
+        MessageOrChoice::Choice(c) => {
+            let mut m = c.message.clone();
+            m.role = "assistant".to_owned();
+            m
+        }
+    }
+}
+
+/// The conversation as the chat template writes it; a template error is the conversation's.
+fn render(
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+    tools: Option<&[temper_text::ToolDef]>,
+    add_generation_prompt: bool,
+    path: &str,
+) -> Result<String, TrainError> {
+    template
+        .render(&TemplateInput {
+            messages,
+            tools,
+            documents: None,
+            add_generation_prompt,
+            continue_final_message: false,
+            reasoning_effort: None,
+            kwargs: &serde_json::Map::new(),
+        })
+        .map_err(|e| TrainError::invalid(path, format!("the chat template cannot render it: {e}")))
+}
+
+/// One sequence, built left to right from rendered context text (tokenized as the server
+/// tokenizes prompts, mask 0) and trained parts (mask 1): RL's sampled tokens or SFT's rendered
+/// assistant turns.
+struct SequenceBuilder<'a> {
+    tokenizer: &'a Tokenizer,
+    tokens: Vec<u32>,
+    mask: Vec<bool>,
+    old: Vec<f32>,
+    /// The last token of the sampled tokens just appended (see [`Self::context`]).
+    after_sampled: Option<u32>,
+}
+
+impl<'a> SequenceBuilder<'a> {
+    fn new(tokenizer: &'a Tokenizer) -> Self {
+        SequenceBuilder {
+            tokenizer,
+            tokens: Vec::new(),
+            mask: Vec::new(),
+            old: Vec::new(),
+            after_sampled: None,
+        }
+    }
+
+    /// Context text, minus a leading end-of-turn the sampled tokens before it already hold (the
+    /// last sampled token is a control token, such as Gemma's `<end_of_turn>`, whose text the
+    /// template writes right after the content).
+    fn context(&mut self, mut text: &str) {
+        if let Some(prev) = self.after_sampled.take() {
+            if self.tokenizer.is_special(prev) {
+                if let Some(piece) = self.tokenizer.piece(prev) {
+                    text = text.strip_prefix(piece).unwrap_or(text);
+                }
+            }
+        }
+        let ids = self.tokenizer.encode(text, true);
+        self.push(&ids, false, &vec![0.0; ids.len()]);
+    }
+
+    /// Sampled tokens with the sampler's logprobs, trained exactly as sampled.
+    fn sampled(&mut self, ids: &[u32], logprobs: &[f32]) {
+        self.push(ids, true, logprobs);
+        self.after_sampled = ids.last().copied();
+    }
+
+    /// Text to imitate (an assistant turn as the template renders it), tokenized like context;
+    /// it has no sampler logprobs.
+    fn target(&mut self, text: &str) {
+        let ids = self.tokenizer.encode(text, true);
+        self.push(&ids, true, &vec![f32::NAN; ids.len()]);
+    }
+
+    fn push(&mut self, ids: &[u32], trained: bool, old: &[f32]) {
+        self.tokens.extend(ids);
+        self.mask.extend(std::iter::repeat_n(trained, ids.len()));
+        self.old.extend(old);
+    }
+
+    fn finish(self, path: &str) -> Result<Tokenized, TrainError> {
+        if self.mask.first() == Some(&true) {
+            return Err(TrainError::invalid(
+                path,
+                "a trained assistant turn needs context before it (a message)",
+            ));
+        }
+        Ok((self.tokens, self.mask, self.old))
+    }
+}
 
 /// `None` when the conversation has no trainable Choice.
 fn tokenize_conversation(
@@ -165,7 +329,6 @@ fn tokenize_conversation(
     let mut spliced: Vec<(Vec<u32>, Vec<f32>)> = Vec::new();
     for (i, item) in items[..=last].iter().enumerate() {
         match item {
-            MessageOrChoice::Message(m) => messages.push(m.clone()),
             MessageOrChoice::Choice(c) if trainable(item) => {
                 spliced.push(sampled_tokens(c, tokenizer, &format!("{path}[{i}]"))?);
                 messages.push(ChatMessage::text(
@@ -173,29 +336,12 @@ fn tokenize_conversation(
                     format!("{SENTINEL_OPEN}{}{SENTINEL_CLOSE}", spliced.len() - 1),
                 ));
             }
-            MessageOrChoice::Choice(c) => {
-                let mut m = c.message.clone();
-                m.role = "assistant".to_owned();
-                messages.push(m);
-            }
+            item => messages.push(as_message(item)),
         }
     }
-    let text = template
-        .render(&TemplateInput {
-            messages: &messages,
-            tools,
-            documents: None,
-            add_generation_prompt: false,
-            continue_final_message: false,
-            reasoning_effort: None,
-            kwargs: &serde_json::Map::new(),
-        })
-        .map_err(|e| {
-            TrainError::invalid(path, format!("the chat template cannot render it: {e}"))
-        })?;
-    let (mut tokens, mut mask, mut old) = (Vec::new(), Vec::new(), Vec::new());
+    let text = render(template, &messages, tools, false, path)?;
+    let mut seq = SequenceBuilder::new(tokenizer);
     let mut rest = text.as_str();
-    let mut previous_ended_with: Option<u32> = None;
     for (k, (ids, lps)) in spliced.iter().enumerate() {
         let marker = format!("{SENTINEL_OPEN}{k}{SENTINEL_CLOSE}");
         let Some(at) = rest.find(&marker) else {
@@ -204,57 +350,61 @@ fn tokenize_conversation(
                 "the chat template does not render assistant messages verbatim",
             ));
         };
-        push_text(
-            &rest[..at],
-            previous_ended_with,
-            tokenizer,
-            &mut tokens,
-            &mut mask,
-            &mut old,
-        );
-        tokens.extend(ids);
-        mask.extend(std::iter::repeat_n(true, ids.len()));
-        old.extend(lps);
-        previous_ended_with = ids.last().copied();
+        seq.context(&rest[..at]);
+        seq.sampled(ids, lps);
         rest = &rest[at + marker.len()..];
     }
-    push_text(
-        rest,
-        previous_ended_with,
-        tokenizer,
-        &mut tokens,
-        &mut mask,
-        &mut old,
-    );
-    if mask.first() == Some(&true) {
-        return Err(TrainError::invalid(
-            path,
-            "a trainable Choice needs context before it (a message)",
-        ));
-    }
-    Ok(Some((tokens, mask, old)))
+    seq.context(rest);
+    seq.finish(path).map(Some)
 }
 
-/// Appends context text as the server tokenizes prompts, minus a leading end-of-turn the
-/// sampled tokens before it already hold (the last sampled token is a control token, such as
-/// Gemma's `<end_of_turn>`, whose text the template writes right after the content).
-fn push_text(
-    mut text: &str,
-    previous: Option<u32>,
+/// SFT: every assistant message (or Choice) is trained on as the template renders its turn,
+/// end-of-turn included: the text that rendering the conversation up to and including it adds
+/// to the prompt before it (the generation prompt included). Messages after the last assistant
+/// message are dropped. `None` when there is no assistant message.
+fn tokenize_targets(
+    items: &[MessageOrChoice],
+    tools: Option<&[temper_text::ToolDef]>,
     tokenizer: &Tokenizer,
-    tokens: &mut Vec<u32>,
-    mask: &mut Vec<bool>,
-    old: &mut Vec<f32>,
-) {
-    if let Some(prev) = previous.filter(|&p| tokenizer.is_special(p)) {
-        if let Some(piece) = tokenizer.piece(prev) {
-            text = text.strip_prefix(piece).unwrap_or(text);
+    template: &ChatTemplate,
+    path: &str,
+) -> Result<Option<Tokenized>, TrainError> {
+    let messages: Vec<ChatMessage> = items.iter().map(as_message).collect();
+    let mut seq = SequenceBuilder::new(tokenizer);
+    // The rendered text the sequence holds so far.
+    let mut done = String::new();
+    for (i, m) in messages.iter().enumerate() {
+        if m.role != "assistant" {
+            continue;
         }
+        if i == 0 {
+            return Err(TrainError::invalid(
+                format!("{path}[0]"),
+                "an assistant message needs context before it (a message)",
+            ));
+        }
+        let prompt = render(template, &messages[..i], tools, true, path)?;
+        let turn = render(template, &messages[..=i], tools, false, path)?;
+        // A template that rewrites earlier turns once later ones follow (e.g. drops old
+        // reasoning) has no single rendering to train on.
+        let (Some(context), Some(target)) = (
+            prompt.strip_prefix(done.as_str()),
+            turn.strip_prefix(prompt.as_str()),
+        ) else {
+            return Err(TrainError::invalid(
+                format!("{path}[{i}]"),
+                "the chat template does not render this conversation as a continuation of \
+                 its earlier turns",
+            ));
+        };
+        seq.context(context);
+        seq.target(target);
+        done = turn;
     }
-    let ids = tokenizer.encode(text, true);
-    mask.extend(std::iter::repeat_n(false, ids.len()));
-    old.extend(std::iter::repeat_n(0.0, ids.len()));
-    tokens.extend(ids);
+    if done.is_empty() {
+        return Ok(None);
+    }
+    seq.finish(path).map(Some)
 }
 
 /// A Choice's sampled token ids (`token_id:<id>`, else the token string looked up) and the

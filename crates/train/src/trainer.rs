@@ -7,7 +7,7 @@ use serde::Serialize;
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence};
 
 use crate::request::LossConfig;
-use crate::tokenize::TokenizedJob;
+use crate::tokenize::{TokenizedJob, TokenizedSftJob};
 use crate::TrainError;
 
 /// Server-side trainer settings.
@@ -48,12 +48,28 @@ pub struct StepMetrics {
     pub probs_corr: Option<f64>,
 }
 
+/// `gradient_step` event data of an SFT job: one step per batch.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SftStepMetrics {
+    pub step: usize,
+    /// Mean negative log-likelihood of the batch's trainable tokens (before the step).
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub learning_rate: f64,
+    pub num_trajectories: usize,
+    pub num_trainable_tokens: usize,
+    /// 1-based.
+    pub epoch: usize,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum TrainEvent {
+    /// `num_sequences`: the optimizer steps to come.
     Started {
         num_sequences: usize,
     },
     GradientStep(StepMetrics),
+    SftStep(SftStepMetrics),
     /// `step`: gradient steps taken; `message` says why nothing was learned, if so.
     Ended {
         step: i64,
@@ -212,6 +228,49 @@ impl AdamW {
     }
 }
 
+/// Packs sequences of these lengths, in order, into packs of at most `max_len` tokens: a
+/// sequence joins the current pack while it fits.
+fn pack(lens: impl IntoIterator<Item = usize>, max_len: usize) -> Vec<Vec<usize>> {
+    let mut packs: Vec<Vec<usize>> = Vec::new();
+    let mut len = 0;
+    for (i, n) in lens.into_iter().enumerate() {
+        match packs.last_mut() {
+            Some(pack) if len + n <= max_len => pack.push(i),
+            _ => {
+                packs.push(vec![i]);
+                len = 0;
+            }
+        }
+        len += n;
+    }
+    packs
+}
+
+/// Clips the gradient to `MAX_GRAD_NORM` and takes one AdamW step; returns the gradient's norm
+/// before clipping. `step` (1-based) names a diverged step.
+fn apply_gradients(
+    optimizer: &mut AdamW,
+    adapter: &mut LoraAdapter,
+    grads: &[Vec<f32>],
+    learning_rate: f64,
+    step: usize,
+) -> Result<f64, TrainError> {
+    let grad_norm = grads
+        .iter()
+        .flatten()
+        .map(|g| f64::from(*g).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    if !grad_norm.is_finite() {
+        return Err(TrainError::NonFinite(format!(
+            "gradient norm {grad_norm} at step {step}"
+        )));
+    }
+    let clip = (MAX_GRAD_NORM / (grad_norm + 1e-6)).min(1.0);
+    optimizer.step(adapter, grads, clip, learning_rate);
+    Ok(grad_norm)
+}
+
 fn pearson(x: &[f64], y: &[f64]) -> Option<f64> {
     let n = x.len() as f64;
     if x.len() < 2 {
@@ -297,19 +356,7 @@ pub fn run_job(
         .filter(|(g, a)| a.iter().any(|x| *x != 0.0) && job.sequences.iter().any(|s| s.group == *g))
         .count();
 
-    // Pack in order: a sequence goes into the current pack while it fits.
-    let mut packs: Vec<Vec<usize>> = Vec::new();
-    let mut len = 0;
-    for (i, p) in prepared.iter().enumerate() {
-        match packs.last_mut() {
-            Some(pack) if len + p.tokens.len() <= cfg.max_seq_len => pack.push(i),
-            _ => {
-                packs.push(vec![i]);
-                len = 0;
-            }
-        }
-        len += p.tokens.len();
-    }
+    let packs = pack(prepared.iter().map(|p| p.tokens.len()), cfg.max_seq_len);
     on_event(TrainEvent::Started {
         num_sequences: packs.len(),
     });
@@ -365,21 +412,13 @@ pub fn run_job(
             dlogprobs.push((dl * weights[k] * norm) as f32);
         }
         let grads = model.backward(tape, &adapter, &dlogprobs)?;
-        let grad_norm = grads
-            .grads
-            .iter()
-            .flatten()
-            .map(|g| f64::from(*g).powi(2))
-            .sum::<f64>()
-            .sqrt();
-        if !grad_norm.is_finite() {
-            return Err(TrainError::NonFinite(format!(
-                "gradient norm {grad_norm} at step {}",
-                step + 1
-            )));
-        }
-        let clip = (MAX_GRAD_NORM / (grad_norm + 1e-6)).min(1.0);
-        optimizer.step(&mut adapter, &grads.grads, clip, loss_cfg.learning_rate);
+        let grad_norm = apply_gradients(
+            &mut optimizer,
+            &mut adapter,
+            &grads.grads,
+            loss_cfg.learning_rate,
+            step + 1,
+        )?;
         let new_probs: Vec<f64> = scores
             .logprobs
             .iter()
@@ -415,6 +454,85 @@ pub fn run_job(
         message: None,
     });
     Ok(Some(adapter))
+}
+
+/// Runs one SFT job from `start`: per batch of `batch_size` trajectories (in order, each epoch),
+/// one AdamW step on the mean negative log-likelihood of the batch's trainable tokens. A batch
+/// longer than `max_seq_len` is split into packs whose gradients add up before the step.
+/// `cancel` is checked before every pack.
+pub fn run_sft_job(
+    model: &Gemma3,
+    start: &LoraAdapter,
+    job: &TokenizedSftJob,
+    cfg: &TrainerConfig,
+    cancel: &AtomicBool,
+    on_event: &mut dyn FnMut(TrainEvent),
+) -> Result<LoraAdapter, TrainError> {
+    job.check_lengths(cfg.max_seq_len)?;
+    let schedule = &job.schedule;
+    let batches: Vec<&[crate::TokenizedSequence]> = (0..schedule.epochs)
+        .flat_map(|_| job.sequences.chunks(schedule.batch_size))
+        .collect();
+    let per_epoch = batches.len() / schedule.epochs.max(1);
+    on_event(TrainEvent::Started {
+        num_sequences: batches.len(),
+    });
+    let mut adapter = start.clone();
+    let mut optimizer = AdamW::new(&adapter);
+    for (step, (batch, &learning_rate)) in batches.iter().zip(&schedule.learning_rates).enumerate()
+    {
+        let count: usize = batch.iter().map(|s| s.trainable_tokens()).sum();
+        // Each trainable token's share of the batch's mean.
+        let norm = 1.0 / count.max(1) as f64;
+        let mut nll = 0.0;
+        let mut grads: Vec<Vec<f32>> = Vec::new();
+        for pack in pack(batch.iter().map(|s| s.tokens.len()), cfg.max_seq_len) {
+            if cancel.load(Ordering::Relaxed) {
+                return Err(TrainError::Cancelled);
+            }
+            let members = pack.iter().map(|&i| &batch[i]);
+            let tokens: Vec<u32> = members.clone().flat_map(|s| s.tokens.clone()).collect();
+            let scored: Vec<bool> = members.clone().flat_map(|s| s.mask.clone()).collect();
+            let segment_lens: Vec<usize> = members.map(|s| s.tokens.len()).collect();
+            let seq = PackedSequence {
+                tokens: &tokens,
+                segment_lens: &segment_lens,
+                scored: &scored,
+            };
+            let (scores, tape) = model.train_forward(&seq, &adapter)?;
+            nll -= scores.logprobs.iter().map(|&lp| f64::from(lp)).sum::<f64>();
+            let dlogprobs = vec![-norm as f32; scores.logprobs.len()];
+            let pack_grads = model.backward(tape, &adapter, &dlogprobs)?.grads;
+            if grads.is_empty() {
+                grads = pack_grads;
+            } else {
+                for (sum, g) in grads.iter_mut().zip(&pack_grads) {
+                    sum.iter_mut().zip(g).for_each(|(s, x)| *s += x);
+                }
+            }
+        }
+        let grad_norm = apply_gradients(
+            &mut optimizer,
+            &mut adapter,
+            &grads,
+            learning_rate,
+            step + 1,
+        )?;
+        on_event(TrainEvent::SftStep(SftStepMetrics {
+            step: step + 1,
+            loss: nll * norm,
+            grad_norm,
+            learning_rate,
+            num_trajectories: batch.len(),
+            num_trainable_tokens: count,
+            epoch: step / per_epoch.max(1) + 1,
+        }));
+    }
+    on_event(TrainEvent::Ended {
+        step: batches.len() as i64,
+        message: None,
+    });
+    Ok(adapter)
 }
 
 #[cfg(test)]

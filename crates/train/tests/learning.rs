@@ -5,50 +5,17 @@
 use std::sync::atomic::AtomicBool;
 
 use serde_json::{json, Value};
-use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence};
-use temper_text::{ChatMessage, ChatTemplate, TemplateInput, Tokenizer};
+use temper_model::{LoraAdapter, LoraConfig, PackedSequence};
+use temper_text::ChatMessage;
 use temper_train::{run_job, tokenize_job, TrainEvent, TrainerConfig, TrainingRequest};
 
-struct Tiny {
-    model: Gemma3,
-    tokenizer: Tokenizer,
-    template: ChatTemplate,
-}
+mod common;
 
-fn tiny() -> Tiny {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("tiny.gguf");
-    temper_model::tiny::write_tiny_gguf(&path, 11).expect("write tiny");
-    let loaded = temper_model::load_gguf(&path).expect("load");
-    let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path).expect("tokenizer");
-    let template = ChatTemplate::new(
-        ChatTemplate::GEMMA3,
-        tokenizer.bos_token().map(str::to_owned),
-        tokenizer.eos_token().map(str::to_owned),
-    )
-    .expect("template");
-    Tiny {
-        model: loaded.model,
-        tokenizer,
-        template,
-    }
-}
+use common::{tiny, Tiny};
 
-/// The served prompt's tokens (generation prompt included).
+/// The served prompt's tokens for one user message.
 fn prompt(t: &Tiny, question: &str) -> Vec<u32> {
-    let text = t
-        .template
-        .render(&TemplateInput {
-            messages: &[ChatMessage::text("user", question)],
-            tools: None,
-            documents: None,
-            add_generation_prompt: true,
-            continue_final_message: false,
-            reasoning_effort: None,
-            kwargs: &serde_json::Map::new(),
-        })
-        .expect("render");
-    t.tokenizer.encode(&text, true)
+    common::served_prompt(t, &[ChatMessage::text("user", question)])
 }
 
 /// log p(answer | prompt) under `adapter`.
@@ -78,7 +45,7 @@ fn trajectory(question: &str, answer: u32, logprob: f32, reward: f64) -> Value {
 
 #[test]
 fn each_packed_sequence_is_one_step_and_learns() {
-    let t = tiny();
+    let t = tiny(11);
     let question = "pick one";
     let p = prompt(&t, question);
     let (good, bad) = (
@@ -164,7 +131,7 @@ fn each_packed_sequence_is_one_step_and_learns() {
 
 #[test]
 fn equal_rewards_learn_nothing_and_say_why() {
-    let t = tiny();
+    let t = tiny(11);
     let p = prompt(&t, "q");
     let good = t.tokenizer.encode("a", false)[0];
     let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
@@ -198,7 +165,7 @@ fn equal_rewards_learn_nothing_and_say_why() {
 /// smaller limit) fails the job naming it instead of training on a cut trajectory.
 #[test]
 fn a_sequence_over_max_seq_len_fails_the_job() {
-    let t = tiny();
+    let t = tiny(11);
     let (good, bad) = (
         t.tokenizer.encode("a", false)[0],
         t.tokenizer.encode("b", false)[0],
@@ -246,7 +213,7 @@ fn a_sequence_over_max_seq_len_fails_the_job() {
 /// and `probs_corr` has nothing to correlate.
 #[test]
 fn missing_sampler_logprobs_train_on_policy() {
-    let t = tiny();
+    let t = tiny(11);
     let p = prompt(&t, "q");
     let (good, bad) = (
         t.tokenizer.encode("a", false)[0],
@@ -298,18 +265,11 @@ fn missing_sampler_logprobs_train_on_policy() {
 
 #[test]
 fn rewarded_tokens_gain_probability() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    temper_model::tiny::write_tiny_gguf(&path, 7).unwrap();
-    let loaded = temper_model::load_gguf(&path).unwrap();
-    let tok = temper_text::load_tokenizer(&loaded.metadata, &path).unwrap();
-    let template = ChatTemplate::new(
-        ChatTemplate::GEMMA3,
-        tok.bos_token().map(str::to_owned),
-        tok.eos_token().map(str::to_owned),
-    )
-    .unwrap();
-    let model = loaded.model;
+    let Tiny {
+        model,
+        tokenizer: tok,
+        template,
+    } = tiny(7);
     let good = tok.encode("yes", false);
     let bad = tok.encode("no", false);
     let choice = |ids: &[u32]| {

@@ -2,6 +2,7 @@
 //! training.md), the worker that runs queued jobs, inference names of trained checkpoints and
 //! the cache of their adapters.
 
+pub mod idempotency;
 pub mod lru;
 pub mod names;
 pub mod routes;

@@ -1,5 +1,6 @@
 //! The preview training API (training.md): models, checkpoints, `/log`, training jobs and their
-//! events. Every call acts for the key's team; another team's resources are 404.
+//! events; SFT jobs, which share the jobs' life cycle. Every call acts for the key's team;
+//! another team's resources are 404.
 
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
@@ -10,10 +11,14 @@ use crate::auth::RequestContext;
 use crate::error::ApiError;
 use crate::extract::{parse_json, JsonBody, ValidJson, ValidQuery};
 use crate::state::AppState;
+use temper_store::JobKind;
+use temper_text::{ChatTemplate, Tokenizer};
+
 use crate::training::wire::{
-    CheckpointJson, CheckpointQuery, CreateJobRequest, CreateModelRequest, CursorPage,
-    DeleteCheckpointsRequest, DeletedCheckpointsJson, DeletedModelJson, EventJson, EventListJson,
-    EventQuery, JobCreatedJson, JobJson, JobQuery, LogGroup, LogRequest, ModelJson, ModelListJson,
+    CheckpointJson, CheckpointQuery, CreateJobRequest, CreateModelRequest, CreateSftJobRequest,
+    CursorPage, DeleteCheckpointsRequest, DeletedCheckpointsJson, DeletedModelJson, EventJson,
+    EventListJson, EventQuery, JobCreatedJson, JobJson, JobQuery, LogGroup, LogRequest, ModelJson,
+    ModelListJson,
 };
 
 /// Default page size of the list calls.
@@ -299,32 +304,75 @@ fn split_metrics(
         json!(trajectories.len()),
     );
     out.insert(format!("{split}/num_groups"), json!(groups.len()));
-    let mut sums: std::collections::BTreeMap<&str, (f64, f64)> = Default::default();
-    for t in &trajectories {
-        for (name, value) in &t.metrics {
-            if let Some(x) = value.as_f64().or_else(|| value.as_bool().map(f64::from)) {
-                let entry = sums.entry(name).or_default();
-                *entry = (entry.0 + x, entry.1 + 1.0);
-            }
-        }
-    }
-    for (name, (sum, count)) in sums {
-        out.insert(format!("{split}/{name}"), json!(sum / count));
-    }
+    out.extend(temper_train::mean_trajectory_metrics(
+        trajectories.iter().map(|t| &t.metrics),
+        &format!("{split}/"),
+    ));
     Ok(out)
 }
 
-/// Validates the whole body (parsed into the trainer's types and tokenized with the base
-/// model's template, so a job that could not train is a 400 now, not a failed job later), then
-/// stores it as posted and answers once it is on disk.
+/// `POST /v1/preview/training-jobs`: an RL job (see [`enqueue_validated`]).
 pub async fn create_job(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
     JsonBody(body): JsonBody,
 ) -> Result<Json<JobCreatedJson>, ApiError> {
-    let training = state.require_training()?;
     let req: CreateJobRequest = parse_json(&body)?;
-    let model_id = parse_id("model_id", &req.model_id)?;
+    let request = temper_train::TrainingRequest {
+        trajectory_groups: req.trajectory_groups,
+        experimental_config: req.experimental_config,
+    };
+    enqueue_validated(&state, &ctx, &req.model_id, JobKind::Rl, &body, {
+        move |tokenizer, template, max_seq_len| {
+            temper_train::tokenize_job(&request, tokenizer, template)?.check_lengths(max_seq_len)
+        }
+    })
+    .await
+}
+
+/// `POST /v1/preview/sft-training-jobs`: a supervised fine-tuning job on inline trajectories
+/// (see [`enqueue_validated`]).
+pub async fn create_sft_job(
+    State(state): State<AppState>,
+    Extension(ctx): Extension<RequestContext>,
+    JsonBody(body): JsonBody,
+) -> Result<Json<JobCreatedJson>, ApiError> {
+    let req: CreateSftJobRequest = parse_json(&body)?;
+    if req.training_data_url.is_some() {
+        return Err(ApiError::bad(
+            "training_data_url",
+            "`training_data_url` is not supported: post the conversations inline as \
+             `trajectories` (each `{\"messages\": [...], \"tools\": [...]}`).",
+        ));
+    }
+    let request = temper_train::SftRequest {
+        trajectories: req.trajectories.unwrap_or_default(),
+        config: req.config,
+    };
+    enqueue_validated(&state, &ctx, &req.model_id, JobKind::Sft, &body, {
+        move |tokenizer, template, max_seq_len| {
+            temper_train::tokenize_sft_job(&request, tokenizer, template)?
+                .check_lengths(max_seq_len)
+        }
+    })
+    .await
+}
+
+/// Validates a job's whole body (`validate` tokenizes it with the base model's template, so a
+/// job that could not train is a 400 now, not a failed job later), then stores it as posted and
+/// answers once it is on disk.
+async fn enqueue_validated(
+    state: &AppState,
+    ctx: &RequestContext,
+    model_id: &str,
+    kind: JobKind,
+    body: &[u8],
+    validate: impl FnOnce(&Tokenizer, &ChatTemplate, usize) -> Result<(), temper_train::TrainError>
+        + Send
+        + 'static,
+) -> Result<Json<JobCreatedJson>, ApiError> {
+    let training = state.require_training()?;
+    let model_id = parse_id("model_id", model_id)?;
     let model = training.store.get_model(&ctx.team, model_id).await?;
     let base = state.model(Some(&model.base_model)).map_err(|_| {
         ApiError::ServiceUnavailable(format!(
@@ -341,25 +389,19 @@ pub async fn create_job(
             ),
         )
     })?;
-    let request = temper_train::TrainingRequest {
-        trajectory_groups: req.trajectory_groups,
-        experimental_config: req.experimental_config,
-    };
     let tokenizer = base.tokenizer.clone();
     let max_seq_len = training.options.max_seq_len;
-    tokio::task::spawn_blocking(move || {
-        temper_train::tokenize_job(&request, &tokenizer, &template)?.check_lengths(max_seq_len)
-    })
-    .await
-    .map_err(|e| ApiError::Internal(format!("validating trajectories panicked: {e}")))??;
+    tokio::task::spawn_blocking(move || validate(&tokenizer, &template, max_seq_len))
+        .await
+        .map_err(|e| ApiError::Internal(format!("validating trajectories panicked: {e}")))??;
     // parse_json has read it as JSON, so it is UTF-8.
-    let text = String::from_utf8_lossy(&body);
+    let text = String::from_utf8_lossy(body);
     let job = training
         .store
-        .enqueue_job(&ctx.team, model_id, &text)
+        .enqueue_job(&ctx.team, model_id, kind, &text)
         .await?;
     training.wake.notify_one();
-    tracing::info!(job_id = %job.id, model_id = %model_id, "training job queued");
+    tracing::info!(job_id = %job.id, model_id = %model_id, kind = kind.as_str(), "training job queued");
     Ok(Json(JobCreatedJson {
         id: job.id.to_string(),
     }))

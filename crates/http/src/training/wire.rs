@@ -127,6 +127,20 @@ pub struct CreateJobRequest {
     pub experimental_config: Option<temper_train::ExperimentalConfig>,
 }
 
+/// `POST /v1/preview/sft-training-jobs`. `trajectories` is optional here only so that a body
+/// with ART's `training_data_url` instead gets a 400 saying what to send.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSftJobRequest {
+    pub model_id: String,
+    #[serde(default)]
+    pub trajectories: Option<Vec<temper_train::SftTrajectory>>,
+    #[serde(default)]
+    pub training_data_url: Option<String>,
+    #[serde(default)]
+    pub config: Option<temper_train::SftConfig>,
+}
+
 #[derive(Debug, Serialize)]
 pub struct JobCreatedJson {
     pub id: String,
@@ -136,6 +150,8 @@ pub struct JobCreatedJson {
 pub struct JobJson {
     pub id: String,
     pub model_id: String,
+    /// `rl` or `sft`.
+    pub kind: &'static str,
     pub status: &'static str,
     /// The checkpoint step the job made (or, when nothing was learned, the unchanged step).
     pub step: Option<i64>,
@@ -150,6 +166,7 @@ impl From<Job> for JobJson {
         JobJson {
             id: j.id.to_string(),
             model_id: j.model_id.to_string(),
+            kind: j.kind.as_str(),
             status: j.status.as_str(),
             step: j.step,
             error: j.error,

@@ -1,4 +1,4 @@
-//! The job worker: one per server. It claims queued jobs (in order per model, one job at a time:
+//! The job worker: one per server. It claims queued jobs (RL and SFT alike) (in order per model, one job at a time:
 //! the trainer and the serving engine share the machine's cores, and one training job already
 //! keeps them busy), trains from the model's latest checkpoint on a blocking thread, streams the
 //! trainer's events into the store as they come, saves the new adapter and records the
@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::{json, Map, Value};
 use temper_model::{LoraAdapter, LoraConfig};
-use temper_store::{event, Job};
-use temper_train::{TrainEvent, TrainerConfig, TrainingRequest};
+use temper_store::{event, Job, JobKind};
+use temper_train::{SftRequest, TrainEvent, TrainerConfig, TrainingRequest};
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -74,9 +74,10 @@ async fn run_job(state: &AppState, training: &Arc<Training>, job: Job) -> Result
 
 async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Result<(), String> {
     let store = &training.store;
-    let request = store.job_request(job.id).await.map_err(|e| e.to_string())?;
-    let request: TrainingRequest = serde_json::from_str(&request)
-        .map_err(|e| format!("the stored request does not parse: {e}"))?;
+    let request = JobRequest::parse(
+        job.kind,
+        &store.job_request(job.id).await.map_err(|e| e.to_string())?,
+    )?;
     let model = store
         .get_model(&job.team, job.model_id)
         .await
@@ -103,6 +104,11 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
         lora,
         max_seq_len: options.max_seq_len,
     };
+    // Echoed in every gradient step (and so in the checkpoint's metrics).
+    let bookkeeping = match &request {
+        JobRequest::Rl(r) => r.bookkeeping_metrics(latest_step),
+        JobRequest::Sft(_) => Map::new(),
+    };
 
     let cancel = training.register(job.id);
     let (events_tx, mut events_rx) = tokio::sync::mpsc::unbounded_channel::<TrainEvent>();
@@ -113,17 +119,28 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
     // The trainer is CPU-bound for seconds to minutes: it runs on a blocking thread while this
     // task writes its events.
     let trained = tokio::task::spawn_blocking(move || {
-        let tokenized = temper_train::tokenize_job(&request, &tokenizer, &template)
-            .map_err(|e| e.to_string())?;
         let start = match start_path {
             Some(path) => LoraAdapter::load(&path, weights.config())
                 .map_err(|e| format!("loading the adapter of step {latest_step}: {e}"))?,
             None => LoraAdapter::new(weights.config(), lora, seed),
         };
-        temper_train::run_job(&weights, &start, &tokenized, &trainer, &flag, &mut |e| {
-            // The receiver only goes away when the worker is dropped with the server.
+        // The receiver only goes away when the worker is dropped with the server.
+        let mut send = |e| {
             let _ = events_tx.send(e);
-        })
+        };
+        match request {
+            JobRequest::Rl(request) => {
+                let tokenized = temper_train::tokenize_job(&request, &tokenizer, &template)
+                    .map_err(|e| e.to_string())?;
+                temper_train::run_job(&weights, &start, &tokenized, &trainer, &flag, &mut send)
+            }
+            JobRequest::Sft(request) => {
+                let tokenized = temper_train::tokenize_sft_job(&request, &tokenizer, &template)
+                    .map_err(|e| e.to_string())?;
+                temper_train::run_sft_job(&weights, &start, &tokenized, &trainer, &flag, &mut send)
+                    .map(Some)
+            }
+        }
         .map_err(|e| e.to_string())
     });
 
@@ -135,13 +152,16 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
                 event::TRAINING_STARTED,
                 json!({ "num_sequences": num_sequences }),
             ),
-            TrainEvent::GradientStep(metrics) => {
-                let data = serde_json::to_value(&metrics).unwrap_or(Value::Null);
-                if let Value::Object(m) = &data {
-                    step_metrics.push(m.clone());
-                }
-                (event::GRADIENT_STEP, data)
-            }
+            TrainEvent::GradientStep(metrics) => step_data(
+                serde_json::to_value(&metrics),
+                &bookkeeping,
+                &mut step_metrics,
+            ),
+            TrainEvent::SftStep(metrics) => step_data(
+                serde_json::to_value(&metrics),
+                &bookkeeping,
+                &mut step_metrics,
+            ),
             // The checkpoint step is the worker's to give: training_ended is written with it.
             TrainEvent::Ended { message, .. } => {
                 ended_message = message;
@@ -208,6 +228,39 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
             }
         }
     }
+}
+
+/// A job's request as stored, read as its kind says.
+enum JobRequest {
+    Rl(TrainingRequest),
+    Sft(SftRequest),
+}
+
+impl JobRequest {
+    fn parse(kind: JobKind, text: &str) -> Result<JobRequest, String> {
+        let parsed = match kind {
+            JobKind::Rl => serde_json::from_str(text).map(JobRequest::Rl),
+            JobKind::Sft => serde_json::from_str(text).map(JobRequest::Sft),
+        };
+        parsed.map_err(|e| format!("the stored request does not parse: {e}"))
+    }
+}
+
+/// A `gradient_step` event's data: the trainer's metrics plus the job's bookkeeping metrics,
+/// also kept for the checkpoint's metrics.
+fn step_data(
+    metrics: serde_json::Result<Value>,
+    bookkeeping: &Map<String, Value>,
+    steps: &mut Vec<Map<String, Value>>,
+) -> (&'static str, Value) {
+    let mut data = match metrics {
+        Ok(Value::Object(m)) => m,
+        // Plain structs of numbers always serialize to objects.
+        _ => Map::new(),
+    };
+    data.extend(bookkeeping.clone());
+    steps.push(data.clone());
+    (event::GRADIENT_STEP, Value::Object(data))
 }
 
 /// A checkpoint's metrics: the mean over the job's gradient steps of every numeric metric.

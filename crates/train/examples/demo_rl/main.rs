@@ -255,7 +255,7 @@ fn main() -> Result<(), String> {
             &mut |e| match e {
                 TrainEvent::GradientStep(m) => steps.push(m),
                 TrainEvent::Ended { message, .. } => note = message,
-                TrainEvent::Started { .. } => {}
+                TrainEvent::Started { .. } | TrainEvent::SftStep(_) => {}
             },
         )
         .map_err(|e| e.to_string())?;

@@ -1,0 +1,130 @@
+//! `Idempotency-Key`s: a retried request with the same key gets the first one's answer instead of
+//! doing it again, across restarts. A key is claimed (its row inserted, the primary key making
+//! concurrent claims exclusive) before the request is handled, completed with the answer once it
+//! succeeded, or released when it failed so that a retry runs again.
+
+use sha2::{Digest, Sha256};
+use sqlx::Row;
+
+use crate::{ensure_team, now, Result, Store};
+
+/// Longest accepted key, in bytes.
+pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
+
+/// Where a request with an `Idempotency-Key` stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The key is new: this request is to be handled, then [`Store::complete_idempotency`] or
+    /// [`Store::release_idempotency`].
+    Claimed,
+    /// The same request already succeeded: its answer.
+    Replay { status: u16, body: Vec<u8> },
+    /// The key was used with another body.
+    Mismatch,
+    /// The first request with this key and body is still being handled.
+    InProgress,
+}
+
+/// One key of one team on one route (e.g. `POST /v1/preview/training-jobs`).
+#[derive(Debug, Clone, Copy)]
+pub struct IdempotencyKey<'a> {
+    pub team: &'a str,
+    pub key: &'a str,
+    pub route: &'a str,
+}
+
+impl Store {
+    /// Claims `key` for a request with `body`, or says why not.
+    pub async fn claim_idempotency(&self, key: IdempotencyKey<'_>, body: &[u8]) -> Result<Claim> {
+        let hash = Sha256::digest(body).to_vec();
+        let at = now();
+        let mut tx = self.write_tx().await?;
+        ensure_team(&mut tx, key.team, at).await?;
+        let inserted = sqlx::query(
+            "INSERT INTO idempotency_keys (team, key, route, body_hash, created_at) \
+             VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+        )
+        .bind(key.team)
+        .bind(key.key)
+        .bind(key.route)
+        .bind(&hash)
+        .bind(at)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let claim = if inserted == 1 {
+            Claim::Claimed
+        } else {
+            let row = sqlx::query(
+                "SELECT body_hash, status, response FROM idempotency_keys \
+                 WHERE team = ? AND key = ? AND route = ?",
+            )
+            .bind(key.team)
+            .bind(key.key)
+            .bind(key.route)
+            .fetch_one(&mut *tx)
+            .await?;
+            let stored: Vec<u8> = row.try_get("body_hash")?;
+            let status: Option<i64> = row.try_get("status")?;
+            match status {
+                _ if stored != hash => Claim::Mismatch,
+                None => Claim::InProgress,
+                Some(status) => Claim::Replay {
+                    status: u16::try_from(status).map_err(|_| {
+                        crate::Error::Corrupt(format!("idempotent answer status {status}"))
+                    })?,
+                    body: row
+                        .try_get::<Option<Vec<u8>>, _>("response")?
+                        .unwrap_or_default(),
+                },
+            }
+        };
+        tx.commit().await?;
+        Ok(claim)
+    }
+
+    /// Records the answer of a claimed key's request, replayed to every retry from now on.
+    pub async fn complete_idempotency(
+        &self,
+        key: IdempotencyKey<'_>,
+        status: u16,
+        body: &[u8],
+    ) -> Result<()> {
+        sqlx::query(
+            "UPDATE idempotency_keys SET status = ?, response = ? \
+             WHERE team = ? AND key = ? AND route = ? AND status IS NULL",
+        )
+        .bind(i64::from(status))
+        .bind(body)
+        .bind(key.team)
+        .bind(key.key)
+        .bind(key.route)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Forgets a claimed key whose request failed, so that a retry is handled afresh.
+    pub async fn release_idempotency(&self, key: IdempotencyKey<'_>) -> Result<()> {
+        sqlx::query(
+            "DELETE FROM idempotency_keys \
+             WHERE team = ? AND key = ? AND route = ? AND status IS NULL",
+        )
+        .bind(key.team)
+        .bind(key.key)
+        .bind(key.route)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+}
+
+/// At start-up (with [`Store::recover_after_crash`]): claims whose request a crash cut short
+/// never got an answer, so the client retries them; they are forgotten rather than left "in
+/// progress" for ever.
+pub(crate) async fn release_unfinished(conn: &mut sqlx::SqliteConnection) -> Result<()> {
+    sqlx::query("DELETE FROM idempotency_keys WHERE status IS NULL")
+        .execute(conn)
+        .await?;
+    Ok(())
+}
