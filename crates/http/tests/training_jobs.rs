@@ -90,6 +90,14 @@ async fn events(server: &TestServer, job: &str) -> Vec<Value> {
     page["data"].as_array().unwrap().clone()
 }
 
+/// The agent library reads every `gradient_step` value with `float(v)`.
+fn assert_all_numbers(events: &[Value]) {
+    for e in events.iter().filter(|e| e["type"] == "gradient_step") {
+        let data = e["data"].as_object().unwrap();
+        assert!(data.values().all(Value::is_number), "{e}");
+    }
+}
+
 fn user(text: &str) -> Value {
     json!({"role": "user", "content": text})
 }
@@ -121,6 +129,7 @@ async fn sft_then_rl_on_the_same_model_both_checkpoints_served() {
         "{job}"
     );
     let ev = events(&server, sft).await;
+    assert_all_numbers(&ev);
     let kinds: Vec<&str> = ev.iter().map(|e| e["type"].as_str().unwrap()).collect();
     assert_eq!(
         kinds,
@@ -179,6 +188,7 @@ async fn sft_then_rl_on_the_same_model_both_checkpoints_served() {
     // Bookkeeping: trained from step 1, trajectories of versions 1 and 0 were 0 and 1 steps
     // off policy; the trajectory metrics' means; the counts ART reads.
     let ev = events(&server, rl).await;
+    assert_all_numbers(&ev);
     let step = &ev
         .iter()
         .find(|e| e["type"] == "gradient_step")
@@ -436,6 +446,19 @@ async fn idempotency_keys_replay_conflict_and_survive_a_restart() {
             "{err}"
         );
     }
+
+    // DELETE too: the retry gets the first answer, not a 404.
+    let delete = format!("/v1/preview/models/{model_id}");
+    let (status, deleted, _) = call(s, "DELETE", &delete, KEY, Some("d-1"), None).await;
+    assert_eq!(
+        (status, &deleted["deleted_run"]),
+        (200, &json!(true)),
+        "{deleted}"
+    );
+    let (status, again, replayed) = call(s, "DELETE", &delete, KEY, Some("d-1"), None).await;
+    assert_eq!((status, &again, replayed), (200, &deleted, true));
+    let (status, _, _) = call(s, "DELETE", &delete, KEY, None, None).await;
+    assert_eq!(status, 404);
 
     // After a restart on the same data directory: the same answers, the same conflicts.
     drop(server);

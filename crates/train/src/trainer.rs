@@ -43,8 +43,10 @@ pub struct StepMetrics {
     pub num_trainable_tokens: usize,
     pub num_groups_submitted: usize,
     pub num_groups_trainable: usize,
-    /// Correlation of the sampler's token probabilities with the trainer's (`null` with fewer
-    /// than two tokens or no spread).
+    /// Correlation of the sampler's token probabilities with the trainer's; left out with fewer
+    /// than two tokens or no spread (the agent library reads every `gradient_step` value as a
+    /// float, so a `null` would break its training loop).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub probs_corr: Option<f64>,
 }
 
