@@ -780,6 +780,8 @@ async fn training_job_bodies_are_validated_at_the_edge() {
     bad_option["experimental_config"] = json!({"learning_rate": -1});
     let mut unknown_option = good.clone();
     unknown_option["experimental_config"] = json!({"warmup": 1});
+    let mut bad_level = good.clone();
+    bad_level["experimental_config"] = json!({"importance_sampling_level": "tokens"});
     let mut bad_reward = good.clone();
     bad_reward["trajectory_groups"][0]["trajectories"][0]["reward"] = json!("high");
     let unrenderable = json!({"messages_and_choices": [{"role": "user", "content": "q"},
@@ -815,6 +817,7 @@ async fn training_job_bodies_are_validated_at_the_edge() {
         ),
         (bad_option, "experimental_config.learning_rate"),
         (unknown_option, "experimental_config.warmup"),
+        (bad_level, "experimental_config.importance_sampling_level"),
         (bad_reward, "trajectory_groups[0].trajectories[0].reward"),
         (long, "trajectory_groups[0].trajectories[1].messages_and_choices"),
         (

@@ -7,11 +7,13 @@ mod tokenize;
 mod trainer;
 
 pub use request::{
-    Choice, ChoiceLogprobs, ExperimentalConfig, History, LossConfig, MessageOrChoice, TokenLogprob,
-    TrainingRequest, Trajectory, TrajectoryGroup,
+    Choice, ChoiceLogprobs, ExperimentalConfig, History, ImportanceSamplingLevel, LossConfig,
+    MessageOrChoice, TokenLogprob, TrainingRequest, Trajectory, TrajectoryGroup,
 };
 pub use tokenize::{tokenize_job, TokenizedJob, TokenizedSequence};
-pub use trainer::{group_advantages, run_job, token_loss, StepMetrics, TrainEvent, TrainerConfig};
+pub use trainer::{
+    group_advantages, run_job, sequence_loss, StepMetrics, TrainEvent, TrainerConfig,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
