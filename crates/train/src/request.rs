@@ -75,6 +75,10 @@ pub struct ChoiceLogprobs {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct TokenLogprob {
     pub token: String,
+    /// The token's raw bytes, as the server's logprobs give them; they decide which token
+    /// `token` is (`Tokenizer::id_of_logprob_token`). Missing or null: `token`'s UTF-8.
+    #[serde(default)]
+    pub bytes: Option<Vec<u8>>,
     /// Missing or null: the trainer uses its own logprob, detached (rho = 1).
     #[serde(default)]
     pub logprob: Option<f64>,
