@@ -7,7 +7,9 @@ use std::sync::atomic::AtomicBool;
 use serde_json::{json, Value};
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence};
 use temper_text::{ChatMessage, ChatTemplate, TemplateInput, Tokenizer};
-use temper_train::{run_job, tokenize_job, TrainEvent, TrainerConfig, TrainingRequest};
+use temper_train::{
+    run_job, tokenize_job, StepMetrics, TokenizedJob, TrainEvent, TrainerConfig, TrainingRequest,
+};
 
 struct Tiny {
     model: Gemma3,
@@ -63,6 +65,26 @@ fn answer_logprob(t: &Tiny, prompt: &[u32], answer: u32, adapter: &LoraAdapter) 
         scored: &scored,
     };
     t.model.score(&seq, Some(adapter)).expect("score").logprobs[0]
+}
+
+/// Runs `job` from `start` with the default trainer settings: the new adapter and the steps.
+fn train(t: &Tiny, start: &LoraAdapter, job: &TokenizedJob) -> (LoraAdapter, Vec<StepMetrics>) {
+    let mut steps = Vec::new();
+    let trained = run_job(
+        &t.model,
+        start,
+        job,
+        &TrainerConfig::default(),
+        &AtomicBool::new(false),
+        &mut |e| {
+            if let TrainEvent::GradientStep(m) = e {
+                steps.push(m)
+            }
+        },
+    )
+    .expect("run_job")
+    .expect("something to learn");
+    (trained, steps)
 }
 
 fn trajectory(question: &str, answer: u32, logprob: f32, reward: f64) -> Value {
@@ -272,21 +294,7 @@ fn missing_sampler_logprobs_train_on_policy() {
             .collect();
         assert!(sampled.len() == 1 && sampled[0].is_nan(), "{sampled:?}");
     }
-    let mut steps = Vec::new();
-    let trained = run_job(
-        &t.model,
-        &start,
-        &job,
-        &TrainerConfig::default(),
-        &AtomicBool::new(false),
-        &mut |e| {
-            if let TrainEvent::GradientStep(m) = e {
-                steps.push(m)
-            }
-        },
-    )
-    .expect("run_job")
-    .expect("something to learn");
+    let (trained, steps) = train(&t, &start, &job);
     assert_eq!(steps.len(), 1);
     assert!(
         steps[0].loss.is_finite() && steps[0].probs_corr.is_none(),
@@ -464,21 +472,7 @@ fn importance_sampling_levels_take_each_sequences_mean() {
         .expect("request");
         let job = tokenize_job(&req, &t.tokenizer, &t.template).expect("tokenize");
         assert_eq!(job.sequences.len(), 3);
-        let mut steps = Vec::new();
-        run_job(
-            &t.model,
-            &start,
-            &job,
-            &TrainerConfig::default(),
-            &AtomicBool::new(false),
-            &mut |e| {
-                if let TrainEvent::GradientStep(m) = e {
-                    steps.push(m)
-                }
-            },
-        )
-        .expect("run_job")
-        .expect("something to learn");
+        let (_, steps) = train(&t, &start, &job);
         assert_eq!(steps.len(), 1, "one packed sequence");
         // Rewards 1 and 0: A = +1 and -1 once normalised; each trajectory's tokens weigh
         // (total / 2) / (its tokens).
