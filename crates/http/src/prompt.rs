@@ -1,8 +1,6 @@
 //! Messages → prompt token ids (chat completions and `/tokenize` share it), and token ids → the
 //! strings and bytes the logprobs output shows.
 
-use std::borrow::Cow;
-
 use temper_engine::{PromptLogprob, TokenLogprob};
 use temper_text::{
     ChatTemplate, DecodeOptions, ReasoningParser, TemplateInput, Tokenizer, THINK_START,
@@ -96,11 +94,10 @@ pub fn prepend_bos(tok: &Tokenizer, ids: &mut Vec<u32>) {
     }
 }
 
-/// The text and raw bytes a token stands for; bytes of a partial UTF-8 character stay exact in
-/// `bytes` while `token` shows them lossily.
+/// The text and raw bytes a token stands for ([`Tokenizer::logprob_token`], whose inverse the
+/// trainer uses on trajectories posted back); empty for an id outside the vocabulary.
 pub fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
-    let bytes = tok.token_bytes(id).map(Cow::into_owned).unwrap_or_default();
-    (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    tok.logprob_token(id).unwrap_or_default()
 }
 
 /// JSON has no -inf; vLLM reports such logprobs as -9999.

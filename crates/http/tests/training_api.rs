@@ -796,6 +796,8 @@ async fn training_job_bodies_are_validated_at_the_edge() {
     bad_option["experimental_config"] = json!({"learning_rate": -1});
     let mut unknown_option = good.clone();
     unknown_option["experimental_config"] = json!({"warmup": 1});
+    let mut bad_level = good.clone();
+    bad_level["experimental_config"] = json!({"importance_sampling_level": "tokens"});
     let mut bad_reward = good.clone();
     bad_reward["trajectory_groups"][0]["trajectories"][0]["reward"] = json!("high");
     let unrenderable = json!({"messages_and_choices": [{"role": "user", "content": "q"},
@@ -831,6 +833,7 @@ async fn training_job_bodies_are_validated_at_the_edge() {
         ),
         (bad_option, "experimental_config.learning_rate"),
         (unknown_option, "experimental_config.warmup"),
+        (bad_level, "experimental_config.importance_sampling_level"),
         (bad_reward, "trajectory_groups[0].trajectories[0].reward"),
         (long, "trajectory_groups[0].trajectories[1].messages_and_choices"),
         (
@@ -855,4 +858,78 @@ async fn training_job_bodies_are_validated_at_the_edge() {
         1,
         "only the valid job was stored"
     );
+}
+
+/// A completion's logprobs posted back as a trajectory's Choice, with plain `token` strings and
+/// their `bytes` as agents send them, tokenize to the completion's token ids. Sampled hot from
+/// the tiny random model they are any token of its vocabulary: byte-fallback pieces of partial
+/// characters (`token` U+FFFD), spaces, control tokens. A byte-fallback piece whose byte is also
+/// a piece of its own (`<0x0A>` and `\n`) shows the same entry; it comes back as that piece.
+#[tokio::test]
+async fn completion_logprobs_round_trip_into_training_tokens() {
+    let api = api(options()).await;
+    let model = api.create_model(KEY, "m").await;
+    let user = json!({"role": "user", "content": "the cat"});
+    let (status, completion) = api
+        .post(
+            "/v1/chat/completions",
+            KEY,
+            json!({"model": "tiny", "messages": [user], "max_completion_tokens": 300,
+                "temperature": 2, "seed": 1, "ignore_eos": true, "n": 4, "logprobs": true,
+                "top_logprobs": 3, "return_token_ids": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{completion}");
+    let served = &api.server.state.models()[0];
+    let tok = &served.tokenizer;
+    let template = served.chat_template.as_deref().unwrap();
+    let (mut lossy, mut shared_bytes) = (0, 0);
+    let mut trajectories = Vec::new();
+    for choice in completion["choices"].as_array().unwrap() {
+        let sampled: Vec<u32> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
+        let trajectory =
+            json!({"messages_and_choices": [user, choice], "reward": trajectories.len()});
+        let request: temper_train::TrainingRequest =
+            serde_json::from_value(json!({"trajectory_groups": [{"trajectories": [trajectory]}]}))
+                .unwrap();
+        let job = temper_train::tokenize_job(&request, tok, template).unwrap();
+        let seq = &job.sequences[0];
+        let trained: Vec<u32> = seq
+            .tokens
+            .iter()
+            .zip(&seq.mask)
+            .filter(|(_, m)| **m)
+            .map(|(t, _)| *t)
+            .collect();
+        assert_eq!(trained.len(), sampled.len());
+        for (&got, &id) in trained.iter().zip(&sampled) {
+            let (token, bytes) = tok.logprob_token(id).unwrap();
+            lossy += usize::from(token.as_bytes() != bytes);
+            if got != id {
+                shared_bytes += 1;
+                assert_eq!(tok.kind(id), Some(temper_text::TokenKind::Byte), "{id}");
+                assert_eq!(tok.token_bytes(got), tok.token_bytes(id), "{id} -> {got}");
+            }
+        }
+        // The alternatives name tokens the same way.
+        for entry in choice["logprobs"]["content"].as_array().unwrap() {
+            for top in entry["top_logprobs"].as_array().unwrap() {
+                let bytes: Vec<u8> = serde_json::from_value(top["bytes"].clone()).unwrap();
+                let id = tok.id_of_logprob_token(top["token"].as_str().unwrap(), Some(&bytes));
+                assert_eq!(tok.logprob_token(id.unwrap()).unwrap().1, bytes);
+            }
+        }
+        trajectories.push(trajectory);
+    }
+    println!("partial-character entries {lossy}, shared-byte entries {shared_bytes}");
+    assert!(lossy > 0, "the sample has no partial characters");
+    // The same trajectories are accepted as a training job.
+    let (status, body) = api
+        .post(
+            "/v1/preview/training-jobs",
+            KEY,
+            json!({"model_id": model["id"], "trajectory_groups": [{"trajectories": trajectories}]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
 }

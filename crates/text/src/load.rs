@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use candle_core::quantized::gguf_file::Value as GgufValue;
 use serde_json::Value as Json;
@@ -223,6 +224,7 @@ impl Tokenizer {
                 fuse_unk: false,
             },
             specials,
+            logprob_ids: OnceLock::new(),
             pieces,
             scores,
             kinds,
@@ -396,6 +398,7 @@ impl Tokenizer {
             rule: MergeRule::Ranks(merges),
             text,
             specials,
+            logprob_ids: OnceLock::new(),
             scores: vec![0.0; n],
             pieces,
             kinds,

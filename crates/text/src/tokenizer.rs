@@ -2,6 +2,7 @@
 //! pair merging, byte fallback) and the per-token bytes decoding builds on.
 
 use std::borrow::Cow;
+use std::sync::OnceLock;
 
 use crate::decode::{DecodeOptions, DecodeStream};
 use crate::merge::{FxMap, MergeRule, MergeVocab};
@@ -135,6 +136,8 @@ pub struct Tokenizer {
     pub(crate) rule: MergeRule,
     pub(crate) text: TextRules,
     pub(crate) specials: SpecialPieces,
+    /// Bytes → the id [`Tokenizer::id_of_logprob_token`] answers; built on first use.
+    pub(crate) logprob_ids: OnceLock<FxMap<Vec<u8>, u32>>,
 }
 
 /// The byte a `<0xNN>` piece stands for.
@@ -276,6 +279,55 @@ impl Tokenizer {
             },
             _ => Cow::Borrowed(piece.as_bytes()),
         })
+    }
+
+    /// The `token` and `bytes` of a chat completion's logprobs entry for `id` (and of its
+    /// `top_logprobs`): the token's raw bytes ([`Tokenizer::token_bytes`]) and, as `token`,
+    /// those bytes read as UTF-8, each invalid sequence U+FFFD (a byte-fallback piece of a
+    /// multi-byte character alone). `None` for ids outside the vocabulary.
+    pub fn logprob_token(&self, id: u32) -> Option<(String, Vec<u8>)> {
+        let bytes = self.token_bytes(id)?.into_owned();
+        Some((String::from_utf8_lossy(&bytes).into_owned(), bytes))
+    }
+
+    /// The id a logprobs entry posted back stands for: the inverse of
+    /// [`Tokenizer::logprob_token`].
+    ///
+    /// - With `bytes`, the bytes decide, and `token` must be what `logprob_token` makes of
+    ///   them (else `None`).
+    /// - Without, `token`'s UTF-8 are the bytes; failing that, `token` may be a vocabulary
+    ///   piece as written (`▁the`, `<0x0D>`). A U+FFFD in `token` then stands for itself, so a
+    ///   byte-fallback piece of a partial character is found only through its `bytes`.
+    /// - Ids with the same bytes (a byte-fallback piece `<0x0A>` and the piece `\n`; any
+    ///   pieces whose text is the same once `▁` is a space) emit the same entry. The answer is
+    ///   then the lowest such id that is not a byte-fallback piece, else the lowest id: the
+    ///   piece the tokenizer's own encoding of that text gives, as sampling almost always does.
+    pub fn id_of_logprob_token(&self, token: &str, bytes: Option<&[u8]>) -> Option<u32> {
+        let ids = self.logprob_ids.get_or_init(|| {
+            let mut ids = FxMap::default();
+            for id in 0..self.pieces.len() as u32 {
+                let Some(bytes) = self.token_bytes(id) else {
+                    continue;
+                };
+                let chosen = ids.entry(bytes.into_owned()).or_insert(id);
+                if self.kinds[*chosen as usize] == TokenKind::Byte
+                    && self.kinds[id as usize] != TokenKind::Byte
+                {
+                    *chosen = id;
+                }
+            }
+            ids
+        });
+        match bytes {
+            Some(bytes) => {
+                let id = *ids.get(bytes)?;
+                (String::from_utf8_lossy(bytes) == token).then_some(id)
+            }
+            None => ids
+                .get(token.as_bytes())
+                .copied()
+                .or_else(|| self.token_id(token)),
+        }
     }
 
     /// Whether decoding should drop one leading space from the first token: the encoder put a

@@ -9,17 +9,18 @@ mod tokenize;
 mod trainer;
 
 pub use request::{
-    Choice, ChoiceLogprobs, ExperimentalConfig, History, LearningRate, LossConfig, MessageOrChoice,
-    SftConfig, SftRequest, SftSchedule, SftTrajectory, TokenLogprob, TrainingRequest, Trajectory,
-    TrajectoryGroup, SFT_DEFAULT_BATCH_SIZE, SFT_DEFAULT_EPOCHS, SFT_DEFAULT_LEARNING_RATE,
+    Choice, ChoiceLogprobs, ExperimentalConfig, History, ImportanceSamplingLevel, LearningRate,
+    LossConfig, MessageOrChoice, SftConfig, SftRequest, SftSchedule, SftTrajectory, TokenLogprob,
+    TrainingRequest, Trajectory, TrajectoryGroup, SFT_DEFAULT_BATCH_SIZE, SFT_DEFAULT_EPOCHS,
+    SFT_DEFAULT_LEARNING_RATE,
 };
 pub use summary::mean_trajectory_metrics;
 pub use tokenize::{
     tokenize_job, tokenize_sft_job, TokenizedJob, TokenizedSequence, TokenizedSftJob,
 };
 pub use trainer::{
-    group_advantages, run_job, run_sft_job, token_loss, SftStepMetrics, StepMetrics, TrainEvent,
-    TrainerConfig,
+    group_advantages, run_job, run_sft_job, sequence_loss, SftStepMetrics, StepMetrics,
+    TrainEvent, TrainerConfig,
 };
 
 #[derive(Debug, thiserror::Error)]

@@ -75,6 +75,10 @@ pub struct ChoiceLogprobs {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct TokenLogprob {
     pub token: String,
+    /// The token's raw bytes, as the server's logprobs give them; they decide which token
+    /// `token` is (`Tokenizer::id_of_logprob_token`). Missing or null: `token`'s UTF-8.
+    #[serde(default)]
+    pub bytes: Option<Vec<u8>>,
     /// Missing or null: the trainer uses its own logprob, detached (rho = 1).
     #[serde(default)]
     pub logprob: Option<f64>,
@@ -87,6 +91,7 @@ pub struct ExperimentalConfig {
     pub advantage_balance: Option<f64>,
     pub epsilon: Option<f64>,
     pub epsilon_high: Option<f64>,
+    pub importance_sampling_level: Option<ImportanceSamplingLevel>,
     #[serde(alias = "kimi_k2_tau")]
     pub alt_k2_tau: Option<f64>,
     pub learning_rate: Option<f64>,
@@ -97,12 +102,31 @@ pub struct ExperimentalConfig {
     pub scale_rewards: Option<bool>,
 }
 
+/// Which importance ratio a trained token uses (training.md "Loss per trainable token"), as the
+/// `openpipe-art` library names them. With `d = lp_new - lp_old` per token, the token ratio is
+/// `exp(d)` and the sequence ratio `exp(mean of d over the sequence's trained tokens)`, the
+/// gradient flowing through the mean.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImportanceSamplingLevel {
+    /// The token ratio.
+    #[default]
+    Token,
+    /// The sequence ratio.
+    Sequence,
+    /// `(token ratio + sequence ratio) / 2`.
+    Average,
+    /// `sqrt(token ratio) * sqrt(sequence ratio)`.
+    GeometricAverage,
+}
+
 /// `ExperimentalConfig` with training.md's defaults filled in.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LossConfig {
     pub ppo: bool,
     pub epsilon: f64,
     pub epsilon_high: f64,
+    pub importance_sampling_level: ImportanceSamplingLevel,
     pub advantage_balance: f64,
     pub alt_k2_tau: Option<f64>,
     pub learning_rate: f64,
@@ -154,6 +178,7 @@ impl ExperimentalConfig {
             ppo,
             epsilon,
             epsilon_high,
+            importance_sampling_level: self.importance_sampling_level.unwrap_or_default(),
             advantage_balance,
             alt_k2_tau: self.alt_k2_tau,
             learning_rate,

@@ -407,8 +407,8 @@ fn tokenize_targets(
     seq.finish(path).map(Some)
 }
 
-/// A Choice's sampled token ids (`token_id:<id>`, else the token string looked up) and the
-/// sampler's logprobs.
+/// A Choice's sampled token ids (`token_id:<id>`, else the entry's `token` and `bytes` as the
+/// server emits them, `Tokenizer::id_of_logprob_token`) and the sampler's logprobs.
 fn sampled_tokens(
     choice: &Choice,
     tokenizer: &Tokenizer,
@@ -432,15 +432,28 @@ fn sampled_tokens(
     for (j, e) in entries.iter().enumerate() {
         let id = match e.token.strip_prefix("token_id:") {
             Some(n) => n.parse::<u32>().ok().filter(|&id| (id as usize) < vocab),
-            None => tokenizer
-                .token_id(&e.token)
-                .or_else(|| tokenizer.token_id(&e.token.replace(' ', "\u{2581}"))),
+            None => tokenizer.id_of_logprob_token(&e.token, e.bytes.as_deref()),
         };
         let Some(id) = id else {
-            return Err(TrainError::invalid(
-                format!("{path}.logprobs.content[{j}].token"),
-                format!("{:?} is not a token of the model's vocabulary", e.token),
-            ));
+            let entry = format!("{path}.logprobs.content[{j}]");
+            return Err(match &e.bytes {
+                Some(bytes) => TrainError::invalid(
+                    entry,
+                    format!(
+                        "token {:?} with bytes {bytes:?} is not a token of the model's \
+                         vocabulary (`token` must be `bytes` read as UTF-8)",
+                        e.token
+                    ),
+                ),
+                None => TrainError::invalid(
+                    format!("{entry}.token"),
+                    format!(
+                        "{:?} is not a token of the model's vocabulary (an entry of part of a \
+                         UTF-8 character needs its `bytes`)",
+                        e.token
+                    ),
+                ),
+            });
         };
         let logprob = match e.logprob {
             Some(lp) if !lp.is_finite() || lp > 0.0 => {

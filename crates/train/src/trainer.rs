@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use serde::Serialize;
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence};
 
-use crate::request::LossConfig;
+use crate::request::{ImportanceSamplingLevel, LossConfig};
 use crate::tokenize::{TokenizedJob, TokenizedSftJob};
 use crate::TrainError;
 
@@ -141,41 +141,94 @@ fn weights_and_advantages(seqs: &[((usize, usize), usize, f64)]) -> Vec<(f64, f6
         .collect()
 }
 
-/// The loss of one trainable token and d loss / d lp_new (before the token weight and the
-/// `1 / (sum(mask) + 1e-6)` normalisation).
-pub fn token_loss(lp_new: f64, lp_old: f64, advantage: f64, cfg: &LossConfig) -> (f64, f64) {
-    let d = lp_new - lp_old;
-    let mut rho = d.exp();
-    // d rho / d lp_new, zero where rho is replaced by a constant.
-    let mut drho = rho;
-    if let Some(w) = cfg.max_negative_is_weight {
-        if advantage < 0.0 && rho > w {
-            rho = w;
-            drho = 0.0;
-        }
-    }
+/// The losses of one sequence's trained tokens, each with d (the sequence's summed loss) /
+/// d lp_new of that token, before the token weight and the `1 / (sum(mask) + 1e-6)`
+/// normalisation. `lp_old[j]` is the sampler's logprob, or `lp_new[j]` where it gave none (the
+/// detached value: d = 0, still with gradient 1).
+///
+/// Below the token level the ratio of every token depends on every lp_new of its sequence
+/// through the mean of d, so PPO's loss is not separable: token j's gradient is its own term
+/// plus `sum_i dL_i/drho_i * drho_i/dlp_j` over the sequence. At the token level that sum is
+/// zero and is not added, so the result is exactly the per-token formula's.
+pub fn sequence_loss(
+    lp_new: &[f64],
+    lp_old: &[f64],
+    advantage: f64,
+    cfg: &LossConfig,
+) -> Vec<(f64, f64)> {
+    let n = lp_new.len() as f64;
+    let d: Vec<f64> = lp_new
+        .iter()
+        .zip(lp_old)
+        .map(|(new, old)| new - old)
+        .collect();
+    let sequence_ratio = (d.iter().sum::<f64>() / n).exp();
     let (lo, hi) = (1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high);
-    if cfg.mask_prob_ratio && !(lo < rho && rho < hi) {
-        rho = 0.0;
-        drho = 0.0;
-    }
-    let a = match cfg.alt_k2_tau {
-        Some(tau) => advantage - tau * d,
-        None => advantage,
-    };
-    let clipped = rho.clamp(lo, hi);
-    if cfg.ppo {
-        let unclipped_term = rho * a;
-        let clipped_term = clipped * a;
-        if unclipped_term <= clipped_term {
-            (-unclipped_term, -a * drho)
-        } else {
-            let inside = lo < rho && rho < hi;
-            (-clipped_term, if inside { -a * drho } else { 0.0 })
+    let mut out = Vec::with_capacity(d.len());
+    // sum_i dL_i/drho_i * (the part of drho_i/dlp_j that is the same for every j).
+    let mut shared = 0.0;
+    for (&lp, &d) in lp_new.iter().zip(&d) {
+        let token_ratio = d.exp();
+        // rho, d rho / d (this token's lp_new), and d rho / d (each lp_new of the sequence)
+        // through the mean; the derivatives are zero where rho is replaced by a constant.
+        let (mut rho, mut own, mut each) = match cfg.importance_sampling_level {
+            ImportanceSamplingLevel::Token => (token_ratio, token_ratio, 0.0),
+            ImportanceSamplingLevel::Sequence => (sequence_ratio, 0.0, sequence_ratio / n),
+            ImportanceSamplingLevel::Average => (
+                (token_ratio + sequence_ratio) / 2.0,
+                token_ratio / 2.0,
+                sequence_ratio / (2.0 * n),
+            ),
+            ImportanceSamplingLevel::GeometricAverage => {
+                let rho = token_ratio.sqrt() * sequence_ratio.sqrt();
+                (rho, rho / 2.0, rho / (2.0 * n))
+            }
+        };
+        // training.md caps rho only on tokens with A < 0, as the option's name says; the
+        // openpipe-art library's loss caps every token's ratio. We keep training.md's rule.
+        if let Some(w) = cfg.max_negative_is_weight {
+            if advantage < 0.0 && rho > w {
+                (rho, own, each) = (w, 0.0, 0.0);
+            }
         }
-    } else {
-        (-clipped * a * lp_new, -clipped * a)
+        if cfg.mask_prob_ratio && !(lo < rho && rho < hi) {
+            (rho, own, each) = (0.0, 0.0, 0.0);
+        }
+        let a = match cfg.alt_k2_tau {
+            Some(tau) => advantage - tau * d,
+            None => advantage,
+        };
+        let clipped = rho.clamp(lo, hi);
+        if cfg.ppo {
+            let unclipped_term = rho * a;
+            let clipped_term = clipped * a;
+            // The min's value and d L / d rho, none where the min is the clipped term outside
+            // the range (a constant; rho itself may be infinite there).
+            let (loss, dloss_drho) = if unclipped_term <= clipped_term {
+                (-unclipped_term, Some(-a))
+            } else if lo < rho && rho < hi {
+                (-clipped_term, Some(-a))
+            } else {
+                (-clipped_term, None)
+            };
+            match dloss_drho {
+                Some(g) => {
+                    out.push((loss, g * own));
+                    shared += g * each;
+                }
+                None => out.push((loss, 0.0)),
+            }
+        } else {
+            // CISPO: the ratio is detached, only lp_new's factor carries the gradient.
+            out.push((-clipped * a * lp, -clipped * a));
+        }
     }
+    if cfg.importance_sampling_level != ImportanceSamplingLevel::Token {
+        for (_, grad) in &mut out {
+            *grad += shared;
+        }
+    }
+    out
 }
 
 /// One sequence ready to train: tokens, mask, old logprobs, per-token weight and advantage.
@@ -183,6 +236,8 @@ struct Prepared {
     tokens: Vec<u32>,
     mask: Vec<bool>,
     old: Vec<f32>,
+    /// Tokens with mask 1.
+    trainable: usize,
     weight: f64,
     advantage: f64,
 }
@@ -334,6 +389,7 @@ pub fn run_job(
             tokens: s.tokens.clone(),
             mask: s.mask.clone(),
             old: s.old_logprobs.clone(),
+            trainable,
             weight: 0.0,
             advantage: 0.0,
         });
@@ -373,19 +429,19 @@ pub fn run_job(
         let mut tokens = Vec::new();
         let mut scored = Vec::new();
         let mut segment_lens = Vec::new();
-        let (mut old, mut weights, mut advs) = (Vec::new(), Vec::new(), Vec::new());
+        let mut old = Vec::new();
         for &i in pack {
             let p = &prepared[i];
             tokens.extend(&p.tokens);
             scored.extend(&p.mask);
             segment_lens.push(p.tokens.len());
-            for (j, m) in p.mask.iter().enumerate() {
-                if *m {
-                    old.push(f64::from(p.old[j]));
-                    weights.push(p.weight);
-                    advs.push(p.advantage);
-                }
-            }
+            old.extend(
+                p.mask
+                    .iter()
+                    .zip(&p.old)
+                    .filter(|(m, _)| **m)
+                    .map(|(_, &lp)| f64::from(lp)),
+            );
         }
         let seq = PackedSequence {
             tokens: &tokens,
@@ -402,16 +458,26 @@ pub fn run_job(
         let norm = 1.0 / (count as f64 + 1e-6);
         let mut loss = 0.0;
         let mut dlogprobs = Vec::with_capacity(count);
-        for (k, &lp) in scores.logprobs.iter().enumerate() {
+        // The scored logprobs are the pack's sequences' trained tokens, in order.
+        let mut at = 0;
+        for &i in pack {
+            let p = &prepared[i];
+            let trained = at..at + p.trainable;
+            at = trained.end;
+            let lp_new: Vec<f64> = scores.logprobs[trained.clone()]
+                .iter()
+                .map(|&lp| f64::from(lp))
+                .collect();
             // A missing sampler logprob is lp_new detached.
-            let lp_old = if old[k].is_nan() {
-                f64::from(lp)
-            } else {
-                old[k]
-            };
-            let (l, dl) = token_loss(f64::from(lp), lp_old, advs[k], loss_cfg);
-            loss += l * weights[k] * norm;
-            dlogprobs.push((dl * weights[k] * norm) as f32);
+            let lp_old: Vec<f64> = old[trained]
+                .iter()
+                .zip(&lp_new)
+                .map(|(&old, &new)| if old.is_nan() { new } else { old })
+                .collect();
+            for (l, dl) in sequence_loss(&lp_new, &lp_old, p.advantage, loss_cfg) {
+                loss += l * p.weight * norm;
+                dlogprobs.push((dl * p.weight * norm) as f32);
+            }
         }
         let grads = model.backward(tape, &adapter, &dlogprobs)?;
         let grad_norm = apply_gradients(
@@ -576,6 +642,88 @@ mod tests {
         );
     }
 
+    /// A one-token sequence's loss and gradient.
+    fn token_loss(lp_new: f64, lp_old: f64, advantage: f64, c: &LossConfig) -> (f64, f64) {
+        sequence_loss(&[lp_new], &[lp_old], advantage, c)[0]
+    }
+
+    /// The `experimental_config` openpipe-art's ServerlessBackend sends (its
+    /// `ExperimentalTrainingConfig`: every key present, unset ones null): with the library's
+    /// defaults it is our defaults; every non-default reaches the loss configuration.
+    #[test]
+    fn the_art_library_config() {
+        let defaults = cfg(serde_json::json!({
+            "advantage_balance": 0.0,
+            "epsilon": null,
+            "epsilon_high": null,
+            "importance_sampling_level": "token",
+            "kimi_k2_tau": null,
+            "learning_rate": 5e-6,
+            "mask_prob_ratio": false,
+            "max_negative_advantage_importance_sampling_weight": null,
+            "ppo": false,
+            "precalculate_logprobs": false,
+            "scale_rewards": true
+        }));
+        assert_eq!(defaults, cfg(serde_json::json!({})));
+        let all_null = cfg(serde_json::json!({
+            "advantage_balance": null, "epsilon": null, "epsilon_high": null,
+            "importance_sampling_level": null, "kimi_k2_tau": null, "learning_rate": null,
+            "mask_prob_ratio": null, "max_negative_advantage_importance_sampling_weight": null,
+            "ppo": null, "precalculate_logprobs": null, "scale_rewards": null
+        }));
+        assert_eq!(all_null, defaults);
+        let chosen = cfg(serde_json::json!({
+            "advantage_balance": -0.5,
+            "epsilon": 0.3,
+            "epsilon_high": 0.4,
+            "importance_sampling_level": "geometric_average",
+            "kimi_k2_tau": 0.1,
+            "learning_rate": 1e-4,
+            "mask_prob_ratio": true,
+            "max_negative_advantage_importance_sampling_weight": 2.0,
+            "ppo": true,
+            "precalculate_logprobs": true,
+            "scale_rewards": false
+        }));
+        assert_eq!(
+            chosen,
+            LossConfig {
+                ppo: true,
+                epsilon: 0.3,
+                epsilon_high: 0.4,
+                importance_sampling_level: ImportanceSamplingLevel::GeometricAverage,
+                advantage_balance: -0.5,
+                alt_k2_tau: Some(0.1),
+                learning_rate: 1e-4,
+                mask_prob_ratio: true,
+                max_negative_is_weight: Some(2.0),
+                precalculate_logprobs: true,
+                scale_rewards: false,
+            }
+        );
+        for (level, want) in [
+            ("token", ImportanceSamplingLevel::Token),
+            ("sequence", ImportanceSamplingLevel::Sequence),
+            ("average", ImportanceSamplingLevel::Average),
+            (
+                "geometric_average",
+                ImportanceSamplingLevel::GeometricAverage,
+            ),
+        ] {
+            let c = cfg(serde_json::json!({ "importance_sampling_level": level }));
+            assert_eq!(c.importance_sampling_level, want);
+        }
+        let bad = serde_json::from_value::<ExperimentalConfig>(
+            serde_json::json!({"importance_sampling_level": "tokens"}),
+        )
+        .unwrap_err();
+        assert!(
+            bad.to_string().contains("unknown variant `tokens`"),
+            "{bad}"
+        );
+    }
+
     #[test]
     fn losses_by_hand() {
         let ln = |x: f64| x.ln();
@@ -625,37 +773,89 @@ mod tests {
         assert!((l + 0.8).abs() < 1e-12 && (d + 0.8).abs() < 1e-12);
     }
 
-    /// training.md's per-token loss written as the spec writes it, as autograd evaluates it:
-    /// `lp` carries the gradient and `lp_detached` (the same value) is read wherever the
-    /// formula says `.detach()`; a missing (NaN) sampler logprob is `lp_detached`.
-    fn spec_loss(lp: f64, lp_detached: f64, lp_old: f64, a: f64, c: &LossConfig) -> f64 {
-        let lp_old = if lp_old.is_nan() { lp_detached } else { lp_old };
+    /// The loss of one sequence's trained tokens, summed, written as training.md and
+    /// openpipe-art's loss.py write it, as autograd evaluates it: `lp` carries the gradient and
+    /// `lp_detached` (the same values) is read wherever the formula says `.detach()`; a missing
+    /// (NaN) sampler logprob is `lp_detached`.
+    fn spec_loss(lp: &[f64], lp_detached: &[f64], lp_old: &[f64], a: f64, c: &LossConfig) -> f64 {
+        let lp_old: Vec<f64> = lp_old
+            .iter()
+            .zip(lp_detached)
+            .map(|(&old, &det)| if old.is_nan() { det } else { old })
+            .collect();
         let (lo, hi) = (1.0 - c.epsilon, 1.0 + c.epsilon_high);
-        let ratio = |lp: f64| {
-            let mut rho = (lp - lp_old).exp();
-            if let (Some(w), true) = (c.max_negative_is_weight, a < 0.0) {
-                rho = rho.min(w);
-            }
-            if c.mask_prob_ratio && !(lo < rho && rho < hi) {
-                rho = 0.0;
-            }
-            rho
+        let ratios = |lp: &[f64]| -> Vec<f64> {
+            let d: Vec<f64> = lp.iter().zip(&lp_old).map(|(x, o)| x - o).collect();
+            let seq = (d.iter().sum::<f64>() / d.len() as f64).exp();
+            d.iter()
+                .map(|d| {
+                    let tok = d.exp();
+                    let mut rho = match c.importance_sampling_level {
+                        ImportanceSamplingLevel::Token => tok,
+                        ImportanceSamplingLevel::Sequence => seq,
+                        ImportanceSamplingLevel::Average => (tok + seq) / 2.0,
+                        ImportanceSamplingLevel::GeometricAverage => tok.sqrt() * seq.sqrt(),
+                    };
+                    if let (Some(w), true) = (c.max_negative_is_weight, a < 0.0) {
+                        rho = rho.min(w);
+                    }
+                    if c.mask_prob_ratio && !(lo < rho && rho < hi) {
+                        rho = 0.0;
+                    }
+                    rho
+                })
+                .collect()
         };
-        let a = a - c.alt_k2_tau.unwrap_or(0.0) * (lp_detached - lp_old);
+        let advantages: Vec<f64> = lp_detached
+            .iter()
+            .zip(&lp_old)
+            .map(|(det, old)| a - c.alt_k2_tau.unwrap_or(0.0) * (det - old))
+            .collect();
         if c.ppo {
-            let rho = ratio(lp);
-            -(rho * a).min(rho.clamp(lo, hi) * a)
+            ratios(lp)
+                .iter()
+                .zip(&advantages)
+                .map(|(rho, a)| -(rho * a).min(rho.clamp(lo, hi) * a))
+                .sum()
         } else {
-            -ratio(lp_detached).clamp(lo, hi) * a * lp
+            ratios(lp_detached)
+                .iter()
+                .zip(&advantages)
+                .zip(lp)
+                .map(|((rho, a), lp)| -rho.clamp(lo, hi) * a * lp)
+                .sum()
         }
     }
 
-    /// d loss / d lp_new by central differences of the spec's loss (detached parts held) against
-    /// `token_loss`'s gradient, and the two losses' values, for every objective and option, at
-    /// points away from the clip and mask edges: ratios inside the clip range, above it, below
-    /// it, both advantage signs, and a token without a sampler logprob.
+    /// (lp_new, lp_old, A) of sequences whose ratios at every level stay away from every edge
+    /// of the configs below (checked): token ratios inside the clip ranges, above and below
+    /// them, a missing sampler logprob, both advantage signs, one- and several-token sequences.
+    fn sequences() -> Vec<(Vec<f64>, Vec<f64>, f64)> {
+        let ln = f64::ln;
+        let seq = |lp: &[f64], ratios: &[f64], a: f64| {
+            let old: Vec<f64> = lp.iter().zip(ratios).map(|(x, r)| x - ln(*r)).collect();
+            (lp.to_vec(), old, a)
+        };
+        let mut missing = seq(&[-1.0, -2.5, -0.3, -0.8], &[3.0, 0.3, 2.0, 1.0], -1.1);
+        missing.1[3] = f64::NAN;
+        vec![
+            seq(&[-1.0, -2.0, -0.5], &[1.1, 0.9, 1.05], 0.7),
+            seq(&[-1.0, -2.0, -0.5], &[1.1, 0.9, 1.05], -0.4),
+            missing,
+            seq(&[-1.6], &[0.3], 0.8),
+            seq(&[-0.7], &[1.1], -0.6),
+            seq(&[-0.5, -1.2, -3.0, -0.9], &[6.0, 3.0, 7.0, 5.5], 1.3),
+            seq(&[-0.9, -0.2, -1.4, -2.2], &[6.0, 3.0, 7.0, 5.5], -0.9),
+            seq(&[-1.6, -0.4, -1.0, -2.0], &[0.3, 0.4, 1.3, 0.25], -0.8),
+            seq(&[-1.6, -0.4, -1.0, -2.0], &[0.3, 0.4, 1.3, 0.25], 0.5),
+        ]
+    }
+
+    /// For every importance sampling level, objective and option, on sequences of several
+    /// tokens: the losses' sum against the spec's, and each token's gradient against central
+    /// differences of the spec's summed loss w.r.t. that token's lp_new (detached parts held).
     #[test]
-    fn token_gradients_match_finite_differences() {
+    fn sequence_gradients_match_finite_differences() {
         let configs = [
             serde_json::json!({}),
             serde_json::json!({"alt_k2_tau": 0.5}),
@@ -671,33 +871,92 @@ mod tests {
             serde_json::json!({"mask_prob_ratio": true, "epsilon_high": 0.5}),
             serde_json::json!({"ppo": true, "mask_prob_ratio": true, "alt_k2_tau": 0.3}),
         ];
-        // (lp_new, lp_old, A): rho = 1.22, 0.90, 3.0, 0.30, missing.
-        let points = [
-            (-1.0, -1.2, 0.7),
-            (-2.0, -1.9, -0.4),
-            (-0.5, -0.5 - 3f64.ln(), 1.3),
-            (-0.9, -0.9 - 3f64.ln(), -1.1),
-            (-1.6, 1.6 - 0.3f64.ln() - 3.2, 0.8),
-            (-0.7, f64::NAN, -0.6),
-        ];
+        let levels = ["token", "sequence", "average", "geometric_average"];
         let h = 1e-6;
         for json in configs {
-            let c = cfg(json.clone());
-            for (lp, old, a) in points {
-                // run_job's substitution for a missing sampler logprob.
-                let used_old = if old.is_nan() { lp } else { old };
-                let (value, analytic) = token_loss(lp, used_old, a, &c);
-                let at = |x: f64| spec_loss(x, lp, old, a, &c);
-                let numeric = (at(lp + h) - at(lp - h)) / (2.0 * h);
-                let what = format!("{json} lp {lp} old {old} A {a}");
-                assert!(
-                    (value - spec_loss(lp, lp, old, a, &c)).abs() < 1e-12,
-                    "{what}: loss {value}"
-                );
-                assert!(
-                    (numeric - analytic).abs() < 1e-6 * (1.0 + analytic.abs()),
-                    "{what}: numeric {numeric} vs analytic {analytic}"
-                );
+            for level in levels {
+                let mut json = json.clone();
+                json["importance_sampling_level"] = serde_json::json!(level);
+                let c = cfg(json.clone());
+                for (lp, old, a) in sequences() {
+                    let what = format!("{json} lp {lp:?} old {old:?} A {a}");
+                    // run_job's substitution for a missing sampler logprob.
+                    let used_old: Vec<f64> = old
+                        .iter()
+                        .zip(&lp)
+                        .map(|(&o, &x)| if o.is_nan() { x } else { o })
+                        .collect();
+                    assert_away_from_edges(&lp, &used_old, a, &c, &what);
+                    let out = sequence_loss(&lp, &used_old, a, &c);
+                    let value: f64 = out.iter().map(|o| o.0).sum();
+                    let spec = spec_loss(&lp, &lp, &old, a, &c);
+                    assert!(
+                        (value - spec).abs() < 1e-12 * (1.0 + spec.abs()),
+                        "{what}: loss {value} vs {spec}"
+                    );
+                    for (k, &(_, analytic)) in out.iter().enumerate() {
+                        let at = |x: f64| {
+                            let mut moved = lp.clone();
+                            moved[k] = x;
+                            spec_loss(&moved, &lp, &old, a, &c)
+                        };
+                        let numeric = (at(lp[k] + h) - at(lp[k] - h)) / (2.0 * h);
+                        assert!(
+                            (numeric - analytic).abs() < 1e-6 * (1.0 + analytic.abs()),
+                            "{what} token {k}: numeric {numeric} vs analytic {analytic}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The finite differences above are only meaningful off the kinks: every ratio at least
+    /// 0.01 from the clip, mask and cap edges, and every (alt_k2) advantage away from 0.
+    fn assert_away_from_edges(lp: &[f64], old: &[f64], a: f64, c: &LossConfig, what: &str) {
+        let d: Vec<f64> = lp.iter().zip(old).map(|(x, o)| x - o).collect();
+        let seq = (d.iter().sum::<f64>() / d.len() as f64).exp();
+        let mut edges = vec![1.0 - c.epsilon, 1.0 + c.epsilon_high];
+        edges.extend(c.max_negative_is_weight);
+        for d in &d {
+            let tok = d.exp();
+            for rho in [tok, seq, (tok + seq) / 2.0, tok.sqrt() * seq.sqrt()] {
+                for e in &edges {
+                    assert!((rho - e).abs() > 0.01, "{what}: ratio {rho} at edge {e}");
+                }
+            }
+            let a = a - c.alt_k2_tau.unwrap_or(0.0) * d;
+            assert!(a.abs() > 0.01, "{what}: advantage {a}");
+        }
+    }
+
+    /// A one-token sequence's mean is its token: every level gives the token level's loss and
+    /// gradient; on longer sequences the levels differ.
+    #[test]
+    fn levels_agree_on_one_token() {
+        for ppo in [false, true] {
+            let token = cfg(serde_json::json!({"ppo": ppo}));
+            for level in ["sequence", "average", "geometric_average"] {
+                let c = cfg(serde_json::json!({"ppo": ppo, "importance_sampling_level": level}));
+                let mut differ = 0;
+                for (lp, old, a) in sequences() {
+                    let old: Vec<f64> = old
+                        .iter()
+                        .zip(&lp)
+                        .map(|(&o, &x)| if o.is_nan() { x } else { o })
+                        .collect();
+                    let (want, got) = (
+                        sequence_loss(&lp, &old, a, &token),
+                        sequence_loss(&lp, &old, a, &c),
+                    );
+                    let close = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(w, g)| (w.0 - g.0).abs() < 1e-12 && (w.1 - g.1).abs() < 1e-12);
+                    assert!(close || lp.len() > 1, "{level} ppo {ppo}: {want:?} {got:?}");
+                    differ += usize::from(!close);
+                }
+                assert!(differ > 0, "{level} ppo {ppo}");
             }
         }
     }

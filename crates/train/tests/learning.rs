@@ -7,7 +7,9 @@ use std::sync::atomic::AtomicBool;
 use serde_json::{json, Value};
 use temper_model::{LoraAdapter, LoraConfig, PackedSequence};
 use temper_text::ChatMessage;
-use temper_train::{run_job, tokenize_job, TrainEvent, TrainerConfig, TrainingRequest};
+use temper_train::{
+    run_job, tokenize_job, StepMetrics, TokenizedJob, TrainEvent, TrainerConfig, TrainingRequest,
+};
 
 mod common;
 
@@ -30,6 +32,26 @@ fn answer_logprob(t: &Tiny, prompt: &[u32], answer: u32, adapter: &LoraAdapter) 
         scored: &scored,
     };
     t.model.score(&seq, Some(adapter)).expect("score").logprobs[0]
+}
+
+/// Runs `job` from `start` with the default trainer settings: the new adapter and the steps.
+fn train(t: &Tiny, start: &LoraAdapter, job: &TokenizedJob) -> (LoraAdapter, Vec<StepMetrics>) {
+    let mut steps = Vec::new();
+    let trained = run_job(
+        &t.model,
+        start,
+        job,
+        &TrainerConfig::default(),
+        &AtomicBool::new(false),
+        &mut |e| {
+            if let TrainEvent::GradientStep(m) = e {
+                steps.push(m)
+            }
+        },
+    )
+    .expect("run_job")
+    .expect("something to learn");
+    (trained, steps)
 }
 
 fn trajectory(question: &str, answer: u32, logprob: f32, reward: f64) -> Value {
@@ -239,21 +261,7 @@ fn missing_sampler_logprobs_train_on_policy() {
             .collect();
         assert!(sampled.len() == 1 && sampled[0].is_nan(), "{sampled:?}");
     }
-    let mut steps = Vec::new();
-    let trained = run_job(
-        &t.model,
-        &start,
-        &job,
-        &TrainerConfig::default(),
-        &AtomicBool::new(false),
-        &mut |e| {
-            if let TrainEvent::GradientStep(m) = e {
-                steps.push(m)
-            }
-        },
-    )
-    .expect("run_job")
-    .expect("something to learn");
+    let (trained, steps) = train(&t, &start, &job);
     assert_eq!(steps.len(), 1);
     assert!(
         steps[0].loss.is_finite() && steps[0].probs_corr.is_none(),
@@ -382,4 +390,93 @@ fn rewarded_tokens_gain_probability() {
         cancelled,
         Err(temper_train::TrainError::Cancelled)
     ));
+}
+
+/// Every importance sampling level through `run_job`: one packed sequence holding two
+/// trajectories' answers and one's additional history, each its own sequence for the
+/// sequence-level mean; the step's loss is `sequence_loss` on each sequence scored alone,
+/// weighted and normalised as training.md says.
+#[test]
+fn importance_sampling_levels_take_each_sequences_mean() {
+    let t = tiny(11);
+    let answer = |text: &str, old: &[f32]| {
+        let ids = t.tokenizer.encode(text, false);
+        let content: Vec<Value> = ids
+            .iter()
+            .zip(old.iter().cycle())
+            .map(|(id, lp)| json!({"token": format!("token_id:{id}"), "logprob": lp}))
+            .collect();
+        json!({"message": {"role": "assistant", "content": text}, "finish_reason": "stop",
+            "index": 0, "logprobs": {"content": content}})
+    };
+    let conversation =
+        |question: &str, choice: Value| json!([{"role": "user", "content": question}, choice]);
+    let rewarded = json!({
+        "messages_and_choices": conversation("q", answer("yes the cat", &[-1.5, -3.0, -2.2])),
+        "additional_histories": [
+            {"messages_and_choices": conversation("r", answer("the dog", &[-4.0, -0.5]))}
+        ],
+        "reward": 1.0
+    });
+    let other = json!({
+        "messages_and_choices": conversation("q", answer("no", &[-2.5])),
+        "reward": 0.0
+    });
+    let start = LoraAdapter::new(t.model.config(), LoraConfig::default(), 3);
+    let mut losses = Vec::new();
+    for level in ["token", "sequence", "average", "geometric_average"] {
+        let req: TrainingRequest = serde_json::from_value(json!({
+            "trajectory_groups": [{"trajectories": [rewarded, other]}],
+            "experimental_config": {"ppo": true, "importance_sampling_level": level}
+        }))
+        .expect("request");
+        let job = tokenize_job(&req, &t.tokenizer, &t.template).expect("tokenize");
+        assert_eq!(job.sequences.len(), 3);
+        let (_, steps) = train(&t, &start, &job);
+        assert_eq!(steps.len(), 1, "one packed sequence");
+        // Rewards 1 and 0: A = +1 and -1 once normalised; each trajectory's tokens weigh
+        // (total / 2) / (its tokens).
+        let trainable: Vec<usize> = job.sequences.iter().map(|s| s.trainable_tokens()).collect();
+        let total: usize = trainable.iter().sum();
+        let per_trajectory = [trainable[0] + trainable[1], trainable[2]];
+        let mut want = 0.0;
+        for (s, seq) in job.sequences.iter().enumerate() {
+            let scores = t
+                .model
+                .score(
+                    &PackedSequence {
+                        tokens: &seq.tokens,
+                        segment_lens: &[seq.tokens.len()],
+                        scored: &seq.mask,
+                    },
+                    Some(&start),
+                )
+                .expect("score");
+            let lp_new: Vec<f64> = scores.logprobs.iter().map(|&x| f64::from(x)).collect();
+            let lp_old: Vec<f64> = (0..seq.tokens.len())
+                .filter(|&i| seq.mask[i])
+                .map(|i| f64::from(seq.old_logprobs[i]))
+                .collect();
+            let a = if seq.trajectory == 0 { 1.0 } else { -1.0 };
+            let weight = total as f64 / 2.0 / per_trajectory[seq.trajectory] as f64;
+            let sum: f64 = temper_train::sequence_loss(&lp_new, &lp_old, a, &job.loss)
+                .iter()
+                .map(|(l, _)| l)
+                .sum();
+            want += sum * weight / (total as f64 + 1e-6);
+            assert_eq!(seq.trajectory, usize::from(s == 2));
+        }
+        let got = steps[0].loss;
+        assert!(
+            (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+            "{level}: loss {got} vs {want}"
+        );
+        losses.push(got);
+    }
+    eprintln!("losses by level: {losses:?}");
+    for (i, a) in losses.iter().enumerate() {
+        for b in &losses[i + 1..] {
+            assert!((a - b).abs() > 1e-4, "{losses:?}");
+        }
+    }
 }

@@ -135,6 +135,45 @@ fn context_choices_histories_and_dropped_tail() {
     assert_eq!(job.sequences[1].trajectory, 0);
 }
 
+/// Entries as chat completions show them (`token` the text, `bytes` the raw bytes, no
+/// `token_id:`) give back the sampled ids: `\r` and partial UTF-8 characters (byte-fallback
+/// pieces, `token` U+FFFD), a space-prefixed word, the end of turn.
+#[test]
+fn logprob_entries_as_served_give_the_sampled_ids() {
+    let (tok, template) = setup();
+    let mut sampled = tok.encode("the\r", false);
+    sampled.extend(tok.encode("é", false));
+    sampled.push(tok.token_id("<end_of_turn>").unwrap());
+    let bytes = |piece: &str| tok.token_id(piece).unwrap();
+    assert!(sampled.contains(&bytes("<0x0D>")) && sampled.contains(&bytes("<0xC3>")));
+    let content: Vec<Value> = sampled
+        .iter()
+        .map(|&id| {
+            let (token, bytes) = tok.logprob_token(id).unwrap();
+            json!({"token": token, "bytes": bytes, "logprob": -0.5, "top_logprobs": []})
+        })
+        .collect();
+    let partial = sampled
+        .iter()
+        .position(|&id| id == bytes("<0xC3>"))
+        .unwrap();
+    assert_eq!(content[partial]["token"], "\u{FFFD}");
+    let served = json!({"message": {"role": "assistant", "content": "the\ré"},
+        "finish_reason": "stop", "index": 0, "logprobs": {"content": content}});
+    let job = tokenize_job(
+        &request(json!([{"role": "user", "content": "q"}, served])),
+        &tok,
+        &template,
+    )
+    .unwrap();
+    let s = &job.sequences[0];
+    let trained: Vec<u32> = (0..s.tokens.len())
+        .filter(|&i| s.mask[i])
+        .map(|i| s.tokens[i])
+        .collect();
+    assert_eq!(trained, sampled);
+}
+
 #[test]
 fn invalid_trajectories_name_the_field() {
     let (tok, template) = setup();
@@ -152,6 +191,13 @@ fn invalid_trajectories_name_the_field() {
     out_of_range["logprobs"]["content"][0]["token"] = json!("token_id:99999999");
     assert!(
         err(json!([{"role": "user", "content": "q"}, out_of_range])).ends_with("content[0].token")
+    );
+    // `token` must be what `bytes` read as UTF-8 are.
+    let mut disagree = choice(&[1], "x");
+    disagree["logprobs"]["content"][0] = json!({"token": "a", "bytes": [98], "logprob": -0.5});
+    assert_eq!(
+        err(json!([{"role": "user", "content": "q"}, disagree])),
+        "trajectory_groups[0].trajectories[0].messages_and_choices[1].logprobs.content[0]"
     );
     // Gemma's template raises on roles that do not alternate.
     assert_eq!(
