@@ -98,11 +98,12 @@ class Loop(unittest.IsolatedAsyncioTestCase):
             await model.log(groups, split="train")
             result = await backend.train(model, groups, learning_rate=1e-4)
             self.assertEqual(result.step, round_ + 1)
-            self.assertIn("loss", result.metrics)
+            self.assertIn("loss/train", result.metrics)
         self.assertEqual(await model.get_step(), 3)
         after = await first_token_probability(model, 3, PROMPTS[0], target)
         print(f"\nP(first token {target!r}): step 0 {before:.3f} -> step 3 {after:.3f}", file=sys.stderr)
         self.assertGreater(after, before * 1.5)
+        await model.openai_client().close()
         await backend.close()
 
     async def test_options_steps_names_and_checkpoint_deletion(self):
@@ -140,6 +141,7 @@ class Loop(unittest.IsolatedAsyncioTestCase):
         r = await client.chat.completions.create(
             model=model.get_inference_name(step=3), messages=ask("Hi"), max_tokens=2)
         self.assertTrue(r.choices)
+        await model.openai_client().close()
         await backend.close()
 
 
@@ -183,6 +185,7 @@ class ToolAgent(unittest.IsolatedAsyncioTestCase):
             groups.append(art.TrajectoryGroup(trajectories))
         result = await backend.train(model, groups, learning_rate=1e-4)
         self.assertEqual(result.step, 1)
+        await model.openai_client().close()
         await backend.close()
 
 
