@@ -105,7 +105,8 @@ pub struct ExperimentalConfig {
 /// Which importance ratio a trained token uses (training.md "Loss per trainable token"), as the
 /// `openpipe-art` library names them. With `d = lp_new - lp_old` per token, the token ratio is
 /// `exp(d)` and the sequence ratio `exp(mean of d over the sequence's trained tokens)`, the
-/// gradient flowing through the mean.
+/// gradient flowing through the mean. A sequence is one tokenized conversation: a trajectory's
+/// `messages_and_choices` or one of its `additional_histories` (openpipe-art's group id).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ImportanceSamplingLevel {

@@ -1,5 +1,6 @@
-//! Advantages, the per-token loss and its gradient, packing, AdamW: the LoRA optimisation loop
-//! (training.md "Advantages", "Loss per trainable token", "Optimisation").
+//! Advantages, the loss of a sequence's trained tokens and its gradient, packing, AdamW: the
+//! LoRA optimisation loop (training.md "Advantages", "Loss per trainable token",
+//! "Optimisation").
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
