@@ -83,25 +83,16 @@ impl Store {
         Ok(claim)
     }
 
-    /// Records the answer of a claimed key's request, replayed to every retry from now on.
+    /// Records the answer of a claimed key's request, replayed to every retry from now on. A
+    /// key already answered (see [`Store::enqueue_job_idempotent`]) keeps its answer.
     pub async fn complete_idempotency(
         &self,
         key: IdempotencyKey<'_>,
         status: u16,
         body: &[u8],
     ) -> Result<()> {
-        sqlx::query(
-            "UPDATE idempotency_keys SET status = ?, response = ? \
-             WHERE team = ? AND key = ? AND route = ? AND status IS NULL",
-        )
-        .bind(i64::from(status))
-        .bind(body)
-        .bind(key.team)
-        .bind(key.key)
-        .bind(key.route)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        let mut conn = self.pool.acquire().await?;
+        complete(&mut conn, key, status, body).await
     }
 
     /// Forgets a claimed key whose request failed, so that a retry is handled afresh.
@@ -126,5 +117,25 @@ pub(crate) async fn release_unfinished(conn: &mut sqlx::SqliteConnection) -> Res
     sqlx::query("DELETE FROM idempotency_keys WHERE status IS NULL")
         .execute(conn)
         .await?;
+    Ok(())
+}
+
+pub(crate) async fn complete(
+    conn: &mut sqlx::SqliteConnection,
+    key: IdempotencyKey<'_>,
+    status: u16,
+    body: &[u8],
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE idempotency_keys SET status = ?, response = ? \
+         WHERE team = ? AND key = ? AND route = ? AND status IS NULL",
+    )
+    .bind(i64::from(status))
+    .bind(body)
+    .bind(key.team)
+    .bind(key.key)
+    .bind(key.route)
+    .execute(conn)
+    .await?;
     Ok(())
 }

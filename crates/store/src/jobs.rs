@@ -11,6 +11,7 @@ use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
 use uuid::Uuid;
 
+use crate::idempotency::{complete, IdempotencyKey};
 use crate::models::insert_checkpoint;
 use crate::{
     check_limit, invalid, now, page, parse_json, parse_uuid, Checkpoint, Error, Page, Result, Store,
@@ -188,6 +189,47 @@ pub(crate) async fn insert_event(
     })
 }
 
+async fn insert_job(
+    conn: &mut sqlx::SqliteConnection,
+    team: &str,
+    model_id: Uuid,
+    kind: JobKind,
+    request: &str,
+) -> Result<Job> {
+    serde_json::from_str::<serde::de::IgnoredAny>(request)
+        .map_err(|e| invalid("request", format!("not JSON: {e}")))?;
+    let job = Job {
+        id: Uuid::new_v4(),
+        model_id,
+        team: team.to_owned(),
+        kind,
+        status: JobStatus::Queued,
+        step: None,
+        error: None,
+        created_at: now(),
+        started_at: None,
+        finished_at: None,
+    };
+    // One statement: the model check and the insert cannot race a deletion.
+    let inserted = sqlx::query(
+        "INSERT INTO training_jobs (id, model_id, team, kind, status, request, created_at) \
+         SELECT ?, id, team, ?, 'queued', ?, ? FROM models WHERE id = ? AND team = ?",
+    )
+    .bind(job.id.to_string())
+    .bind(kind.as_str())
+    .bind(request)
+    .bind(job.created_at)
+    .bind(model_id.to_string())
+    .bind(team)
+    .execute(conn)
+    .await?
+    .rows_affected();
+    if inserted == 0 {
+        return Err(Error::NotFound("model"));
+    }
+    Ok(job)
+}
+
 /// The job's current state, to explain a refused transition.
 async fn state_error(conn: &mut sqlx::SqliteConnection, id: Uuid) -> Error {
     let status: std::result::Result<Option<String>, _> =
@@ -215,37 +257,26 @@ impl Store {
         kind: JobKind,
         request: &str,
     ) -> Result<Job> {
-        serde_json::from_str::<serde::de::IgnoredAny>(request)
-            .map_err(|e| invalid("request", format!("not JSON: {e}")))?;
-        let job = Job {
-            id: Uuid::new_v4(),
-            model_id,
-            team: team.to_owned(),
-            kind,
-            status: JobStatus::Queued,
-            step: None,
-            error: None,
-            created_at: now(),
-            started_at: None,
-            finished_at: None,
-        };
-        // One statement: the model check and the insert cannot race a deletion.
-        let inserted = sqlx::query(
-            "INSERT INTO training_jobs (id, model_id, team, kind, status, request, created_at) \
-             SELECT ?, id, team, ?, 'queued', ?, ? FROM models WHERE id = ? AND team = ?",
-        )
-        .bind(job.id.to_string())
-        .bind(kind.as_str())
-        .bind(request)
-        .bind(job.created_at)
-        .bind(model_id.to_string())
-        .bind(team)
-        .execute(&self.pool)
-        .await?
-        .rows_affected();
-        if inserted == 0 {
-            return Err(Error::NotFound("model"));
-        }
+        let mut conn = self.pool.acquire().await?;
+        insert_job(&mut conn, team, model_id, kind, request).await
+    }
+
+    /// [`Store::enqueue_job`] for a request holding a claimed `Idempotency-Key`: the job and the
+    /// answer `{"id": <job id>}` for the key's retries are committed together, so no crash can
+    /// leave a job whose retry would queue it again.
+    pub async fn enqueue_job_idempotent(
+        &self,
+        team: &str,
+        model_id: Uuid,
+        kind: JobKind,
+        request: &str,
+        key: IdempotencyKey<'_>,
+    ) -> Result<Job> {
+        let mut tx = self.write_tx().await?;
+        let job = insert_job(&mut tx, team, model_id, kind, request).await?;
+        let answer = serde_json::json!({ "id": job.id.to_string() }).to_string();
+        complete(&mut tx, key, 200, answer.as_bytes()).await?;
+        tx.commit().await?;
         Ok(job)
     }
 

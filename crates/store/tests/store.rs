@@ -844,3 +844,36 @@ async fn idempotency_keys_claim_replay_mismatch_and_release() {
         Claim::Claimed
     );
 }
+
+#[tokio::test]
+async fn a_job_and_its_idempotent_answer_commit_together() {
+    use temper_store::{Claim, IdempotencyKey};
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let m = model(&store, "acme", "m").await;
+    let key = IdempotencyKey {
+        team: "acme",
+        key: "k",
+        route: "POST /v1/preview/training-jobs",
+    };
+    assert_eq!(
+        store.claim_idempotency(key, b"{}").await.unwrap(),
+        Claim::Claimed
+    );
+    let job = store
+        .enqueue_job_idempotent("acme", m.id, temper_store::JobKind::Rl, "{}", key)
+        .await
+        .unwrap();
+    // Answered with the job even if the server dies before the handler answers: the start-up
+    // recovery keeps it, and a later completion does not overwrite it.
+    store.recover_after_crash().await.unwrap();
+    store
+        .complete_idempotency(key, 500, b"other")
+        .await
+        .unwrap();
+    let body = format!(r#"{{"id":"{}"}}"#, job.id).into_bytes();
+    assert_eq!(
+        store.claim_idempotency(key, b"{}").await.unwrap(),
+        Claim::Replay { status: 200, body }
+    );
+}

@@ -22,6 +22,25 @@ pub const HEADER: &str = "Idempotency-Key";
 /// Set on a replayed answer.
 pub const REPLAYED_HEADER: &str = "Idempotent-Replayed";
 
+/// The claimed key of the request being handled (a request extension), for a handler that
+/// commits the key's answer together with what it does (see `Store::enqueue_job_idempotent`).
+#[derive(Debug, Clone)]
+pub struct ClaimedKey {
+    team: String,
+    key: String,
+    route: String,
+}
+
+impl ClaimedKey {
+    pub fn as_key(&self) -> IdempotencyKey<'_> {
+        IdempotencyKey {
+            team: &self.team,
+            key: &self.key,
+            route: &self.route,
+        }
+    }
+}
+
 /// The middleware (a route layer of the training routes, inside authentication).
 pub async fn idempotent(
     State(state): State<AppState>,
@@ -50,12 +69,13 @@ pub async fn idempotent(
     let body = to_bytes(body, limit)
         .await
         .map_err(|_| ApiError::RequestTooLarge(limit))?;
-    let id = IdempotencyKey {
-        team: &team,
-        key: &key,
-        route: &route,
-    };
-    match training.store.claim_idempotency(id, &body).await? {
+    let claimed = ClaimedKey { team, key, route };
+    let (key, route) = (&claimed.key, &claimed.route);
+    match training
+        .store
+        .claim_idempotency(claimed.as_key(), &body)
+        .await?
+    {
         Claim::Claimed => {}
         Claim::Replay { status, body } => {
             let status = StatusCode::from_u16(status)
@@ -85,15 +105,11 @@ pub async fn idempotent(
     }
     // Handled on its own task, so that a client hanging up (which drops this future) cannot
     // leave the key claimed with the request half done: it runs to its end and is remembered.
-    let (team, key) = (team.clone(), key.clone());
-    let request = Request::from_parts(parts, Body::from(body));
+    let mut request = Request::from_parts(parts, Body::from(body));
+    request.extensions_mut().insert(claimed.clone());
     tokio::spawn(
         async move {
-            let id = IdempotencyKey {
-                team: &team,
-                key: &key,
-                route: &route,
-            };
+            let id = claimed.as_key();
             let resp = next.run(request).await;
             remember(&training.store, id, resp).await
         }

@@ -5,15 +5,15 @@
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::{Extension, Json};
+use temper_store::JobKind;
+use temper_text::{ChatTemplate, Tokenizer};
 use uuid::Uuid;
 
 use crate::auth::RequestContext;
 use crate::error::ApiError;
 use crate::extract::{parse_json, JsonBody, ValidJson, ValidQuery};
 use crate::state::AppState;
-use temper_store::JobKind;
-use temper_text::{ChatTemplate, Tokenizer};
-
+use crate::training::idempotency::ClaimedKey;
 use crate::training::wire::{
     CheckpointJson, CheckpointQuery, CreateJobRequest, CreateModelRequest, CreateSftJobRequest,
     CursorPage, DeleteCheckpointsRequest, DeletedCheckpointsJson, DeletedModelJson, EventJson,
@@ -315,6 +315,7 @@ fn split_metrics(
 pub async fn create_job(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
+    claimed: Option<Extension<ClaimedKey>>,
     JsonBody(body): JsonBody,
 ) -> Result<Json<JobCreatedJson>, ApiError> {
     let req: CreateJobRequest = parse_json(&body)?;
@@ -322,7 +323,13 @@ pub async fn create_job(
         trajectory_groups: req.trajectory_groups,
         experimental_config: req.experimental_config,
     };
-    enqueue_validated(&state, &ctx, &req.model_id, JobKind::Rl, &body, {
+    let job = Queued {
+        model_id: &req.model_id,
+        kind: JobKind::Rl,
+        body: &body,
+        claimed: claimed.as_ref().map(|c| &c.0),
+    };
+    enqueue_validated(&state, &ctx, job, {
         move |tokenizer, template, max_seq_len| {
             temper_train::tokenize_job(&request, tokenizer, template)?.check_lengths(max_seq_len)
         }
@@ -335,6 +342,7 @@ pub async fn create_job(
 pub async fn create_sft_job(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
+    claimed: Option<Extension<ClaimedKey>>,
     JsonBody(body): JsonBody,
 ) -> Result<Json<JobCreatedJson>, ApiError> {
     let req: CreateSftJobRequest = parse_json(&body)?;
@@ -349,7 +357,13 @@ pub async fn create_sft_job(
         trajectories: req.trajectories.unwrap_or_default(),
         config: req.config,
     };
-    enqueue_validated(&state, &ctx, &req.model_id, JobKind::Sft, &body, {
+    let job = Queued {
+        model_id: &req.model_id,
+        kind: JobKind::Sft,
+        body: &body,
+        claimed: claimed.as_ref().map(|c| &c.0),
+    };
+    enqueue_validated(&state, &ctx, job, {
         move |tokenizer, template, max_seq_len| {
             temper_train::tokenize_sft_job(&request, tokenizer, template)?
                 .check_lengths(max_seq_len)
@@ -358,20 +372,33 @@ pub async fn create_sft_job(
     .await
 }
 
+/// A job to queue, as posted.
+struct Queued<'a> {
+    model_id: &'a str,
+    kind: JobKind,
+    body: &'a [u8],
+    /// The request's `Idempotency-Key`, answered in the job's own transaction.
+    claimed: Option<&'a ClaimedKey>,
+}
+
 /// Validates a job's whole body (`validate` tokenizes it with the base model's template, so a
 /// job that could not train is a 400 now, not a failed job later), then stores it as posted and
 /// answers once it is on disk.
 async fn enqueue_validated(
     state: &AppState,
     ctx: &RequestContext,
-    model_id: &str,
-    kind: JobKind,
-    body: &[u8],
+    queued: Queued<'_>,
     validate: impl FnOnce(&Tokenizer, &ChatTemplate, usize) -> Result<(), temper_train::TrainError>
         + Send
         + 'static,
 ) -> Result<Json<JobCreatedJson>, ApiError> {
     let training = state.require_training()?;
+    let Queued {
+        model_id,
+        kind,
+        body,
+        claimed,
+    } = queued;
     let model_id = parse_id("model_id", model_id)?;
     let model = training.store.get_model(&ctx.team, model_id).await?;
     let base = state.model(Some(&model.base_model)).map_err(|_| {
@@ -396,10 +423,15 @@ async fn enqueue_validated(
         .map_err(|e| ApiError::Internal(format!("validating trajectories panicked: {e}")))??;
     // parse_json has read it as JSON, so it is UTF-8.
     let text = String::from_utf8_lossy(body);
-    let job = training
-        .store
-        .enqueue_job(&ctx.team, model_id, kind, &text)
-        .await?;
+    let store = &training.store;
+    let job = match claimed {
+        Some(key) => {
+            store
+                .enqueue_job_idempotent(&ctx.team, model_id, kind, &text, key.as_key())
+                .await?
+        }
+        None => store.enqueue_job(&ctx.team, model_id, kind, &text).await?,
+    };
     training.wake.notify_one();
     tracing::info!(job_id = %job.id, model_id = %model_id, kind = kind.as_str(), "training job queued");
     Ok(Json(JobCreatedJson {
