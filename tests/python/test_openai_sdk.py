@@ -314,13 +314,12 @@ class ToolCalls(unittest.TestCase):
     def test_required_tool_call(self):
         r = client(self.server).chat.completions.create(
             model=MODEL, messages=ask("What is the weather in Paris?"), max_tokens=100, temperature=0,
-            tools=WEATHER, tool_choice="required")
+            tools=WEATHER, tool_choice="required", parallel_tool_calls=False)
         choice = r.choices[0]
         self.assertEqual(choice.finish_reason, "tool_calls")
         self.assertIsNone(choice.message.content)
-        self.assertGreaterEqual(len(choice.message.tool_calls), 1)
-        for call in choice.message.tool_calls:
-            self._check(call)
+        self.assertEqual(len(choice.message.tool_calls), 1)
+        self._check(choice.message.tool_calls[0])
 
     def test_named_function_streamed_equals_whole(self):
         kwargs = dict(model=MODEL, messages=ask("Weather in Rome for three days?"), max_tokens=100,

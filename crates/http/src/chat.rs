@@ -856,6 +856,61 @@ mod tests {
     }
 
     #[test]
+    fn calls_stream_as_whole_tool_call_deltas_and_finish_with_tool_calls() {
+        let c = Completion {
+            tool_parser: Some(ToolCallParser::new(vec!["f".into()], usize::MAX)),
+            ..completion(1, false, false)
+        };
+        let out = run(
+            c,
+            StreamOptions::default(),
+            vec![
+                Some(token(0, 10, "Sure.\n<tool_")),
+                Some(token(0, 11, "call>\n{\"name\": \"f\", ")),
+                Some(token(
+                    0,
+                    12,
+                    "\"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>",
+                )),
+                Some(token(
+                    0,
+                    13,
+                    "{\"name\": \"f\", \"arguments\": {}}</tool_call>",
+                )),
+                Some(finished(0, FinishReason::Stop, None, 4)),
+            ],
+        );
+        let deltas: Vec<Value> = out[1..out.len() - 1]
+            .iter()
+            .map(|e| {
+                let mut d = e["choices"][0]["delta"].clone();
+                let calls = d.get_mut("tool_calls").and_then(Value::as_array_mut);
+                for call in calls.into_iter().flatten() {
+                    let id = call["id"].as_str().unwrap();
+                    assert!(id.starts_with("chatcmpl-tool-"), "{id}");
+                    call["id"] = json!("ID");
+                }
+                d
+            })
+            .collect();
+        let call = |index: usize, arguments: &str| {
+            json!({"tool_calls": [{"index": index, "id": "ID", "type": "function",
+                "function": {"name": "f", "arguments": arguments}}]})
+        };
+        assert_eq!(
+            deltas,
+            [
+                // "\n<tool_" is held back: whitespace before a call and a partial tag.
+                json!({"content": "Sure."}),
+                call(0, "{\"a\": 1}"),
+                call(1, "{}"),
+                json!({}),
+            ]
+        );
+        assert_eq!(out[4]["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
     fn stream_splits_reasoning_and_echoes_after_the_role_chunks() {
         let c = Completion {
             echo: Some("Pre".into()),

@@ -72,7 +72,8 @@ pub fn grammar(functions: &[FunctionSchema], parallel: bool) -> String {
 #[derive(Deserialize)]
 struct CallBody<'a> {
     name: String,
-    #[serde(borrow)]
+    /// Unconstrained (`tool_choice` "auto"), small models often write Llama's `parameters`.
+    #[serde(borrow, alias = "parameters")]
     arguments: &'a RawValue,
 }
 
@@ -87,7 +88,7 @@ pub struct ToolCallDelta {
 /// so concatenated deltas equal the whole parse).
 ///
 /// Rules: a call is `CALL_OPEN`, a JSON object with a `name` among the request's functions and
-/// `arguments`, then `CALL_CLOSE`. Everything else is content, except whitespace touching a call
+/// `arguments` (or `parameters`), then `CALL_CLOSE`. Everything else is content, except whitespace touching a call
 /// (the separators and the line break before the first call). A block that does not parse, or
 /// that generation left unfinished, stays content as written. After `max_calls` calls, further
 /// blocks are content.
@@ -294,6 +295,11 @@ mod tests {
                 None,
                 vec![call("f", "{\"a\": 1}"), call("g", "{\"b\" : [2]}")]
             )
+        );
+        let llama_style = "<tool_call>{\"name\": \"f\", \"parameters\": {\"a\": 2}}</tool_call>";
+        assert_eq!(
+            parser().split(llama_style),
+            (None, vec![call("f", "{\"a\": 2}")])
         );
         let text = format!("Let me look.\n\n{two}\n");
         assert_eq!(parser().split(&text).0.as_deref(), Some("Let me look."));

@@ -19,19 +19,27 @@ fn setup() -> (Tokenizer, ChatTemplate) {
     (tok, template)
 }
 
-fn prompt(tok: &Tokenizer, template: &ChatTemplate, messages: &[ChatMessage]) -> Vec<u32> {
-    let text = template
+/// The prompt text serving renders for `messages` (with the generation prompt).
+fn served_text(
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+    tools: Option<&[temper_text::ToolDef]>,
+) -> String {
+    template
         .render(&TemplateInput {
             messages,
-            tools: None,
+            tools,
             documents: None,
             add_generation_prompt: true,
             continue_final_message: false,
             reasoning_effort: None,
             kwargs: &serde_json::Map::new(),
         })
-        .unwrap();
-    tok.encode(&text, true)
+        .unwrap()
+}
+
+fn prompt(tok: &Tokenizer, template: &ChatTemplate, messages: &[ChatMessage]) -> Vec<u32> {
+    tok.encode(&served_text(template, messages, None), true)
 }
 
 fn choice(ids: &[u32], text: &str) -> Value {
@@ -252,17 +260,7 @@ fn tools_and_tool_calls_are_context() {
     let s = &job.sequences[0];
 
     let messages: Vec<ChatMessage> = serde_json::from_value(context).unwrap();
-    let served_text = template
-        .render(&TemplateInput {
-            messages: &messages,
-            tools: Some(&tools),
-            documents: None,
-            add_generation_prompt: true,
-            continue_final_message: false,
-            reasoning_effort: None,
-            kwargs: &serde_json::Map::new(),
-        })
-        .unwrap();
+    let served_text = served_text(&template, &messages, Some(&tools));
     assert!(
         served_text.contains("[tool get_weather]")
             && served_text.contains("[call get_weather {'city': 'Paris'}]")
@@ -319,17 +317,7 @@ fn sampled_tool_calls_are_trainable_and_tool_results_context() {
     let s = &job.sequences[0];
 
     let user = [ChatMessage::text("user", "Weather in Paris?")];
-    let served_text = template
-        .render(&TemplateInput {
-            messages: &user,
-            tools: Some(&tools),
-            documents: None,
-            add_generation_prompt: true,
-            continue_final_message: false,
-            reasoning_effort: None,
-            kwargs: &serde_json::Map::new(),
-        })
-        .unwrap();
+    let served_text = served_text(&template, &user, Some(&tools));
     assert!(served_text.contains("get_weather"), "{served_text}");
     let served = tok.encode(&served_text, true);
     assert_eq!(&s.tokens[..served.len()], served.as_slice());
