@@ -151,41 +151,72 @@ ADD = {"type": "function", "function": {
                    "required": ["a", "b"], "additionalProperties": False}}}
 
 
+QUESTIONS = [(2, 3), (10, 4), (7, 7)]
+
+
+def ask_add(a, b):
+    return ask(f"What is {a} + {b}? Use the add tool.")
+
+
+async def correct_call_logprob(model, step):
+    """Summed logprob of the greedy `add` call, which names the question's numbers."""
+    total = 0.0
+    for a, b in QUESTIONS:
+        r = await model.openai_client().chat.completions.create(
+            model=model.get_inference_name(step=step), messages=ask_add(a, b), tools=[ADD],
+            tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
+            logprobs=True)
+        choice = r.choices[0]
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": a, "b": b}
+        total += sum(t.logprob for t in choice.logprobs.content)
+    return total / len(QUESTIONS)
+
+
 class ToolAgent(unittest.IsolatedAsyncioTestCase):
     async def test_tool_using_agent_trains(self):
         backend, model = await registered("tool-agent")
         client = model.openai_client()
-        groups = []
-        for k, (a, b) in enumerate([(2, 3), (10, 4), (7, 7)]):
-            messages = ask(f"What is {a} + {b}? Use the add tool.")
-            r = await client.chat.completions.create(
-                model=model.get_inference_name(), messages=messages, tools=[ADD],
-                tool_choice="required", parallel_tool_calls=False, n=4, max_tokens=40,
-                temperature=1.0, logprobs=True, seed=k)
-            trajectories = []
-            for choice in r.choices:
-                self.assertEqual(choice.finish_reason, "tool_calls")
-                call = choice.message.tool_calls[0]
-                self.assertEqual(call.function.name, "add")
-                args = json.loads(call.function.arguments)
-                result = args["a"] + args["b"]
-                # The agent runs the tool and lets the model answer with its result.
-                history = [*messages, choice,
-                           {"role": "tool", "tool_call_id": call.id, "content": str(result)}]
-                final = await client.chat.completions.create(
-                    model=model.get_inference_name(), messages=[*messages, choice.message.model_dump(exclude_none=True),
-                                                                history[-1]],
-                    tools=[ADD], tool_choice="none", max_tokens=8, temperature=1.0, logprobs=True, seed=k)
-                # Right arguments earn 1; the answer's length breaks ties so that every group
-                # has something to learn from.
-                answer = final.choices[0].message.content or ""
-                trajectories.append(art.Trajectory(
-                    messages_and_choices=[*history, final.choices[0]], tools=[ADD],
-                    reward=float((args["a"], args["b"]) == (a, b)) + len(answer) / 100))
-            groups.append(art.TrajectoryGroup(trajectories))
-        result = await backend.train(model, groups, learning_rate=1e-4)
-        self.assertEqual(result.step, 1)
-        await model.openai_client().close()
+        before = await correct_call_logprob(model, 0)
+        for round_ in range(2):
+            groups = []
+            for k, (a, b) in enumerate(QUESTIONS):
+                messages = ask_add(a, b)
+                r = await client.chat.completions.create(
+                    model=model.get_inference_name(), messages=messages, tools=[ADD],
+                    tool_choice="required", parallel_tool_calls=False, n=8, max_tokens=60,
+                    temperature=1.0, logprobs=True, seed=round_ * 10 + k)
+                trajectories = []
+                for choice in r.choices:
+                    if not choice.message.tool_calls:
+                        # Cut off by max_tokens inside its call: a failed episode.
+                        self.assertEqual(choice.finish_reason, "length")
+                        trajectories.append(art.Trajectory(
+                            messages_and_choices=[*messages, choice], tools=[ADD], reward=-1.0))
+                        continue
+                    self.assertEqual(choice.finish_reason, "tool_calls")
+                    call = choice.message.tool_calls[0]
+                    self.assertEqual(call.function.name, "add")
+                    args = json.loads(call.function.arguments)
+                    # The agent runs the tool and lets the model answer with its result.
+                    result = {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}
+                    final = await client.chat.completions.create(
+                        model=model.get_inference_name(),
+                        messages=[*messages, choice.message.model_dump(exclude_none=True), result],
+                        tools=[ADD], tool_choice="none", max_tokens=8, temperature=1.0,
+                        logprobs=True, seed=round_)
+                    # Right arguments earn 1; the answer's length breaks ties so that every
+                    # group has something to learn from.
+                    answer = final.choices[0].message.content or ""
+                    trajectories.append(art.Trajectory(
+                        messages_and_choices=[*messages, choice, result, final.choices[0]],
+                        tools=[ADD], reward=float(args == {"a": a, "b": b}) + len(answer) / 100))
+                groups.append(art.TrajectoryGroup(trajectories))
+            result = await backend.train(model, groups, learning_rate=1e-4)
+            self.assertEqual(result.step, round_ + 1)
+        after = await correct_call_logprob(model, 2)
+        print(f"\nlogprob of the right call: step 0 {before:.2f} -> step 2 {after:.2f}", file=sys.stderr)
+        self.assertGreater(after, before)
+        await client.close()
         await backend.close()
 
 
