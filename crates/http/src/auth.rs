@@ -152,12 +152,12 @@ async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<String, A
     }
 }
 
+/// The key of `Authorization: Bearer <key>`; the scheme is case-insensitive (RFC 9110 11.1), so
+/// `bearer <key>` works as clients send it.
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, key) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
 }
 
 /// Compares against every key without early exit so timing does not reveal a prefix match.
@@ -216,12 +216,16 @@ mod tests {
         let ok = |auth| bearer(&headers(auth)).is_some_and(|k| matches_any(&keys, k));
         assert!(ok(Some("Bearer k1")));
         assert!(ok(Some("Bearer secret-2")));
+        assert!(ok(Some("bearer k1")));
+        assert!(ok(Some("BEARER k1")));
         for bad in [
             None,
             Some("Bearer k"),
             Some("Bearer k12"),
             Some("k1"),
             Some("Basic k1"),
+            Some("Bearerk1"),
+            Some("Bearer"),
         ] {
             assert!(!ok(bad), "{bad:?}");
         }

@@ -102,10 +102,19 @@ pub fn sampling_controls(
         Some(obj) => repetition_detection(obj)?,
     };
 
+    let bad_words = req.bad_words.clone().unwrap_or_default();
+    // An empty word bans nothing (it has no tokens): accepting it would be a field without effect.
+    if let Some(i) = bad_words.iter().position(String::is_empty) {
+        return Err(ApiError::bad(
+            format!("bad_words[{i}]"),
+            "A bad word must not be empty.".to_owned(),
+        ));
+    }
+
     Ok(SamplingControls {
         logit_bias,
         allowed_token_ids,
-        bad_words: req.bad_words.clone().unwrap_or_default(),
+        bad_words,
         repetition_penalty: repetition_penalty as f32,
         frequency_penalty,
         presence_penalty,

@@ -662,6 +662,13 @@ mod tests {
     }
 
     #[test]
+    fn empty_bad_words_are_refused_by_index() {
+        rejected(json!({"bad_words": [""]}), "bad_words[0]");
+        rejected(json!({"bad_words": ["x", ""]}), "bad_words[1]");
+        ok(json!({"bad_words": ["x", " y"]}));
+    }
+
+    #[test]
     fn defaults() {
         let p = ok(json!({}));
         assert_eq!(p.n, 1);
