@@ -1155,22 +1155,25 @@ fn emit_token(
     let stopping = &req.stopping;
     let mask = seq.grammar.as_mut().and_then(|g| g.mask.take());
     let token = if procs.apply(row, &seq.history, mask.as_ref(), processed) {
+        // With every token masked the sampler would fall back to id 0: a wrong answer, not an
+        // answer. The request fails instead, saying why.
+        if !processed.iter().any(|&l| l > f32::NEG_INFINITY) {
+            return Err(if mask.is_some() {
+                "structured output: no token satisfies both the grammar and the other sampling \
+                 constraints"
+            } else {
+                "no token is left to sample: allowed_token_ids, bad_words, min_tokens and \
+                 logit_bias together exclude every token"
+            }
+            .into());
+        }
         sampler.sample(processed, &req.sampling, &mut seq.rng)
     } else {
         sampler.sample(row, &req.sampling, &mut seq.rng)
     };
     // The grammar ends the choice when it cannot be extended further.
     let mut grammar_done = false;
-    if let (Some(g), Some(mask)) = (&mut seq.grammar, &mask) {
-        if !mask.is_allowed(token) {
-            // The sampler found no finite logit: the other processors masked every token
-            // the grammar allows.
-            return Err(
-                "structured output: no token satisfies both the grammar and the other \
-                        sampling constraints"
-                    .into(),
-            );
-        }
+    if let (Some(g), Some(_)) = (&mut seq.grammar, &mask) {
         let matcher = g
             .matcher
             .as_mut()

@@ -1244,6 +1244,31 @@ fn a_grammar_the_other_processors_rule_out_fails_the_request() {
 }
 
 #[test]
+fn sampling_constraints_that_leave_no_token_fail_the_request() {
+    let e = default_engine();
+    // The only allowed token is a stop token, which min_tokens keeps out of the first one.
+    let mut req = request("the", 4, seeded(1));
+    req.sampling.allowed_token_ids = Some(vec![40]);
+    req.stopping.stop_token_ids = vec![40];
+    req.stopping.min_tokens = 1;
+    let mut rx = e.submit(req).expect("submit");
+    let (mut failed, mut tokens) = (false, 0);
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            GenerationEvent::Error { message } => {
+                assert!(message.contains("no token is left"), "{message}");
+                failed = true;
+            }
+            GenerationEvent::Token { .. } => tokens += 1,
+            _ => {}
+        }
+    }
+    assert!(failed && tokens == 0, "failed {failed}, {tokens} tokens");
+    // The engine carries on.
+    assert_eq!(run(&e, request("the", 3, greedy()))[0].ids.len(), 3);
+}
+
+#[test]
 fn invalid_constraints_are_compile_errors() {
     let e = default_engine();
     let c = e.grammar_compiler().expect("compiler");
