@@ -16,6 +16,9 @@ use crate::structured::{requested_constraint, RequestedConstraint};
 /// Temperatures below this sample greedily (vLLM's threshold).
 const GREEDY_EPSILON: f64 = 1e-5;
 
+/// Longest `request_id` accepted.
+const MAX_REQUEST_ID_CHARS: usize = 256;
+
 /// What validation needs to know about the server and the served model.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -352,11 +355,21 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         }
     }
 
-    if req.request_id.as_deref() == Some("") {
-        return Err(ApiError::bad(
-            "request_id",
-            "`request_id` must not be empty.",
-        ));
+    // It goes into log lines and the completion id: control characters (a newline forging a
+    // log line) and unbounded lengths are refused.
+    if let Some(id) = &req.request_id {
+        if id.is_empty()
+            || id.chars().count() > MAX_REQUEST_ID_CHARS
+            || id.chars().any(char::is_control)
+        {
+            return Err(ApiError::bad(
+                "request_id",
+                format!(
+                    "`request_id` must be 1 to {MAX_REQUEST_ID_CHARS} characters without control \
+                     characters."
+                ),
+            ));
+        }
     }
 
     Ok(ChatParams {
@@ -1066,6 +1079,9 @@ mod tests {
     #[test]
     fn request_id() {
         rejected(json!({"request_id": ""}), "request_id");
+        rejected(json!({"request_id": "a\nINFO forged line"}), "request_id");
+        rejected(json!({"request_id": "x".repeat(257)}), "request_id");
+        ok(json!({"request_id": "x".repeat(256)}));
         assert_eq!(
             ok(json!({"request_id": "abc"})).request_id.as_deref(),
             Some("abc")
