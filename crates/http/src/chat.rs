@@ -222,7 +222,7 @@ pub async fn collect(
                 acc.finish = Some((finish_json(reason), stop_json(stop_reason)));
                 acc.completion_tokens = completion_tokens;
             }
-            GenerationEvent::Error { message } => return Err(ApiError::Internal(message)),
+            GenerationEvent::Error { message } => return Err(ApiError::Generation(message)),
         }
     }
     let completion_tokens = choices.iter().map(|a| a.completion_tokens).sum();
@@ -468,7 +468,7 @@ impl SseState {
     fn on_event(&mut self, event: Option<GenerationEvent>) {
         match event {
             None => self.fail(engine_gone()),
-            Some(GenerationEvent::Error { message }) => self.fail(ApiError::Internal(message)),
+            Some(GenerationEvent::Error { message }) => self.fail(ApiError::Generation(message)),
             // Validation keeps `prompt_logprobs` out of streams.
             Some(GenerationEvent::PromptLogprobs { .. }) => {}
             Some(GenerationEvent::Token {

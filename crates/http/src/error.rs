@@ -31,9 +31,20 @@ pub enum ApiError {
     RequestTooLarge(usize),
     #[error("{0}")]
     ServiceUnavailable(String),
+    /// A server fault. Its text (SQL, file paths, panics) goes to the log only: the client gets
+    /// a fixed message and finds the log lines by the response's `x-request-id`.
     #[error("{0}")]
     Internal(String),
+    /// The engine could not finish a generation (e.g. the sampling constraints left no token):
+    /// its message describes the request, not the server, and is shown.
+    #[error("{0}")]
+    Generation(String),
 }
+
+/// What a client is told of an [`ApiError::Internal`].
+pub const INTERNAL_MESSAGE: &str =
+    "The server failed to handle the request; its log has the details under this response's \
+     x-request-id.";
 
 impl ApiError {
     /// A 400 naming the offending field.
@@ -61,7 +72,7 @@ impl ApiError {
             ApiError::Conflict(_) | ApiError::IdempotencyConflict(_) => StatusCode::CONFLICT,
             ApiError::RequestTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ServiceUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Internal(_) | ApiError::Generation(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -74,7 +85,7 @@ impl ApiError {
             ApiError::Conflict(_) | ApiError::IdempotencyConflict(_) => "ConflictError",
             ApiError::RequestTooLarge(_) => "RequestTooLargeError",
             ApiError::ServiceUnavailable(_) => "ServiceUnavailableError",
-            ApiError::Internal(_) => "InternalServerError",
+            ApiError::Internal(_) | ApiError::Generation(_) => "InternalServerError",
         }
     }
 
@@ -91,7 +102,10 @@ impl ApiError {
     pub fn envelope(&self) -> ErrorEnvelope<'_> {
         ErrorEnvelope {
             error: ErrorBody {
-                message: self.to_string(),
+                message: match self {
+                    ApiError::Internal(_) => INTERNAL_MESSAGE.to_owned(),
+                    e => e.to_string(),
+                },
                 r#type: self.kind(),
                 param: self.param(),
                 code: self.status().as_u16(),
@@ -241,6 +255,12 @@ mod tests {
                 "InternalServerError",
                 None,
             ),
+            (
+                ApiError::Generation("g".into()),
+                500,
+                "InternalServerError",
+                None,
+            ),
         ];
         for (err, code, kind, param) in cases {
             assert_eq!(err.status().as_u16(), code);
@@ -250,6 +270,19 @@ mod tests {
             assert_eq!(v["error"]["param"].as_str(), param);
             assert!(v["error"]["message"].is_string());
         }
+    }
+
+    #[test]
+    fn internal_details_stay_in_the_log() {
+        let v = json(&ApiError::Internal(
+            "The store failed: database: error returned from database: (code: 1) no such table: \
+             jobs at /var/lib/temper/temper.db"
+                .into(),
+        ));
+        assert_eq!(v["error"]["message"], INTERNAL_MESSAGE);
+        // A generation failure describes the request and is shown.
+        let v = json(&ApiError::Generation("no token is left to sample".into()));
+        assert_eq!(v["error"]["message"], "no token is left to sample");
     }
 
     #[test]
