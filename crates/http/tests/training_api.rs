@@ -894,13 +894,7 @@ async fn completion_logprobs_round_trip_into_training_tokens() {
                 .unwrap();
         let job = temper_train::tokenize_job(&request, tok, template).unwrap();
         let seq = &job.sequences[0];
-        let trained: Vec<u32> = seq
-            .tokens
-            .iter()
-            .zip(&seq.mask)
-            .filter(|(_, m)| **m)
-            .map(|(t, _)| *t)
-            .collect();
+        let trained: Vec<u32> = seq.trained_ids().collect();
         assert_eq!(trained.len(), sampled.len());
         for (&got, &id) in trained.iter().zip(&sampled) {
             let (token, bytes) = tok.logprob_token(id).unwrap();

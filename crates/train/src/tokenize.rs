@@ -35,6 +35,15 @@ impl TokenizedSequence {
     pub fn trainable_tokens(&self) -> usize {
         self.mask.iter().filter(|m| **m).count()
     }
+
+    /// The trainable tokens' ids, in order.
+    pub fn trained_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.tokens
+            .iter()
+            .zip(&self.mask)
+            .filter(|(_, m)| **m)
+            .map(|(t, _)| *t)
+    }
 }
 
 #[derive(Debug, Clone)]

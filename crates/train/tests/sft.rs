@@ -65,13 +65,7 @@ fn assistant_turns_are_trained_as_the_template_renders_them() {
     assert_eq!(&seq.tokens[..served.len()], &served[..]);
     assert!(seq.mask[..served.len()].iter().all(|m| !m));
     // Trained: each answer as rendered (the template trims it) with its end of turn.
-    let trained: Vec<u32> = seq
-        .tokens
-        .iter()
-        .zip(&seq.mask)
-        .filter(|(_, m)| **m)
-        .map(|(t, _)| *t)
-        .collect();
+    let trained: Vec<u32> = seq.trained_ids().collect();
     let mut want = tok.encode("Hello world<end_of_turn>\n", true);
     want.extend(tok.encode("Bye<end_of_turn>\n", true));
     assert_eq!(trained, want);
