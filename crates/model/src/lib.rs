@@ -5,6 +5,7 @@ mod attention;
 mod cache;
 mod config;
 mod kernels;
+mod layer;
 mod linear;
 mod loader;
 mod lora;
@@ -18,7 +19,7 @@ use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file;
 
-pub use cache::SeqCache;
+pub use cache::{KvPool, KvPoolStats, PrefixKey, SeqCache, BLOCK_TOKENS};
 pub use config::ModelConfig;
 pub use loader::load_gguf;
 pub use lora::{LoraAdapter, LoraConfig, LoraGrads, LoraTarget};
@@ -62,6 +63,15 @@ pub enum ModelError {
     ContextOverflow { len: usize, max: usize },
     #[error("KV cache does not belong to this model")]
     CacheMismatch,
+    #[error(
+        "the KV cache is full: {needed} blocks needed, {available} of {capacity} available \
+         (raise --kv-cache-mb)"
+    )]
+    KvCacheFull {
+        needed: usize,
+        available: usize,
+        capacity: usize,
+    },
     #[error("adapter {path}: {reason}")]
     Adapter { path: String, reason: String },
     #[error("batch entry {index}: the adapter was made for a model of another shape")]

@@ -1,12 +1,11 @@
 use std::borrow::Cow;
-use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::f16;
 
-use crate::kernels::{self, Isa, LlamaCall, LlamaPath, WeightFormat};
+use crate::kernels::{self, Isa, WeightFormat};
 use crate::ModelError;
 
 /// `y = x · Wᵀ` over a quantized weight `[out, in]`. The one place matmuls happen, so the kernel
@@ -128,48 +127,13 @@ impl Linear {
             .map_or(0, |_| self.in_dim * self.out_dim * 4)
     }
 
-    /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major, each as
-    /// llama.cpp computes a row it is given alone.
+    /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major. A row's
+    /// result depends on that row alone.
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
-        self.forward_on(x, LlamaPath::Row)
-    }
-
-    /// As `forward`, for a batch whose rows belong to the llama.cpp calls `calls` (ascending,
-    /// disjoint, covering `x`): each row as llama.cpp computes it in its call
-    /// (`kernels::llama_paths`), so a row's result depends on its own sequence only.
-    pub(crate) fn forward_split(
-        &self,
-        x: &[f32],
-        calls: &[LlamaCall],
-    ) -> Result<Vec<f32>, ModelError> {
-        let Weight::Kernel { format, .. } = &self.weight else {
-            return self.forward(x);
-        };
-        // Runs of one path across the batch, each one matmul.
-        let mut runs: Vec<(Range<usize>, LlamaPath)> = Vec::new();
-        for (r, path) in calls.iter().flat_map(|c| kernels::llama_paths(*format, c)) {
-            match runs.last_mut() {
-                Some((last, p)) if *p == path && last.end == r.start => last.end = r.end,
-                _ => runs.push((r, path)),
-            }
-        }
-        if let [(_, path)] = runs[..] {
-            return self.forward_on(x, path);
-        }
-        let din = self.in_dim;
-        let mut y = Vec::with_capacity(x.len() / din * self.out_dim);
-        for (r, path) in runs {
-            y.extend(self.forward_on(&x[r.start * din..r.end * din], path)?);
-        }
-        Ok(y)
-    }
-
-    fn forward_on(&self, x: &[f32], path: LlamaPath) -> Result<Vec<f32>, ModelError> {
         match &self.weight {
             Weight::Kernel { format, data } => Ok(kernels::matmul(
                 *format,
                 Isa::detect(),
-                path,
                 data,
                 self.in_dim,
                 self.out_dim,

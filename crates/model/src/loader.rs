@@ -6,8 +6,9 @@ use std::sync::Arc;
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
 
+use crate::cache::KvPool;
 use crate::linear::Linear;
-use crate::model::{Embedding, Gemma3, Layer};
+use crate::model::{Embedding, Gemma3, Layer, DEFAULT_KV_CACHE_BYTES};
 use crate::{LoadedModel, ModelConfig, ModelError};
 
 /// Loads a Gemma 3 GGUF (quantized weights stay quantized; norms become f32).
@@ -70,13 +71,16 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         (Linear::new(embed)?, Embedding::Tied)
     };
 
+    let kv_pool = KvPool::new(cfg.num_layers, cfg.num_kv_heads * cfg.head_dim, 1);
+    kv_pool.set_capacity_bytes(DEFAULT_KV_CACHE_BYTES);
     let model = Gemma3 {
         cfg,
         embed,
         lm_head,
         layers,
         final_norm,
-        llama_cpp_rounding: true,
+        kv_pool,
+        smooth: false,
     };
     Ok(LoadedModel {
         model,

@@ -90,8 +90,9 @@ pub(crate) struct LoraPair {
 }
 
 /// A LoRA adapter for one model shape. `Send + Sync`; shared between requests behind an `Arc`.
-#[derive(Clone)]
 pub struct LoraAdapter {
+    /// Unique to these weights in this process (`LoraAdapter::id`).
+    id: u64,
     cfg: LoraConfig,
     /// `layers[l][target.index()]`.
     layers: Vec<[LoraPair; 7]>,
@@ -121,7 +122,30 @@ fn adapter_err(path: &Path, reason: impl Into<String>) -> ModelError {
     }
 }
 
+/// A fresh adapter identity.
+fn next_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A copy is other weights as soon as either changes: it gets its own identity.
+impl Clone for LoraAdapter {
+    fn clone(&self) -> Self {
+        LoraAdapter {
+            id: next_id(),
+            cfg: self.cfg,
+            layers: self.layers.clone(),
+        }
+    }
+}
+
 impl LoraAdapter {
+    /// An identity no other adapter of this process has, kept while the weights stay the same
+    /// (`params_mut` takes a new one): what the prefix cache keys served blocks by.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// A seeded small random (uniform with bound 1/sqrt(in), as PEFT's default Kaiming init),
     /// B = 0: a fresh adapter changes nothing (step 0 == base weights).
     /// `cfg.rank` must be at least 1 (the server's configuration checks it).
@@ -143,7 +167,11 @@ impl LoraAdapter {
                 })
             })
             .collect();
-        LoraAdapter { cfg, layers }
+        LoraAdapter {
+            id: next_id(),
+            cfg,
+            layers,
+        }
     }
 
     pub fn config(&self) -> LoraConfig {
@@ -269,6 +297,7 @@ impl LoraAdapter {
             ));
         }
         Ok(LoraAdapter {
+            id: next_id(),
             cfg: LoraConfig { rank, alpha },
             layers,
         })
@@ -293,6 +322,7 @@ impl LoraAdapter {
     }
 
     pub fn params_mut(&mut self) -> Vec<&mut [f32]> {
+        self.id = next_id();
         self.layers
             .iter_mut()
             .flat_map(|l| l.iter_mut())

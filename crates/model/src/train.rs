@@ -9,11 +9,10 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::cache::{extend_f16, LLAMA_UBATCH};
-use crate::kernels::LlamaCall;
+use crate::layer::{BatchLayout, LayerTape, PackedKv, Ropes};
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
-use crate::model::{add_assign, AdapterSpan, BatchLayout, BatchRows, Gemma3, KvRef, Layer};
-use crate::ops::{self, RopeTable};
+use crate::model::{add_assign, AdapterSpan, Gemma3, Layer};
+use crate::ops;
 use crate::ModelError;
 
 /// Rows of the LM head computed at once: `HEAD_CHUNK x vocab` logits exist at a time
@@ -53,26 +52,6 @@ pub struct TrainTape {
     /// d logprob / d (normed hidden state) of each scored token, `(onehot - softmax)·E`: made in
     /// the forward while the chunk's logits exist, so the backward never recomputes them.
     head_grad: Vec<f32>,
-}
-
-/// One layer's activations, each `[tokens, width]`.
-struct LayerTape {
-    x_in: Vec<f32>,
-    attn_normed: Vec<f32>,
-    q_pre: Vec<f32>,
-    k_pre: Vec<f32>,
-    /// After norm and rope.
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    attn: Vec<f32>,
-    o: Vec<f32>,
-    x_mid: Vec<f32>,
-    ffn_normed: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    act: Vec<f32>,
-    down: Vec<f32>,
 }
 
 impl Gemma3 {
@@ -136,17 +115,7 @@ impl Gemma3 {
             }
             start += len;
         }
-        if let Some(&token) = seq
-            .tokens
-            .iter()
-            .find(|&&t| t as usize >= self.cfg.vocab_size)
-        {
-            return Err(ModelError::TokenOutOfRange {
-                token,
-                vocab: self.cfg.vocab_size,
-            });
-        }
-        Ok(())
+        self.check_tokens(seq.tokens)
     }
 
     fn run_packed(
@@ -180,19 +149,18 @@ impl Gemma3 {
             })
             .into_iter()
             .collect();
-        let calls = llama_calls(seq.scored, &segments);
-        let rows = BatchRows::new(&spans, &calls, n);
         let ropes = Ropes::new(&layout.pos, cfg);
+        let mut kv = PackedKv {
+            segments: &segments,
+        };
 
         let mut x = self.embed_tokens(seq.tokens)?;
         let mut tapes = Vec::new();
         for li in 0..self.layers.len() {
-            let LayerOut { output, tape } =
-                self.layer_forward(li, &x, &layout, &segments, &ropes, &rows)?;
+            let (output, tape) =
+                self.layer_forward(li, &x, &layout, &ropes, &spans, &mut kv, record)?;
             x = output;
-            if record {
-                tapes.push(tape);
-            }
+            tapes.extend(tape);
         }
 
         let head_rows: Vec<usize> = (0..n).filter(|&t| seq.scored[t]).map(|t| t - 1).collect();
@@ -253,101 +221,6 @@ impl Gemma3 {
             head_grad,
         });
         Ok((scores, tape))
-    }
-
-    /// One decoder layer over the packed rows, the serving path's arithmetic in the serving
-    /// path's order, keeping every intermediate.
-    fn layer_forward(
-        &self,
-        li: usize,
-        x: &[f32],
-        layout: &BatchLayout,
-        segments: &[std::ops::Range<usize>],
-        ropes: &Ropes,
-        rows: &BatchRows<'_>,
-    ) -> Result<LayerOut, ModelError> {
-        let cfg = &self.cfg;
-        let layer = &self.layers[li];
-        let global = cfg.is_global(li);
-        let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
-        let kv_width = hkv * cfg.head_dim;
-
-        let mut attn_normed = x.to_vec();
-        ops::rms_norm(&mut attn_normed, &layer.attn_norm, cfg.rms_eps);
-        let q_pre = layer.project(li, LoraTarget::Q, &attn_normed, rows)?;
-        let k_pre = layer.project(li, LoraTarget::K, &attn_normed, rows)?;
-        let v = layer.project(li, LoraTarget::V, &attn_normed, rows)?;
-        let mut q = q_pre.clone();
-        let mut k = k_pre.clone();
-        ops::rms_norm(&mut q, &layer.q_norm, cfg.rms_eps);
-        ops::rms_norm(&mut k, &layer.k_norm, cfg.rms_eps);
-        let rope = ropes.get(global);
-        rope.apply(&mut q, h);
-        rope.apply(&mut k, hkv);
-        // The serving path attends over its f16 cache: the same rounding here.
-        let (mut k16, mut v16) = (Vec::new(), Vec::new());
-        if self.llama_cpp_rounding {
-            extend_f16(&mut k16, &k);
-            extend_f16(&mut v16, &v);
-        }
-        let kvs: Vec<KvRef> = segments
-            .iter()
-            .map(|s| {
-                let rows = s.start * kv_width..s.end * kv_width;
-                if self.llama_cpp_rounding {
-                    KvRef::F16 {
-                        k: &k16[rows.clone()],
-                        v: &v16[rows],
-                    }
-                } else {
-                    KvRef::F32 {
-                        k: &k[rows.clone()],
-                        v: &v[rows],
-                    }
-                }
-            })
-            .collect();
-        let window = (!global).then_some(cfg.sliding_window);
-        let attn = self.attend(&q, &kvs, layout, window, &rows.decode);
-
-        let o = layer.project(li, LoraTarget::O, &attn, rows)?;
-        let mut o_normed = o.clone();
-        ops::rms_norm(&mut o_normed, &layer.post_attn_norm, cfg.rms_eps);
-        let mut x_mid = x.to_vec();
-        add_assign(&mut x_mid, &o_normed);
-
-        let mut ffn_normed = x_mid.clone();
-        ops::rms_norm(&mut ffn_normed, &layer.ffn_norm, cfg.rms_eps);
-        let gate = layer.project(li, LoraTarget::Gate, &ffn_normed, rows)?;
-        let up = layer.project(li, LoraTarget::Up, &ffn_normed, rows)?;
-        let mut act = gate.clone();
-        ops::gelu_mul(&mut act, &up, self.llama_cpp_rounding);
-        let down = layer.project(li, LoraTarget::Down, &act, rows)?;
-        let mut down_normed = down.clone();
-        ops::rms_norm(&mut down_normed, &layer.post_ffn_norm, cfg.rms_eps);
-        let mut output = x_mid.clone();
-        add_assign(&mut output, &down_normed);
-
-        Ok(LayerOut {
-            output,
-            tape: LayerTape {
-                x_in: x.to_vec(),
-                attn_normed,
-                q_pre,
-                k_pre,
-                q,
-                k,
-                v,
-                attn,
-                o,
-                x_mid,
-                ffn_normed,
-                gate,
-                up,
-                act,
-                down,
-            },
-        })
     }
 
     /// d loss / d adapter parameters from d loss / d logprob of each scored token.
@@ -464,7 +337,8 @@ impl Gemma3 {
     }
 
     /// Gradients of causal (windowed, segment-isolated) attention to q, k and v. The softmax is
-    /// recomputed from q and k in f32 (the forward's f16 roundings are not differentiated).
+    /// recomputed from q and k in f32 (the forward's f16 rounding of keys and values is not
+    /// differentiated).
     fn attend_backward(
         &self,
         lt: &LayerTape,
@@ -585,33 +459,6 @@ fn linear_backward(
     Ok(dx)
 }
 
-struct LayerOut {
-    output: Vec<f32>,
-    tape: LayerTape,
-}
-
-struct Ropes {
-    local: RopeTable,
-    global: RopeTable,
-}
-
-impl Ropes {
-    fn new(pos: &[usize], cfg: &crate::ModelConfig) -> Self {
-        Ropes {
-            local: RopeTable::new(pos, cfg.head_dim, cfg.rope_base_local),
-            global: RopeTable::new(pos, cfg.head_dim, cfg.rope_base_global),
-        }
-    }
-
-    fn get(&self, global: bool) -> &RopeTable {
-        if global {
-            &self.global
-        } else {
-            &self.local
-        }
-    }
-}
-
 /// Log-sum-exp and entropy of one row of logits, summed in f64 like the server's logprobs.
 struct RowSoftmax {
     lse: f64,
@@ -634,29 +481,4 @@ impl RowSoftmax {
             entropy: sum.ln() - weighted / sum,
         }
     }
-}
-
-/// The llama.cpp calls the serving path used for a packed sequence's rows: a sampled (scored)
-/// token was a decode step of its own; each run of other tokens of a segment, a prompt
-/// prefilled in calls of `LLAMA_UBATCH` rows.
-fn llama_calls(scored: &[bool], segments: &[std::ops::Range<usize>]) -> Vec<LlamaCall> {
-    let mut calls = Vec::new();
-    for seg in segments {
-        let mut t = seg.start;
-        while t < seg.end {
-            let end = if scored[t] {
-                t + 1
-            } else {
-                let run_end = (t..seg.end).find(|&u| scored[u]).unwrap_or(seg.end);
-                run_end.min(t + LLAMA_UBATCH)
-            };
-            calls.push(LlamaCall {
-                rows: t..end,
-                first: 0,
-                len: end - t,
-            });
-            t = end;
-        }
-    }
-    calls
 }

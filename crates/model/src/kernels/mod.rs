@@ -1,28 +1,22 @@
 //! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks (Q8_0 and Q4_K interleaved at
 //! load).
 //!
-//! The kernels compute, bit for bit, what the llama.cpp build behind our reference logprobs
-//! computes (x86 with AVX2 and AVX-512 VNNI, no AMX, Q4_K weights repacked to `q4_K_8x8`), so the
-//! matmuls add no difference of their own. Activation rows are quantized as ggml does on x86
-//! (Q8_0 blocks of 32 for Q8_0 weights, Q8_K blocks of 256 for K-quants); dot products are exact
-//! integers per block, and only the order of the f32 steps differs between the three kernels:
+//! Activation rows are quantized as ggml does on x86 (Q8_0 blocks of 32 for Q8_0 weights, Q8_K
+//! blocks of 256 for K-quants); dot products are exact integers per block, and each format has
+//! one order of its f32 steps, whatever the number of rows:
 //!
-//! - Q8_0 (and Q5_0, widened to Q8_0): ggml's AVX2 `ggml_vec_dot_q8_0_q8_0` and llamafile's
-//!   tinyBLAS order, eight f32 lanes per row (lane `k`: four products of each block, one fused
-//!   multiply-add by `dw·da` per block), then `hsum_float_8` (see `q8_0`);
-//! - Q4_K: the repacked `q4_K_8x8` gemv (rows llama.cpp computes one at a time) and gemm (four
-//!   at a time), an integer per row for the scaled quants and one for the mins, each into its own
-//!   f32 accumulator, once per block (gemv) or per 64 values (gemm) (see `q4_k`);
-//! - Q6_K: ggml's AVX2 `ggml_vec_dot_q6_K_q8_K` for calls of fewer than eight rows, eight f32
-//!   lanes, one fused multiply-add per block, `hsum_float_8`; its tiled K-quant matmul for more,
-//!   one f32 per row (see `q6_k`).
-//!
-//! Which of a format's paths a row takes depends on how many rows llama.cpp's call has
-//! (`LlamaPath`, `llama_paths`); Q8_0 has one.
+//! - Q8_0 (and Q5_0, widened to Q8_0): ggml's AVX2 `ggml_vec_dot_q8_0_q8_0` order, eight f32
+//!   lanes per row (lane `k`: four products of each block, one fused multiply-add by `dw·da` per
+//!   block), then `hsum_float_8` (see `q8_0`);
+//! - Q4_K: ggml's repacked `q4_K_8x8` gemv, an integer per row for the scaled quants and one for
+//!   the mins, each into its own f32 accumulator once per block (see `q4_k`);
+//! - Q6_K: ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`, eight f32 lanes, one fused multiply-add per
+//!   block, `hsum_float_8` (see `q6_k`).
 //!
 //! Each scalar reference computes exactly what its SIMD paths compute, so all paths give the same
 //! bits, and a row's result never depends on the other rows or on how the work is tiled (batch
-//! invariance).
+//! invariance): a row computed in a prompt of 500 tokens, in a decode step or in a training
+//! batch is the same number.
 //!
 //! Threads split the weight rows; within a thread, a cache-sized slice of weight rows is reused
 //! by groups of up to four activation rows, so a batch reads each weight block once.
@@ -34,7 +28,6 @@ mod q8_0;
 #[cfg(test)]
 mod test_util;
 
-use std::ops::Range;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -184,70 +177,22 @@ fn row_pairs(w: &[u8], row_bytes: usize) -> impl Iterator<Item = (usize, &[u8], 
     })
 }
 
-/// Which of llama.cpp's kernels a row's result reproduces. llama.cpp picks its kernel by the
-/// number of activation rows of the call, and for Q4_K and Q6_K the two compute different
-/// bits: its repacked Q4_K kernels take rows four at a time (one fused multiply-add per 64
-/// values) and the rows left over one at a time (one per 256); Q6_K runs its tiled kernel for
-/// eight rows or more and a per-row dot product for fewer. Q8_0 (and Q5_0) compute the same
-/// either way.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum LlamaPath {
-    /// One row at a time (decoding, and the rows a block leaves over).
-    Row,
-    /// A block of rows (a prompt).
-    Block,
-}
-
-/// Rows of a batch that belong to one llama.cpp call (one `llama_decode`): `rows` are the
-/// call's rows `first..first + rows.len()` of `len`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct LlamaCall {
-    pub(crate) rows: Range<usize>,
-    pub(crate) first: usize,
-    pub(crate) len: usize,
-}
-
-/// How llama.cpp computes the rows of `call` with a `format` weight: consecutive ranges of the
-/// batch rows and the path of each (empty ranges left out).
-pub(crate) fn llama_paths(
-    format: WeightFormat,
-    call: &LlamaCall,
-) -> impl Iterator<Item = (Range<usize>, LlamaPath)> {
-    let n = call.len;
-    // The call's rows `0..blocked` take the block path.
-    let blocked = match format {
-        WeightFormat::Q8_0 => 0,
-        WeightFormat::Q4K => n - n % 4,
-        WeightFormat::Q6K if n >= 8 => n,
-        WeightFormat::Q6K => 0,
-    };
-    let split = call.rows.start + blocked.saturating_sub(call.first).min(call.rows.len());
-    [
-        (call.rows.start..split, LlamaPath::Block),
-        (split..call.rows.end, LlamaPath::Row),
-    ]
-    .into_iter()
-    .filter(|(r, _)| !r.is_empty())
-}
-
 /// `y = x · Wᵀ` for `W` `[out_dim, in_dim]` in `format` (as `prepare` lays it out) and `x`
-/// holding `x.len() / in_dim` rows. `in_dim` must be a multiple of the block size.
+/// holding `x.len() / in_dim` rows. `in_dim` must be a multiple of the block size. Each row's
+/// result is the same bits whatever the other rows are.
 pub(crate) fn matmul(
     format: WeightFormat,
     isa: Isa,
-    path: LlamaPath,
     w: &[u8],
     in_dim: usize,
     out_dim: usize,
     x: &[f32],
 ) -> Vec<f32> {
     let dims = (in_dim, out_dim);
-    match (format, path) {
-        (WeightFormat::Q8_0, _) => matmul_with::<q8_0::Q8_0>(isa, w, dims, x),
-        (WeightFormat::Q4K, LlamaPath::Row) => matmul_with::<q4_k::Q4K<false>>(isa, w, dims, x),
-        (WeightFormat::Q4K, LlamaPath::Block) => matmul_with::<q4_k::Q4K<true>>(isa, w, dims, x),
-        (WeightFormat::Q6K, LlamaPath::Row) => matmul_with::<q6_k::Q6K<false>>(isa, w, dims, x),
-        (WeightFormat::Q6K, LlamaPath::Block) => matmul_with::<q6_k::Q6K<true>>(isa, w, dims, x),
+    match format {
+        WeightFormat::Q8_0 => matmul_with::<q8_0::Q8_0>(isa, w, dims, x),
+        WeightFormat::Q4K => matmul_with::<q4_k::Q4K<false>>(isa, w, dims, x),
+        WeightFormat::Q6K => matmul_with::<q6_k::Q6K<false>>(isa, w, dims, x),
     }
 }
 
@@ -492,12 +437,7 @@ mod tests {
             (WeightFormat::Q4K, 2048, 640, 128, 10),
             (WeightFormat::Q6K, 2048, 640, 128, 10),
         ] {
-            let path = if rows == 1 {
-                LlamaPath::Row
-            } else {
-                LlamaPath::Block
-            };
-            let label = format!("{format:?} {isa:?} {path:?} {rows} x {in_dim} -> {out_dim}");
+            let label = format!("{format:?} {isa:?} {rows} x {in_dim} -> {out_dim}");
             if !label.contains(&std::env::var("KERNEL_BENCH").unwrap_or_default()) {
                 continue;
             }
@@ -508,7 +448,7 @@ mod tests {
             for _ in 0..15 {
                 let t = Instant::now();
                 for _ in 0..reps {
-                    std::hint::black_box(matmul(format, isa, path, &w, in_dim, out_dim, &x));
+                    std::hint::black_box(matmul(format, isa, &w, in_dim, out_dim, &x));
                 }
                 best = best.min(t.elapsed().as_secs_f64() / reps as f64);
             }

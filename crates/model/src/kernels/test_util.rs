@@ -9,7 +9,7 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
 use super::activations::{quantize_q8_0, quantize_q8_k, Q8KBlock, Q8_0Block};
-use super::{matmul, prepare, Isa, LlamaPath, WeightFormat};
+use super::{matmul, prepare, Isa, WeightFormat};
 
 /// xorshift64*: deterministic test data without a dependency.
 pub(crate) struct Rng(u64);
@@ -86,26 +86,16 @@ pub(crate) fn check_paths_agree(
         if rows > 2 {
             x[in_dim..2 * in_dim].fill(0.0);
         }
-        for path in [LlamaPath::Row, LlamaPath::Block] {
-            let reference = matmul(format, Isa::Scalar, path, w, in_dim, out_dim, &x);
-            for isa in Isa::available() {
-                let y = matmul(format, isa, path, w, in_dim, out_dim, &x);
-                assert_eq!(
-                    y, reference,
-                    "{format:?} {isa:?} {path:?}: {rows} rows of {in_dim} x {out_dim}"
-                );
-                for (r, xr) in x.chunks_exact(in_dim).enumerate() {
-                    let alone = matmul(format, isa, path, w, in_dim, out_dim, xr);
-                    assert_eq!(
-                        alone,
-                        y[r * out_dim..(r + 1) * out_dim],
-                        "{isa:?} {path:?}: row {r} alone"
-                    );
-                }
+        let reference = matmul(format, Isa::Scalar, w, in_dim, out_dim, &x);
+        for isa in Isa::available() {
+            let y = matmul(format, isa, w, in_dim, out_dim, &x);
+            assert_eq!(y, reference, "{format:?} {isa:?}: {rows} rows of {in_dim} x {out_dim}");
+            for (r, xr) in x.chunks_exact(in_dim).enumerate() {
+                let alone = matmul(format, isa, w, in_dim, out_dim, xr);
+                assert_eq!(alone, y[r * out_dim..(r + 1) * out_dim], "{isa:?}: row {r} alone");
             }
         }
-        let reference = matmul(format, Isa::Scalar, LlamaPath::Row, w, in_dim, out_dim, &x);
-        let xa = dequantized_activations(format, &x);
+                let xa = dequantized_activations(format, &x);
         for (r, xr) in xa.chunks_exact(in_dim).enumerate() {
             for (c, wr) in wf.chunks_exact(in_dim).enumerate() {
                 let terms: Vec<f64> = wr.iter().zip(xr).map(|(&w, &x)| w as f64 * x).collect();
