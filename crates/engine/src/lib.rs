@@ -89,6 +89,9 @@ pub struct GenerationRequest {
     /// ranked by the model's raw log-probabilities: `sampling` and the stop strings and stop
     /// token ids do not apply (the HTTP layer refuses them), nor may `constraint` be set.
     pub beam_search: Option<BeamSearch>,
+    /// Requests share cached prompt blocks only with requests of the same salt (and adapter);
+    /// `None` shares with every other unsalted request.
+    pub cache_salt: Option<String>,
 }
 
 /// vLLM's beam search: every step, each live beam proposes its 2n most likely next tokens;
@@ -206,6 +209,8 @@ pub enum GenerationEvent {
         /// Text still held back at the end.
         text: String,
         prompt_tokens: usize,
+        /// Prompt tokens whose keys and values came from the prefix cache.
+        cached_tokens: usize,
         completion_tokens: usize,
     },
     /// The request failed (e.g. a model error); no further events follow.

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use temper_model::{Gemma3, Logits, SeqCache, SeqInput};
+use temper_model::{Gemma3, Logits, PrefixKey, SeqCache, SeqInput};
 use temper_text::{DecodeOptions, DecodeStream, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, error, trace, warn};
@@ -256,6 +256,10 @@ struct Group {
     prompt_logprobs: Vec<PromptLogprob>,
     /// Beam search: finished hypotheses and logprobs; `None` when sampling.
     beams: Option<BeamState>,
+    /// What this request's KV blocks are shared under (its adapter and `cache_salt`).
+    prefix_key: PrefixKey,
+    /// Prompt tokens found in the prefix cache at the first admission (`None` before it).
+    cached_tokens: Option<usize>,
 }
 
 impl Group {
@@ -273,29 +277,70 @@ impl Group {
         (self.req.prompt_logprobs.is_some() && from + 1 < self.req.prompt.len()).then_some(from)
     }
 
-    fn send(&mut self, ev: GenerationEvent) {
+    /// Sends `ev`; a `Finished` gets the request's prefix-cache hit.
+    fn send(&mut self, mut ev: GenerationEvent) {
+        if let GenerationEvent::Finished { cached_tokens, .. } = &mut ev {
+            *cached_tokens = self.cached_tokens.unwrap_or(0);
+        }
         if self.tx.send(ev).is_err() {
             self.dropped = true;
         }
     }
 
-    /// Frees every cache; what was generated stays, to be replayed on readmission.
+    /// Frees every cache; what was generated stays, to be replayed on readmission (its full
+    /// blocks stay published, so the replay mostly finds them again).
     fn preempt(&mut self, model: &Gemma3) {
-        let prompt_len = self.req.prompt.len();
         match &mut self.phase {
             Phase::Prefill { cache, done } => {
-                *cache = model.new_prompt_cache(prompt_len);
+                *cache = model.new_shared_cache(self.prefix_key);
                 *done = 0;
             }
             Phase::Decode { seqs } => {
                 for s in seqs {
-                    // The replayed output is computed as the decode steps that made it.
-                    s.cache = model.new_prompt_cache(prompt_len);
+                    s.cache = model.new_shared_cache(self.prefix_key);
                     // The replay computes this row again.
                     s.waiting_row = None;
                 }
             }
         }
+    }
+
+    /// On admission: takes the published blocks that hold a prefix of what each empty cache
+    /// must compute (the prompt; after a preemption, prompt and output). Prompt logprobs need
+    /// every prompt row computed, so such a request takes none.
+    fn reuse_prefixes(&mut self) {
+        if self.req.prompt_logprobs.is_some() {
+            self.cached_tokens.get_or_insert(0);
+            return;
+        }
+        match &mut self.phase {
+            Phase::Prefill { cache, done } => {
+                if *done == 0 {
+                    *done = cache.reuse_prefix(&self.req.prompt);
+                }
+                self.cached_tokens.get_or_insert(*done);
+            }
+            Phase::Decode { seqs } => {
+                let mut tokens = Vec::new();
+                for s in seqs.iter_mut().filter(|s| s.cache.is_empty()) {
+                    tokens.clear();
+                    tokens.extend_from_slice(&self.req.prompt);
+                    tokens.extend_from_slice(&s.history.output);
+                    s.cache.reuse_prefix(&tokens);
+                }
+            }
+        }
+    }
+
+    /// KV blocks this request may need to get going: its prompt's (what the prefix cache
+    /// holds is not known before admission) and one per choice.
+    fn blocks_to_start(&self) -> usize {
+        let len = self.req.prompt.len()
+            + match &self.phase {
+                Phase::Prefill { .. } => 0,
+                Phase::Decode { seqs } => seqs.iter().map(|s| s.history.output.len()).max().unwrap_or(0),
+            };
+        len.div_ceil(temper_model::BLOCK_TOKENS) + self.req.n
     }
 
     fn fail(&mut self, message: &str) {
@@ -418,12 +463,18 @@ impl Scheduler {
         };
         self.arrivals += 1;
         let beams = s.req.beam_search.map(|_| BeamState::default());
+        let prefix_key = PrefixKey::new(
+            s.req.adapter.as_ref().map(|a| a.id()),
+            s.req.cache_salt.as_deref(),
+        );
         self.requeue(Group {
             id: self.arrivals,
             phase: Phase::Prefill {
-                cache: self.model.new_prompt_cache(s.req.prompt.len()),
+                cache: self.model.new_shared_cache(prefix_key),
                 done: 0,
             },
+            prefix_key,
+            cached_tokens: None,
             req: s.req,
             procs: s.procs,
             tx: s.tx,
@@ -469,10 +520,29 @@ impl Scheduler {
     /// cap runs alone rather than never. Under priority scheduling a request that does not fit
     /// preempts running requests ranked behind it, worst first, until it fits; only when
     /// preempting all of them would make room, so none is preempted for nothing.
+    /// A request also waits while the KV pool lacks the blocks it needs to start beside the
+    /// running ones; one that could never fit in the whole pool fails, saying so.
     fn admit(&mut self) {
         let mut running: usize = self.groups.iter().map(Group::running).sum();
+        let mut kv_free = self.model.kv_pool().stats().available_blocks().saturating_sub(running);
         while let Some(front) = self.waiting.front() {
             let n = front.running();
+            let blocks = front.blocks_to_start();
+            let capacity = self.model.kv_pool().stats().capacity_blocks;
+            if blocks > capacity {
+                let mut g = self.waiting.pop_front().expect("the front");
+                let block_mb = self.model.kv_pool().block_bytes() as f64 / (1 << 20) as f64;
+                g.fail(&format!(
+                    "the KV cache is too small for this request: it needs {blocks} blocks \
+                     ({:.0} MB) and the pool has {capacity} ({:.0} MB); raise --kv-cache-mb",
+                    blocks as f64 * block_mb,
+                    capacity as f64 * block_mb
+                ));
+                continue;
+            }
+            if running > 0 && blocks > kv_free {
+                break;
+            }
             if !self.fits(running, n) {
                 if self.config.scheduling == Scheduling::Priority
                     && self.preemption_makes_room(front.rank, n)
@@ -483,11 +553,13 @@ impl Scheduler {
                 }
                 break;
             }
-            let Some(g) = self.waiting.pop_front() else {
+            let Some(mut g) = self.waiting.pop_front() else {
                 break;
             };
-            debug!(request_id = %g.req.request_id, "admitted");
+            g.reuse_prefixes();
+            debug!(request_id = %g.req.request_id, cached_tokens = ?g.cached_tokens, "admitted");
             running += n;
+            kv_free = kv_free.saturating_sub(blocks);
             self.groups.push(g);
         }
     }
@@ -517,12 +589,62 @@ impl Scheduler {
         let Some(i) = victim else {
             return false;
         };
+        self.preempt_group(i);
+        true
+    }
+
+    /// Sends running request `i` back to the queue, freeing its caches.
+    fn preempt_group(&mut self, i: usize) {
         let mut g = self.groups.remove(i);
         debug!(request_id = %g.req.request_id, "preempted");
         self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
         g.preempt(&self.model);
         self.requeue(g);
-        true
+    }
+
+    /// Makes sure the KV pool holds this step's decode rows: while it does not, the
+    /// worst-ranked running request goes back to the queue (preemption by recompute); a request
+    /// alone that still does not fit fails. Returns the blocks left for prompt chunks.
+    fn make_kv_room(&mut self) -> usize {
+        loop {
+            let needed: usize = self
+                .groups
+                .iter()
+                .map(|g| match &g.phase {
+                    Phase::Decode { seqs } => seqs
+                        .iter()
+                        .filter(|s| s.waiting_row.is_none())
+                        .filter(|s| s.cache.len() == s.replay_len(&g.req.prompt))
+                        .map(|s| s.cache.blocks_needed(1))
+                        .sum(),
+                    Phase::Prefill { .. } => 0,
+                })
+                .sum();
+            let stats = self.model.kv_pool().stats();
+            let available = stats.available_blocks();
+            if needed <= available {
+                return available - needed;
+            }
+            self.relieve_kv(&format!(
+                "the KV cache is full: {needed} blocks needed, {available} of {} available; \
+                 raise --kv-cache-mb",
+                stats.capacity_blocks
+            ));
+        }
+    }
+
+    /// Frees KV blocks when the running requests cannot go on: preempts the worst-ranked one,
+    /// or fails the only one with `message`.
+    fn relieve_kv(&mut self, message: &str) {
+        let worst = (0..self.groups.len()).max_by_key(|&i| self.groups[i].rank);
+        match worst {
+            Some(i) if self.groups.len() > 1 => self.preempt_group(i),
+            Some(i) => {
+                let mut g = self.groups.remove(i);
+                g.fail(message);
+            }
+            None => {}
+        }
     }
 
     /// One forward call over every active sequence, then sampling and stop handling.
@@ -545,6 +667,8 @@ impl Scheduler {
             .max_batch_tokens
             .saturating_sub(decode_rows)
             .max(1);
+        // KV blocks left for prompt and replay chunks once the decode rows have theirs.
+        let mut kv_budget = self.make_kv_room();
 
         let mut rows: Vec<Row> = Vec::new();
         let mut inputs: Vec<SeqInput<'_>> = Vec::new();
@@ -571,11 +695,13 @@ impl Scheduler {
                         }
                         // Replaying after a preemption: prompt + output, `next` last, chunked
                         // like a prompt; the chunk that feeds `next` samples as a decode row.
-                        if budget == 0 {
+                        let room = s.cache.room_in(kv_budget);
+                        if budget == 0 || room == 0 {
                             continue;
                         }
-                        let end = (cached + budget).min(replay_len + 1);
+                        let end = (cached + budget.min(room)).min(replay_len + 1);
                         budget -= end - cached;
+                        kv_budget -= s.cache.blocks_needed(end - cached);
                         s.replay.clear();
                         s.replay.extend(
                             req.prompt
@@ -598,10 +724,11 @@ impl Scheduler {
                     }
                 }
                 Phase::Prefill { cache, done } => {
-                    if budget == 0 {
+                    let room = cache.room_in(kv_budget);
+                    if budget == 0 || room == 0 {
                         continue;
                     }
-                    let mut end = (*done + budget).min(req.prompt.len());
+                    let mut end = (*done + budget.min(room)).min(req.prompt.len());
                     // Prompt logprobs need every row of the chunks they fall in; those chunks
                     // stay small. After a preemption the rows already done are skipped.
                     let mut all_logits = false;
@@ -614,6 +741,7 @@ impl Scheduler {
                         }
                     }
                     budget -= end - *done;
+                    kv_budget -= cache.blocks_needed(end - *done);
                     inputs.push(SeqInput {
                         tokens: &req.prompt[*done..end],
                         cache,
@@ -629,6 +757,12 @@ impl Scheduler {
             }
         }
         let n_tokens: usize = inputs.iter().map(|i| i.tokens.len()).sum();
+        if rows.is_empty() {
+            // Every prompt waits for KV blocks that running prompts hold: one must give way.
+            drop(inputs);
+            self.relieve_kv("the KV cache is too small to hold this request's prompt; raise --kv-cache-mb");
+            return;
+        }
         trace!(rows = rows.len(), tokens = n_tokens, "step");
         let result = catch_unwind(AssertUnwindSafe(|| self.model.forward(&mut inputs)));
         drop(inputs);
@@ -1087,6 +1221,8 @@ fn hypothesis_events(
         stop_reason,
         text: decode.flush(),
         prompt_tokens: req.prompt.len(),
+        // `Group::send` fills it in.
+        cached_tokens: 0,
         completion_tokens: h.tokens.len(),
     });
     events
@@ -1257,6 +1393,8 @@ fn emit_token(
             stop_reason,
             text: rest,
             prompt_tokens: req.prompt.len(),
+            // `Group::send` fills it in.
+            cached_tokens: 0,
             completion_tokens: seq.generated,
         });
     }

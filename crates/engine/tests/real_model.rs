@@ -77,6 +77,7 @@ fn greedy_request(i: usize, prompt: &[u32]) -> GenerationRequest {
         priority: 0,
         prompt_logprobs: None,
         beam_search: None,
+        cache_salt: None,
     }
 }
 

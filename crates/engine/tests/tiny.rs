@@ -84,6 +84,7 @@ fn request(text: &str, max_tokens: usize, sampling: SamplingParams) -> Generatio
         priority: 0,
         prompt_logprobs: None,
         beam_search: None,
+        cache_salt: None,
     }
 }
 
@@ -113,6 +114,7 @@ struct Choice {
     stop_reason: Option<StopReason>,
     completion_tokens: usize,
     prompt_tokens: usize,
+    cached_tokens: usize,
     logprobs: Vec<TokenLogprob>,
     token_texts: Vec<String>,
 }
@@ -163,6 +165,7 @@ fn collect_with_prompt_logprobs(
                 stop_reason,
                 text,
                 prompt_tokens,
+                cached_tokens,
                 completion_tokens,
             } => {
                 let c = &mut out[choice];
@@ -171,6 +174,7 @@ fn collect_with_prompt_logprobs(
                 c.reason = Some(reason);
                 c.stop_reason = stop_reason;
                 c.prompt_tokens = prompt_tokens;
+                c.cached_tokens = cached_tokens;
                 c.completion_tokens = completion_tokens;
             }
             GenerationEvent::Error { message } => panic!("engine error: {message}"),

@@ -185,6 +185,7 @@ pub async fn collect(
     let mut choices: Vec<ChoiceAcc> = (0..c.n).map(|_| ChoiceAcc::default()).collect();
     let mut finished = 0;
     let mut prompt_logprobs = None;
+    let mut cached = 0;
     while finished < c.n {
         match rx.recv().await.ok_or_else(engine_gone)? {
             GenerationEvent::PromptLogprobs { entries } => prompt_logprobs = Some(entries),
@@ -212,8 +213,10 @@ pub async fn collect(
                 stop_reason,
                 text,
                 completion_tokens,
+                cached_tokens,
                 ..
             } => {
+                cached = cached_tokens;
                 let acc = choices.get_mut(choice).ok_or_else(|| bad_choice(choice))?;
                 acc.text.push_str(&text);
                 if acc.finish.is_none() {
@@ -276,7 +279,7 @@ pub async fn collect(
                 }
             })
             .collect(),
-        usage: Usage::new(c.prompt_ids.len(), completion_tokens),
+        usage: Usage::new(c.prompt_ids.len(), cached, completion_tokens),
         system_fingerprint: SYSTEM_FINGERPRINT,
         service_tier: c.service_tier,
         prompt_token_ids: c.return_token_ids.then(|| c.prompt_ids.clone()),
@@ -317,6 +320,8 @@ struct SseState {
     opts: StreamOptions,
     pending: VecDeque<Bytes>,
     completion_tokens: Vec<usize>,
+    /// Prompt tokens the prefix cache held (known from the first `Finished`).
+    cached_tokens: usize,
     finished: Vec<bool>,
     /// One per choice when the reasoning parser is on, else empty.
     parsers: Vec<ReasoningParser>,
@@ -347,6 +352,7 @@ impl SseState {
             opts,
             pending: VecDeque::new(),
             completion_tokens: vec![0; n],
+            cached_tokens: 0,
             finished: vec![false; n],
             parsers,
             tool_parsers,
@@ -443,7 +449,11 @@ impl SseState {
     }
 
     fn usage(&self) -> Usage {
-        Usage::new(self.c.prompt_ids.len(), self.completion_tokens.iter().sum())
+        Usage::new(
+            self.c.prompt_ids.len(),
+            self.cached_tokens,
+            self.completion_tokens.iter().sum(),
+        )
     }
 
     fn chunk(&self, choice: ChunkChoice, with_prompt_ids: bool) -> Bytes {
@@ -526,8 +536,10 @@ impl SseState {
                 stop_reason,
                 text,
                 completion_tokens,
+                cached_tokens,
                 ..
             }) => {
+                self.cached_tokens = cached_tokens;
                 match self.finished.get_mut(choice) {
                     Some(f) if !*f => *f = true,
                     // A second Finished for one choice would break "exactly one finish chunk".
@@ -680,6 +692,7 @@ mod tests {
             stop_reason: stop,
             text: String::new(),
             prompt_tokens: 3,
+            cached_tokens: 0,
             completion_tokens: n,
         }
     }

@@ -269,17 +269,18 @@ pub struct Usage {
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+    /// `cached_tokens`: prompt tokens the prefix cache held.
+    pub fn new(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize) -> Self {
         Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens: 0 },
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
         }
     }
 }
 
-/// `cached_tokens` stays 0 until a prefix cache exists.
+/// `cached_tokens`: prompt tokens whose keys and values came from the prefix cache.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PromptTokensDetails {
     pub cached_tokens: usize,

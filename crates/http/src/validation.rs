@@ -436,6 +436,7 @@ impl ChatParams {
         check_min_tokens(self.controls.min_tokens, max_tokens)?;
         let c = &self.controls;
         Ok(GenerationRequest {
+            cache_salt: self.extras.cache_salt.clone(),
             request_id,
             prompt,
             n: self.n,

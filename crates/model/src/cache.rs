@@ -352,6 +352,18 @@ impl SeqCache {
         new + usize::from(n > 0 && partial_shared)
     }
 
+    /// Most tokens an append can take with `blocks` blocks from the pool (the free slots of
+    /// its last block, unless that block is shared and must be copied first).
+    pub fn room_in(&self, blocks: usize) -> usize {
+        let free_slots = self.blocks.len() * BLOCK_TOKENS - self.len;
+        let shared = free_slots > 0 && self.blocks.last().is_some_and(|b| Arc::strong_count(b) > 1);
+        match (shared, blocks) {
+            (true, 0) => 0,
+            (true, b) => free_slots + (b - 1) * BLOCK_TOKENS,
+            (false, b) => free_slots + b * BLOCK_TOKENS,
+        }
+    }
+
     pub(crate) fn fits(&self, pool: &KvPool) -> bool {
         Arc::ptr_eq(&self.pool.0, &pool.0)
     }

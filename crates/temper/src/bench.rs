@@ -288,6 +288,7 @@ fn generate(
             priority: 0,
             prompt_logprobs: None,
             beam_search: None,
+            cache_salt: None,
         };
         receivers.push(engine.submit(request).map_err(|e| e.to_string())?);
     }

@@ -93,6 +93,7 @@ fn rollouts(
             priority: 0,
             prompt_logprobs: None,
             beam_search: None,
+            cache_salt: None,
         })
         .map_err(|e| e.to_string())?;
     let mut out: Vec<Rollout> = (0..n)
