@@ -188,9 +188,7 @@ mod x86 {
         // SAFETY: `T` is `f16` (checked above), so the function pointers' types are equal.
         Some(unsafe {
             Ops {
-                dot: std::mem::transmute::<fn(&[f16], &[f32]) -> f32, fn(&[T], &[f32]) -> f32>(
-                    dot,
-                ),
+                dot: std::mem::transmute::<fn(&[f16], &[f32]) -> f32, fn(&[T], &[f32]) -> f32>(dot),
                 axpy: std::mem::transmute::<fn(f32, &[f16], &mut [f32]), fn(f32, &[T], &mut [f32])>(
                     axpy,
                 ),
@@ -228,10 +226,7 @@ mod x86 {
                 unsafe { *x = _mm256_fmadd_ps(load8(kp.add(at)), _mm256_loadu_ps(qp.add(at)), *x) };
             }
         }
-        let folded = _mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        );
+        let folded = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
         let mut lanes = [0f32; LANES];
         // SAFETY: eight floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), folded) };
@@ -352,8 +347,21 @@ mod tests {
         let keys = half(&random(&mut seed, n * d, 1.0));
         let values = half(&random(&mut seed, n * d, 1.0));
         let mut out = vec![0f32; d];
-        let head = HeadColumns { col: 0, d, stride: d };
-        run(Isa::detect(), &q, &keys, &values, 16, (0, n), head, &mut out);
+        let head = HeadColumns {
+            col: 0,
+            d,
+            stride: d,
+        };
+        run(
+            Isa::detect(),
+            &q,
+            &keys,
+            &values,
+            16,
+            (0, n),
+            head,
+            &mut out,
+        );
         let scores: Vec<f64> = (0..n)
             .map(|j| {
                 (0..d)
@@ -366,9 +374,15 @@ mod tests {
         let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
         let total: f64 = w.iter().sum();
         for i in 0..d {
-            let exact: f64 =
-                (0..n).map(|j| w[j] * values[j * d + i].to_f64()).sum::<f64>() / total;
-            assert!((out[i] as f64 - exact).abs() < 1e-5, "{i}: {} vs {exact}", out[i]);
+            let exact: f64 = (0..n)
+                .map(|j| w[j] * values[j * d + i].to_f64())
+                .sum::<f64>()
+                / total;
+            assert!(
+                (out[i] as f64 - exact).abs() < 1e-5,
+                "{i}: {} vs {exact}",
+                out[i]
+            );
         }
     }
 }

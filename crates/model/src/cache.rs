@@ -427,8 +427,10 @@ impl SeqCache {
         while (self.hashes.len() + 1) * BLOCK_TOKENS <= self.len {
             let i = self.hashes.len();
             let parent = self.hashes.last().copied().unwrap_or(key.0);
-            let hash =
-                PrefixHash::chain(parent, &self.tokens[i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS]);
+            let hash = PrefixHash::chain(
+                parent,
+                &self.tokens[i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS],
+            );
             self.pool.publish(hash, &self.blocks[i]);
             self.hashes.push(hash);
         }

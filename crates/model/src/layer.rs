@@ -174,7 +174,13 @@ impl Gemma3 {
         let eps = cfg.rms_eps;
         let global = cfg.is_global(li);
         // A pair of (the value kept for the backward, the value the forward goes on with).
-        let keep = |v: Vec<f32>| if record { (v.clone(), v) } else { (Vec::new(), v) };
+        let keep = |v: Vec<f32>| {
+            if record {
+                (v.clone(), v)
+            } else {
+                (Vec::new(), v)
+            }
+        };
 
         let mut attn_normed = x.to_vec();
         ops::rms_norm(&mut attn_normed, &layer.attn_norm, eps);

@@ -101,7 +101,6 @@ pub(crate) enum Embedding {
     Table(Arc<QTensor>),
 }
 
-
 /// Gemma 3 text model over quantized GGUF weights.
 pub struct Gemma3 {
     pub(crate) cfg: ModelConfig,
@@ -246,7 +245,9 @@ impl Gemma3 {
         let mut kv = CacheKv { batch };
         let mut x = self.embed_tokens(&tokens)?;
         for li in 0..self.layers.len() {
-            x = self.layer_forward(li, &x, &layout, &ropes, &spans, &mut kv, false)?.0;
+            x = self
+                .layer_forward(li, &x, &layout, &ropes, &spans, &mut kv, false)?
+                .0;
         }
         let batch = kv.batch;
 

@@ -191,8 +191,8 @@ pub(crate) fn matmul(
     let dims = (in_dim, out_dim);
     match format {
         WeightFormat::Q8_0 => matmul_with::<q8_0::Q8_0>(isa, w, dims, x),
-        WeightFormat::Q4K => matmul_with::<q4_k::Q4K<false>>(isa, w, dims, x),
-        WeightFormat::Q6K => matmul_with::<q6_k::Q6K<false>>(isa, w, dims, x),
+        WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, dims, x),
+        WeightFormat::Q6K => matmul_with::<q6_k::Q6K>(isa, w, dims, x),
     }
 }
 

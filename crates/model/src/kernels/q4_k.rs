@@ -1,13 +1,10 @@
 //! Q4_K weights (256 per block: f16 d and dmin, twelve bytes of 6-bit scales and mins, 4-bit
-//! quants) against Q8_K activations, with the arithmetic of ggml's repacked `q4_K_8x8` kernels
-//! (what llama.cpp's x86 CPU backend runs for Q4_K weights, and so what our reference logprobs
-//! were computed with). A row's dot product is made of exact integers, `Σ_j scale_j Σ q·a` and
-//! `Σ_j min_j q8s_j` (`q8s_j` the activation's sum over sub-block `j`), each taken into its own
-//! f32 accumulator by fused multiply-adds with `d·da` and `dmin·da`; the row's result is the
-//! first minus the second. The gemv (`Q4K<false>`, `LlamaPath::Row`: rows llama.cpp computes
-//! one at a time) takes one multiply-add per block (256 values); the gemm (`Q4K<true>`,
-//! `LlamaPath::Block`: rows it computes four at a time) one per 64 values (sub-blocks `2c` and
-//! `2c + 1`).
+//! quants) against Q8_K activations, with the arithmetic of ggml's repacked Q4_K gemv,
+//! `ggml_gemv_q4_K_8x8_q8_K` (what llama.cpp's x86 CPU backend runs for Q4_K weights on a single
+//! activation row), for every row whatever the number of rows. A row's dot product is made of
+//! exact integers per block, `Σ_j scale_j Σ q·a` and `Σ_j min_j q8s_j` (`q8s_j` the activation's
+//! sum over sub-block `j`), each taken into its own f32 accumulator by one fused multiply-add per
+//! block (256 values) with `d·da` and `dmin·da`; the row's result is the first minus the second.
 //!
 //! The weight is interleaved at load, sixteen rows per group (as Q8_0): per block the sixteen d,
 //! the sixteen dmin, the scales and mins unpacked to bytes, then 32 steps of sixteen rows × four
@@ -38,11 +35,10 @@ const SCALES: usize = 4 * GROUP;
 const MINS: usize = SCALES + 8 * GROUP;
 const QS: usize = MINS + 8 * GROUP;
 
-/// Q4_K rows: `TILED = false` is ggml's `ggml_gemv_q4_K_8x8_q8_K` (`LlamaPath::Row`),
-/// `TILED = true` its `ggml_gemm_q4_K_8x8_q8_K` (`LlamaPath::Block`).
-pub(crate) struct Q4K<const TILED: bool>;
+/// Q4_K rows in the order of ggml's `ggml_gemv_q4_K_8x8_q8_K`.
+pub(crate) struct Q4K;
 
-impl<const TILED: bool> Kernel for Q4K<TILED> {
+impl Kernel for Q4K {
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;
@@ -53,7 +49,7 @@ impl<const TILED: bool> Kernel for Q4K<TILED> {
     }
 
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
-        scalar::<TILED>(w, acts, nb, out, stride);
+        scalar(w, acts, nb, out, stride);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -70,9 +66,9 @@ impl<const TILED: bool> Kernel for Q4K<TILED> {
         unsafe {
             match isa {
                 Isa::Avx512 => {
-                    with_act_rows!(na, x86::avx512_rows[TILED](w, acts, nb, out, stride))
+                    with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride))
                 }
-                _ => with_act_rows!(na, x86::avx2_rows[TILED](w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::avx2_rows(w, acts, nb, out, stride)),
             }
         }
     }
@@ -174,15 +170,8 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// The reference: ggml's repacked Q4_K arithmetic, row by row (`TILED`: the gemm's
-/// multiply-adds per 64 values).
-fn scalar<const TILED: bool>(
-    w: &[u8],
-    acts: &[Q8KBlock],
-    nb: usize,
-    out: &mut [f32],
-    stride: usize,
-) {
+/// The reference: ggml's repacked Q4_K gemv arithmetic, row by row.
+fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize) {
     for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for r in 0..GROUP {
@@ -194,7 +183,6 @@ fn scalar<const TILED: bool>(
                     for c in 0..4 {
                         // Sub-blocks 2c and 2c + 1: the low and high nibbles of quant bytes
                         // 32c..32c + 32.
-                        let (mut isum_c, mut msum_c) = (0i32, 0i32);
                         for (k, j) in [2 * c, 2 * c + 1].into_iter().enumerate() {
                             let sub: i32 = (0..32)
                                 .map(|i| {
@@ -204,22 +192,13 @@ fn scalar<const TILED: bool>(
                                     q as i32 * ab.qs[32 * j + i] as i32
                                 })
                                 .sum();
-                            isum_c += gb[SCALES + GROUP * j + r] as i32 * sub;
+                            isum += gb[SCALES + GROUP * j + r] as i32 * sub;
                             let min = gb[MINS + 32 * c + 2 * r + k];
-                            msum_c += min as i32 * ab.sums32[j] as i32;
-                        }
-                        if TILED {
-                            acc = (isum_c as f32).mul_add(d, acc);
-                            acc_min = (msum_c as f32).mul_add(dmin, acc_min);
-                        } else {
-                            isum += isum_c;
-                            msum += msum_c;
+                            msum += min as i32 * ab.sums32[j] as i32;
                         }
                     }
-                    if !TILED {
-                        acc = (isum as f32).mul_add(d, acc);
-                        acc_min = (msum as f32).mul_add(dmin, acc_min);
-                    }
+                    acc = (isum as f32).mul_add(d, acc);
+                    acc_min = (msum as f32).mul_add(dmin, acc_min);
                 }
                 out[a * stride + g * GROUP + r] = acc - acc_min;
             }
@@ -285,7 +264,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2_rows<const NA: usize, const TILED: bool>(
+    pub(super) unsafe fn avx2_rows<const NA: usize>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
@@ -352,21 +331,14 @@ mod x86 {
                             let isum_c = _mm256_add_epi32(lo, hi);
                             let pair = _mm256_set1_epi32(sums_pair(ab, c));
                             let msum_c = _mm256_madd_epi16(mins, pair);
-                            if TILED {
-                                let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
-                                fold8(acc, acc_min, (isum_c, msum_c), (dw, dminw), ab.d);
-                            } else {
-                                isum[a] = _mm256_add_epi32(isum[a], isum_c);
-                                msum[a] = _mm256_add_epi32(msum[a], msum_c);
-                            }
+                            isum[a] = _mm256_add_epi32(isum[a], isum_c);
+                            msum[a] = _mm256_add_epi32(msum[a], msum_c);
                         }
                     }
-                    if !TILED {
-                        for a in 0..NA {
-                            let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
-                            let da = acts[a * nb + b].d;
-                            fold8(acc, acc_min, (isum[a], msum[a]), (dw, dminw), da);
-                        }
+                    for a in 0..NA {
+                        let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
+                        let da = acts[a * nb + b].d;
+                        fold8(acc, acc_min, (isum[a], msum[a]), (dw, dminw), da);
                     }
                 }
                 for a in 0..NA {
@@ -381,7 +353,7 @@ mod x86 {
     /// A whole group per register. Few activation rows get more partial sums per sub-block, so
     /// the VNNI chains stay short enough to overlap.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512_rows<const NA: usize, const TILED: bool>(
+    pub(super) unsafe fn avx512_rows<const NA: usize>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
@@ -464,21 +436,14 @@ mod x86 {
                         }
                         let pair = _mm512_set1_epi32(sums_pair(ab, c));
                         let msum_c = _mm512_madd_epi16(mins, pair);
-                        if TILED {
-                            let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
-                            fold16(acc, acc_min, (isum_c, msum_c), (dw, dminw), ab.d);
-                        } else {
-                            isum[a] = _mm512_add_epi32(isum[a], isum_c);
-                            msum[a] = _mm512_add_epi32(msum[a], msum_c);
-                        }
+                        isum[a] = _mm512_add_epi32(isum[a], isum_c);
+                        msum[a] = _mm512_add_epi32(msum[a], msum_c);
                     }
                 }
-                if !TILED {
-                    for a in 0..NA {
-                        let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
-                        let da = acts[a * nb + b].d;
-                        fold16(acc, acc_min, (isum[a], msum[a]), (dw, dminw), da);
-                    }
+                for a in 0..NA {
+                    let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
+                    let da = acts[a * nb + b].d;
+                    fold16(acc, acc_min, (isum[a], msum[a]), (dw, dminw), da);
                 }
             }
             for a in 0..NA {
@@ -529,8 +494,8 @@ mod tests {
     }
 
     /// The kernel's formula written directly on GGUF blocks and activation quants: one
-    /// multiply-add per `per` values (256: the gemv, 64: the gemm).
-    fn straightforward(wrow: &[u8], arow: &[Q8KBlock], per: usize) -> f32 {
+    /// multiply-add per block for the scaled quants and one for the mins.
+    fn straightforward(wrow: &[u8], arow: &[Q8KBlock]) -> f32 {
         let (mut acc, mut acc_min) = (0f32, 0f32);
         for (wb, ab) in wrow.chunks_exact(GGUF_BLOCK_BYTES).zip(arow) {
             let d = f16::from_le_bytes([wb[0], wb[1]]).to_f32();
@@ -548,17 +513,15 @@ mod tests {
                 isum += scale * dot;
                 let q8s: i32 = ab.qs[32 * j..32 * j + 32].iter().map(|&v| v as i32).sum();
                 msum += min * q8s;
-                if (32 * (j + 1)) % per == 0 {
-                    acc = (isum as f32).mul_add(d * ab.d, acc);
-                    acc_min = (msum as f32).mul_add(dmin * ab.d, acc_min);
-                    (isum, msum) = (0, 0);
-                }
             }
+            acc = (isum as f32).mul_add(d * ab.d, acc);
+            acc_min = (msum as f32).mul_add(dmin * ab.d, acc_min);
         }
         acc - acc_min
     }
 
-    fn check_scalar_reference<const TILED: bool>() {
+    #[test]
+    fn scalar_reference_is_the_repacked_ggml_formula() {
         let mut rng = Rng::new(14);
         let (rows, nb, na) = (21, 3, 3);
         let w = random_weights(&mut rng, rows, nb);
@@ -570,24 +533,17 @@ mod tests {
         let packed = interleave(&w, rows);
         let stride = packed.len() / (nb * BLOCK_BYTES);
         let mut out = vec![0f32; na * stride];
-        scalar::<TILED>(&packed, &acts, nb, &mut out, stride);
-        let per = if TILED { 64 } else { 256 };
+        scalar(&packed, &acts, nb, &mut out, stride);
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for (r, wrow) in w.chunks_exact(nb * GGUF_BLOCK_BYTES).enumerate() {
-                let want = straightforward(wrow, arow, per);
+                let want = straightforward(wrow, arow);
                 assert_eq!(
                     out[a * stride + r].to_bits(),
                     want.to_bits(),
-                    "tiled {TILED} act {a} row {r}"
+                    "act {a} row {r}"
                 );
             }
         }
-    }
-
-    #[test]
-    fn scalar_reference_is_the_repacked_ggml_formula() {
-        check_scalar_reference::<false>();
-        check_scalar_reference::<true>();
     }
 
     #[test]

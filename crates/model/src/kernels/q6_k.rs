@@ -2,7 +2,9 @@
 //! activations: ggml's `ggml_vec_dot_q6_K_q8_K` AVX2 arithmetic. Lane `k` of eight gathers
 //! `scale * q * a` (q unsigned, 0..63) over bytes `4k..4k+3` of every 32-value run in i32 and
 //! takes back the offset of 32 through the activation sums of values `32k..32k+31`
-//! (`32 * (bsum[2k]·scale[2k] + bsum[2k+1]·scale[2k+1])`), then `fma(d, sum, acc_k)` per block.
+//! (`32 * (bsum[2k]·scale[2k] + bsum[2k+1]·scale[2k+1])`), then `fma(d, sum, acc_k)` per block
+//! (`d = da·dw`); the row's result is `hsum_float_8` of the eight lanes. Every row is computed
+//! this way, whatever the number of rows.
 
 use half::f16;
 
@@ -17,11 +19,10 @@ const QH: usize = 128;
 const SCALES: usize = 192;
 const D: usize = 208;
 
-/// Q6_K rows: `TILED = false` is ggml's `ggml_vec_dot_q6_K_q8_K` (`LlamaPath::Row`),
-/// `TILED = true` its tiled K-quant matmul (`LlamaPath::Block`).
-pub(crate) struct Q6K<const TILED: bool>;
+/// Q6_K rows with the arithmetic of ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`.
+pub(crate) struct Q6K;
 
-impl<const TILED: bool> Kernel for Q6K<TILED> {
+impl Kernel for Q6K {
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;
@@ -32,7 +33,7 @@ impl<const TILED: bool> Kernel for Q6K<TILED> {
     }
 
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
-        scalar::<TILED>(w, acts, nb, out, stride);
+        scalar(w, acts, nb, out, stride);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -49,9 +50,9 @@ impl<const TILED: bool> Kernel for Q6K<TILED> {
         unsafe {
             match isa {
                 Isa::Avx512 => {
-                    with_act_rows!(na, x86::avx512_rows[TILED](w, acts, nb, out, stride))
+                    with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride))
                 }
-                _ => with_act_rows!(na, x86::rows[TILED](w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::rows(w, acts, nb, out, stride)),
             }
         }
     }
@@ -59,13 +60,6 @@ impl<const TILED: bool> Kernel for Q6K<TILED> {
 
 fn scale(b: &[u8]) -> f32 {
     f16::from_le_bytes([b[D], b[D + 1]]).to_f32()
-}
-
-/// One super-block of ggml's tiled K-quant matmul: the block's exact integer sum times the
-/// weight scale (rounded), then `fma(that, activation scale, acc)`.
-#[inline(always)]
-fn tiled_step(sum: i32, dw: f32, da: f32, acc: f32) -> f32 {
-    (sum as f32 * dw).mul_add(da, acc)
 }
 
 /// The 6-bit quant at byte `b` (0..32) of run `c` (0..4) in half `j` (0..2) of the block, as
@@ -77,18 +71,11 @@ fn quant(wb: &[u8], j: usize, c: usize, b: usize) -> i32 {
     (low | high << 4) as i32
 }
 
-/// The reference: ggml's AVX2 lanes in scalar code (`TILED`: the tiled kernel's order).
-fn scalar<const TILED: bool>(
-    w: &[u8],
-    acts: &[Q8KBlock],
-    nb: usize,
-    out: &mut [f32],
-    stride: usize,
-) {
+/// The reference: ggml's AVX2 lanes in scalar code.
+fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize) {
     for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             let mut acc = [0f32; 8];
-            let mut tiled = 0f32;
             for (wb, ab) in wrow.chunks_exact(BLOCK_BYTES).zip(arow) {
                 let d = ab.d * scale(wb);
                 let mut sumi = [0i32; 8];
@@ -109,15 +96,11 @@ fn scalar<const TILED: bool>(
                         + ab.bsums[2 * k + 1] as i32 * sc(2 * k + 1);
                     *s -= 32 * offset;
                 }
-                if TILED {
-                    tiled = tiled_step(sumi.iter().sum(), scale(wb), ab.d, tiled);
-                } else {
-                    for (acc, s) in acc.iter_mut().zip(sumi) {
-                        *acc = d.mul_add(s as f32, *acc);
-                    }
+                for (acc, s) in acc.iter_mut().zip(sumi) {
+                    *acc = d.mul_add(s as f32, *acc);
                 }
             }
-            out[a * stride + r] = if TILED { tiled } else { hsum8(&acc) };
+            out[a * stride + r] = hsum8(&acc);
         }
     }
 }
@@ -128,16 +111,7 @@ mod x86 {
 
     use super::super::row_pairs;
     use super::super::x86::{half, hsum8, pair, pair_ps};
-    use super::{scale, tiled_step, Q8KBlock, BLOCK_BYTES, QH, SCALES};
-
-    /// The eight i32 lanes summed (exact: wrapping never happens for these magnitudes).
-    #[target_feature(enable = "avx2")]
-    fn hsum_i32(x: __m256i) -> i32 {
-        let mut lanes = [0i32; 8];
-        // SAFETY: eight i32.
-        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, x) };
-        lanes.iter().sum()
-    }
+    use super::{scale, Q8KBlock, BLOCK_BYTES, QH, SCALES};
 
     /// Run `c`'s two scales of half `j` (one per 16 values) as sixteen i16 lanes.
     #[target_feature(enable = "avx2")]
@@ -152,7 +126,7 @@ mod x86 {
     /// The AVX2 arithmetic with two weight rows per register (row `r` in the low eight lanes,
     /// `r + 1` in the high eight), sharing each activation load.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512_rows<const NA: usize, const TILED: bool>(
+    pub(super) unsafe fn avx512_rows<const NA: usize>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
@@ -164,7 +138,6 @@ mod x86 {
         let rows = w.len() / (nb * BLOCK_BYTES);
         for (r, w0, w1) in row_pairs(w, nb * BLOCK_BYTES) {
             let mut acc = [_mm512_setzero_ps(); NA];
-            let mut tiled = [[0f32; 2]; NA];
             for b in 0..nb {
                 let p = [
                     w0[b * BLOCK_BYTES..].as_ptr(),
@@ -237,28 +210,14 @@ mod x86 {
                 }
                 for a in 0..NA {
                     let ad = acts[a * nb + b].d;
-                    if TILED {
-                        let sums = [
-                            hsum_i32(_mm512_castsi512_si256(sumi[a])),
-                            hsum_i32(_mm512_extracti64x4_epi64::<1>(sumi[a])),
-                        ];
-                        for (h, dw) in [dx.0, dx.1].into_iter().enumerate() {
-                            tiled[a][h] = tiled_step(sums[h], dw, ad, tiled[a][h]);
-                        }
-                    } else {
-                        let d = pair_ps(ad * dx.0, ad * dx.1);
-                        acc[a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi[a]), acc[a]);
-                    }
+                    let d = pair_ps(ad * dx.0, ad * dx.1);
+                    acc[a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi[a]), acc[a]);
                 }
             }
             for (a, acc) in acc.iter().enumerate() {
                 for h in 0..2 {
                     if r + h < rows {
-                        out[a * stride + r + h] = if TILED {
-                            tiled[a][h]
-                        } else {
-                            hsum8(half(*acc, h))
-                        };
+                        out[a * stride + r + h] = hsum8(half(*acc, h));
                     }
                 }
             }
@@ -266,7 +225,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn rows<const NA: usize, const TILED: bool>(
+    pub(super) unsafe fn rows<const NA: usize>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
@@ -277,7 +236,6 @@ mod x86 {
         let m2 = _mm256_set1_epi8(3);
         for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
             let mut acc = [_mm256_setzero_ps(); NA];
-            let mut tiled = [0f32; NA];
             for b in 0..nb {
                 let wb = &wrow[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
                 let dx = scale(wb);
@@ -335,16 +293,12 @@ mod x86 {
                 }
                 for a in 0..NA {
                     let ad = acts[a * nb + b].d;
-                    if TILED {
-                        tiled[a] = tiled_step(hsum_i32(sumi[a]), dx, ad, tiled[a]);
-                    } else {
-                        let d = _mm256_set1_ps(ad * dx);
-                        acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[a]), acc[a]);
-                    }
+                    let d = _mm256_set1_ps(ad * dx);
+                    acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[a]), acc[a]);
                 }
             }
             for (a, acc) in acc.iter().enumerate() {
-                out[a * stride + r] = if TILED { tiled[a] } else { hsum8(*acc) };
+                out[a * stride + r] = hsum8(*acc);
             }
         }
     }

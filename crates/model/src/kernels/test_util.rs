@@ -89,13 +89,20 @@ pub(crate) fn check_paths_agree(
         let reference = matmul(format, Isa::Scalar, w, in_dim, out_dim, &x);
         for isa in Isa::available() {
             let y = matmul(format, isa, w, in_dim, out_dim, &x);
-            assert_eq!(y, reference, "{format:?} {isa:?}: {rows} rows of {in_dim} x {out_dim}");
+            assert_eq!(
+                y, reference,
+                "{format:?} {isa:?}: {rows} rows of {in_dim} x {out_dim}"
+            );
             for (r, xr) in x.chunks_exact(in_dim).enumerate() {
                 let alone = matmul(format, isa, w, in_dim, out_dim, xr);
-                assert_eq!(alone, y[r * out_dim..(r + 1) * out_dim], "{isa:?}: row {r} alone");
+                assert_eq!(
+                    alone,
+                    y[r * out_dim..(r + 1) * out_dim],
+                    "{isa:?}: row {r} alone"
+                );
             }
         }
-                let xa = dequantized_activations(format, &x);
+        let xa = dequantized_activations(format, &x);
         for (r, xr) in xa.chunks_exact(in_dim).enumerate() {
             for (c, wr) in wf.chunks_exact(in_dim).enumerate() {
                 let terms: Vec<f64> = wr.iter().zip(xr).map(|(&w, &x)| w as f64 * x).collect();
