@@ -2,6 +2,7 @@
 //! training.md), the worker that runs queued jobs, inference names of trained checkpoints and
 //! the cache of their adapters.
 
+pub mod files;
 pub mod idempotency;
 pub mod lru;
 pub mod names;
@@ -64,10 +65,20 @@ pub struct Training {
 }
 
 impl Training {
-    /// Opens the store under `options.data_dir` and puts back in the queue any job a crash left
-    /// running (the worker then re-runs it from its start).
+    /// Opens the store under `options.data_dir`, removes the temporary files of adapter saves
+    /// a crash cut short, and puts back in the queue any job a crash left running (the worker
+    /// then re-runs it from its start).
+    ///
+    /// The caller holds the data directory's [`temper_store::DataDirLock`] (`temper serve`
+    /// takes it before this), so that this recovery never touches another server's jobs.
     pub async fn open(options: TrainingOptions) -> Result<Training, temper_store::Error> {
         let store = Store::open(&options.data_dir).await?;
+        for path in files::remove_stray_temp_files(&options.data_dir) {
+            tracing::warn!(
+                path = %path.display(),
+                "removed the temporary file of an interrupted adapter save"
+            );
+        }
         let requeued = store.recover_after_crash().await?;
         for id in &requeued {
             tracing::warn!(job_id = %id, "re-queued a training job the last run left running");
