@@ -22,7 +22,7 @@ use sqlx::sqlite::{
 use sqlx::SqlSafeStr;
 
 pub use idempotency::{Claim, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN};
-pub use jobs::{event, Event, Job, JobKind, JobStatus};
+pub use jobs::{event, Event, Job, JobKind, JobStatus, Recovery};
 pub use keys::{KeyInfo, Team, SECRET_PREFIX};
 pub use lock::DataDirLock;
 pub use models::{Checkpoint, DeletedCheckpoints, DeletedModel, Model, NewModel};
@@ -132,6 +132,11 @@ fn migrator() -> Migrator {
             2,
             "job_kind_idempotency",
             include_str!("../migrations/0002_job_kind_idempotency.sql"),
+        ),
+        migration(
+            3,
+            "job_attempts",
+            include_str!("../migrations/0003_job_attempts.sql"),
         ),
     ])
 }

@@ -80,6 +80,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             lora_rank: cfg.lora_rank,
             lora_alpha: cfg.lora_alpha,
             max_seq_len: cfg.max_train_seq_len,
+            max_job_attempts: cfg.max_job_attempts,
         }))
         .map_err(|e| format!("opening the store in {}: {e}", cfg.data_dir.display()))?;
     let store_keys = runtime

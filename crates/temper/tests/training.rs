@@ -778,3 +778,88 @@ async fn a_second_server_on_the_same_data_dir_refuses_to_start_and_changes_nothi
     let kinds = event_types(&third.events(&job).await);
     assert!(kinds.iter().any(|k| k == "training_requeued"), "{kinds:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_running_at_three_crashes_in_a_row_fails_instead_of_looping() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let data = dir.path().join("data");
+    let args = ["--max-train-seq-len", "64"];
+    let mut server = Server::start(&model, &data, &args);
+    let model_id = create_model(&server).await;
+    let job = post_long_job(&server, &model_id).await;
+    // Runs 1 and 2 are killed and re-queued at the next start; run 3 is killed too.
+    for attempt in 1..=3 {
+        wait_for_step_of_attempt(&server, &job, attempt).await;
+        server.kill();
+        if attempt == 3 {
+            // What a save killed half-way leaves behind: removed at the next start.
+            let stray = data
+                .join("adapters")
+                .join(&model_id)
+                .join("step-1.safetensors.tmp");
+            std::fs::create_dir_all(stray.parent().unwrap()).unwrap();
+            std::fs::write(&stray, b"half an adapter").unwrap();
+        }
+        server = Server::start(&model, &data, &args);
+    }
+
+    // The default --max-job-attempts is 3: failed with a message, not re-queued again.
+    let failed = server
+        .get(&format!("/v1/preview/training-jobs/{job}"))
+        .await;
+    assert_eq!(failed["status"], "failed", "{failed}");
+    let error = failed["error"].as_str().unwrap();
+    assert!(
+        error.contains("crashed or was killed 3 times in a row"),
+        "{error}"
+    );
+    let events = server.events(&job).await;
+    let kinds = event_types(&events);
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "training_requeued").count(),
+        2,
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "training_started").count(),
+        3,
+        "{kinds:?}"
+    );
+    assert_eq!(kinds.last().unwrap(), "training_failed");
+    assert_eq!(events.last().unwrap()["data"]["error_message"], error);
+    let model_dir = data.join("adapters").join(&model_id);
+    let leftovers: Vec<String> = std::fs::read_dir(&model_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // It stays failed, and the model's next job runs to a checkpoint, fsynced into place.
+    let small = groups(&server, "default/proj/agent", PROMPTS).await;
+    let next = server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model_id, "trajectory_groups": small}),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let done = server
+        .wait_for_status(&next, &["succeeded", "failed"], Duration::from_secs(120))
+        .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["step"], 1);
+    let files: Vec<String> = std::fs::read_dir(&model_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(files, ["step-1.safetensors"]);
+    assert_eq!(
+        server
+            .get(&format!("/v1/preview/training-jobs/{job}"))
+            .await["status"],
+        "failed"
+    );
+}
