@@ -172,9 +172,13 @@ impl From<temper_store::Error> for ApiError {
             E::ModelExists { .. } | E::CheckpointExists { .. } | E::JobState { .. } => {
                 ApiError::Conflict(format!("{e}."))
             }
-            E::DataDir { .. } | E::Db(_) | E::Migrate(_) | E::Random(_) | E::Corrupt(_) => {
-                ApiError::Internal(format!("The store failed: {e}"))
-            }
+            E::DataDir { .. }
+            | E::Locked { .. }
+            | E::LockFile { .. }
+            | E::Db(_)
+            | E::Migrate(_)
+            | E::Random(_)
+            | E::Corrupt(_) => ApiError::Internal(format!("The store failed: {e}")),
         }
     }
 }

@@ -496,3 +496,27 @@ async fn idempotency_keys_replay_conflict_and_survive_a_restart() {
     let jobs = get(&server, "/v1/preview/training-jobs?limit=100").await;
     assert_eq!(jobs["data"].as_array().unwrap().len(), 4);
 }
+
+#[tokio::test]
+async fn temporary_files_of_an_interrupted_adapter_save_are_removed_at_start() {
+    let data = tempfile::tempdir().unwrap();
+    let model_dir = data
+        .path()
+        .join("adapters")
+        .join("00000000-0000-4000-8000-000000000001");
+    std::fs::create_dir_all(&model_dir).unwrap();
+    // A committed adapter, the worker's temporary file and the adapter writer's own.
+    for name in [
+        "step-1.safetensors",
+        "step-2.safetensors.tmp",
+        "step-2.safetensors.tmp.tmp4242",
+    ] {
+        std::fs::write(model_dir.join(name), b"bytes").unwrap();
+    }
+    let _server = server(data.path(), 2048).await;
+    let left: Vec<String> = std::fs::read_dir(&model_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, ["step-1.safetensors"]);
+}

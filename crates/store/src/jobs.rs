@@ -120,6 +120,19 @@ pub struct Job {
     pub created_at: i64,
     pub started_at: Option<i64>,
     pub finished_at: Option<i64>,
+    /// How many times a worker has started the job. At start-up, a job still `running` has
+    /// been interrupted by a crash this many times in a row (see [`Store::recover_after_crash`]).
+    pub attempts: u32,
+}
+
+/// What [`Store::recover_after_crash`] did with the jobs a crash left running, oldest first.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Recovery {
+    /// Put back in the queue, each with a `training_requeued` event.
+    pub requeued: Vec<Uuid>,
+    /// Failed for having been running at `max_attempts` crashes in a row, each with a
+    /// `training_failed` event.
+    pub failed: Vec<Uuid>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -135,7 +148,8 @@ pub struct Event {
 
 macro_rules! job_columns {
     () => {
-        "id, model_id, team, kind, status, step, error, created_at, started_at, finished_at"
+        "id, model_id, team, kind, status, step, error, created_at, started_at, finished_at, \
+         attempts"
     };
 }
 
@@ -151,6 +165,7 @@ fn job(row: &SqliteRow) -> Result<Job> {
         created_at: row.try_get("created_at")?,
         started_at: row.try_get("started_at")?,
         finished_at: row.try_get("finished_at")?,
+        attempts: row.try_get("attempts")?,
     })
 }
 
@@ -209,6 +224,7 @@ async fn insert_job(
         created_at: now(),
         started_at: None,
         finished_at: None,
+        attempts: 0,
     };
     // One statement: the model check and the insert cannot race a deletion.
     let inserted = sqlx::query(
@@ -343,11 +359,13 @@ impl Store {
         request.ok_or(Error::NotFound("training job"))
     }
 
-    /// Marks the oldest runnable queued job running and returns it. A job is runnable when no
-    /// other job of its model is running, so each model's jobs run one at a time, in order.
+    /// Marks the oldest runnable queued job running, counts the attempt, and returns it. A job
+    /// is runnable when no other job of its model is running, so each model's jobs run one at a
+    /// time, in order.
     pub async fn claim_next_job(&self) -> Result<Option<Job>> {
         let row = sqlx::query(concat!(
-            "UPDATE training_jobs SET status = 'running', started_at = ? WHERE seq = \
+            "UPDATE training_jobs SET status = 'running', started_at = ?, \
+             attempts = attempts + 1 WHERE seq = \
              (SELECT q.seq FROM training_jobs q WHERE q.status = 'queued' AND NOT EXISTS \
                (SELECT 1 FROM training_jobs r WHERE r.model_id = q.model_id \
                 AND r.status = 'running') \
@@ -514,32 +532,64 @@ impl Store {
         Ok(page(items, limit))
     }
 
-    /// At start-up, before any worker runs: jobs left running by a crash go back to the queue
-    /// (they are re-run from their start; their partial weights are the trainer's to discard),
-    /// each with a `training_requeued` event. Returns their ids, oldest first. Idempotency keys
+    /// At start-up, before any worker runs (and with the data directory's lock held, so no
+    /// other server's running job is taken for a crashed one): each job a crash left running
+    /// goes back to the queue with a `training_requeued` event (it is re-run from its start;
+    /// its partial weights are the trainer's to discard), unless it was running at
+    /// `max_attempts` crashes in a row: then it fails, with an error and a `training_failed`
+    /// event saying so, instead of bringing the server down on every start. Idempotency keys
     /// whose first request never got its answer are released.
-    pub async fn recover_after_crash(&self) -> Result<Vec<Uuid>> {
+    pub async fn recover_after_crash(&self, max_attempts: u32) -> Result<Recovery> {
         let at = now();
         let mut tx = self.write_tx().await?;
-        let ids: Vec<String> = sqlx::query_scalar(
-            "SELECT id FROM training_jobs WHERE status = 'running' ORDER BY seq",
+        let running: Vec<(String, u32)> = sqlx::query_as(
+            "SELECT id, attempts FROM training_jobs WHERE status = 'running' ORDER BY seq",
         )
         .fetch_all(&mut *tx)
         .await?;
-        sqlx::query(
-            "UPDATE training_jobs SET status = 'queued', started_at = NULL, step = NULL \
-             WHERE status = 'running'",
-        )
-        .execute(&mut *tx)
-        .await?;
-        let data = serde_json::json!({
-            "message": "the server restarted while this job was running: its partial weights are discarded and it is re-run from its start"
-        });
-        for id in &ids {
-            insert_event(&mut tx, id, event::TRAINING_REQUEUED, &data, at).await?;
+        let mut recovery = Recovery::default();
+        for (id, attempts) in &running {
+            if *attempts >= max_attempts {
+                let error_message = format!(
+                    "the job was running when the server crashed or was killed {attempts} times \
+                     in a row (the limit is {max_attempts} attempts): it is failed instead of \
+                     re-run, since it may be what brings the server down"
+                );
+                sqlx::query(
+                    "UPDATE training_jobs SET status = 'failed', error = ?, finished_at = ? \
+                     WHERE id = ?",
+                )
+                .bind(&error_message)
+                .bind(at)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+                let data = serde_json::json!({
+                    "error_message": error_message,
+                    "attempts": attempts,
+                });
+                insert_event(&mut tx, id, event::TRAINING_FAILED, &data, at).await?;
+                recovery.failed.push(parse_uuid(id)?);
+            } else {
+                sqlx::query(
+                    "UPDATE training_jobs SET status = 'queued', started_at = NULL, step = NULL \
+                     WHERE id = ?",
+                )
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+                let data = serde_json::json!({
+                    "message": "the server restarted while this job was running: its partial \
+                                weights are discarded and it is re-run from its start",
+                    "attempts": attempts,
+                    "max_attempts": max_attempts,
+                });
+                insert_event(&mut tx, id, event::TRAINING_REQUEUED, &data, at).await?;
+                recovery.requeued.push(parse_uuid(id)?);
+            }
         }
         crate::idempotency::release_unfinished(&mut tx).await?;
         tx.commit().await?;
-        ids.iter().map(|s| parse_uuid(s)).collect()
+        Ok(recovery)
     }
 }

@@ -7,6 +7,7 @@
 mod idempotency;
 mod jobs;
 mod keys;
+mod lock;
 mod models;
 
 use std::borrow::Cow;
@@ -21,12 +22,16 @@ use sqlx::sqlite::{
 use sqlx::SqlSafeStr;
 
 pub use idempotency::{Claim, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN};
-pub use jobs::{event, Event, Job, JobKind, JobStatus};
+pub use jobs::{event, Event, Job, JobKind, JobStatus, Recovery};
 pub use keys::{KeyInfo, Team, SECRET_PREFIX};
+pub use lock::DataDirLock;
 pub use models::{Checkpoint, DeletedCheckpoints, DeletedModel, Model, NewModel};
 
 /// The database file inside the data directory.
 pub const DB_FILE: &str = "temper.db";
+/// The lock file inside the data directory (see [`DataDirLock`]); it holds the pid of the
+/// process that holds the lock.
+pub const LOCK_FILE: &str = "temper.lock";
 /// Largest page a list call returns.
 pub const MAX_LIMIT: u32 = 100;
 
@@ -34,6 +39,19 @@ pub const MAX_LIMIT: u32 = 100;
 pub enum Error {
     #[error("creating data directory {path}: {source}")]
     DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// Another process holds the data directory's lock ([`DataDirLock`]).
+    #[error(
+        "the data directory {} is in use by another temper process ({}): only one server may \
+         use a data directory at a time; stop that process or use another data directory",
+        data_dir.display(),
+        pid.map_or_else(|| "pid unknown".to_owned(), |p| format!("pid {p}"))
+    )]
+    Locked { data_dir: PathBuf, pid: Option<u32> },
+    #[error("locking {path}: {source}")]
+    LockFile {
         path: PathBuf,
         source: std::io::Error,
     },
@@ -114,6 +132,11 @@ fn migrator() -> Migrator {
             2,
             "job_kind_idempotency",
             include_str!("../migrations/0002_job_kind_idempotency.sql"),
+        ),
+        migration(
+            3,
+            "job_attempts",
+            include_str!("../migrations/0003_job_attempts.sql"),
         ),
     ])
 }

@@ -632,7 +632,10 @@ async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
         store.get_job("acme", running).await.unwrap().status,
         JobStatus::Running
     );
-    assert_eq!(store.recover_after_crash().await.unwrap(), vec![running]);
+    assert_eq!(
+        store.recover_after_crash(3).await.unwrap().requeued,
+        vec![running]
+    );
     let job = store.get_job("acme", running).await.unwrap();
     assert_eq!(job.status, JobStatus::Queued);
     assert_eq!(job.started_at, None);
@@ -646,7 +649,10 @@ async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
         vec![event::TRAINING_STARTED, event::TRAINING_REQUEUED]
     );
     // Nothing more to recover; the re-queued job runs first again, then the other.
-    assert!(store.recover_after_crash().await.unwrap().is_empty());
+    assert_eq!(
+        store.recover_after_crash(3).await.unwrap(),
+        temper_store::Recovery::default()
+    );
     assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, running);
     store
         .succeed_job(running, 1, Some(json!({})), &json!({ "step": 1 }))
@@ -657,6 +663,81 @@ async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
         store.get_model("acme", model_id).await.unwrap().id,
         model_id
     );
+    store.close().await;
+}
+
+#[tokio::test]
+async fn claims_count_attempts_and_a_job_running_at_max_attempts_crashes_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, stuck, other) = {
+        let store = open(&dir).await;
+        let m = model(&store, "acme", "agent").await;
+        let stuck = store
+            .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+            .await
+            .unwrap();
+        assert_eq!(stuck.attempts, 0);
+        let other = model(&store, "acme", "other").await;
+        let other = store
+            .enqueue_job("acme", other.id, temper_store::JobKind::Rl, "{}")
+            .await
+            .unwrap();
+        store.close().await;
+        (m, stuck.id, other.id)
+    };
+    // Three runs, each claiming the job and then crashing with it running.
+    for attempt in 1..=3u32 {
+        let store = open(&dir).await;
+        let recovery = store.recover_after_crash(3).await.unwrap();
+        if attempt == 1 {
+            assert_eq!(recovery, temper_store::Recovery::default());
+        } else {
+            assert_eq!(recovery.requeued, vec![stuck], "start {attempt}");
+            assert!(recovery.failed.is_empty());
+        }
+        let claimed = store.claim_next_job().await.unwrap().unwrap();
+        assert_eq!((claimed.id, claimed.attempts), (stuck, attempt));
+        assert_eq!(
+            store.get_job("acme", stuck).await.unwrap().attempts,
+            attempt
+        );
+        std::mem::forget(store); // a crash
+    }
+    let store = open(&dir).await;
+    let recovery = store.recover_after_crash(3).await.unwrap();
+    assert_eq!(recovery.failed, vec![stuck]);
+    assert!(recovery.requeued.is_empty());
+    let job = store.get_job("acme", stuck).await.unwrap();
+    assert_eq!(job.status, JobStatus::Failed);
+    assert_eq!(job.attempts, 3);
+    assert!(job.finished_at.is_some());
+    let error = job.error.unwrap();
+    assert!(
+        error.contains("crashed or was killed 3 times in a row"),
+        "{error}"
+    );
+    let events = store.list_events("acme", stuck, None, 20).await.unwrap();
+    let kinds: Vec<&str> = events.items.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            event::TRAINING_REQUEUED,
+            event::TRAINING_REQUEUED,
+            event::TRAINING_FAILED
+        ]
+    );
+    assert_eq!(events.items[0].data["attempts"], 1);
+    assert_eq!(events.items[1].data["attempts"], 2);
+    assert_eq!(events.items[2].data["error_message"], error.as_str());
+    // Not re-queued: the next claim is another model's job, never the failed one.
+    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, other);
+    assert!(store.claim_next_job().await.unwrap().is_none());
+    // A new job of the same model runs (the failed one no longer blocks its model).
+    let next = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, next.id);
     store.close().await;
 }
 
@@ -744,7 +825,10 @@ fn a_killed_process_loses_no_accepted_job() {
         .unwrap();
     rt.block_on(async {
         let store = open(&dir).await;
-        assert_eq!(store.recover_after_crash().await.unwrap(), vec![ids[0]]);
+        assert_eq!(
+            store.recover_after_crash(3).await.unwrap().requeued,
+            vec![ids[0]]
+        );
         for id in &ids {
             assert_eq!(
                 store.get_job("acme", *id).await.unwrap().status,
@@ -831,7 +915,7 @@ async fn idempotency_keys_claim_replay_mismatch_and_release() {
     );
     store.close().await;
     let store = open(&dir).await;
-    store.recover_after_crash().await.unwrap();
+    store.recover_after_crash(3).await.unwrap();
     assert_eq!(store.claim_idempotency(key, b"body").await.unwrap(), replay);
     assert_eq!(
         store.claim_idempotency(pending, b"body").await.unwrap(),
@@ -866,7 +950,7 @@ async fn a_job_and_its_idempotent_answer_commit_together() {
         .unwrap();
     // Answered with the job even if the server dies before the handler answers: the start-up
     // recovery keeps it, and a later completion does not overwrite it.
-    store.recover_after_crash().await.unwrap();
+    store.recover_after_crash(3).await.unwrap();
     store
         .complete_idempotency(key, 500, b"other")
         .await

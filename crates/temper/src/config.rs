@@ -99,6 +99,10 @@ pub struct ServeArgs {
     /// Longest packed training sequence in tokens [default: 2048].
     #[arg(long, env = "TEMPER_MAX_TRAIN_SEQ_LEN", value_name = "N")]
     pub max_train_seq_len: Option<usize>,
+    /// A training job found running at start-up after this many starts in a row, each ended by
+    /// a crash or a kill, is failed instead of re-queued [default: 3].
+    #[arg(long, env = "TEMPER_MAX_JOB_ATTEMPTS", value_name = "N")]
+    pub max_job_attempts: Option<u32>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -125,6 +129,7 @@ pub struct FileConfig {
     pub lora_rank: Option<usize>,
     pub lora_alpha: Option<f32>,
     pub max_train_seq_len: Option<usize>,
+    pub max_job_attempts: Option<u32>,
 }
 
 /// The resolved configuration of `temper serve`.
@@ -151,6 +156,7 @@ pub struct Config {
     pub lora_rank: usize,
     pub lora_alpha: f32,
     pub max_train_seq_len: usize,
+    pub max_job_attempts: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -270,6 +276,10 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         2048,
         "--max-train-seq-len",
     )?;
+    let max_job_attempts = args.max_job_attempts.or(file.max_job_attempts).unwrap_or(3);
+    if max_job_attempts == 0 {
+        return Err(ConfigError::Zero("--max-job-attempts"));
+    }
     let lora_alpha = args.lora_alpha.or(file.lora_alpha).unwrap_or(16.0);
     if !(lora_alpha.is_finite() && lora_alpha > 0.0) {
         return Err(ConfigError::LoraAlpha(lora_alpha));
@@ -318,6 +328,7 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         lora_rank,
         lora_alpha,
         max_train_seq_len,
+        max_job_attempts,
     })
 }
 
@@ -365,6 +376,7 @@ mod tests {
         assert_eq!(c.adapter_cache_bytes, 256 << 20);
         assert_eq!((c.lora_rank, c.lora_alpha), (8, 16.0));
         assert_eq!(c.max_train_seq_len, 2048);
+        assert_eq!(c.max_job_attempts, 3);
     }
 
     #[test]
@@ -376,6 +388,7 @@ mod tests {
             lora_alpha = 8.0
             max_train_seq_len = 512
             max_training_body_bytes = 1000
+            max_job_attempts = 5
             "#,
         )
         .unwrap();
@@ -384,10 +397,19 @@ mod tests {
         assert_eq!((c.lora_rank, c.lora_alpha), (16, 8.0));
         assert_eq!(c.max_train_seq_len, 512);
         assert_eq!(c.max_training_body_bytes, 1000);
+        assert_eq!(c.max_job_attempts, 5);
+        let c = resolve(
+            args(&["--max-job-attempts", "1"]),
+            FileConfig::default(),
+            &home(),
+        )
+        .unwrap();
+        assert_eq!(c.max_job_attempts, 1);
         for bad in [
             &["--lora-rank", "0"][..],
             &["--lora-alpha", "0"],
             &["--max-train-seq-len", "0"],
+            &["--max-job-attempts", "0"],
         ] {
             assert!(
                 resolve(args(bad), FileConfig::default(), &home()).is_err(),

@@ -55,6 +55,9 @@ pub fn run(args: KeysArgs) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("starting the runtime: {e}"))?;
+    // No data-directory lock (`temper serve` holds it for its whole life): keys are managed
+    // while the server runs, SQLite orders the two processes' writes, and opening the store
+    // here runs no crash recovery, so nothing of the server's jobs is touched.
     runtime.block_on(async {
         let store = Store::open(&data_dir)
             .await

@@ -63,6 +63,11 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         None => config::FileConfig::default(),
     };
     let cfg = config::resolve(args, file, &config::temper_home()).map_err(|e| e.to_string())?;
+    // One server per data directory, locked before the store is touched: a second server
+    // must neither migrate the store nor re-queue (as crashed) the first one's running job.
+    // Held until the process exits (declared before the runtime, so dropped after it and its
+    // blocking threads, the trainer's included); the OS releases it however the process ends.
+    let _lock = temper_store::DataDirLock::acquire(&cfg.data_dir).map_err(|e| e.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -75,6 +80,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             lora_rank: cfg.lora_rank,
             lora_alpha: cfg.lora_alpha,
             max_seq_len: cfg.max_train_seq_len,
+            max_job_attempts: cfg.max_job_attempts,
         }))
         .map_err(|e| format!("opening the store in {}: {e}", cfg.data_dir.display()))?;
     let store_keys = runtime

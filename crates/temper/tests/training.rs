@@ -628,3 +628,238 @@ async fn deleting_the_model_fails_its_running_job() {
     assert_eq!(done["status"], "succeeded", "{done}");
     assert!(!data.join("adapters").join(&model_id).exists());
 }
+
+/// Posts a job long enough to be caught running (many one-step packed sequences with
+/// `--max-train-seq-len 64`); returns its id.
+async fn post_long_job(server: &Server, model_id: &str) -> String {
+    let small = groups(server, "default/proj/agent", PROMPTS).await;
+    let big: Vec<Value> = (0..40)
+        .flat_map(|_| small.as_array().unwrap().iter().cloned())
+        .collect();
+    server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model_id, "trajectory_groups": big}),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// Waits until the job's `attempt`-th run (its `attempt`-th `training_started`) has made a
+/// gradient step.
+async fn wait_for_step_of_attempt(server: &Server, job: &str, attempt: usize) {
+    let start = Instant::now();
+    loop {
+        let events = server.events(job).await;
+        let runs: Vec<usize> = events
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e["type"] == "training_started")
+            .map(|(i, _)| i)
+            .collect();
+        if runs.len() == attempt
+            && events[runs[attempt - 1]..]
+                .iter()
+                .any(|e| e["type"] == "gradient_step")
+        {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no gradient step in run {attempt} of job {job}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn event_types(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| e["type"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_server_on_the_same_data_dir_refuses_to_start_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let data = dir.path().join("data");
+    let args = ["--max-train-seq-len", "64"];
+    let mut first = Server::start(&model, &data, &args);
+    let model_id = create_model(&first).await;
+    let job = post_long_job(&first, &model_id).await;
+    wait_for_step_of_attempt(&first, &job, 1).await;
+
+    // The same data directory, another port: refused before the store is touched.
+    let second = Command::new(env!("CARGO_BIN_EXE_temper"))
+        .arg("serve")
+        .args(["--port", "0", "--api-key", KEY])
+        .arg("--model")
+        .arg(format!("tiny={}", model.display()))
+        .arg("--data-dir")
+        .arg(&data)
+        .args(args)
+        .env_remove("TEMPER_CONFIG")
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run a second temper serve");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success(), "the second server started");
+    assert!(second.stdout.is_empty(), "{:?}", second.stdout);
+    let pid = first.child.id();
+    assert!(
+        stderr.contains(&format!(
+            "the data directory {} is in use by another temper process (pid {pid})",
+            data.display()
+        )),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(data.join("temper.lock"))
+            .unwrap()
+            .trim(),
+        pid.to_string()
+    );
+
+    // The first server's running job was not taken for a crashed one, and it keeps serving.
+    let status = first.get(&format!("/v1/preview/training-jobs/{job}")).await;
+    assert_eq!(status["status"], "running", "{status}");
+    let kinds = event_types(&first.events(&job).await);
+    assert!(!kinds.iter().any(|k| k == "training_requeued"), "{kinds:?}");
+    let more_steps = kinds.iter().filter(|k| *k == "gradient_step").count();
+    let start = Instant::now();
+    while event_types(&first.events(&job).await)
+        .iter()
+        .filter(|k| *k == "gradient_step")
+        .count()
+        == more_steps
+    {
+        assert!(start.elapsed() < Duration::from_secs(60), "job stalled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let chat = first
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": "tiny", "messages": user("Hello"), "max_tokens": 4}),
+        )
+        .await;
+    assert!(chat["choices"][0]["message"]["content"].is_string());
+
+    // `temper keys` does not take the lock (it runs no recovery; SQLite orders its writes with
+    // the server's): a key made while the server runs authenticates there at once.
+    let created = Command::new(env!("CARGO_BIN_EXE_temper"))
+        .args(["keys", "create", "--team", "acme", "--data-dir"])
+        .arg(&data)
+        .env_remove("TEMPER_CONFIG")
+        .output()
+        .unwrap();
+    assert!(created.status.success(), "{created:?}");
+    let secret = String::from_utf8(created.stdout).unwrap().trim().to_owned();
+    let models = first
+        .client
+        .get(format!("{}/v1/preview/models", first.base))
+        .bearer_auth(&secret)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status().as_u16(), 200);
+
+    // A killed server's lock goes with it: a new server takes the directory over at once.
+    first.kill();
+    let third = Server::start(&model, &data, &args);
+    assert_eq!(
+        std::fs::read_to_string(data.join("temper.lock"))
+            .unwrap()
+            .trim(),
+        third.child.id().to_string()
+    );
+    let kinds = event_types(&third.events(&job).await);
+    assert!(kinds.iter().any(|k| k == "training_requeued"), "{kinds:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_running_at_three_crashes_in_a_row_fails_instead_of_looping() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let data = dir.path().join("data");
+    let args = ["--max-train-seq-len", "64"];
+    let mut server = Server::start(&model, &data, &args);
+    let model_id = create_model(&server).await;
+    let job = post_long_job(&server, &model_id).await;
+    // Runs 1 and 2 are killed and re-queued at the next start; run 3 is killed too.
+    for attempt in 1..=3 {
+        wait_for_step_of_attempt(&server, &job, attempt).await;
+        server.kill();
+        if attempt == 3 {
+            // What a save killed half-way leaves behind: removed at the next start.
+            let stray = data
+                .join("adapters")
+                .join(&model_id)
+                .join("step-1.safetensors.tmp");
+            std::fs::create_dir_all(stray.parent().unwrap()).unwrap();
+            std::fs::write(&stray, b"half an adapter").unwrap();
+        }
+        server = Server::start(&model, &data, &args);
+    }
+
+    // The default --max-job-attempts is 3: failed with a message, not re-queued again.
+    let failed = server
+        .get(&format!("/v1/preview/training-jobs/{job}"))
+        .await;
+    assert_eq!(failed["status"], "failed", "{failed}");
+    let error = failed["error"].as_str().unwrap();
+    assert!(
+        error.contains("crashed or was killed 3 times in a row"),
+        "{error}"
+    );
+    let events = server.events(&job).await;
+    let kinds = event_types(&events);
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "training_requeued").count(),
+        2,
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "training_started").count(),
+        3,
+        "{kinds:?}"
+    );
+    assert_eq!(kinds.last().unwrap(), "training_failed");
+    assert_eq!(events.last().unwrap()["data"]["error_message"], error);
+    let model_dir = data.join("adapters").join(&model_id);
+    let leftovers: Vec<String> = std::fs::read_dir(&model_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // It stays failed, and the model's next job runs to a checkpoint, fsynced into place.
+    let small = groups(&server, "default/proj/agent", PROMPTS).await;
+    let next = server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model_id, "trajectory_groups": small}),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let done = server
+        .wait_for_status(&next, &["succeeded", "failed"], Duration::from_secs(120))
+        .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["step"], 1);
+    let files: Vec<String> = std::fs::read_dir(&model_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(files, ["step-1.safetensors"]);
+    assert_eq!(
+        server
+            .get(&format!("/v1/preview/training-jobs/{job}"))
+            .await["status"],
+        "failed"
+    );
+}

@@ -2,6 +2,7 @@
 //! training.md), the worker that runs queued jobs, inference names of trained checkpoints and
 //! the cache of their adapters.
 
+pub mod files;
 pub mod idempotency;
 pub mod lru;
 pub mod names;
@@ -36,6 +37,9 @@ pub struct TrainingOptions {
     pub lora_alpha: f32,
     /// Longest packed training sequence, in tokens.
     pub max_seq_len: usize,
+    /// A job found running at start-up after this many starts in a row (each ended by a crash
+    /// or a kill) is failed instead of re-queued (at least 1).
+    pub max_job_attempts: u32,
 }
 
 impl TrainingOptions {
@@ -47,6 +51,7 @@ impl TrainingOptions {
             lora_rank: 8,
             lora_alpha: 16.0,
             max_seq_len: 2048,
+            max_job_attempts: 3,
         }
     }
 }
@@ -64,13 +69,33 @@ pub struct Training {
 }
 
 impl Training {
-    /// Opens the store under `options.data_dir` and puts back in the queue any job a crash left
-    /// running (the worker then re-runs it from its start).
+    /// Opens the store under `options.data_dir`, removes the temporary files of adapter saves
+    /// a crash cut short, and puts back in the queue any job a crash left running (the worker
+    /// then re-runs it from its start), or fails it when it was running at
+    /// `options.max_job_attempts` crashes in a row.
+    ///
+    /// The caller holds the data directory's [`temper_store::DataDirLock`] (`temper serve`
+    /// takes it before this), so that this recovery never touches another server's jobs.
     pub async fn open(options: TrainingOptions) -> Result<Training, temper_store::Error> {
         let store = Store::open(&options.data_dir).await?;
-        let requeued = store.recover_after_crash().await?;
-        for id in &requeued {
+        for path in files::remove_stray_temp_files(&options.data_dir) {
+            tracing::warn!(
+                path = %path.display(),
+                "removed the temporary file of an interrupted adapter save"
+            );
+        }
+        let recovery = store
+            .recover_after_crash(options.max_job_attempts.max(1))
+            .await?;
+        for id in &recovery.requeued {
             tracing::warn!(job_id = %id, "re-queued a training job the last run left running");
+        }
+        for id in &recovery.failed {
+            tracing::error!(
+                job_id = %id,
+                max_attempts = options.max_job_attempts,
+                "failed a training job that was running at its attempt limit of crashes in a row"
+            );
         }
         Ok(Training {
             store,

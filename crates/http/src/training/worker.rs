@@ -188,11 +188,9 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
             let step = latest_step + 1;
             let path = training.adapter_path(job.model_id, step);
             let saved = path.clone();
+            // On disk (file and directory entry fsynced) before the checkpoint row commits.
             tokio::task::spawn_blocking(move || {
-                if let Some(dir) = saved.parent() {
-                    std::fs::create_dir_all(dir)?;
-                }
-                adapter.save(&saved).map_err(std::io::Error::other)
+                crate::training::files::save_adapter(&adapter, &saved)
             })
             .await
             .map_err(|e| format!("saving the adapter panicked: {e}"))?
