@@ -155,3 +155,46 @@ fn greedy_batch_of_five_equals_alone() {
     }
     assert_eq!(outs, alone);
 }
+
+/// The real model's kernels keep a row's logits independent of how its sequence is fed: a
+/// 300-token sequence in one forward, in uneven chunks, and through a prefix found in the cache
+/// give the same bits at every position.
+#[test]
+fn chunked_and_cached_prefixes_equal_one_forward_bit_for_bit() {
+    let Some(path) = temper_model::paths::real_model_for_tests() else {
+        return;
+    };
+    let model = load_gguf(&path).unwrap().model;
+    let toks: Vec<u32> = (0..300u32).map(|i| 100 + (i * 7919) % 20000).collect();
+    let forward = |cache: &mut temper_model::SeqCache, tokens: &[u32]| {
+        model
+            .forward(&mut [SeqInput {
+                tokens,
+                cache,
+                all_logits: true,
+                adapter: None,
+            }])
+            .unwrap()
+            .remove(0)
+            .data
+    };
+    let whole = forward(&mut model.new_cache(), &toks);
+    let vocab = whole.len() / toks.len();
+
+    let mut cache = model.new_cache();
+    let mut chunked = Vec::new();
+    let mut at = 0;
+    for size in [1, 37, 64, 5, 193] {
+        chunked.extend(forward(&mut cache, &toks[at..at + size]));
+        at += size;
+    }
+    assert!(chunked == whole, "chunking changed the logits");
+
+    let key = temper_model::PrefixKey::new(None, None);
+    forward(&mut model.new_shared_cache(key), &toks[..250]);
+    let mut reused = model.new_shared_cache(key);
+    let hit = reused.reuse_prefix(&toks);
+    assert_eq!(hit, 240);
+    let tail = forward(&mut reused, &toks[hit..]);
+    assert!(tail == whole[hit * vocab..], "a cached prefix changed the logits");
+}
