@@ -481,12 +481,94 @@ fn chunked_prefill_gives_the_same_output() {
         max_model_len: 2048,
         ..EngineConfig::default()
     });
-    let narrow = run(&narrow_engine, request(text, 12, greedy()));
+    // Salted: the engines share the model's KV pool, and the wide run's blocks would serve the
+    // narrow run's prompt.
+    let mut salted = request(text, 12, greedy());
+    salted.cache_salt = Some("narrow".into());
+    let narrow = run(&narrow_engine, salted);
+    assert_eq!(narrow[0].cached_tokens, 0);
     assert_eq!(wide[0].ids, narrow[0].ids);
     let s = narrow_engine.stats();
     // Each step fed at most five tokens, so the prompt took several steps.
     assert!(s.tokens <= 5 * s.steps, "{s:?}");
     assert!(s.steps as usize >= prompt(text).len() / 5 + 11, "{s:?}");
+}
+
+#[test]
+fn a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_output() {
+    let e = default_engine();
+    let text = "a conversation long enough to fill a few blocks of the cache with its tokens, \
+                and then some more words so that two whole blocks are certainly there";
+    let mut first = request(text, 8, greedy());
+    first.cache_salt = Some("prefix-test".into());
+    let second = first.clone();
+    let a = run(&e, first);
+    let b = run(&e, second);
+    let len = prompt(text).len();
+    assert!(len > 2 * temper_model::BLOCK_TOKENS, "{len} prompt tokens");
+    // Every whole block before the last prompt token came from the cache.
+    assert_eq!(a[0].cached_tokens, 0);
+    assert_eq!(
+        b[0].cached_tokens,
+        (len - 1) / temper_model::BLOCK_TOKENS * temper_model::BLOCK_TOKENS
+    );
+    assert_eq!(a[0].ids, b[0].ids);
+    assert_eq!(a[0].logprobs, b[0].logprobs);
+}
+
+/// An engine over its own copy of the tiny model whose KV pool holds `blocks` blocks.
+fn engine_with_kv_blocks(blocks: usize, config: EngineConfig) -> Engine {
+    let dir = std::env::temp_dir().join(format!("temper-engine-kv-{}-{blocks}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("tiny.gguf");
+    temper_model::tiny::write_tiny_gguf(&path, 7).expect("write tiny model");
+    let model = temper_model::load_gguf(&path).expect("load").model;
+    let _ = std::fs::remove_dir_all(&dir);
+    let pool = model.kv_pool();
+    pool.set_capacity_bytes(blocks * pool.block_bytes());
+    Engine::start(Arc::new(model), tiny().tokenizer.clone(), config)
+}
+
+#[test]
+fn a_request_too_big_for_the_kv_pool_fails_clearly_and_others_still_run() {
+    let e = engine_with_kv_blocks(6, EngineConfig::default());
+    let long = "one two three four five six seven eight nine ten ".repeat(12);
+    let mut rx = e.submit(request(&long, 4, greedy())).expect("submit");
+    let message = loop {
+        match rx.blocking_recv() {
+            Some(GenerationEvent::Error { message }) => break message,
+            Some(_) => continue,
+            None => panic!("no error event"),
+        }
+    };
+    assert!(message.contains("KV cache") && message.contains("--kv-cache-mb"), "{message}");
+    // The engine is still up.
+    assert_eq!(run(&e, request("a b c", 5, greedy()))[0].ids.len(), 5);
+}
+
+#[test]
+fn requests_beyond_the_kv_pool_wait_or_are_preempted_and_all_finish_unchanged() {
+    // Seven blocks: each request needs three at its longest (a prompt in one block, shared by
+    // its two choices until the first writes, then 16 tokens more each), so the three cannot
+    // all run at once.
+    let e = engine_with_kv_blocks(7, EngineConfig::default());
+    let texts = ["the cat sat on the mat and the dog", "what is the answer to the question", "yes no good day to you my friend"];
+    let reqs: Vec<GenerationRequest> = texts
+        .iter()
+        .map(|t| GenerationRequest {
+            n: 2,
+            ..request(t, 16, seeded(5))
+        })
+        .collect();
+    let rxs: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).expect("submit")).collect();
+    let crowded: Vec<Vec<Choice>> = rxs.into_iter().map(|rx| collect(rx, 2)).collect();
+    for (r, got) in reqs.into_iter().zip(&crowded) {
+        let alone = run(&default_engine(), GenerationRequest { cache_salt: Some("alone".into()), ..r });
+        for (a, b) in alone.iter().zip(got) {
+            assert_eq!(a.ids, b.ids, "a crowded pool changed the output");
+        }
+    }
+    assert!(e.stats().max_rows_in_step < 6, "{:?}", e.stats());
 }
 
 #[test]
