@@ -40,6 +40,8 @@ pub struct ModelSpec {
     pub max_batch_tokens: usize,
     /// `--scheduling`: waiting-queue order (and whether `priority` is accepted).
     pub scheduling: Scheduling,
+    /// `--kv-cache-mb`: the budget of the model's KV block pool.
+    pub kv_cache_bytes: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +91,7 @@ impl ModelSpec {
             max_running: engine.max_running,
             max_batch_tokens: engine.max_batch_tokens,
             scheduling: engine.scheduling,
+            kv_cache_bytes: 1 << 30,
         }
     }
 }
@@ -149,6 +152,7 @@ impl ServedModel {
             None => context,
         };
         let tokenizer = Arc::new(tokenizer);
+        loaded.model.kv_pool().set_capacity_bytes(spec.kv_cache_bytes);
         let model = Arc::new(loaded.model);
         let engine = Engine::start(
             model.clone(),

@@ -79,6 +79,45 @@ async fn models_list() {
     assert!(m["created"].as_u64().unwrap() > 1_600_000_000);
 }
 
+/// The next turn of a conversation finds the earlier turn's blocks: `cached_tokens` says how
+/// many prompt tokens came from the cache, streamed or not, and the answer does not change;
+/// another `cache_salt` finds nothing.
+#[tokio::test]
+async fn a_next_turn_reports_its_cached_prompt_tokens() {
+    let s = TestServer::tiny(options(), None).await;
+    let long = "tell me about the river and the city and the bridge and the hills ".repeat(4);
+    let body = |salt: &str| {
+        json!({"messages": user(&long), "max_completion_tokens": 6, "temperature": 0,
+               "cache_salt": salt})
+    };
+    let (status, first) = s.chat(&body("a")).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, again) = s.chat(&body("a")).await;
+    let prompt = again["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let block = temper_model::BLOCK_TOKENS as u64;
+    assert_eq!(cached, (prompt - 1) / block * block, "{again}");
+    assert_eq!(
+        first["choices"][0]["message"],
+        again["choices"][0]["message"]
+    );
+    let (_, other) = s.chat(&body("b")).await;
+    assert_eq!(other["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    let mut streamed = body("a");
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = s.chat_stream(&streamed).await;
+    let usage = events.iter().rev().find_map(|e| e.get("usage").filter(|u| !u.is_null()));
+    assert_eq!(
+        usage.expect("a usage chunk")["prompt_tokens_details"]["cached_tokens"],
+        cached
+    );
+}
+
 #[tokio::test]
 async fn non_streaming_completion_shape() {
     let s = TestServer::tiny(options(), None).await;
@@ -173,7 +212,11 @@ async fn streaming_matches_non_streaming() {
         .collect();
     assert_eq!(choices[0].token_ids, ids);
     assert_eq!(choices[0].finish_reason.as_deref(), Some("length"));
-    assert_eq!(usage.unwrap(), full["usage"]);
+    // The same counts; the streamed request found the first one's prompt blocks.
+    let mut usage = usage.unwrap();
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 16);
+    usage["prompt_tokens_details"]["cached_tokens"] = json!(0);
+    assert_eq!(usage, full["usage"]);
     // Without include_usage no chunk carries usage.
     streamed["stream_options"] = json!(null);
     let events = s.chat_stream(&streamed).await;

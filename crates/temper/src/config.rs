@@ -90,6 +90,11 @@ pub struct ServeArgs {
     /// evicted past it [default: 256].
     #[arg(long, env = "TEMPER_ADAPTER_CACHE_MB", value_name = "MB")]
     pub adapter_cache_mb: Option<usize>,
+    /// Memory for each model's KV cache blocks (running requests and the prefix cache);
+    /// requests wait, or are preempted, when it is full [default: a quarter of the available
+    /// memory at start, between 256 and 4096].
+    #[arg(long, env = "TEMPER_KV_CACHE_MB", value_name = "MB")]
+    pub kv_cache_mb: Option<usize>,
     /// LoRA rank of trained adapters [default: 8].
     #[arg(long, env = "TEMPER_LORA_RANK", value_name = "R")]
     pub lora_rank: Option<usize>,
@@ -126,6 +131,7 @@ pub struct FileConfig {
     pub scheduling: Option<SchedulingPolicy>,
     pub max_training_body_bytes: Option<usize>,
     pub adapter_cache_mb: Option<usize>,
+    pub kv_cache_mb: Option<usize>,
     pub lora_rank: Option<usize>,
     pub lora_alpha: Option<f32>,
     pub max_train_seq_len: Option<usize>,
@@ -153,6 +159,7 @@ pub struct Config {
     pub scheduling: Scheduling,
     pub max_training_body_bytes: usize,
     pub adapter_cache_bytes: usize,
+    pub kv_cache_bytes: usize,
     pub lora_rank: usize,
     pub lora_alpha: f32,
     pub max_train_seq_len: usize,
@@ -288,6 +295,10 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         .adapter_cache_mb
         .or(file.adapter_cache_mb)
         .unwrap_or(256);
+    let kv_cache_mb = args.kv_cache_mb.or(file.kv_cache_mb);
+    if kv_cache_mb == Some(0) {
+        return Err(ConfigError::Zero("--kv-cache-mb"));
+    }
     Ok(Config {
         host: args
             .host
@@ -325,11 +336,25 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
             .map_or(Scheduling::Fcfs, SchedulingPolicy::engine),
         max_training_body_bytes,
         adapter_cache_bytes: adapter_cache_mb << 20,
+        kv_cache_bytes: kv_cache_mb.map_or_else(default_kv_cache_bytes, |mb| mb << 20),
         lora_rank,
         lora_alpha,
         max_train_seq_len,
         max_job_attempts,
     })
+}
+
+/// A quarter of the memory available at start (`MemAvailable`), between 256 MB and 4 GB; 1 GB
+/// where it cannot be read.
+fn default_kv_cache_bytes() -> usize {
+    let available_kb = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        });
+    available_kb.map_or(1 << 30, |kb| (kb * 1024 / 4).clamp(256 << 20, 4 << 30))
 }
 
 #[cfg(test)]
@@ -374,6 +399,7 @@ mod tests {
         assert_eq!(c.max_body_bytes, 4 << 20);
         assert_eq!(c.max_training_body_bytes, 64 << 20);
         assert_eq!(c.adapter_cache_bytes, 256 << 20);
+        assert!((256 << 20..=4 << 30).contains(&c.kv_cache_bytes));
         assert_eq!((c.lora_rank, c.lora_alpha), (8, 16.0));
         assert_eq!(c.max_train_seq_len, 2048);
         assert_eq!(c.max_job_attempts, 3);
@@ -384,6 +410,7 @@ mod tests {
         let file: FileConfig = toml::from_str(
             r#"
             adapter_cache_mb = 8
+            kv_cache_mb = 100
             lora_rank = 4
             lora_alpha = 8.0
             max_train_seq_len = 512
@@ -394,6 +421,7 @@ mod tests {
         .unwrap();
         let c = resolve(args(&["--lora-rank", "16"]), file, &home()).unwrap();
         assert_eq!(c.adapter_cache_bytes, 8 << 20);
+        assert_eq!(c.kv_cache_bytes, 100 << 20);
         assert_eq!((c.lora_rank, c.lora_alpha), (16, 8.0));
         assert_eq!(c.max_train_seq_len, 512);
         assert_eq!(c.max_training_body_bytes, 1000);

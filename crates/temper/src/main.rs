@@ -107,9 +107,15 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             spec.max_batch_tokens = n;
         }
         spec.scheduling = cfg.scheduling;
+        spec.kv_cache_bytes = cfg.kv_cache_bytes;
         tracing::info!(model = %name, path = %path.display(), "loading");
         let model = ServedModel::load(&spec).map_err(|e| e.to_string())?;
-        tracing::info!(model = %name, max_model_len = model.max_model_len, "loaded");
+        tracing::info!(
+            model = %name,
+            max_model_len = model.max_model_len,
+            kv_cache_mb = cfg.kv_cache_bytes >> 20,
+            "loaded"
+        );
         models.push(model);
     }
     let names: Vec<String> = models.iter().map(|m| m.name.clone()).collect();
