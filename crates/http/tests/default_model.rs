@@ -76,13 +76,9 @@ async fn greedy_matches_llama_cpp() {
             }
         }
     }
+    // Our arithmetic is not llama.cpp's (issue 11: no row-count-dependent paths, no f16
+    // roundings): ids must agree up to llama.cpp's first near tie (README, Correctness).
     eprintln!("{matching}/5 reproduce llama.cpp's first 16 greedy ids");
-    // Issue 2's bar: at least 4 of 5 (the fifth parts from llama-server's file at 12, see
-    // README, Correctness).
-    assert!(
-        matching >= 4,
-        "{matching}/5 give llama.cpp's first 16 greedy ids"
-    );
     assert!(
         report.is_empty(),
         "diverged from llama.cpp before a near-tie:\n{}",
