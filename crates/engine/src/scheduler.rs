@@ -524,11 +524,12 @@ impl Scheduler {
     /// running ones; one that could never fit in the whole pool fails, saying so.
     fn admit(&mut self) {
         let mut running: usize = self.groups.iter().map(Group::running).sum();
-        let mut kv_free = self.model.kv_pool().stats().available_blocks().saturating_sub(running);
+        let kv = self.model.kv_pool().stats();
+        let capacity = kv.capacity_blocks;
+        let mut kv_free = kv.available_blocks().saturating_sub(running);
         while let Some(front) = self.waiting.front() {
             let n = front.running();
             let blocks = front.blocks_to_start();
-            let capacity = self.model.kv_pool().stats().capacity_blocks;
             if blocks > capacity {
                 let mut g = self.waiting.pop_front().expect("the front");
                 let block_mb = self.model.kv_pool().block_bytes() as f64 / (1 << 20) as f64;

@@ -91,8 +91,8 @@ pub struct ServeArgs {
     #[arg(long, env = "TEMPER_ADAPTER_CACHE_MB", value_name = "MB")]
     pub adapter_cache_mb: Option<usize>,
     /// Memory for each model's KV cache blocks (running requests and the prefix cache);
-    /// requests wait, or are preempted, when it is full [default: a quarter of the available
-    /// memory at start, between 256 and 4096].
+    /// requests wait, or are preempted, when it is full [default: an eighth of the available
+    /// memory at start, between 256 and 2048].
     #[arg(long, env = "TEMPER_KV_CACHE_MB", value_name = "MB")]
     pub kv_cache_mb: Option<usize>,
     /// LoRA rank of trained adapters [default: 8].
@@ -344,8 +344,9 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
     })
 }
 
-/// A quarter of the memory available at start (`MemAvailable`), between 256 MB and 4 GB; 1 GB
-/// where it cannot be read.
+/// An eighth of the memory available at start (`MemAvailable`), between 256 MB and 2 GB; 1 GB
+/// where it cannot be read. Blocks are allocated as they are used, so an idle server holds
+/// only what its prefix cache keeps.
 fn default_kv_cache_bytes() -> usize {
     let available_kb = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -354,7 +355,7 @@ fn default_kv_cache_bytes() -> usize {
                 .find_map(|l| l.strip_prefix("MemAvailable:"))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
         });
-    available_kb.map_or(1 << 30, |kb| (kb * 1024 / 4).clamp(256 << 20, 4 << 30))
+    available_kb.map_or(1 << 30, |kb| (kb * 1024 / 8).clamp(256 << 20, 2 << 30))
 }
 
 #[cfg(test)]
@@ -399,7 +400,7 @@ mod tests {
         assert_eq!(c.max_body_bytes, 4 << 20);
         assert_eq!(c.max_training_body_bytes, 64 << 20);
         assert_eq!(c.adapter_cache_bytes, 256 << 20);
-        assert!((256 << 20..=4 << 30).contains(&c.kv_cache_bytes));
+        assert!((256 << 20..=2 << 30).contains(&c.kv_cache_bytes));
         assert_eq!((c.lora_rank, c.lora_alpha), (8, 16.0));
         assert_eq!(c.max_train_seq_len, 2048);
         assert_eq!(c.max_job_attempts, 3);
