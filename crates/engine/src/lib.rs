@@ -37,6 +37,9 @@ pub struct EngineConfig {
     /// Longest prompt + completion a request may ask for.
     pub max_model_len: usize,
     pub scheduling: Scheduling,
+    /// Most new requests waiting for admission; past it `submit` refuses with
+    /// `EngineError::QueueFull` (a 429), so overload is an answer, not a growing queue.
+    pub max_waiting: usize,
 }
 
 /// Order of the waiting queue (vLLM's `--scheduling-policy`).
@@ -58,6 +61,7 @@ impl Default for EngineConfig {
             max_running: 32,
             max_model_len: 32768,
             scheduling: Scheduling::Fcfs,
+            max_waiting: 256,
         }
     }
 }
@@ -286,6 +290,8 @@ pub enum EngineError {
     BeamSearchConstraint,
     #[error("beam width {n} needs a vocabulary of at least {} tokens", 2 * n)]
     BeamTooWide { n: usize },
+    #[error("{max_waiting} requests are already waiting for this model")]
+    QueueFull { max_waiting: usize },
 }
 
 /// A snapshot of the scheduler's counters.
@@ -320,6 +326,7 @@ pub struct Engine {
     tx: std::sync::mpsc::Sender<scheduler::Submission>,
     stats: Arc<scheduler::Stats>,
     max_model_len: usize,
+    max_waiting: usize,
     vocab_size: usize,
     model_config: ModelConfig,
     tokenizer: Arc<Tokenizer>,
@@ -341,8 +348,10 @@ impl Engine {
             max_batch_tokens: config.max_batch_tokens.max(1),
             max_running: config.max_running.max(1),
             max_model_len: config.max_model_len.min(model_cfg.context_length),
-            scheduling: config.scheduling,
+            max_waiting: config.max_waiting.max(1),
+            ..config
         };
+        let max_waiting = config.max_waiting;
         let max_model_len = config.max_model_len;
         let stats = Arc::new(scheduler::Stats::default());
         let (tx, rx) = std::sync::mpsc::channel();
@@ -365,6 +374,7 @@ impl Engine {
             tx,
             stats,
             max_model_len,
+            max_waiting,
             vocab_size,
             model_config,
             tokenizer,
@@ -460,10 +470,20 @@ impl Engine {
             &self.tokenizer,
             &end_tokens.ids(),
         );
+        if !self.stats.enter_queue(self.max_waiting) {
+            return Err(EngineError::QueueFull {
+                max_waiting: self.max_waiting,
+            });
+        }
         let (tx, rx) = unbounded_channel();
-        self.tx
+        if self
+            .tx
             .send(scheduler::Submission { req, procs, tx })
-            .map_err(|_| EngineError::Stopped)?;
+            .is_err()
+        {
+            self.stats.leave_queue();
+            return Err(EngineError::Stopped);
+        }
         Ok(rx)
     }
 

@@ -56,6 +56,8 @@ pub(crate) struct Stats {
     max_rows_in_step: AtomicUsize,
     running: AtomicUsize,
     waiting: AtomicUsize,
+    /// New requests submitted and not yet admitted (nor cancelled): what `max_waiting` bounds.
+    queued: AtomicUsize,
     preemptions: AtomicU64,
     /// Counted by the mask workers.
     pub(crate) masks: AtomicU64,
@@ -64,6 +66,17 @@ pub(crate) struct Stats {
 }
 
 impl Stats {
+    /// Counts a new request in, unless `max` are already queued.
+    pub(crate) fn enter_queue(&self, max: usize) -> bool {
+        self.queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| (q < max).then_some(q + 1))
+            .is_ok()
+    }
+
+    pub(crate) fn leave_queue(&self) {
+        self.queued.fetch_sub(1, Ordering::AcqRel);
+    }
+
     pub(crate) fn snapshot(&self) -> EngineStats {
         EngineStats {
             steps: self.steps.load(Ordering::Relaxed),
@@ -260,6 +273,8 @@ struct Group {
     prefix_key: PrefixKey,
     /// Prompt tokens found in the prefix cache at the first admission (`None` before it).
     cached_tokens: Option<usize>,
+    /// Counted in `Stats::queued`: submitted, never admitted yet.
+    queued: bool,
 }
 
 impl Group {
@@ -475,6 +490,7 @@ impl Scheduler {
             },
             prefix_key,
             cached_tokens: None,
+            queued: true,
             req: s.req,
             procs: s.procs,
             tx: s.tx,
@@ -500,10 +516,14 @@ impl Scheduler {
 
     /// Removes requests whose receiver is gone, freeing their caches now.
     fn drop_cancelled(&mut self) {
+        let stats = &self.stats;
         self.waiting.retain(|g| {
             let closed = g.dropped || g.tx.is_closed();
             if closed {
                 debug!(request_id = %g.req.request_id, "cancelled while waiting");
+                if g.queued {
+                    stats.leave_queue();
+                }
             }
             !closed
         });
@@ -531,7 +551,7 @@ impl Scheduler {
             let n = front.running();
             let blocks = front.blocks_to_start();
             if blocks > capacity {
-                let mut g = self.waiting.pop_front().expect("the front");
+                let mut g = self.pop_waiting().expect("the front");
                 let block_mb = self.model.kv_pool().block_bytes() as f64 / (1 << 20) as f64;
                 g.fail(&format!(
                     "the KV cache is too small for this request: it needs {blocks} blocks \
@@ -554,7 +574,7 @@ impl Scheduler {
                 }
                 break;
             }
-            let Some(mut g) = self.waiting.pop_front() else {
+            let Some(mut g) = self.pop_waiting() else {
                 break;
             };
             g.reuse_prefixes();
@@ -563,6 +583,15 @@ impl Scheduler {
             kv_free = kv_free.saturating_sub(blocks);
             self.groups.push(g);
         }
+    }
+
+    /// The head of the queue, out of the bounded count (`Stats::queued`) if it was in it.
+    fn pop_waiting(&mut self) -> Option<Group> {
+        let mut g = self.waiting.pop_front()?;
+        if std::mem::take(&mut g.queued) {
+            self.stats.leave_queue();
+        }
+        Some(g)
     }
 
     /// Whether `n` more sequences may run beside `running` ones.

@@ -572,6 +572,33 @@ fn requests_beyond_the_kv_pool_wait_or_are_preempted_and_all_finish_unchanged() 
 }
 
 #[test]
+fn past_max_waiting_new_requests_are_refused_and_the_accepted_ones_finish() {
+    let e = engine(EngineConfig {
+        max_running: 1,
+        max_waiting: 3,
+        ..EngineConfig::default()
+    });
+    let results: Vec<_> = (0..10)
+        .map(|i| {
+            let mut r = request(&format!("a {i} b"), 200, greedy());
+            r.stopping.ignore_eos = true;
+            e.submit(r)
+        })
+        .collect();
+    let refused = results
+        .iter()
+        .filter(|r| matches!(r, Err(EngineError::QueueFull { max_waiting: 3 })))
+        .count();
+    // Ten submissions in a row: at most one admitted meanwhile, three waiting.
+    assert!(refused >= 6, "{refused} refused");
+    for rx in results.into_iter().flatten() {
+        assert_eq!(collect(rx, 1)[0].ids.len(), 200);
+    }
+    // Once the queue drained, requests are taken again.
+    assert_eq!(run(&e, request("c d", 3, greedy()))[0].ids.len(), 3);
+}
+
+#[test]
 fn a_long_prompt_does_not_stall_running_decodes() {
     let e = engine(EngineConfig {
         max_batch_tokens: 8,
@@ -1493,6 +1520,7 @@ fn priority_preempts_only_when_that_makes_room() {
         max_running: 4,
         max_model_len: 2048,
         scheduling: Scheduling::Priority,
+        ..EngineConfig::default()
     });
     let hold = e.hold_masks();
     // A constrained request whose first tokens are out: its next masks are held. Returns its

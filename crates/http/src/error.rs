@@ -31,6 +31,9 @@ pub enum ApiError {
     RequestTooLarge(usize),
     #[error("{0}")]
     ServiceUnavailable(String),
+    /// Overload: the model's waiting queue is full. Sent with `Retry-After`.
+    #[error("{0}")]
+    TooManyRequests(String),
     /// A server fault. Its text (SQL, file paths, panics) goes to the log only: the client gets
     /// a fixed message and finds the log lines by the response's `x-request-id`.
     #[error("{0}")]
@@ -40,6 +43,9 @@ pub enum ApiError {
     #[error("{0}")]
     Generation(String),
 }
+
+/// When a client refused for overload should try again (the OpenAI SDK honours it).
+const RETRY_AFTER_SECONDS: &str = "1";
 
 /// What a client is told of an [`ApiError::Internal`].
 pub const INTERNAL_MESSAGE: &str =
@@ -72,6 +78,7 @@ impl ApiError {
             ApiError::Conflict(_) | ApiError::IdempotencyConflict(_) => StatusCode::CONFLICT,
             ApiError::RequestTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ServiceUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(_) | ApiError::Generation(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -85,6 +92,7 @@ impl ApiError {
             ApiError::Conflict(_) | ApiError::IdempotencyConflict(_) => "ConflictError",
             ApiError::RequestTooLarge(_) => "RequestTooLargeError",
             ApiError::ServiceUnavailable(_) => "ServiceUnavailableError",
+            ApiError::TooManyRequests(_) => "RateLimitError",
             ApiError::Internal(_) | ApiError::Generation(_) => "InternalServerError",
         }
     }
@@ -134,7 +142,14 @@ impl IntoResponse for ApiError {
         } else {
             tracing::info!(error = %self, status = self.status().as_u16(), "request rejected");
         }
-        (self.status(), axum::Json(self.envelope())).into_response()
+        let mut response = (self.status(), axum::Json(self.envelope())).into_response();
+        if matches!(self, ApiError::TooManyRequests(_)) {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(RETRY_AFTER_SECONDS),
+            );
+        }
+        response
     }
 }
 
@@ -153,6 +168,9 @@ impl From<temper_engine::EngineError> for ApiError {
             E::AdapterMismatch => {
                 ApiError::Internal(format!("The model's adapter is unusable: {e}."))
             }
+            E::QueueFull { .. } => ApiError::TooManyRequests(format!(
+                "The server is overloaded: {e}. Try again shortly."
+            )),
             E::EmptyPrompt | E::NoChoices | E::NoTokens | E::TokenOutOfRange { .. } => {
                 ApiError::bad_body(e.to_string())
             }
@@ -287,6 +305,21 @@ mod tests {
         // A generation failure describes the request and is shown.
         let v = json(&ApiError::Generation("no token is left to sample".into()));
         assert_eq!(v["error"]["message"], "no token is left to sample");
+    }
+
+    #[test]
+    fn a_full_queue_is_a_429_with_retry_after() {
+        let e: ApiError = temper_engine::EngineError::QueueFull { max_waiting: 4 }.into();
+        let v = json(&e);
+        assert_eq!(v["error"]["code"], 429);
+        assert_eq!(v["error"]["type"], "RateLimitError");
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("4 requests are already waiting"));
+        let response = e.into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()["retry-after"], "1");
     }
 
     #[test]

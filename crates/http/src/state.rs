@@ -38,6 +38,8 @@ pub struct ModelSpec {
     pub max_model_len: Option<usize>,
     pub max_running: usize,
     pub max_batch_tokens: usize,
+    /// `--max-waiting`: new requests waiting past this get a 429.
+    pub max_waiting: usize,
     /// `--scheduling`: waiting-queue order (and whether `priority` is accepted).
     pub scheduling: Scheduling,
     /// `--kv-cache-mb`: the budget of the model's KV block pool.
@@ -90,6 +92,7 @@ impl ModelSpec {
             max_model_len: None,
             max_running: engine.max_running,
             max_batch_tokens: engine.max_batch_tokens,
+            max_waiting: engine.max_waiting,
             scheduling: engine.scheduling,
             kv_cache_bytes: 1 << 30,
         }
@@ -162,6 +165,7 @@ impl ServedModel {
                 max_running: spec.max_running,
                 max_model_len,
                 scheduling: spec.scheduling,
+                max_waiting: spec.max_waiting,
             },
         );
         Ok(ServedModel {

@@ -79,6 +79,9 @@ pub struct ServeArgs {
     /// Most tokens per batched forward step [default: the engine's].
     #[arg(long, env = "TEMPER_MAX_BATCH_TOKENS", value_name = "N")]
     pub max_batch_tokens: Option<usize>,
+    /// Most new requests waiting per model; past it a 429 with Retry-After [default: 256].
+    #[arg(long, env = "TEMPER_MAX_WAITING", value_name = "N")]
+    pub max_waiting: Option<usize>,
     /// Waiting-queue order: `fcfs`, or `priority` (a request's lower `priority` runs first and
     /// preempts worse ones; with `fcfs` a non-zero `priority` is a 400) [default: fcfs].
     #[arg(long, env = "TEMPER_SCHEDULING", value_name = "POLICY")]
@@ -128,6 +131,7 @@ pub struct FileConfig {
     pub max_n: Option<usize>,
     pub max_running: Option<usize>,
     pub max_batch_tokens: Option<usize>,
+    pub max_waiting: Option<usize>,
     pub scheduling: Option<SchedulingPolicy>,
     pub max_training_body_bytes: Option<usize>,
     pub adapter_cache_mb: Option<usize>,
@@ -156,6 +160,7 @@ pub struct Config {
     pub max_n: usize,
     pub max_running: Option<usize>,
     pub max_batch_tokens: Option<usize>,
+    pub max_waiting: Option<usize>,
     pub scheduling: Scheduling,
     pub max_training_body_bytes: usize,
     pub adapter_cache_bytes: usize,
@@ -330,6 +335,7 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         max_n,
         max_running: args.max_running.or(file.max_running),
         max_batch_tokens: args.max_batch_tokens.or(file.max_batch_tokens),
+        max_waiting: args.max_waiting.or(file.max_waiting),
         scheduling: args
             .scheduling
             .or(file.scheduling)

@@ -106,6 +106,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         if let Some(n) = cfg.max_batch_tokens {
             spec.max_batch_tokens = n;
         }
+        if let Some(n) = cfg.max_waiting {
+            spec.max_waiting = n;
+        }
         spec.scheduling = cfg.scheduling;
         spec.kv_cache_bytes = cfg.kv_cache_bytes;
         tracing::info!(model = %name, path = %path.display(), "loading");
