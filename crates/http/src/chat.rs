@@ -72,35 +72,48 @@ pub async fn chat_completions(
         .clone()
         .unwrap_or_else(|| ctx.request_id.clone());
     state.options().request_hook.on_request(&params)?;
-    let mut prompt_ids = chat_prompt(&model, &params.prompt)?;
-    if let Some(keep) = params.truncate_prompt_tokens {
-        prompt_ids.drain(..prompt_ids.len().saturating_sub(keep));
-    }
-    let mut generation = params.generation_request(
-        request_id.clone(),
-        prompt_ids.clone(),
-        model.max_model_len,
-        constraint,
-    )?;
-    if let (Some(checkpoint), Some(training)) = (&resolved.checkpoint, state.training()) {
-        generation.adapter = training.adapter(&model, checkpoint).await?;
-    }
-    tracing::info!(
-        completion_id = %request_id,
-        model = %resolved.name,
-        prompt_tokens = prompt_ids.len(),
-        max_tokens = generation.stopping.max_tokens,
-        n = params.n,
-        stream = params.stream.is_some(),
-        user = params.user.as_deref(),
-        parallel_tool_calls = params.extras.parallel_tool_calls,
-        service_tier = ?params.extras.service_tier,
-        "chat completion"
-    );
-    let rx = model.engine.submit(generation)?;
+    let adapter = match (&resolved.checkpoint, state.training()) {
+        (Some(checkpoint), Some(training)) => training.adapter(&model, checkpoint).await?,
+        _ => None,
+    };
+    // Rendering and tokenizing a prompt of up to the body limit, and preparing the logits
+    // processors, take milliseconds to seconds: on a blocking thread, so the async workers keep
+    // answering `/health`, authentication and every stream meanwhile.
+    let blocking_model = model.clone();
+    let name = resolved.name.clone();
+    let (params, prompt_ids, rx) = tokio::task::spawn_blocking(move || {
+        let model = blocking_model;
+        let mut prompt_ids = chat_prompt(&model, &params.prompt)?;
+        if let Some(keep) = params.truncate_prompt_tokens {
+            prompt_ids.drain(..prompt_ids.len().saturating_sub(keep));
+        }
+        let mut generation = params.generation_request(
+            request_id.clone(),
+            prompt_ids.clone(),
+            model.max_model_len,
+            constraint,
+        )?;
+        generation.adapter = adapter;
+        tracing::info!(
+            completion_id = %request_id,
+            model = %name,
+            prompt_tokens = prompt_ids.len(),
+            max_tokens = generation.stopping.max_tokens,
+            n = params.n,
+            stream = params.stream.is_some(),
+            user = params.user.as_deref(),
+            parallel_tool_calls = params.extras.parallel_tool_calls,
+            service_tier = ?params.extras.service_tier,
+            "chat completion"
+        );
+        let rx = model.engine.submit(generation)?;
+        Ok::<_, ApiError>((params, prompt_ids, rx))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("the prompt task failed: {e}")))??;
     let reasoning_parser = reasoning_parser(&model, &params.prompt, &prompt_ids);
     let completion = Completion {
-        id: format!("chatcmpl-{request_id}"),
+        id: format!("chatcmpl-{}", params.request_id.as_deref().unwrap_or(&ctx.request_id)),
         created: unix_now(),
         model: resolved.name,
         tokenizer: model.tokenizer.clone(),

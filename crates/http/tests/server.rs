@@ -118,6 +118,40 @@ async fn a_next_turn_reports_its_cached_prompt_tokens() {
     );
 }
 
+/// Prompts of megabytes are rendered and tokenized on blocking threads: while four of them are
+/// being tokenized, `/health` and a small completion are answered (before the big ones are).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_prompts_do_not_hold_up_health_or_small_requests() {
+    let s = std::sync::Arc::new(TestServer::tiny(options(), None).await);
+    let big = "lorem ipsum dolor sit amet ".repeat(120_000);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let (s, big, done) = (s.clone(), big.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let (status, v) = s
+                .chat(&json!({"messages": user(&big), "max_completion_tokens": 1}))
+                .await;
+            // Far past the tiny model's context: a 400 once tokenized.
+            assert_eq!(status, 400, "{v}");
+            done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }));
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let r = s.client.get(s.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let (status, v) = s
+        .chat(&json!({"messages": user("hi"), "max_completion_tokens": 2}))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let finished_first = done.load(std::sync::atomic::Ordering::SeqCst);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // Each large prompt takes seconds to tokenize; the small requests took milliseconds.
+    assert_eq!(finished_first, 0, "the small requests waited for a large prompt");
+}
+
 #[tokio::test]
 async fn non_streaming_completion_shape() {
     let s = TestServer::tiny(options(), None).await;
