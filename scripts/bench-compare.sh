@@ -133,7 +133,8 @@ measure() {
 # --- host, binaries, model -------------------------------------------------------------------
 CPU=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
 FLAGS=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' \
-    | grep -E '^(avx2|avx512f|avx512_vnni|avx512_bf16|amx_[a-z0-9]+)$' | tr '\n' ' ' | sed 's/ $//')
+    | { grep -E '^(avx2|avx512f|avx512_vnni|avx512_bf16|amx_[a-z0-9]+)$' || true; } | tr '\n' ' ' \
+    | sed 's/ $//')
 CORES=$(nproc)
 log "host: $CPU, $CORES cores, flags: ${FLAGS:-none}"
 
@@ -198,7 +199,7 @@ EOF
 PORT=$(free_port)
 log "llama.cpp: llama-server on port $PORT (-t $THREADS -np $SLOTS -c $((SLOTS * SLOT_CTX)))"
 "$LLAMA_BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" -t "$THREADS" \
-    -np "$SLOTS" -c $((SLOTS * SLOT_CTX)) --chat-template gemma >"$TMP/llama-server.log" 2>&1 &
+    -np "$SLOTS" -c $((SLOTS * SLOT_CTX)) --no-jinja --chat-template gemma >"$TMP/llama-server.log" 2>&1 &
 SERVER_PID=$!
 wait_health llama-server "$PORT" "$TMP/llama-server.log"
 measure llama "$PORT"
