@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test bench fetch-model build demo-rl
+.PHONY: serve test bench bench-compare fetch-model build demo-rl
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -28,9 +28,14 @@ test: fetch-model build
 	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
 	exit $$status
 
-# Throughput on the default model next to llama.cpp's figures (README, Benchmarks).
+# temper's own throughput figures on this host (README, Benchmarks).
 bench: fetch-model build
 	./target/release/temper bench $(ARGS)
+
+# temper next to llama.cpp (pinned, built once into $TEMPER_HOME) in one run on this host, one
+# server at a time, same model and load client; ARGS=--quick for a run of a few minutes.
+bench-compare: fetch-model
+	scripts/bench-compare.sh $(ARGS)
 
 # RL learning demo on the default model: rollouts, rewards for answers beginning with a word,
 # one training job per round; prints the table and writes docs/rl-demo.png (README, RL demo).

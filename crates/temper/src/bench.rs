@@ -1,6 +1,8 @@
-//! `temper bench`: prompt and decode throughput of one model on this machine, printed as a
-//! table next to llama.cpp's figures for the default model (design.md), and the LoRA trainer's
-//! gradient step next to PyTorch + PEFT's. Speed lives here, never in tests.
+//! `temper bench`: prompt and decode throughput of one model on this machine, structured-output
+//! costs, and the LoRA trainer's gradient step and whole jobs, printed as a table of temper's own
+//! figures. Speed lives here, never in tests. Hosts of one machine kind differ 2-3x in speed, so
+//! figures from another host mean nothing next to these: `make bench-compare` measures llama.cpp
+//! side by side in the same run.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,14 +16,6 @@ use temper_engine::{
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
 use temper_text::{ChatTemplate, DecodeOptions, Tokenizer};
 use temper_train::{TrainEvent, TrainerConfig, TrainingRequest};
-
-/// llama.cpp (commit 0c1e570, `-t 2`) on the default model, this machine kind (design.md).
-const LLAMA_CPP_PROMPT_TOK_S: f64 = 1000.0;
-const LLAMA_CPP_DECODE_TOK_S: f64 = 103.0;
-/// PyTorch + PEFT (2 threads, LoRA r=8 on q/k/v/o/gate/up/down, full step with AdamW) on the
-/// default model (design.md): trainable tok/s by shape.
-const PEFT_TRAIN_TOK_S: [((usize, usize), f64); 3] =
-    [((8, 128), 104.0), ((4, 256), 91.0), ((1, 1024), 85.0)];
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -55,8 +49,6 @@ pub struct BenchArgs {
 struct Row {
     what: String,
     ours: String,
-    llama_cpp: String,
-    ratio: String,
 }
 
 pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
@@ -80,8 +72,6 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         rows.push(Row {
             what: format!("prompt processing, {len} tokens (one forward)"),
             ours: format!("{tok_s:.0} tok/s"),
-            llama_cpp: format!("~{LLAMA_CPP_PROMPT_TOK_S:.0} tok/s"),
-            ratio: format!("{:.2}x", tok_s / LLAMA_CPP_PROMPT_TOK_S),
         });
     }
 
@@ -104,8 +94,6 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     rows.push(Row {
         what: format!("decode, 1 stream, {} tokens", args.decode_tokens),
         ours: format!("{decode_tok_s:.1} tok/s"),
-        llama_cpp: format!("{LLAMA_CPP_DECODE_TOK_S:.0} tok/s"),
-        ratio: format!("{:.2}x", decode_tok_s / LLAMA_CPP_DECODE_TOK_S),
     });
     let n = args.concurrency.max(1);
     let batched = best_of(repeat, || {
@@ -124,8 +112,6 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
             total / batched.wall.as_secs_f64(),
             batched.wall.as_secs_f64() / single.wall.as_secs_f64()
         ),
-        llama_cpp: "-".into(),
-        ratio: "-".into(),
     });
     rows.extend(structured_output_rows(
         &engine,
@@ -143,7 +129,6 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         let prompt = prompt_tokens(&tokenizer, len);
         let step = best_of(repeat, || train_step(&model, &prompt, seqs))?;
         let tok_s = step.trainable as f64 / step.wall.as_secs_f64();
-        let peft = peft_tok_s((seqs, len));
         rows.push(Row {
             what: format!(
                 "trainer step (forward + backward), {seqs}x{len} tokens packed: {:.1} s \
@@ -154,8 +139,6 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
                 step.peak_rss_bytes as f64 / (1u64 << 30) as f64,
             ),
             ours: format!("{tok_s:.0} trainable tok/s"),
-            llama_cpp: peft.map_or("-".into(), |v| format!("PEFT {v:.0} tok/s")),
-            ratio: peft.map_or("-".into(), |v| format!("{:.2}x", tok_s / v)),
         });
     }
 
@@ -186,14 +169,15 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         "engine: {} steps, most rows in one step {}",
         stats.steps, stats.max_rows_in_step
     );
+    println!(
+        "temper's own figures on this host; `make bench-compare` measures llama.cpp next to \
+         temper in one run (hosts of one machine kind differ 2-3x)"
+    );
     println!();
-    println!("| measurement | temper | llama.cpp (PyTorch + PEFT for training) | ratio |");
-    println!("|---|---|---|---|");
+    println!("| measurement | temper |");
+    println!("|---|---|");
     for r in rows {
-        println!(
-            "| {} | {} | {} | {} |",
-            r.what, r.ours, r.llama_cpp, r.ratio
-        );
+        println!("| {} | {} |", r.what, r.ours);
     }
     Ok(())
 }
@@ -386,8 +370,6 @@ fn structured_output_rows(
                 p99.as_secs_f64() * 1e6,
                 sorted.last().map_or(0.0, |d| d.as_secs_f64() * 1e6)
             ),
-            llama_cpp: "-".into(),
-            ratio: "-".into(),
         },
         Row {
             what: format!(
@@ -398,8 +380,6 @@ fn structured_output_rows(
                 "{tok_s:.1} tok/s ({:.2}x unconstrained)",
                 tok_s / free_tok_s
             ),
-            llama_cpp: "-".into(),
-            ratio: "-".into(),
         },
     ])
 }
@@ -509,14 +489,6 @@ fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, 
     })
 }
 
-/// PyTorch + PEFT's trainable tok/s for a shape design.md measured (all tokens trainable there).
-fn peft_tok_s(shape: (usize, usize)) -> Option<f64> {
-    PEFT_TRAIN_TOK_S
-        .iter()
-        .find(|(s, _)| *s == shape)
-        .map(|&(_, v)| v)
-}
-
 struct TrainJob {
     wall: Duration,
     cpu: Duration,
@@ -554,7 +526,6 @@ fn train_job_row(
     let job = job?;
     let secs = job.wall.as_secs_f64();
     let tok_s = job.trainable as f64 / secs;
-    let peft = peft_tok_s((trajectories, answer_len));
     Ok(Row {
         what: format!(
             "training job, {trajectories} trajectories x {answer_len} answer tokens ({} tokens, \
@@ -565,8 +536,6 @@ fn train_job_row(
             job.peak_rss_bytes as f64 / (1u64 << 30) as f64,
         ),
         ours: format!("{tok_s:.0} trainable tok/s"),
-        llama_cpp: peft.map_or("-".into(), |v| format!("PEFT {v:.0} tok/s")),
-        ratio: peft.map_or("-".into(), |v| format!("{:.2}x", tok_s / v)),
     })
 }
 

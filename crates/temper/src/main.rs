@@ -28,7 +28,7 @@ struct Cli {
 enum Command {
     /// Serve chat completions over HTTP.
     Serve(Box<ServeArgs>),
-    /// Measure prompt and decode throughput and print a table next to llama.cpp's figures.
+    /// Measure prompt and decode throughput, structured outputs and training on this host and print a table (`make bench-compare` puts llama.cpp next to it).
     Bench(bench::BenchArgs),
     /// Create, list and revoke team API keys (stored in the data directory).
     Keys(keys::KeysArgs),
