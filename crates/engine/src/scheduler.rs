@@ -69,7 +69,9 @@ impl Stats {
     /// Counts a new request in, unless `max` are already queued.
     pub(crate) fn enter_queue(&self, max: usize) -> bool {
         self.queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| (q < max).then_some(q + 1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                (q < max).then_some(q + 1)
+            })
             .is_ok()
     }
 
@@ -353,7 +355,11 @@ impl Group {
         let len = self.req.prompt.len()
             + match &self.phase {
                 Phase::Prefill { .. } => 0,
-                Phase::Decode { seqs } => seqs.iter().map(|s| s.history.output.len()).max().unwrap_or(0),
+                Phase::Decode { seqs } => seqs
+                    .iter()
+                    .map(|s| s.history.output.len())
+                    .max()
+                    .unwrap_or(0),
             };
         len.div_ceil(temper_model::BLOCK_TOKENS) + self.req.n
     }
@@ -790,7 +796,9 @@ impl Scheduler {
         if rows.is_empty() {
             // Every prompt waits for KV blocks that running prompts hold: one must give way.
             drop(inputs);
-            self.relieve_kv("the KV cache is too small to hold this request's prompt; raise --kv-cache-mb");
+            self.relieve_kv(
+                "the KV cache is too small to hold this request's prompt; raise --kv-cache-mb",
+            );
             return;
         }
         trace!(rows = rows.len(), tokens = n_tokens, "step");

@@ -518,7 +518,8 @@ fn a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_output() {
 
 /// An engine over its own copy of the tiny model whose KV pool holds `blocks` blocks.
 fn engine_with_kv_blocks(blocks: usize, config: EngineConfig) -> Engine {
-    let dir = std::env::temp_dir().join(format!("temper-engine-kv-{}-{blocks}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("temper-engine-kv-{}-{blocks}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("tiny.gguf");
     temper_model::tiny::write_tiny_gguf(&path, 7).expect("write tiny model");
@@ -541,7 +542,10 @@ fn a_request_too_big_for_the_kv_pool_fails_clearly_and_others_still_run() {
             None => panic!("no error event"),
         }
     };
-    assert!(message.contains("KV cache") && message.contains("--kv-cache-mb"), "{message}");
+    assert!(
+        message.contains("KV cache") && message.contains("--kv-cache-mb"),
+        "{message}"
+    );
     // The engine is still up.
     assert_eq!(run(&e, request("a b c", 5, greedy()))[0].ids.len(), 5);
 }
@@ -552,7 +556,11 @@ fn requests_beyond_the_kv_pool_wait_or_are_preempted_and_all_finish_unchanged() 
     // its two choices until the first writes, then 16 tokens more each), so the three cannot
     // all run at once.
     let e = engine_with_kv_blocks(7, EngineConfig::default());
-    let texts = ["the cat sat on the mat and the dog", "what is the answer to the question", "yes no good day to you my friend"];
+    let texts = [
+        "the cat sat on the mat and the dog",
+        "what is the answer to the question",
+        "yes no good day to you my friend",
+    ];
     let reqs: Vec<GenerationRequest> = texts
         .iter()
         .map(|t| GenerationRequest {
@@ -560,10 +568,19 @@ fn requests_beyond_the_kv_pool_wait_or_are_preempted_and_all_finish_unchanged() 
             ..request(t, 16, seeded(5))
         })
         .collect();
-    let rxs: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).expect("submit")).collect();
+    let rxs: Vec<_> = reqs
+        .iter()
+        .map(|r| e.submit(r.clone()).expect("submit"))
+        .collect();
     let crowded: Vec<Vec<Choice>> = rxs.into_iter().map(|rx| collect(rx, 2)).collect();
     for (r, got) in reqs.into_iter().zip(&crowded) {
-        let alone = run(&default_engine(), GenerationRequest { cache_salt: Some("alone".into()), ..r });
+        let alone = run(
+            &default_engine(),
+            GenerationRequest {
+                cache_salt: Some("alone".into()),
+                ..r
+            },
+        );
         for (a, b) in alone.iter().zip(got) {
             assert_eq!(a.ids, b.ids, "a crowded pool changed the output");
         }

@@ -113,7 +113,10 @@ pub async fn chat_completions(
     .map_err(|e| ApiError::Internal(format!("the prompt task failed: {e}")))??;
     let reasoning_parser = reasoning_parser(&model, &params.prompt, &prompt_ids);
     let completion = Completion {
-        id: format!("chatcmpl-{}", params.request_id.as_deref().unwrap_or(&ctx.request_id)),
+        id: format!(
+            "chatcmpl-{}",
+            params.request_id.as_deref().unwrap_or(&ctx.request_id)
+        ),
         created: unix_now(),
         model: resolved.name,
         tokenizer: model.tokenizer.clone(),

@@ -155,7 +155,10 @@ impl ServedModel {
             None => context,
         };
         let tokenizer = Arc::new(tokenizer);
-        loaded.model.kv_pool().set_capacity_bytes(spec.kv_cache_bytes);
+        loaded
+            .model
+            .kv_pool()
+            .set_capacity_bytes(spec.kv_cache_bytes);
         let model = Arc::new(loaded.model);
         let engine = Engine::start(
             model.clone(),

@@ -111,7 +111,10 @@ async fn a_next_turn_reports_its_cached_prompt_tokens() {
     streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});
     let events = s.chat_stream(&streamed).await;
-    let usage = events.iter().rev().find_map(|e| e.get("usage").filter(|u| !u.is_null()));
+    let usage = events
+        .iter()
+        .rev()
+        .find_map(|e| e.get("usage").filter(|u| !u.is_null()));
     assert_eq!(
         usage.expect("a usage chunk")["prompt_tokens_details"]["cached_tokens"],
         cached
@@ -149,7 +152,10 @@ async fn large_prompts_do_not_hold_up_health_or_small_requests() {
         t.await.unwrap();
     }
     // Each large prompt takes seconds to tokenize; the small requests took milliseconds.
-    assert_eq!(finished_first, 0, "the small requests waited for a large prompt");
+    assert_eq!(
+        finished_first, 0,
+        "the small requests waited for a large prompt"
+    );
 }
 
 #[tokio::test]

@@ -120,6 +120,17 @@ impl Linear {
         }
     }
 
+    /// Bytes of the weight as the forward reads it (one decode step reads them all).
+    pub(crate) fn weight_bytes(&self) -> usize {
+        match &self.weight {
+            Weight::Kernel { data, .. } => data.len(),
+            Weight::Candle(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
+        }
+    }
+
     /// Bytes of f32 weights cached for training (0 until the first backward).
     pub(crate) fn dequantized_bytes(&self) -> usize {
         self.dequantized

@@ -131,6 +131,18 @@ impl Gemma3 {
         self.smooth = on;
     }
 
+    /// Bytes of weights one decode step reads: every layer's projections and the LM head (the
+    /// embedding row it looks up is noise beside them); what bounds decode speed by memory
+    /// bandwidth.
+    pub fn decode_weight_bytes(&self) -> usize {
+        self.lm_head.weight_bytes()
+            + self
+                .layers
+                .iter()
+                .flat_map(|l| LoraTarget::ALL.map(|t| l.linear(t).weight_bytes()))
+                .sum::<usize>()
+    }
+
     /// The pool of KV blocks this model's caches draw from (its budget, usage and prefix
     /// cache).
     pub fn kv_pool(&self) -> &KvPool {

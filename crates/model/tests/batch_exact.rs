@@ -196,5 +196,8 @@ fn chunked_and_cached_prefixes_equal_one_forward_bit_for_bit() {
     let hit = reused.reuse_prefix(&toks);
     assert_eq!(hit, 240);
     let tail = forward(&mut reused, &toks[hit..]);
-    assert!(tail == whole[hit * vocab..], "a cached prefix changed the logits");
+    assert!(
+        tail == whole[hit * vocab..],
+        "a cached prefix changed the logits"
+    );
 }

@@ -158,8 +158,16 @@ fn logits_close_to_llama_cpp() {
         total.max_diff,
         total.entries
     );
-    assert!(total.mean() < MEAN_DIFF, "mean |logit diff| {}", total.mean());
-    assert!(total.max_diff < MAX_DIFF, "max |logit diff| {}", total.max_diff);
+    assert!(
+        total.mean() < MEAN_DIFF,
+        "mean |logit diff| {}",
+        total.mean()
+    );
+    assert!(
+        total.max_diff < MAX_DIFF,
+        "max |logit diff| {}",
+        total.max_diff
+    );
 }
 
 /// A long context (a 290-token prompt in forwards of 58 tokens, then decode steps at positions
@@ -193,8 +201,16 @@ fn long_context_logits_close_to_llama_cpp() {
         agreement.compared
     );
     assert_eq!(agreement.agreed, agreement.compared, "greedy ids");
-    assert!(agreement.mean() < MEAN_DIFF, "mean |logit diff| {}", agreement.mean());
-    assert!(agreement.max_diff < MAX_DIFF, "max |logit diff| {}", agreement.max_diff);
+    assert!(
+        agreement.mean() < MEAN_DIFF,
+        "mean |logit diff| {}",
+        agreement.mean()
+    );
+    assert!(
+        agreement.max_diff < MAX_DIFF,
+        "max |logit diff| {}",
+        agreement.max_diff
+    );
 }
 
 /// Greedy decoding through the cache against llama-server's golden continuations: the same
@@ -251,7 +267,10 @@ fn greedy_matches_llama_server() {
             diff / n as f64,
             n / 5
         );
-        assert!(same >= before_tie, "sample {si}: ids differ before the first near tie");
+        assert!(
+            same >= before_tie,
+            "sample {si}: ids differ before the first near tie"
+        );
     }
     let mean = sum_diff / n_diff as f64;
     eprintln!("golden: top-5 logprob diff mean {mean:.2e}");

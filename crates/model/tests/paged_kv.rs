@@ -143,7 +143,10 @@ fn forks_share_blocks_until_they_write() {
         let mut seq = prompt.clone();
         seq.push(20 + i as u32);
         let fresh = run(&model, &seq, &mut model.new_cache(), false);
-        assert!(out.data == fresh.data, "fork {i} differs from its recomputation");
+        assert!(
+            out.data == fresh.data,
+            "fork {i} differs from its recomputation"
+        );
     }
     drop(forks);
     drop(parent);

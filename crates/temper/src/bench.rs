@@ -95,6 +95,21 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         what: format!("decode, 1 stream, {} tokens", args.decode_tokens),
         ours: format!("{decode_tok_s:.1} tok/s"),
     });
+    // Batch-1 decode reads every weight once per token: its ceiling is bandwidth / bytes.
+    let bytes_per_token = model.decode_weight_bytes() as f64;
+    let bandwidth = crate::bandwidth::read_bytes_per_s();
+    rows.push(Row {
+        what: format!(
+            "decode memory traffic: {:.0} MB of weights per token, host read bandwidth {:.1} GB/s",
+            bytes_per_token / 1e6,
+            bandwidth / 1e9
+        ),
+        ours: format!(
+            "{:.1} GB/s ({:.0}% of the bandwidth)",
+            decode_tok_s * bytes_per_token / 1e9,
+            100.0 * decode_tok_s * bytes_per_token / bandwidth
+        ),
+    });
     let n = args.concurrency.max(1);
     let batched = best_of(repeat, || {
         generate(&engine, &prompt, n, args.decode_tokens, None)

@@ -354,13 +354,11 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
 /// where it cannot be read. Blocks are allocated as they are used, so an idle server holds
 /// only what its prefix cache keeps.
 fn default_kv_cache_bytes() -> usize {
-    let available_kb = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find_map(|l| l.strip_prefix("MemAvailable:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
-        });
+    let available_kb = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+    });
     available_kb.map_or(1 << 30, |kb| (kb * 1024 / 8).clamp(256 << 20, 2 << 30))
 }
 

@@ -1,5 +1,6 @@
 //! The `temper` binary: configuration → served models → HTTP server. Nothing else lives here.
 
+mod bandwidth;
 mod bench;
 mod config;
 mod keys;
