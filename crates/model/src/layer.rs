@@ -246,11 +246,26 @@ impl Gemma3 {
         let window = (!cfg.is_global(layer)).then_some(cfg.sliding_window);
         let scale = 1.0 / (d as f32).sqrt();
         let isa = Isa::detect();
+        // A task per token and key/value head; with fewer tokens than threads (a decode step)
+        // the group's query heads are split between tasks too, so every thread works. Each
+        // head's arithmetic is the same either way.
+        let threads = rayon::current_num_threads();
+        let tokens = layout.pos.len();
+        let split = if tokens * hkv >= threads {
+            1
+        } else {
+            (1..=group.min(threads))
+                .rev()
+                .find(|k| group.is_multiple_of(*k))
+                .unwrap_or(1)
+        };
+        let heads_per_task = group / split;
         let mut out = vec![0f32; q.len()];
-        out.par_chunks_mut(group * d)
+        out.par_chunks_mut(heads_per_task * d)
             .enumerate()
             .for_each_init(Vec::new, |scores, (idx, o)| {
-                let (t, g) = (idx / hkv, idx % hkv);
+                let first_head = idx * heads_per_task;
+                let (t, g) = (first_head / h, first_head % h / group);
                 let pos = layout.pos[t];
                 let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
                 let head = HeadColumns {
@@ -258,7 +273,7 @@ impl Gemma3 {
                     d,
                     stride: hkv * d,
                 };
-                let queries = &q[idx * group * d..(idx + 1) * group * d];
+                let queries = &q[first_head * d..(first_head + heads_per_task) * d];
                 let view = &views[layout.seq[t]];
                 attention::attend_group(isa, queries, scale, view, (lo, pos + 1), head, o, scores);
             });
