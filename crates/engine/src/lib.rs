@@ -6,6 +6,7 @@
 //! dropping that receiver cancels the request.
 
 mod logits;
+mod lookup;
 mod mask_workers;
 mod rng;
 mod sampler;
@@ -37,6 +38,12 @@ pub struct EngineConfig {
     /// Longest prompt + completion a request may ask for.
     pub max_model_len: usize,
     pub scheduling: Scheduling,
+    /// Speculative decoding by prompt lookup: most draft tokens a decoding sequence proposes
+    /// per step, copied from what followed the latest earlier occurrence of its last tokens in
+    /// its prompt and output, and verified in the same forward. 0 = off. Output is unchanged
+    /// by it (greedy and seeded bit for bit, unseeded in distribution): only the number of
+    /// steps changes.
+    pub prompt_lookup_tokens: usize,
 }
 
 /// Order of the waiting queue (vLLM's `--scheduling-policy`).
@@ -58,6 +65,7 @@ impl Default for EngineConfig {
             max_running: 32,
             max_model_len: 32768,
             scheduling: Scheduling::Fcfs,
+            prompt_lookup_tokens: 4,
         }
     }
 }
@@ -312,6 +320,10 @@ pub struct EngineStats {
     pub masks_abandoned: u64,
     /// Prompt positions whose prompt logprobs were computed.
     pub prompt_logprobs: u64,
+    /// Draft tokens proposed by prompt lookup and fed to the model for verification.
+    pub drafted_tokens: u64,
+    /// Draft tokens equal to the token sampled at their position (each saves a step).
+    pub accepted_tokens: u64,
 }
 
 /// Handle to a model's scheduler thread; cheap to clone, shareable across threads.
@@ -342,6 +354,7 @@ impl Engine {
             max_running: config.max_running.max(1),
             max_model_len: config.max_model_len.min(model_cfg.context_length),
             scheduling: config.scheduling,
+            prompt_lookup_tokens: config.prompt_lookup_tokens,
         };
         let max_model_len = config.max_model_len;
         let stats = Arc::new(scheduler::Stats::default());
