@@ -42,6 +42,8 @@ pub struct ModelSpec {
     pub scheduling: Scheduling,
     /// `--kv-cache-mb`: the budget of the model's KV block pool.
     pub kv_cache_bytes: usize,
+    /// `--prompt-lookup-tokens`: draft tokens per sequence and step (0 = off).
+    pub prompt_lookup_tokens: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +94,7 @@ impl ModelSpec {
             max_batch_tokens: engine.max_batch_tokens,
             scheduling: engine.scheduling,
             kv_cache_bytes: 1 << 30,
+            prompt_lookup_tokens: engine.prompt_lookup_tokens,
         }
     }
 }
@@ -162,6 +165,7 @@ impl ServedModel {
                 max_running: spec.max_running,
                 max_model_len,
                 scheduling: spec.scheduling,
+                prompt_lookup_tokens: spec.prompt_lookup_tokens,
             },
         );
         Ok(ServedModel {
