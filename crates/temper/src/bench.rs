@@ -139,7 +139,28 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     )?);
     let stats = engine.stats();
     drop(engine);
-    rows.push(echo_row(&model, &tokenizer, repeat)?);
+    let echo = format!(
+        "<start_of_turn>user\nRepeat the following paragraph word for word, with no \
+         comment:\n\n{ECHO_PARAGRAPH}<end_of_turn>\n<start_of_turn>model\n"
+    );
+    // As many tokens as the paragraph has: the echo itself.
+    let echo_tokens = tokenizer.encode(ECHO_PARAGRAPH, false).len();
+    rows.push(prompt_lookup_row(
+        &model,
+        &tokenizer,
+        repeat,
+        "greedy echo of a paragraph in a chat turn",
+        &echo,
+        echo_tokens,
+    )?);
+    rows.push(prompt_lookup_row(
+        &model,
+        &tokenizer,
+        repeat,
+        "greedy continuation of a story opening (little to echo)",
+        STORY,
+        echo_tokens,
+    )?);
 
     for shape in args.train_shapes.iter().filter(|s| !s.is_empty()) {
         let (seqs, len) = parse_shape(shape)?;
@@ -330,20 +351,26 @@ const ECHO_PARAGRAPH: &str = "The committee met on Tuesday to review the budget 
     primary school. The proposal to build a new sports hall was postponed until the spring, when \
     more information about the costs will be available.";
 
-/// Single-stream greedy decode of a chat turn asking to repeat a paragraph (the model mostly
-/// echoes it), with speculative decoding by prompt lookup on (the engine's default number of
-/// drafts) and off: tok/s of each, their ratio and the share of drafts accepted. The output is
-/// the same both ways.
-fn echo_row(model: &Arc<Gemma3>, tokenizer: &Arc<Tokenizer>, repeat: usize) -> Result<Row, String> {
+/// A prompt whose continuation has little to copy from it: what drafts cost where they rarely
+/// help.
+const STORY: &str = "Once upon a time, in a small fishing village at the edge of a cold grey sea, \
+    there lived an old lighthouse keeper named";
+
+/// Single-stream greedy decode of `text` (special tokens parsed; the echo: a chat turn asking to
+/// repeat a paragraph, which the model echoes) for `max_tokens` tokens or until the end of
+/// turn, with speculative decoding by prompt lookup on (the engine's default number of drafts)
+/// and off: tok/s of each, their ratio and the share of drafts accepted. The output is the same
+/// both ways.
+fn prompt_lookup_row(
+    model: &Arc<Gemma3>,
+    tokenizer: &Arc<Tokenizer>,
+    repeat: usize,
+    what: &str,
+    text: &str,
+    max_tokens: usize,
+) -> Result<Row, String> {
     let mut prompt: Vec<u32> = tokenizer.bos_id().into_iter().collect();
-    prompt.extend(tokenizer.encode(
-        &format!(
-            "<start_of_turn>user\nRepeat the following paragraph word for word, with no \
-             comment:\n\n{ECHO_PARAGRAPH}<end_of_turn>\n<start_of_turn>model\n"
-        ),
-        true,
-    ));
-    let max_tokens = 256;
+    prompt.extend(tokenizer.encode(text, true));
     let k = EngineConfig::default().prompt_lookup_tokens;
     let mut measured = Vec::new();
     for drafts in [k, 0] {
@@ -366,8 +393,8 @@ fn echo_row(model: &Arc<Gemma3>, tokenizer: &Arc<Tokenizer>, repeat: usize) -> R
     let stats = measured[0].1;
     Ok(Row {
         what: format!(
-            "decode, 1 stream, greedy echo of a paragraph ({} tokens; {} steps with drafts, {} \
-             without), prompt lookup of {k} tokens on vs off",
+            "decode, 1 stream, {what} ({} tokens; {} steps with drafts, {} without), prompt \
+             lookup of {k} tokens on vs off",
             measured[0].0.tokens,
             stats.steps / repeat as u64,
             measured[1].1.steps / repeat as u64,
