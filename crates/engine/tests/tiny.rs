@@ -2041,15 +2041,45 @@ fn drafts_never_exceed_max_tokens() {
 #[test]
 fn drafts_leave_min_tokens_stop_tokens_eos_and_repetition_detection_unchanged() {
     let base = run(&engine_with_drafts(0), request(ECHO, 40, greedy())).remove(0);
-    // A token that comes back in the output: stop on it, but only after min_tokens.
-    let stop_id = base.ids[3];
+    // The token greedy output loops on: it is drafted, masked by min_tokens (so those drafts
+    // are rejected), then stops generation.
+    let stop_id = *base.ids.last().expect("tokens");
     let mut req = request(ECHO, 40, greedy());
     req.stopping.stop_token_ids = vec![stop_id];
-    req.stopping.min_tokens = 6;
+    req.stopping.min_tokens = 12;
     req.stopping.ignore_eos = false;
     let (with, without, s) = with_and_without_drafts(&req);
-    eprintln!("stop token: {s:?} {:?}", with[0].reason);
     assert_same_output(&with, &without);
+    assert!(with[0].ids.len() > 12);
+    assert!(s.drafted_tokens > 0, "{s:?}");
+
+    // A stop token first generated late, after drafts were accepted.
+    let sampled = |stop: Vec<u32>| {
+        let mut req = request(
+            ECHO,
+            48,
+            SamplingParams {
+                temperature: 0.3,
+                seed: Some(1),
+                ..SamplingParams::default()
+            },
+        );
+        req.stopping.stop_token_ids = stop;
+        req.stopping.ignore_eos = false;
+        req
+    };
+    let base = run(&engine_with_drafts(0), sampled(vec![])).remove(0);
+    let (first, &late) = base
+        .ids
+        .iter()
+        .enumerate()
+        .rfind(|&(i, t)| base.ids.iter().position(|x| x == t) == Some(i))
+        .expect("tokens");
+    let (with, without, s) = with_and_without_drafts(&sampled(vec![late]));
+    assert_same_output(&with, &without);
+    assert_eq!(with[0].ids, base.ids[..=first].to_vec());
+    assert_eq!(with[0].stop_reason, Some(StopReason::Token(late)));
+    assert!(s.accepted_tokens > 0, "{s:?}");
 
     let mut req = request(ECHO, 40, greedy());
     req.stopping.repetition_detection = Some(RepetitionDetection {
