@@ -6,6 +6,7 @@
 //! dropping that receiver cancels the request.
 
 mod logits;
+mod lookup;
 mod mask_workers;
 mod rng;
 mod sampler;
@@ -40,6 +41,12 @@ pub struct EngineConfig {
     /// Most new requests waiting for admission; past it `submit` refuses with
     /// `EngineError::QueueFull` (a 429), so overload is an answer, not a growing queue.
     pub max_waiting: usize,
+    /// Speculative decoding by prompt lookup: most draft tokens a decoding sequence proposes
+    /// per step, copied from what followed the latest earlier occurrence of its last tokens in
+    /// its prompt and output, and verified in the same forward. 0 = off. Output is unchanged
+    /// by it (greedy and seeded bit for bit, unseeded in distribution): only the number of
+    /// steps changes.
+    pub prompt_lookup_tokens: usize,
 }
 
 /// Order of the waiting queue (vLLM's `--scheduling-policy`).
@@ -62,6 +69,7 @@ impl Default for EngineConfig {
             max_model_len: 32768,
             scheduling: Scheduling::Fcfs,
             max_waiting: 256,
+            prompt_lookup_tokens: 4,
         }
     }
 }
@@ -318,6 +326,10 @@ pub struct EngineStats {
     pub masks_abandoned: u64,
     /// Prompt positions whose prompt logprobs were computed.
     pub prompt_logprobs: u64,
+    /// Draft tokens proposed by prompt lookup and fed to the model for verification.
+    pub drafted_tokens: u64,
+    /// Draft tokens equal to the token sampled at their position (each saves a step).
+    pub accepted_tokens: u64,
 }
 
 /// Handle to a model's scheduler thread; cheap to clone, shareable across threads.

@@ -7,6 +7,20 @@
 //! preempted request keeps its choices' state but not their caches; back in the batch, each
 //! choice replays prompt + output in prompt-sized chunks before it samples again.
 //!
+//! With `prompt_lookup_tokens` on, a decoding choice whose last tokens occurred earlier in its
+//! prompt or output feeds `next` plus the tokens that followed them (`lookup::propose`) as one
+//! row, all with logits. Its tokens are then sampled from those rows in order, exactly as from
+//! one row per step: each row's logits are bit for bit those a one-token decode at that position
+//! gives (the model's arithmetic does not depend on the rows beside it), the processors see the
+//! history with the tokens sampled so far, the sampler draws from the choice's own generator
+//! once per token, and stop handling, logprobs and max_tokens run per token. Sampling goes on
+//! to the next row while the token sampled equals the draft that row was fed after, and
+//! generation has not ended; the cache then forgets the positions of the rejected drafts. So
+//! greedy and seeded outputs are identical with speculation on and off, and unseeded output
+//! keeps its distribution (a token drawn from p and kept when it equals a fixed draft is still
+//! a draw from p); only the number of steps changes. Beams, structured outputs (their masks
+//! come per token from worker threads) and replays after a preemption do not speculate.
+//!
 //! A beam-search request's sequences are its live beams: each is a row of the shared batch with
 //! its own cache. Once every live beam has its row, the request expands them into the next
 //! beams, forking the caches of the parents that more than one child continues.
@@ -26,6 +40,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, error, trace, warn};
 
 use crate::logits::{self, History, Processors};
+use crate::lookup;
 use crate::mask_workers::{MaskDone, MaskGate, MaskKey, MaskOutcome, MaskWorkers};
 use crate::rng::{random_seed, Rng};
 use crate::sampler::{self, Sampler};
@@ -63,6 +78,8 @@ pub(crate) struct Stats {
     pub(crate) masks: AtomicU64,
     pub(crate) masks_abandoned: AtomicU64,
     prompt_logprobs: AtomicU64,
+    drafted_tokens: AtomicU64,
+    accepted_tokens: AtomicU64,
 }
 
 impl Stats {
@@ -91,6 +108,8 @@ impl Stats {
             masks: self.masks.load(Ordering::Relaxed),
             masks_abandoned: self.masks_abandoned.load(Ordering::Relaxed),
             prompt_logprobs: self.prompt_logprobs.load(Ordering::Relaxed),
+            drafted_tokens: self.drafted_tokens.load(Ordering::Relaxed),
+            accepted_tokens: self.accepted_tokens.load(Ordering::Relaxed),
         }
     }
 }
@@ -137,6 +156,8 @@ struct Seq {
     waiting_row: Option<Vec<f32>>,
     /// After a preemption: the tokens this step feeds to rebuild the cache.
     replay: Vec<u32>,
+    /// When this step speculates: its input, `next` then the draft tokens; empty otherwise.
+    spec: Vec<u32>,
     /// Beam search: this beam's score so far.
     beam: Option<BeamPath>,
 }
@@ -167,6 +188,7 @@ impl Seq {
             }),
             waiting_row: None,
             replay: Vec::new(),
+            spec: Vec::new(),
             beam: None,
         }
     }
@@ -317,6 +339,7 @@ impl Group {
                     s.cache = model.new_shared_cache(self.prefix_key);
                     // The replay computes this row again.
                     s.waiting_row = None;
+                    s.spec.clear();
                 }
             }
         }
@@ -375,6 +398,11 @@ impl Group {
 /// Who a row of the batch belongs to.
 enum Row {
     Decode {
+        group: usize,
+        seq: usize,
+    },
+    /// A decode row with draft tokens: the sequence's `spec`, a logits row for each.
+    Draft {
         group: usize,
         seq: usize,
     },
@@ -640,7 +668,8 @@ impl Scheduler {
 
     /// Makes sure the KV pool holds this step's decode rows: while it does not, the
     /// worst-ranked running request goes back to the queue (preemption by recompute); a request
-    /// alone that still does not fit fails. Returns the blocks left for prompt chunks.
+    /// alone that still does not fit fails. Draft tokens get what blocks are left (`fit_drafts`).
+    /// Returns the blocks left for prompt chunks.
     fn make_kv_room(&mut self) -> usize {
         loop {
             let needed: usize = self
@@ -659,13 +688,80 @@ impl Scheduler {
             let stats = self.model.kv_pool().stats();
             let available = stats.available_blocks();
             if needed <= available {
-                return available - needed;
+                return self.fit_drafts(available - needed);
             }
             self.relieve_kv(&format!(
                 "the KV cache is full: {needed} blocks needed, {available} of {} available; \
                  raise --kv-cache-mb",
                 stats.capacity_blocks
             ));
+        }
+    }
+
+    /// Cuts this step's drafts down to what `spare` KV blocks hold beyond the decode rows' own
+    /// (earlier requests first); returns the blocks left.
+    fn fit_drafts(&mut self, mut spare: usize) -> usize {
+        for g in &mut self.groups {
+            let Phase::Decode { seqs } = &mut g.phase else {
+                continue;
+            };
+            for s in seqs.iter_mut().filter(|s| !s.spec.is_empty()) {
+                let own = s.cache.blocks_needed(1);
+                let fits = s.cache.room_in(own + spare).max(1);
+                s.spec.truncate(fits);
+                if s.spec.len() == 1 {
+                    s.spec.clear();
+                }
+                spare -= s.cache.blocks_needed(s.spec.len().max(1)) - own;
+            }
+        }
+        spare
+    }
+
+    /// Proposes this step's draft tokens (`lookup::propose`) for the decoding choices that may
+    /// speculate: not beams, structured outputs or replays; at most one token fewer than the
+    /// choice has left to generate; and, over the step, what `max_batch_tokens` leaves beside
+    /// one row per decoding choice (earlier requests first).
+    fn propose_drafts(&mut self) {
+        let k = self.config.prompt_lookup_tokens;
+        let decode_rows: usize = self
+            .groups
+            .iter()
+            .map(|g| match &g.phase {
+                Phase::Decode { seqs } => seqs.len(),
+                Phase::Prefill { .. } => 0,
+            })
+            .sum();
+        let mut budget = self.config.max_batch_tokens.saturating_sub(decode_rows);
+        for g in &mut self.groups {
+            let Phase::Decode { seqs } = &mut g.phase else {
+                continue;
+            };
+            let may = k > 0 && g.beams.is_none() && !g.dropped;
+            for s in seqs {
+                s.spec.clear();
+                if !may
+                    || s.grammar.is_some()
+                    || s.beam.is_some()
+                    || s.waiting_row.is_some()
+                    || s.cache.len() != s.replay_len(&g.req.prompt)
+                {
+                    continue;
+                }
+                let left = g.req.stopping.max_tokens.saturating_sub(s.generated);
+                let most = k.min(left.saturating_sub(1)).min(budget);
+                if most == 0 {
+                    continue;
+                }
+                // The cache holds prompt + output but `next`.
+                s.spec.push(s.next);
+                lookup::propose(s.cache.tokens(), &mut s.spec, most);
+                if s.spec.len() == 1 {
+                    s.spec.clear();
+                } else {
+                    budget -= s.spec.len() - 1;
+                }
+            }
         }
     }
 
@@ -685,26 +781,29 @@ impl Scheduler {
 
     /// One forward call over every active sequence, then sampling and stop handling.
     fn step(&mut self) {
-        let decode_rows: usize = self
+        self.propose_drafts();
+        // KV blocks left for prompt and replay chunks once the decode rows (and drafts) have
+        // theirs.
+        let mut kv_budget = self.make_kv_room();
+        let decode_tokens: usize = self
             .groups
             .iter()
             .map(|g| match &g.phase {
                 Phase::Decode { seqs } => seqs
                     .iter()
                     .filter(|s| s.cache.len() == s.replay_len(&g.req.prompt))
-                    .count(),
+                    .map(|s| s.spec.len().max(1))
+                    .sum(),
                 Phase::Prefill { .. } => 0,
             })
             .sum();
-        // Decode rows always run; prompts share what is left. At least one prompt token per
-        // step keeps prefill from starving behind a full decode batch.
+        // Decode rows (with their drafts) always run; prompts share what is left. At least one
+        // prompt token per step keeps prefill from starving behind a full decode batch.
         let mut budget = self
             .config
             .max_batch_tokens
-            .saturating_sub(decode_rows)
+            .saturating_sub(decode_tokens)
             .max(1);
-        // KV blocks left for prompt and replay chunks once the decode rows have theirs.
-        let mut kv_budget = self.make_kv_room();
 
         let mut rows: Vec<Row> = Vec::new();
         let mut inputs: Vec<SeqInput<'_>> = Vec::new();
@@ -719,6 +818,16 @@ impl Scheduler {
                         }
                         let cached = s.cache.len();
                         let replay_len = s.replay_len(&req.prompt);
+                        if cached == replay_len && !s.spec.is_empty() {
+                            inputs.push(SeqInput {
+                                tokens: &s.spec,
+                                cache: &mut s.cache,
+                                all_logits: true,
+                                adapter: req.adapter.as_deref(),
+                            });
+                            rows.push(Row::Draft { group: gi, seq: si });
+                            continue;
+                        }
                         if cached == replay_len {
                             inputs.push(SeqInput {
                                 tokens: std::slice::from_ref(&s.next),
@@ -840,6 +949,7 @@ impl Scheduler {
         for (row, out) in rows.iter().zip(logits) {
             match *row {
                 Row::Decode { group, seq } => self.decode_row(group, seq, out),
+                Row::Draft { group, seq } => self.verify_drafts(group, seq, &out),
                 Row::Prefill { group, start, end } => self.prefill_row(group, start, end, &out),
                 Row::Replay { .. } => {}
             }
@@ -870,8 +980,10 @@ impl Scheduler {
     fn fail_rows(&mut self, rows: &[Row], message: &str) {
         let mut hit = vec![false; self.groups.len()];
         for r in rows {
-            let (Row::Decode { group, .. } | Row::Prefill { group, .. } | Row::Replay { group }) =
-                *r;
+            let (Row::Decode { group, .. }
+            | Row::Draft { group, .. }
+            | Row::Prefill { group, .. }
+            | Row::Replay { group }) = *r;
             hit[group] = true;
         }
         for (g, &h) in self.groups.iter_mut().zip(&hit) {
@@ -889,6 +1001,80 @@ impl Scheduler {
             return;
         };
         self.sample_seq(gi, si, Cow::Owned(row));
+    }
+
+    /// Samples choice `si` of group `gi` from the rows of its speculative input (`next`, then
+    /// the drafts d1..dk): row i gives a token the normal way (`emit_token`); when it equals
+    /// d(i+1) and generation goes on, row i+1 gives the next one. Every sampled token is sent;
+    /// the cache then forgets the drafts after the last accepted one. The logits, processors'
+    /// history and random draws of each token are those of one decode step at its position, so
+    /// the output is the one without drafts (see the module's note).
+    fn verify_drafts(&mut self, gi: usize, si: usize, out: &Logits) {
+        let g = &mut self.groups[gi];
+        if g.dropped {
+            return;
+        }
+        let Phase::Decode { seqs } = &mut g.phase else {
+            return;
+        };
+        let Some(seq) = seqs.get_mut(si) else {
+            return;
+        };
+        let input = std::mem::take(&mut seq.spec);
+        if input.len() < 2 || out.rows != input.len() || out.data.len() < out.rows * out.vocab {
+            g.fail("model returned the wrong number of logits rows for a speculative row");
+            g.dropped = true;
+            return;
+        }
+        let drafted = input.len() - 1;
+        let mut accepted = 0;
+        let mut events = Vec::new();
+        let mut failed = None;
+        for i in 0..input.len() {
+            match emit_token(
+                seq,
+                &g.req,
+                &g.procs,
+                out.row(i),
+                &mut self.sampler,
+                &mut self.processed,
+                &self.tokenizer,
+                &self.end_tokens,
+            ) {
+                Ok(ev) => events.extend(ev),
+                Err(message) => {
+                    failed = Some(message);
+                    break;
+                }
+            }
+            if input.get(i + 1) != Some(&seq.next) {
+                break;
+            }
+            accepted += 1;
+            if seq.finished {
+                break;
+            }
+        }
+        // The cache holds every input position; the accepted drafts' stay.
+        let keep = seq.cache.len() - (drafted - accepted);
+        seq.cache.truncate(keep);
+        // Keeps the buffer for the next step.
+        seq.spec = input;
+        seq.spec.clear();
+        trace!(request_id = %g.req.request_id, choice = seq.choice, drafted, accepted, "drafts verified");
+        self.stats
+            .drafted_tokens
+            .fetch_add(drafted as u64, Ordering::Relaxed);
+        self.stats
+            .accepted_tokens
+            .fetch_add(accepted as u64, Ordering::Relaxed);
+        for ev in events {
+            g.send(ev);
+        }
+        if let Some(message) = failed {
+            g.fail(&message);
+            g.dropped = true;
+        }
     }
 
     /// Samples choice `si` of group `gi` from `row` and sends its events; a beam, or a

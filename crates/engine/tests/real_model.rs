@@ -285,3 +285,50 @@ fn a_better_priority_preempts_and_the_preempted_output_is_unchanged() {
         std::thread::sleep(Duration::from_millis(2));
     }
 }
+
+/// Speculative decoding by prompt lookup on a request that echoes its prompt: drafts are
+/// accepted, and greedy and seeded outputs (with their logprobs) are the same as without them.
+#[test]
+fn prompt_lookup_drafts_leave_echoed_output_unchanged() {
+    let Some(path) = temper_model::paths::real_model_for_tests() else {
+        return;
+    };
+    let loaded = temper_model::load_gguf(&path).expect("load model");
+    let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path).expect("tokenizer");
+    let mut prompt: Vec<u32> = tokenizer.bos_id().into_iter().collect();
+    prompt.extend(tokenizer.encode(
+        "<start_of_turn>user\nRepeat this sentence exactly: The quick brown fox jumps over the \
+         lazy dog while the farmer watches from the old wooden gate.<end_of_turn>\n\
+         <start_of_turn>model\n",
+        true,
+    ));
+    let model = Arc::new(loaded.model);
+    let tokenizer = Arc::new(tokenizer);
+    let engine = |k: usize| {
+        Engine::start(
+            model.clone(),
+            tokenizer.clone(),
+            EngineConfig {
+                prompt_lookup_tokens: k,
+                ..EngineConfig::default()
+            },
+        )
+    };
+    let (on, off) = (engine(4), engine(0));
+    for (temperature, seed) in [(0.0, None), (0.8, Some(3))] {
+        let req = GenerationRequest {
+            sampling: SamplingParams {
+                temperature,
+                seed,
+                ..SamplingParams::default()
+            },
+            ..greedy_request(0, &prompt)
+        };
+        let with = collect(on.submit(req.clone()).expect("submit"));
+        let without = collect(off.submit(req).expect("submit"));
+        assert_eq!(with, without, "temperature {temperature}");
+    }
+    let s = on.stats();
+    eprintln!("{s:?}");
+    assert!(s.accepted_tokens > 0, "{s:?}");
+}

@@ -60,6 +60,18 @@ fn default_engine() -> Engine {
     })
 }
 
+/// `default_engine` without speculative decoding, for tests that count steps or rows: drafts
+/// change how many steps a request takes (never its output).
+fn engine_without_drafts() -> Engine {
+    engine(EngineConfig {
+        max_batch_tokens: 256,
+        max_running: 16,
+        max_model_len: 2048,
+        prompt_lookup_tokens: 0,
+        ..EngineConfig::default()
+    })
+}
+
 fn prompt(text: &str) -> Vec<u32> {
     let t = tiny();
     let mut ids = vec![t.tokenizer.bos_id().expect("bos")];
@@ -475,10 +487,12 @@ fn chunked_prefill_gives_the_same_output() {
     let text =
         "the cat sat on the mat and the dog sat on the cat and what is the answer to the question";
     let wide = run(&default_engine(), request(text, 12, greedy()));
+    // Without drafts, which would save decode steps and count their tokens.
     let narrow_engine = engine(EngineConfig {
         max_batch_tokens: 5,
         max_running: 4,
         max_model_len: 2048,
+        prompt_lookup_tokens: 0,
         ..EngineConfig::default()
     });
     // Salted: the engines share the model's KV pool, and the wide run's blocks would serve the
@@ -1322,7 +1336,8 @@ fn lark_grammar_constraint() {
 
 #[test]
 fn constrained_and_unconstrained_requests_share_a_batch() {
-    let e = default_engine();
+    // Drafts could finish the free request before the constrained one gets its rows.
+    let e = engine_without_drafts();
     let free = || request("what is the capital of France", 40, seeded(77));
     let pets = || {
         constrained(
@@ -1443,7 +1458,7 @@ fn pets(e: &Engine, seed: u64) -> GenerationRequest {
 
 #[test]
 fn a_pending_mask_never_stalls_the_batch() {
-    let e = default_engine();
+    let e = engine_without_drafts();
     let hold = Arc::new(std::sync::Mutex::new(Some(e.hold_masks())));
     // If the batch did wait for the held mask, this releases it so the test fails instead of
     // hanging.
@@ -1904,5 +1919,255 @@ fn preempted_beam_search_gives_the_same_beams() {
     for (a, b) in alone.iter().zip(&preempted) {
         assert_eq!(a.ids, b.ids);
         assert_eq!(a.reason, b.reason);
+    }
+}
+
+// Speculative decoding by prompt lookup: drafts change the number of steps, never the output.
+
+/// An engine drafting up to `k` tokens per step by prompt lookup (0 = off).
+fn engine_with_drafts(k: usize) -> Engine {
+    engine(EngineConfig {
+        max_batch_tokens: 256,
+        max_running: 16,
+        max_model_len: 2048,
+        prompt_lookup_tokens: k,
+        ..EngineConfig::default()
+    })
+}
+
+/// A prompt asking to echo a repetitive text: greedy output of the tiny random model loops
+/// over the prompt's patterns, which prompt lookup drafts.
+const ECHO: &str =
+    "repeat: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. \
+    the cat sat on the mat. the cat sat on the mat.";
+
+/// Runs `req` on an engine drafting up to 5 tokens and on one without drafts; returns both
+/// outputs and the drafting engine's counters.
+fn with_and_without_drafts(req: &GenerationRequest) -> (Vec<Choice>, Vec<Choice>, EngineStats) {
+    let on = engine_with_drafts(5);
+    let with = run(&on, req.clone());
+    let stats = wait_idle(&on);
+    let without = run(&engine_with_drafts(0), req.clone());
+    (with, without, stats)
+}
+
+/// Everything a client sees of a choice, but the prefix-cache hit (the engines share the
+/// model's pool).
+fn assert_same_output(with: &[Choice], without: &[Choice]) {
+    assert_eq!(with.len(), without.len());
+    for (i, (a, b)) in with.iter().zip(without).enumerate() {
+        assert_eq!(a.ids, b.ids, "choice {i}: ids");
+        assert_eq!(a.token_texts, b.token_texts, "choice {i}: streamed pieces");
+        assert_eq!(a.text, b.text, "choice {i}: text");
+        assert_eq!(a.reason, b.reason, "choice {i}: finish reason");
+        assert_eq!(a.stop_reason, b.stop_reason, "choice {i}: stop reason");
+        assert_eq!(a.completion_tokens, b.completion_tokens, "choice {i}");
+        assert_eq!(a.logprobs, b.logprobs, "choice {i}: logprobs");
+    }
+}
+
+#[test]
+fn drafts_leave_greedy_output_unchanged_and_save_steps() {
+    let req = request(ECHO, 64, greedy());
+    let (with, without, s) = with_and_without_drafts(&req);
+    eprintln!("{s:?}");
+    assert_same_output(&with, &without);
+    assert_eq!(with[0].ids.len(), 64);
+    // The same as calling the model one token at a time.
+    assert_eq!(with[0].ids, greedy_loop(&req.prompt, 64, None).0);
+    assert!(s.accepted_tokens > 0, "{s:?}");
+    assert!(s.accepted_tokens <= s.drafted_tokens, "{s:?}");
+    // One prefill step, then fewer decode steps than tokens: each accepted draft saved one.
+    assert_eq!(s.steps, 1 + 63 - s.accepted_tokens, "{s:?}");
+    let prefilled = req.prompt.len() - with[0].cached_tokens;
+    // Each decode step fed its input token and its drafts.
+    assert_eq!(
+        s.tokens,
+        (prefilled + 63) as u64 - s.accepted_tokens + s.drafted_tokens,
+        "{s:?}"
+    );
+}
+
+#[test]
+fn drafts_leave_seeded_sampling_unchanged() {
+    let mut accepted = 0;
+    for (seed, temperature) in [(1, 0.3), (2, 0.6), (3, 1.0)] {
+        let req = request(
+            ECHO,
+            48,
+            SamplingParams {
+                temperature,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            },
+        );
+        let (with, without, s) = with_and_without_drafts(&req);
+        eprintln!("seed {seed} temperature {temperature}: {s:?}");
+        assert_same_output(&with, &without);
+        accepted += s.accepted_tokens;
+    }
+    assert!(accepted > 0);
+}
+
+#[test]
+fn drafts_leave_n_choices_stop_strings_and_logprobs_unchanged() {
+    let mut req = GenerationRequest {
+        n: 2,
+        logprobs: Some(3),
+        ..request(
+            ECHO,
+            40,
+            SamplingParams {
+                temperature: 0.4,
+                seed: Some(9),
+                ..SamplingParams::default()
+            },
+        )
+    };
+    // A stop string first found in the second half of choice 1's text.
+    let base = run(&engine_with_drafts(0), req.clone());
+    let text = &base[1].text;
+    let stop = (text.len() / 2..text.len())
+        .filter(|&i| text.is_char_boundary(i))
+        .find_map(|i| {
+            let w: String = text[i..].chars().take(3).collect();
+            let plain = w.chars().all(|c| c.is_ascii_alphanumeric() || c == ' ');
+            (plain && w.len() == 3 && text.find(&w) == Some(i)).then_some(w)
+        })
+        .expect("a stop string");
+    for include in [false, true] {
+        req.stopping.stop = vec![stop.clone()];
+        req.stopping.include_stop_str_in_output = include;
+        let (with, without, s) = with_and_without_drafts(&req);
+        eprintln!(
+            "{s:?} {:?}",
+            with.iter().map(|c| &c.reason).collect::<Vec<_>>()
+        );
+        assert_same_output(&with, &without);
+        assert_eq!(with[1].stop_reason, Some(StopReason::Text(stop.clone())));
+        assert!(with.iter().all(|c| c.logprobs.len() == c.ids.len()));
+        assert!(s.accepted_tokens > 0, "{s:?}");
+    }
+}
+
+#[test]
+fn drafts_never_exceed_max_tokens() {
+    let e = engine_with_drafts(8);
+    let off = engine_with_drafts(0);
+    for max_tokens in 1..=10 {
+        let req = request(ECHO, max_tokens, greedy());
+        let with = run(&e, req.clone());
+        assert_eq!(with[0].ids.len(), max_tokens);
+        assert_eq!(with[0].reason, Some(FinishReason::Length));
+        assert_same_output(&with, &run(&off, req));
+    }
+    let s = wait_idle(&e);
+    assert!(s.accepted_tokens > 0, "{s:?}");
+}
+
+#[test]
+fn drafts_leave_min_tokens_stop_tokens_eos_and_repetition_detection_unchanged() {
+    let base = run(&engine_with_drafts(0), request(ECHO, 40, greedy())).remove(0);
+    // The token greedy output loops on: it is drafted, masked by min_tokens (so those drafts
+    // are rejected), then stops generation.
+    let stop_id = *base.ids.last().expect("tokens");
+    let mut req = request(ECHO, 40, greedy());
+    req.stopping.stop_token_ids = vec![stop_id];
+    req.stopping.min_tokens = 12;
+    req.stopping.ignore_eos = false;
+    let (with, without, s) = with_and_without_drafts(&req);
+    assert_same_output(&with, &without);
+    assert!(with[0].ids.len() > 12);
+    assert!(s.drafted_tokens > 0, "{s:?}");
+
+    // A stop token first generated late, after drafts were accepted.
+    let sampled = |stop: Vec<u32>| {
+        let mut req = request(
+            ECHO,
+            48,
+            SamplingParams {
+                temperature: 0.3,
+                seed: Some(1),
+                ..SamplingParams::default()
+            },
+        );
+        req.stopping.stop_token_ids = stop;
+        req.stopping.ignore_eos = false;
+        req
+    };
+    let base = run(&engine_with_drafts(0), sampled(vec![])).remove(0);
+    let (first, &late) = base
+        .ids
+        .iter()
+        .enumerate()
+        .rfind(|&(i, t)| base.ids.iter().position(|x| x == t) == Some(i))
+        .expect("tokens");
+    let (with, without, s) = with_and_without_drafts(&sampled(vec![late]));
+    assert_same_output(&with, &without);
+    assert_eq!(with[0].ids, base.ids[..=first].to_vec());
+    assert_eq!(with[0].stop_reason, Some(StopReason::Token(late)));
+    assert!(s.accepted_tokens > 0, "{s:?}");
+
+    let mut req = request(ECHO, 40, greedy());
+    req.stopping.repetition_detection = Some(RepetitionDetection {
+        min_pattern_size: 2,
+        max_pattern_size: 8,
+        min_count: 3,
+    });
+    let (with, without, s) = with_and_without_drafts(&req);
+    eprintln!("repetition: {s:?} {:?}", with[0].reason);
+    assert_same_output(&with, &without);
+}
+
+#[test]
+fn drafts_fit_the_step_token_budget() {
+    let e = engine(EngineConfig {
+        max_batch_tokens: 3,
+        max_running: 4,
+        max_model_len: 2048,
+        prompt_lookup_tokens: 5,
+        ..EngineConfig::default()
+    });
+    let req = request(ECHO, 40, greedy());
+    let with = run(&e, req.clone());
+    let s = wait_idle(&e);
+    assert_same_output(&with, &run(&engine_with_drafts(0), req));
+    assert!(s.accepted_tokens > 0, "{s:?}");
+    assert!(s.tokens <= 3 * s.steps, "{s:?}");
+}
+
+#[test]
+fn drafts_in_a_tight_kv_pool_leave_output_unchanged() {
+    let texts = [
+        ECHO,
+        "again: one two three one two three one two three one two three",
+    ];
+    let reqs: Vec<GenerationRequest> = texts.iter().map(|t| request(t, 40, greedy())).collect();
+    let off = engine_with_drafts(0);
+    let want: Vec<Vec<Choice>> = reqs.iter().map(|r| run(&off, r.clone())).collect();
+    // Blocks each request holds at its longest: all of them, one fewer (one request waits or is
+    // preempted), a few more (drafts get what is spare).
+    let blocks: usize = reqs
+        .iter()
+        .map(|r| (r.prompt.len() + 40 - 1).div_ceil(temper_model::BLOCK_TOKENS))
+        .sum();
+    for pool in [blocks - 1, blocks, blocks + 2] {
+        let e = engine_with_kv_blocks(
+            pool,
+            EngineConfig {
+                prompt_lookup_tokens: 5,
+                ..EngineConfig::default()
+            },
+        );
+        let rxs: Vec<_> = reqs
+            .iter()
+            .map(|r| e.submit(r.clone()).expect("submit"))
+            .collect();
+        for (rx, want) in rxs.into_iter().zip(&want) {
+            assert_same_output(&collect(rx, 1), want);
+        }
+        let s = wait_idle(&e);
+        eprintln!("pool {pool}: {s:?}");
+        assert!(s.accepted_tokens > 0, "{s:?}");
     }
 }

@@ -44,6 +44,8 @@ pub struct ModelSpec {
     pub scheduling: Scheduling,
     /// `--kv-cache-mb`: the budget of the model's KV block pool.
     pub kv_cache_bytes: usize,
+    /// `--prompt-lookup-tokens`: draft tokens per sequence and step (0 = off).
+    pub prompt_lookup_tokens: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +97,7 @@ impl ModelSpec {
             max_waiting: engine.max_waiting,
             scheduling: engine.scheduling,
             kv_cache_bytes: 1 << 30,
+            prompt_lookup_tokens: engine.prompt_lookup_tokens,
         }
     }
 }
@@ -169,6 +172,7 @@ impl ServedModel {
                 max_model_len,
                 scheduling: spec.scheduling,
                 max_waiting: spec.max_waiting,
+                prompt_lookup_tokens: spec.prompt_lookup_tokens,
             },
         );
         Ok(ServedModel {

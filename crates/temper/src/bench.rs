@@ -83,6 +83,8 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
             max_batch_tokens: 4096,
             max_running: args.concurrency.max(1),
             max_model_len: model.config().context_length,
+            // Plain decoding, as llama.cpp's figures; the echo row measures drafts.
+            prompt_lookup_tokens: 0,
             ..EngineConfig::default()
         },
     );
@@ -138,6 +140,28 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     )?);
     let stats = engine.stats();
     drop(engine);
+    let echo = format!(
+        "<start_of_turn>user\nRepeat the following paragraph word for word, with no \
+         comment:\n\n{ECHO_PARAGRAPH}<end_of_turn>\n<start_of_turn>model\n"
+    );
+    // As many tokens as the paragraph has: the echo itself.
+    let echo_tokens = tokenizer.encode(ECHO_PARAGRAPH, false).len();
+    rows.push(prompt_lookup_row(
+        &model,
+        &tokenizer,
+        repeat,
+        "greedy echo of a paragraph in a chat turn",
+        &echo,
+        echo_tokens,
+    )?);
+    rows.push(prompt_lookup_row(
+        &model,
+        &tokenizer,
+        repeat,
+        "greedy continuation of a story opening (little to echo)",
+        STORY,
+        echo_tokens,
+    )?);
 
     for shape in args.train_shapes.iter().filter(|s| !s.is_empty()) {
         let (seqs, len) = parse_shape(shape)?;
@@ -316,6 +340,118 @@ fn generate(
         wall,
         decode,
         tokens: generated,
+    })
+}
+
+/// A paragraph the echo measurement asks the model to repeat.
+const ECHO_PARAGRAPH: &str = "The committee met on Tuesday to review the budget for the coming \
+    year. After a long discussion, the members agreed to increase funding for the public library, \
+    to repair the roads on the north side of the town, and to hire two new teachers for the \
+    primary school. The proposal to build a new sports hall was postponed until the spring, when \
+    more information about the costs will be available.";
+
+/// A prompt whose continuation has little to copy from it: what drafts cost where they rarely
+/// help.
+const STORY: &str = "Once upon a time, in a small fishing village at the edge of a cold grey sea, \
+    there lived an old lighthouse keeper named";
+
+/// Single-stream greedy decode of `text` (special tokens parsed; the echo: a chat turn asking to
+/// repeat a paragraph, which the model echoes) for `max_tokens` tokens or until the end of
+/// turn, with speculative decoding by prompt lookup on (the engine's default number of drafts)
+/// and off: tok/s of each, their ratio and the share of drafts accepted. The output is the same
+/// both ways.
+fn prompt_lookup_row(
+    model: &Arc<Gemma3>,
+    tokenizer: &Arc<Tokenizer>,
+    repeat: usize,
+    what: &str,
+    text: &str,
+    max_tokens: usize,
+) -> Result<Row, String> {
+    let mut prompt: Vec<u32> = tokenizer.bos_id().into_iter().collect();
+    prompt.extend(tokenizer.encode(text, true));
+    let k = EngineConfig::default().prompt_lookup_tokens;
+    let mut measured = Vec::new();
+    for drafts in [k, 0] {
+        let engine = Engine::start(
+            model.clone(),
+            tokenizer.clone(),
+            EngineConfig {
+                max_batch_tokens: 4096,
+                max_running: 1,
+                max_model_len: model.config().context_length,
+                prompt_lookup_tokens: drafts,
+                ..EngineConfig::default()
+            },
+        );
+        let run = best_of(repeat, || echo(&engine, &prompt, max_tokens))?;
+        measured.push((run, engine.stats()));
+    }
+    let tok_s = |g: &Generation| g.tokens.saturating_sub(1) as f64 / g.decode.as_secs_f64();
+    let (on, off) = (tok_s(&measured[0].0), tok_s(&measured[1].0));
+    let stats = measured[0].1;
+    Ok(Row {
+        what: format!(
+            "decode, 1 stream, {what} ({} tokens; {} steps with drafts, {} without), prompt \
+             lookup of {k} tokens on vs off",
+            measured[0].0.tokens,
+            stats.steps / repeat as u64,
+            measured[1].1.steps / repeat as u64,
+        ),
+        ours: format!(
+            "{on:.1} vs {off:.1} tok/s ({:.2}x); {:.0}% of drafts accepted ({} of {})",
+            on / off,
+            100.0 * stats.accepted_tokens as f64 / stats.drafted_tokens.max(1) as f64,
+            stats.accepted_tokens,
+            stats.drafted_tokens
+        ),
+    })
+}
+
+/// One greedy request ending at the end of the turn (or `max_tokens`).
+fn echo(engine: &Engine, prompt: &[u32], max_tokens: usize) -> Result<Generation, String> {
+    let started = Instant::now();
+    let mut rx = engine
+        .submit(GenerationRequest {
+            request_id: "bench-echo".into(),
+            prompt: prompt.to_vec(),
+            n: 1,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..SamplingParams::default()
+            },
+            stopping: StopParams {
+                max_tokens,
+                ..StopParams::default()
+            },
+            logprobs: None,
+            adapter: None,
+            constraint: None,
+            priority: 0,
+            prompt_logprobs: None,
+            beam_search: None,
+            cache_salt: None,
+        })
+        .map_err(|e| e.to_string())?;
+    let (mut first_token, mut last_token, mut tokens) = (None, started, 0);
+    loop {
+        match rx.blocking_recv() {
+            Some(GenerationEvent::Token { .. }) => {
+                tokens += 1;
+                let now = Instant::now();
+                first_token.get_or_insert(now);
+                last_token = now;
+            }
+            Some(GenerationEvent::Finished { .. }) => break,
+            Some(GenerationEvent::Error { message }) => return Err(message),
+            Some(GenerationEvent::PromptLogprobs { .. }) => {}
+            None => return Err("the engine stopped".into()),
+        }
+    }
+    Ok(Generation {
+        wall: started.elapsed(),
+        decode: last_token.duration_since(first_token.unwrap_or(started)),
+        tokens,
     })
 }
 

@@ -86,6 +86,12 @@ pub struct ServeArgs {
     /// preempts worse ones; with `fcfs` a non-zero `priority` is a 400) [default: fcfs].
     #[arg(long, env = "TEMPER_SCHEDULING", value_name = "POLICY")]
     pub scheduling: Option<SchedulingPolicy>,
+    /// Speculative decoding by prompt lookup: most draft tokens per sequence and step, copied
+    /// from the prompt and output after an earlier occurrence of the last tokens and verified
+    /// in the same forward; the output is unchanged, echoing requests take fewer steps; 0 = off
+    /// [default: 4].
+    #[arg(long, env = "TEMPER_PROMPT_LOOKUP_TOKENS", value_name = "N")]
+    pub prompt_lookup_tokens: Option<usize>,
     /// Largest accepted body of the training API (/v1/preview/*) [default: 67108864].
     #[arg(long, env = "TEMPER_MAX_TRAINING_BODY_BYTES", value_name = "BYTES")]
     pub max_training_body_bytes: Option<usize>,
@@ -133,6 +139,7 @@ pub struct FileConfig {
     pub max_batch_tokens: Option<usize>,
     pub max_waiting: Option<usize>,
     pub scheduling: Option<SchedulingPolicy>,
+    pub prompt_lookup_tokens: Option<usize>,
     pub max_training_body_bytes: Option<usize>,
     pub adapter_cache_mb: Option<usize>,
     pub kv_cache_mb: Option<usize>,
@@ -162,6 +169,8 @@ pub struct Config {
     pub max_batch_tokens: Option<usize>,
     pub max_waiting: Option<usize>,
     pub scheduling: Scheduling,
+    /// Draft tokens per sequence and step; 0 = no speculative decoding.
+    pub prompt_lookup_tokens: usize,
     pub max_training_body_bytes: usize,
     pub adapter_cache_bytes: usize,
     pub kv_cache_bytes: usize,
@@ -340,6 +349,10 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
             .scheduling
             .or(file.scheduling)
             .map_or(Scheduling::Fcfs, SchedulingPolicy::engine),
+        prompt_lookup_tokens: args
+            .prompt_lookup_tokens
+            .or(file.prompt_lookup_tokens)
+            .unwrap_or_else(|| temper_engine::EngineConfig::default().prompt_lookup_tokens),
         max_training_body_bytes,
         adapter_cache_bytes: adapter_cache_mb << 20,
         kv_cache_bytes: kv_cache_mb.map_or_else(default_kv_cache_bytes, |mb| mb << 20),
@@ -463,6 +476,18 @@ mod tests {
         assert_eq!(c.scheduling, Scheduling::Fcfs);
         assert!(toml::from_str::<FileConfig>(r#"scheduling = "lifo""#).is_err());
         assert!(Cli::try_parse_from(["temper", "--scheduling", "lifo"]).is_err());
+    }
+
+    #[test]
+    fn prompt_lookup_tokens_from_file_and_flag() {
+        let c = resolve(ServeArgs::default(), FileConfig::default(), &home()).unwrap();
+        assert_eq!(c.prompt_lookup_tokens, 4);
+        let file: FileConfig = toml::from_str("prompt_lookup_tokens = 0").unwrap();
+        let c = resolve(ServeArgs::default(), file, &home()).unwrap();
+        assert_eq!(c.prompt_lookup_tokens, 0);
+        let file: FileConfig = toml::from_str("prompt_lookup_tokens = 0").unwrap();
+        let c = resolve(args(&["--prompt-lookup-tokens", "8"]), file, &home()).unwrap();
+        assert_eq!(c.prompt_lookup_tokens, 8);
     }
 
     #[test]

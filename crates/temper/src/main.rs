@@ -111,6 +111,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             spec.max_waiting = n;
         }
         spec.scheduling = cfg.scheduling;
+        spec.prompt_lookup_tokens = cfg.prompt_lookup_tokens;
         spec.kv_cache_bytes = cfg.kv_cache_bytes;
         tracing::info!(model = %name, path = %path.display(), "loading");
         let model = ServedModel::load(&spec).map_err(|e| e.to_string())?;
