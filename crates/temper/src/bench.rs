@@ -90,7 +90,7 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     );
     let prompt = prompt_tokens(&tokenizer, 16);
     let single = best_of(repeat, || {
-        generate(&engine, &prompt, 1, args.decode_tokens, None)
+        generate(&engine, &prompt, 1, exactly(args.decode_tokens), None)
     })?;
     let decode_tok_s = (args.decode_tokens - 1) as f64 / single.decode.as_secs_f64();
     rows.push(Row {
@@ -114,7 +114,7 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     });
     let n = args.concurrency.max(1);
     let batched = best_of(repeat, || {
-        generate(&engine, &prompt, n, args.decode_tokens, None)
+        generate(&engine, &prompt, n, exactly(args.decode_tokens), None)
     })?;
     let total = (n * args.decode_tokens) as f64;
     rows.push(Row {
@@ -280,13 +280,22 @@ fn prefill(model: &Gemma3, prompt: &[u32]) -> Result<Duration, String> {
     Ok(started.elapsed())
 }
 
-/// `n` greedy requests submitted at once, each generating exactly `tokens` tokens (or until
-/// the grammar of `constraint` is complete).
+/// Exactly `tokens` tokens (an end token does not stop them).
+fn exactly(tokens: usize) -> StopParams {
+    StopParams {
+        max_tokens: tokens,
+        ignore_eos: true,
+        ..StopParams::default()
+    }
+}
+
+/// `n` greedy requests submitted at once, each generating until `stopping` (or until the
+/// grammar of `constraint` is complete).
 fn generate(
     engine: &Engine,
     prompt: &[u32],
     n: usize,
-    tokens: usize,
+    stopping: StopParams,
     constraint: Option<&Grammar>,
 ) -> Result<Generation, String> {
     let started = Instant::now();
@@ -300,11 +309,7 @@ fn generate(
                 temperature: 0.0,
                 ..SamplingParams::default()
             },
-            stopping: StopParams {
-                max_tokens: tokens,
-                ignore_eos: true,
-                ..StopParams::default()
-            },
+            stopping: stopping.clone(),
             logprobs: None,
             adapter: None,
             constraint: constraint.cloned(),
@@ -384,7 +389,14 @@ fn prompt_lookup_row(
                 ..EngineConfig::default()
             },
         );
-        let run = best_of(repeat, || echo(&engine, &prompt, max_tokens))?;
+        // Greedy until the end of the turn (or `max_tokens`).
+        let until_end = StopParams {
+            max_tokens,
+            ..StopParams::default()
+        };
+        let run = best_of(repeat, || {
+            generate(&engine, &prompt, 1, until_end.clone(), None)
+        })?;
         measured.push((run, engine.stats()));
     }
     let tok_s = |g: &Generation| g.tokens.saturating_sub(1) as f64 / g.decode.as_secs_f64();
@@ -405,53 +417,6 @@ fn prompt_lookup_row(
             stats.accepted_tokens,
             stats.drafted_tokens
         ),
-    })
-}
-
-/// One greedy request ending at the end of the turn (or `max_tokens`).
-fn echo(engine: &Engine, prompt: &[u32], max_tokens: usize) -> Result<Generation, String> {
-    let started = Instant::now();
-    let mut rx = engine
-        .submit(GenerationRequest {
-            request_id: "bench-echo".into(),
-            prompt: prompt.to_vec(),
-            n: 1,
-            sampling: SamplingParams {
-                temperature: 0.0,
-                ..SamplingParams::default()
-            },
-            stopping: StopParams {
-                max_tokens,
-                ..StopParams::default()
-            },
-            logprobs: None,
-            adapter: None,
-            constraint: None,
-            priority: 0,
-            prompt_logprobs: None,
-            beam_search: None,
-            cache_salt: None,
-        })
-        .map_err(|e| e.to_string())?;
-    let (mut first_token, mut last_token, mut tokens) = (None, started, 0);
-    loop {
-        match rx.blocking_recv() {
-            Some(GenerationEvent::Token { .. }) => {
-                tokens += 1;
-                let now = Instant::now();
-                first_token.get_or_insert(now);
-                last_token = now;
-            }
-            Some(GenerationEvent::Finished { .. }) => break,
-            Some(GenerationEvent::Error { message }) => return Err(message),
-            Some(GenerationEvent::PromptLogprobs { .. }) => {}
-            None => return Err("the engine stopped".into()),
-        }
-    }
-    Ok(Generation {
-        wall: started.elapsed(),
-        decode: last_token.duration_since(first_token.unwrap_or(started)),
-        tokens,
     })
 }
 
@@ -503,7 +468,7 @@ fn structured_output_rows(
     let mean = costs.total / costs.per_token.len().max(1) as u32;
     let p99 = sorted[(sorted.len() * 99 / 100).min(sorted.len() - 1)];
     let constrained = best_of(repeat, || {
-        generate(engine, prompt, 1, decode_tokens, Some(&grammar))
+        generate(engine, prompt, 1, exactly(decode_tokens), Some(&grammar))
     })?;
     let tok_s = constrained.tokens.saturating_sub(1) as f64 / constrained.decode.as_secs_f64();
     Ok(vec![
