@@ -152,25 +152,19 @@ TEMPER=$ROOT/target/release/temper
 MODEL=${BENCH_MODEL:-$(scripts/fetch-model.sh | tail -1)}
 [[ -f $MODEL ]] || die "model $MODEL not found"
 
+# temper's main run has prompt lookup off (llama-server has no speculation), its echo row is run
+# again with it on.
 SPEC_FLAG=
 SPEC_NA=
-if [[ -n ${TEMPER_SPEC_ARGS:-} ]]; then
+OFF_ARGS=()
+help=$("$TEMPER" serve --help 2>&1 || true)
+if grep -q -- '--prompt-lookup-tokens' <<<"$help"; then
+    OFF_ARGS=(--prompt-lookup-tokens 0)
+    SPEC_FLAG=${TEMPER_SPEC_ARGS:---prompt-lookup-tokens 4}
+elif [[ -n ${TEMPER_SPEC_ARGS:-} ]]; then
     SPEC_FLAG=$TEMPER_SPEC_ARGS
 else
-    help=$("$TEMPER" serve --help 2>&1 || true)
-    flag=$(grep -oE -- '--[a-z0-9-]*(prompt-lookup|speculative)[a-z0-9-]*' <<<"$help" | head -1 || true)
-    if [[ -z $flag ]]; then
-        SPEC_NA="n/a (no flag)"
-    else
-        line=$(grep -E -- "$flag( |=|$)" <<<"$help" | head -1)
-        # A switch (`--flag`) or an optional value (`--flag [<BOOL>]`) is turned on bare; a
-        # required value needs TEMPER_SPEC_ARGS.
-        if [[ $line =~ $flag\ \<[^\>]*\> ]]; then
-            SPEC_NA="n/a ($flag takes a value: set TEMPER_SPEC_ARGS)"
-        else
-            SPEC_FLAG=$flag
-        fi
-    fi
+    SPEC_NA="n/a (no flag)"
 fi
 
 python3 - "$RES/meta.json" <<EOF
@@ -226,7 +220,7 @@ start_temper() {
     SERVER_PID=$!
     wait_health "temper serve" "$PORT" "$TMP/temper-serve.log"
 }
-start_temper
+start_temper "${OFF_ARGS[@]}"
 measure temper "$PORT"
 stop_server
 
