@@ -432,9 +432,12 @@ mod tests {
             (WeightFormat::Q8_0, 640, 262_144, 1, 4),
             (WeightFormat::Q8_0, 640, 2048, 1, 400),
             (WeightFormat::Q8_0, 640, 2048, 128, 10),
+            (WeightFormat::Q8_0, 2048, 640, 1, 400),
+            (WeightFormat::Q8_0, 2048, 640, 128, 10),
             (WeightFormat::Q8_0, 640, 262_144, 32, 1),
             (WeightFormat::Q4K, 2048, 640, 1, 400),
             (WeightFormat::Q4K, 2048, 640, 128, 10),
+            (WeightFormat::Q6K, 2048, 640, 1, 400),
             (WeightFormat::Q6K, 2048, 640, 128, 10),
         ] {
             let label = format!("{format:?} {isa:?} {rows} x {in_dim} -> {out_dim}");
