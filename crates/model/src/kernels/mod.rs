@@ -5,9 +5,8 @@
 //! blocks of 256 for K-quants); dot products are exact integers per block, and each format has
 //! one order of its f32 steps, whatever the number of rows:
 //!
-//! - Q8_0 (and Q5_0, widened to Q8_0): ggml's AVX2 `ggml_vec_dot_q8_0_q8_0` order, eight f32
-//!   lanes per row (lane `k`: four products of each block, one fused multiply-add by `dw·da` per
-//!   block), then `hsum_float_8` (see `q8_0`);
+//! - Q8_0 (and Q5_0, widened to Q8_0): one f32 accumulator per row and column, each block's
+//!   integer dot product taken in by one fused multiply-add with `dw·da` (see `q8_0`);
 //! - Q4_K: ggml's repacked `q4_K_8x8` gemv, an integer per row for the scaled quants and one for
 //!   the mins, each into its own f32 accumulator once per block (see `q4_k`);
 //! - Q6_K: ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`, eight f32 lanes, one fused multiply-add per
@@ -19,7 +18,10 @@
 //! batch is the same number.
 //!
 //! Threads split the weight rows; within a thread, a cache-sized slice of weight rows is reused
-//! by groups of up to four activation rows, so a batch reads each weight block once.
+//! by groups of up to four activation rows, so a batch reads each weight block once. Within a
+//! group the AVX2 kernels unpack each weight step once for all its activation rows, and run
+//! their step loops as loops (`black_box` trip counts): fully unrolled, LLVM hoists every
+//! step's weights ahead of their uses and spills them.
 
 mod activations;
 mod q4_k;
@@ -37,7 +39,7 @@ use rayon::prelude::*;
 pub(crate) enum Isa {
     /// Lane-emulating reference (any CPU).
     Scalar,
-    /// AVX2 + FMA + F16C, ggml's AVX2 arithmetic.
+    /// AVX2 + FMA + F16C: eight rows per register, the same arithmetic.
     Avx2,
     /// AVX-512 (F, BW, VL, VNNI): sixteen rows per register (two for Q6_K), same arithmetic.
     Avx512,
