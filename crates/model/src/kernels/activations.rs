@@ -12,15 +12,14 @@ use super::Isa;
 pub(crate) struct Q8_0Block {
     pub(crate) d: f32,
     pub(crate) qs: [i8; 32],
-    /// Per lane `k` (the four quants `4k..4k+4`, one step of the Q8_0 kernel): the AVX-512
-    /// kernel's VNNI starting value, `VNNI_BIAS - 128 Σ qs[4k..4k+4]`. It takes out the +128 that
-    /// makes the weights unsigned; see `VNNI_BIAS` for the rest.
-    pub(crate) vnni_init: [i32; 8],
+    /// The AVX-512 Q8_0 kernel's VNNI starting value for the block, `VNNI_BIAS - 128 Σ qs`. It
+    /// takes out the +128 that makes the weights unsigned; see `VNNI_BIAS` for the rest.
+    pub(crate) vnni_init: i32,
 }
 
 /// The bits of the f32 `1.5 · 2^23`: an i32 `s` with `|s| < 2^22` added to them are the bits of
-/// the f32 `1.5 · 2^23 + s`, exactly, so `s as f32` is one float subtraction away (measured ~5%
-/// faster in the Q8_0 kernel than an int-to-float conversion).
+/// the f32 `1.5 · 2^23 + s`, exactly, so `s as f32` is one float subtraction away (a block's
+/// sum is at most `32 · 128 · 127 < 2^19`).
 pub(crate) const VNNI_BIAS: i32 = 0x4B40_0000;
 
 /// A Q8_K activation block: 256 values, f32 scale, the sum of every 16 values.
@@ -66,9 +65,7 @@ fn quantize_q8_0_scalar(x: &[f32], out: &mut [Q8_0Block]) {
             // Saturating like `_mm256_packs_epi32`; in range anyway (|v * id| <= 127).
             *q = (v * id).round_ties_even() as i8;
         }
-        for (init, q) in o.vnni_init.iter_mut().zip(o.qs.chunks_exact(4)) {
-            *init = VNNI_BIAS - 128 * q.iter().map(|&q| q as i32).sum::<i32>();
-        }
+        o.vnni_init = VNNI_BIAS - 128 * o.qs.iter().map(|&q| q as i32).sum::<i32>();
     }
 }
 
@@ -103,14 +100,16 @@ mod x86 {
                     { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
                 >(_mm256_mul_ps(v[k], mul)))
             });
-            // Sums of four: (0, 8, 16, 24 | 4, 12, 20, 28) + ..., then in order of lanes.
-            let sums =
-                _mm256_hadd_epi32(_mm256_hadd_epi32(i[0], i[1]), _mm256_hadd_epi32(i[2], i[3]));
+            // The block's sum (saturation aside, the quants are these integers: |v| <= 127).
+            let sums = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            let sums = _mm_add_epi32(
+                _mm256_extracti128_si256::<1>(sums),
+                _mm256_castsi256_si128(sums),
+            );
+            let sums = _mm_add_epi32(sums, _mm_unpackhi_epi64(sums, sums));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(sums, _mm_srli_si128::<4>(sums)));
+            o.vnni_init = VNNI_BIAS - 128 * sum;
             let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-            let sums = _mm256_permutevar8x32_epi32(sums, order);
-            let init = _mm256_sub_epi32(_mm256_set1_epi32(VNNI_BIAS), _mm256_slli_epi32::<7>(sums));
-            // SAFETY: `vnni_init` is 32 bytes.
-            unsafe { _mm256_storeu_si256(o.vnni_init.as_mut_ptr() as *mut __m256i, init) };
             let packed = _mm256_packs_epi16(
                 _mm256_packs_epi32(i[0], i[1]),
                 _mm256_packs_epi32(i[2], i[3]),

@@ -5,9 +5,8 @@
 //! blocks of 256 for K-quants); dot products are exact integers per block, and each format has
 //! one order of its f32 steps, whatever the number of rows:
 //!
-//! - Q8_0 (and Q5_0, widened to Q8_0): ggml's AVX2 `ggml_vec_dot_q8_0_q8_0` order, eight f32
-//!   lanes per row (lane `k`: four products of each block, one fused multiply-add by `dw·da` per
-//!   block), then `hsum_float_8` (see `q8_0`);
+//! - Q8_0 (and Q5_0, widened to Q8_0): one f32 accumulator per row and column, each block's
+//!   integer dot product taken in by one fused multiply-add with `dw·da` (see `q8_0`);
 //! - Q4_K: ggml's repacked `q4_K_8x8` gemv, an integer per row for the scaled quants and one for
 //!   the mins, each into its own f32 accumulator once per block (see `q4_k`);
 //! - Q6_K: ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`, eight f32 lanes, one fused multiply-add per
@@ -19,7 +18,10 @@
 //! batch is the same number.
 //!
 //! Threads split the weight rows; within a thread, a cache-sized slice of weight rows is reused
-//! by groups of up to four activation rows, so a batch reads each weight block once.
+//! by groups of up to four activation rows, so a batch reads each weight block once. Within a
+//! group the AVX2 kernels unpack each weight step once for all its activation rows, and run
+//! their step loops as loops (`black_box` trip counts): fully unrolled, LLVM hoists every
+//! step's weights ahead of their uses and spills them.
 
 mod activations;
 mod q4_k;
@@ -37,7 +39,7 @@ use rayon::prelude::*;
 pub(crate) enum Isa {
     /// Lane-emulating reference (any CPU).
     Scalar,
-    /// AVX2 + FMA + F16C, ggml's AVX2 arithmetic.
+    /// AVX2 + FMA + F16C: eight rows per register, the same arithmetic.
     Avx2,
     /// AVX-512 (F, BW, VL, VNNI): sixteen rows per register (two for Q6_K), same arithmetic.
     Avx512,
@@ -419,10 +421,24 @@ mod tests {
         w
     }
 
+    /// CPU time of every thread of this process so far (Linux; 0 elsewhere). On a shared
+    /// machine the CPU time a call takes, times the threads, is steadier than its wall time.
+    fn cpu_seconds() -> f64 {
+        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+            return 0.0;
+        };
+        let ns: u64 = tasks
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        ns as f64 * 1e-9
+    }
+
     /// Time per call of the model's matmul shapes with the best instruction set here, the best
     /// of many short trials (other work on the machine only slows some of them down):
     /// `cargo test --release -p temper-model --lib -- --ignored --nocapture kernel_throughput`
-    /// (`KERNEL_BENCH=Q8_0` keeps the shapes whose line contains that text).
+    /// (`KERNEL_BENCH=Q8_0` keeps the shapes whose line contains that text). The second figure
+    /// is the throughput the threads' CPU time gives, as if each had a core to itself.
     #[test]
     #[ignore]
     fn kernel_throughput() {
@@ -432,9 +448,12 @@ mod tests {
             (WeightFormat::Q8_0, 640, 262_144, 1, 4),
             (WeightFormat::Q8_0, 640, 2048, 1, 400),
             (WeightFormat::Q8_0, 640, 2048, 128, 10),
+            (WeightFormat::Q8_0, 2048, 640, 1, 400),
+            (WeightFormat::Q8_0, 2048, 640, 128, 10),
             (WeightFormat::Q8_0, 640, 262_144, 32, 1),
             (WeightFormat::Q4K, 2048, 640, 1, 400),
             (WeightFormat::Q4K, 2048, 640, 128, 10),
+            (WeightFormat::Q6K, 2048, 640, 1, 400),
             (WeightFormat::Q6K, 2048, 640, 128, 10),
         ] {
             let label = format!("{format:?} {isa:?} {rows} x {in_dim} -> {out_dim}");
@@ -444,16 +463,22 @@ mod tests {
             let blocks = in_dim / format.block_elems() * out_dim;
             let w = prepare(format, &random_gguf(format, blocks, &mut rng), out_dim);
             let x: Vec<f32> = (0..rows * in_dim).map(|_| rng.uniform()).collect();
-            let mut best = f64::INFINITY;
+            let (mut best, mut best_cpu) = (f64::INFINITY, f64::INFINITY);
             for _ in 0..15 {
-                let t = Instant::now();
+                let (t, cpu) = (Instant::now(), cpu_seconds());
                 for _ in 0..reps {
                     std::hint::black_box(matmul(format, isa, &w, in_dim, out_dim, &x));
                 }
                 best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+                best_cpu = best_cpu.min((cpu_seconds() - cpu) / reps as f64);
             }
             let gops = 2.0 * (rows * in_dim * out_dim) as f64 / best / 1e9;
-            println!("{label}: {:.1} µs ({gops:.1} GOP/s)", best * 1e6);
+            let threads = rayon::current_num_threads() as f64;
+            let cpu_gops = 2.0 * (rows * in_dim * out_dim) as f64 / best_cpu / 1e9 * threads;
+            println!(
+                "{label}: {:.1} µs ({gops:.1} GOP/s; from CPU time, {cpu_gops:.1})",
+                best * 1e6
+            );
         }
     }
 }

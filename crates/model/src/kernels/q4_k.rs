@@ -68,6 +68,7 @@ impl Kernel for Q4K {
                 Isa::Avx512 => {
                     with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride))
                 }
+                _ if na == 1 => x86::avx2_rows_few::<1>(w, acts, nb, out, stride),
                 _ => with_act_rows!(na, x86::avx2_rows(w, acts, nb, out, stride)),
             }
         }
@@ -263,8 +264,92 @@ mod x86 {
         *acc_min = _mm512_fmadd_ps(m, _mm512_mul_ps(scales.1, da), *acc_min);
     }
 
+    /// Eight rows (half a group) per register; each step's quants (four bytes of every row:
+    /// low nibbles of sub-block `2c`, high of `2c + 1`) made once for all `NA` activation rows,
+    /// multiplied by four activation values through `maddubs` (unsigned 4-bit times signed,
+    /// exact in i16), then by the sub-block's scale through `madd` (the scale twice per row
+    /// lane), straight into the row's integer sum.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2_rows<const NA: usize>(
+        w: &[u8],
+        acts: &[Q8KBlock],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let m4 = _mm256_set1_epi8(0xf);
+        // A loop LLVM does not unroll: unrolled, it hoists the steps' quants ahead of their
+        // uses and spills them.
+        let steps = std::hint::black_box(32usize);
+        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+            for h in 0..2 {
+                let mut acc = [_mm256_setzero_ps(); NA];
+                let mut acc_min = [_mm256_setzero_ps(); NA];
+                for (b, gb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+                    let p = gb.as_ptr();
+                    let ab: [&Q8KBlock; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
+                    // Sub-block `j`'s scale of rows 8h.., in both i16 halves of the row's lane.
+                    let sc: [__m256i; 8] = std::array::from_fn(|j| {
+                        // SAFETY: eight scale bytes of sub-block `j` inside the block.
+                        let v = _mm256_cvtepu8_epi32(unsafe {
+                            _mm_loadl_epi64(p.add(SCALES + GROUP * j + 8 * h) as *const __m128i)
+                        });
+                        _mm256_or_si256(v, _mm256_slli_epi32::<16>(v))
+                    });
+                    let mut isum = [_mm256_setzero_si256(); NA];
+                    for step in 0..steps {
+                        let step = step & 31;
+                        let (c, t) = (step / 8, step % 8);
+                        // SAFETY: step `step` of half `h` is 32 bytes inside the block.
+                        let q = unsafe {
+                            _mm256_loadu_si256(p.add(QS + 64 * step + 32 * h) as *const __m256i)
+                        };
+                        let lo = _mm256_and_si256(q, m4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                        for (isum, ab) in isum.iter_mut().zip(ab) {
+                            let x = _mm256_set1_epi32(four(ab, 64 * c + 4 * t));
+                            let l = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), sc[2 * c]);
+                            let x = _mm256_set1_epi32(four(ab, 64 * c + 32 + 4 * t));
+                            let u = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), sc[2 * c + 1]);
+                            *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(l, u));
+                        }
+                    }
+                    // SAFETY: d and dmin of rows 8h.. are inside the block.
+                    let (dw, dminw) = unsafe {
+                        (
+                            _mm256_cvtph_ps(_mm_loadu_si128(p.add(D + 16 * h) as *const __m128i)),
+                            _mm256_cvtph_ps(
+                                _mm_loadu_si128(p.add(DMIN + 16 * h) as *const __m128i),
+                            ),
+                        )
+                    };
+                    for a in 0..NA {
+                        let mut msum = _mm256_setzero_si256();
+                        for c in 0..4 {
+                            // SAFETY: mins of sub-blocks 2c and 2c + 1, rows 8h...
+                            let mins = _mm256_cvtepu8_epi16(unsafe {
+                                _mm_loadu_si128(p.add(MINS + 32 * c + 16 * h) as *const __m128i)
+                            });
+                            let pair = _mm256_set1_epi32(sums_pair(ab[a], c));
+                            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins, pair));
+                        }
+                        let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
+                        fold8(acc, acc_min, (isum[a], msum), (dw, dminw), ab[a].d);
+                    }
+                }
+                for a in 0..NA {
+                    let at = a * stride + g * GROUP + 8 * h;
+                    let y = _mm256_sub_ps(acc[a], acc_min[a]);
+                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), y);
+                }
+            }
+        }
+    }
+
+    /// The same integers for few activation rows: each activation row's sub-block sums kept
+    /// apart and scaled once per sub-block (faster for one row, where nothing is shared).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn avx2_rows_few<const NA: usize>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,

@@ -234,6 +234,13 @@ mod x86 {
     ) {
         let m4 = _mm256_set1_epi8(0xf);
         let m2 = _mm256_set1_epi8(3);
+        // A loop LLVM does not unroll for several rows: unrolled, it hoists both halves' quants
+        // ahead of their uses and spills them.
+        let halves = if NA == 1 {
+            2
+        } else {
+            std::hint::black_box(2usize)
+        };
         for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
             let mut acc = [_mm256_setzero_ps(); NA];
             for b in 0..nb {
@@ -241,7 +248,8 @@ mod x86 {
                 let dx = scale(wb);
                 let p = wb.as_ptr();
                 let mut sumi = [_mm256_setzero_si256(); NA];
-                for j in 0..2 {
+                for j in 0..halves {
+                    let j = j & 1;
                     // SAFETY: the block is 210 bytes: ql 0..128, qh 128..192, scales 192..208.
                     let (ql1, ql2, qh, sc) = unsafe {
                         (

@@ -1,19 +1,17 @@
 //! Q8_0 weights (f16 scale + 32 i8 per block; Q5_0 arrives converted to it) against Q8_0
-//! activations, in the order of ggml's AVX2 `ggml_vec_dot_q8_0_q8_0` (and `_q5_0_q8_0`) and of
-//! llamafile's tinyBLAS, which llama.cpp's x86 build runs for decode and prefill: eight f32 lanes
-//! per row, lane `k` taking `fma(dw·da, Σ_{i=4k..4k+3} w_i a_i, lane_k)` per block, and at the
-//! end ggml's `hsum_float_8`, `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
+//! activations: one f32 accumulator per (row, column), taking each block's exact integer dot
+//! product `Σ w_i a_i` (32 values) by one fused multiply-add, `acc = fma(dw·da, Σ w a, acc)`,
+//! blocks in order. (Until issue 11 this kernel kept ggml's order, eight f32 lanes per row and
+//! `hsum_float_8`, which took eight conversions and multiply-adds per block where this takes
+//! one: batched matmuls ran about 1.4x slower.)
 //!
 //! The weight is interleaved at load: sixteen rows per group, each block stored as the sixteen
-//! f16 scales, then eight steps of sixteen rows × four quants, made unsigned (`w + 128`). Step
-//! `s` is lane `s`: one VNNI instruction multiplies four quants of all sixteen rows by the same
-//! four activation values, from a starting value that takes `128 Σ a` of those four back out,
-//! so each row's lane sum ends in its own lane, exact, and goes into accumulator `s`; the eight
-//! accumulators are summed as `hsum_float_8` element by element at the end. Per block and
-//! activation row that is eight float conversions and eight fused multiply-adds per sixteen
-//! rows, where one f32 per row would need one of each: batched Q8_0 matmuls take about 1.4x the
-//! time they took with one accumulator per row; the one-row LM head streams from memory and is
-//! not slower (it prefetches further ahead, into L2).
+//! f16 scales, then eight steps of sixteen rows × four quants, made unsigned (`w + 128`). One
+//! step multiplies four quants of every row of a register by the same four activation values,
+//! so each row's integer sum ends in its own lane, with no horizontal adds: AVX-512 VNNI takes
+//! sixteen rows per instruction, from a starting value that takes `128 Σ a` back out; AVX2
+//! eight, through ggml's sign trick. The integer sum of a block is exact whatever the order of
+//! its steps, so every path gives the scalar reference's bits.
 
 use half::f16;
 use rayon::prelude::*;
@@ -21,7 +19,7 @@ use rayon::prelude::*;
 use super::activations::{quantize_q8_0, Q8_0Block};
 #[cfg(target_arch = "x86_64")]
 use super::with_act_rows;
-use super::{hsum8, Isa, Kernel};
+use super::{Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 32;
 /// GGUF block: f16 scale, 32 quants; the interleaved layout keeps 34 bytes per row and block.
@@ -117,25 +115,24 @@ pub(crate) fn dequantize_rows(w: &[u8], in_dim: usize, rows: &[usize]) -> Vec<f3
     out
 }
 
-/// The reference, lane for lane what the SIMD paths compute: ggml's eight lanes per row.
+/// The reference: per row and column, each block's integer dot product into one f32 by a fused
+/// multiply-add.
 fn scalar(w: &[u8], acts: &[Q8_0Block], nb: usize, out: &mut [f32], stride: usize) {
     for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for j in 0..GROUP {
-                let mut lanes = [0f32; 8];
+                let mut acc = 0f32;
                 for (wb, ab) in group.chunks_exact(GROUP_BLOCK).zip(arow) {
                     let d = f16::from_le_bytes([wb[2 * j], wb[2 * j + 1]]).to_f32() * ab.d;
-                    for (step, lane) in lanes.iter_mut().enumerate() {
-                        let q = &wb[QUANTS + step * 4 * GROUP + 4 * j..][..4];
-                        let isum: i32 = q
-                            .iter()
-                            .zip(&ab.qs[4 * step..4 * step + 4])
-                            .map(|(&q, &x)| (q ^ 0x80) as i8 as i32 * x as i32)
-                            .sum();
-                        *lane = d.mul_add(isum as f32, *lane);
-                    }
+                    let isum: i32 = (0..32)
+                        .map(|i| {
+                            let q = wb[QUANTS + (i / 4) * 4 * GROUP + 4 * j + i % 4];
+                            (q ^ 0x80) as i8 as i32 * ab.qs[i] as i32
+                        })
+                        .sum();
+                    acc = d.mul_add(isum as f32, acc);
                 }
-                out[a * stride + g * GROUP + j] = hsum8(&lanes);
+                out[a * stride + g * GROUP + j] = acc;
             }
         }
     }
@@ -150,8 +147,8 @@ mod x86 {
 
     /// Group blocks between the one computed and the one prefetched (into L2).
     const PREFETCH_AHEAD: usize = 32;
-    /// Activation rows whose accumulators (eight registers each) stay in registers together.
-    const AVX512_ROWS: usize = 2;
+    /// Activation rows whose accumulators stay in registers together (AVX-512).
+    const AVX512_ROWS: usize = 4;
 
     /// Four activation values as one i32, broadcast.
     #[inline(always)]
@@ -164,9 +161,10 @@ mod x86 {
         ])
     }
 
-    /// No VNNI: half a group (eight rows) per register, the products through ggml's
-    /// sign trick (`|w|` unsigned times `a` with `w`'s sign), exact in i16 pairs; step `s` of
-    /// a block goes to accumulator `s`.
+    /// No VNNI: half a group (eight rows) per register, the products through ggml's sign trick
+    /// (`|w|` unsigned times `a` with `w`'s sign, exact in i16 pairs), each step's weight
+    /// register made once for all `NA` activation rows; a block's integer sums go into the
+    /// accumulators by one conversion and one fused multiply-add per activation row.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2_rows<const NA: usize>(
         w: &[u8],
@@ -177,46 +175,55 @@ mod x86 {
     ) {
         let ones = _mm256_set1_epi16(1);
         let flip = _mm256_set1_epi8(-128);
+        // (One activation row has no weights to share: unrolled, it has nothing to spill.)
+        let steps = if NA == 1 {
+            8
+        } else {
+            std::hint::black_box(8usize)
+        };
         for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
             for h in 0..2 {
-                for (a, arow) in acts.chunks_exact(nb).enumerate() {
-                    let mut acc = [_mm256_setzero_ps(); 8];
-                    for (wb, ab) in group.chunks_exact(GROUP_BLOCK).zip(arow) {
-                        let p = wb.as_ptr();
-                        // SAFETY: the sixteen scales are the group block's first 32 bytes.
-                        let dw = _mm256_cvtph_ps(unsafe {
-                            _mm_loadu_si128(p.add(16 * h) as *const __m128i)
-                        });
-                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(ab.d));
-                        for (s, acc) in acc.iter_mut().enumerate() {
-                            // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
-                            let q = unsafe {
-                                _mm256_loadu_si256(p.add(QUANTS + 64 * s + 32 * h) as *const __m256i)
-                            };
-                            let q = _mm256_xor_si256(q, flip);
+                let mut acc = [_mm256_setzero_ps(); NA];
+                for (b, wb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+                    let p = wb.as_ptr();
+                    let ab: [&Q8_0Block; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
+                    let mut isum = [_mm256_setzero_si256(); NA];
+                    // A loop LLVM does not unroll: unrolled, it hoists every step's weights
+                    // ahead of their uses and spills them.
+                    for s in 0..steps {
+                        let s = s & 7;
+                        // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
+                        let q = unsafe {
+                            _mm256_loadu_si256(p.add(QUANTS + 64 * s + 32 * h) as *const __m256i)
+                        };
+                        let q = _mm256_xor_si256(q, flip);
+                        let qa = _mm256_abs_epi8(q);
+                        for (isum, ab) in isum.iter_mut().zip(ab) {
                             let x = _mm256_set1_epi32(four(ab, s));
-                            let dot =
-                                _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
-                            let isum = _mm256_madd_epi16(dot, ones);
-                            *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), *acc);
+                            let dot = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(x, q));
+                            *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(dot, ones));
                         }
                     }
+                    // SAFETY: the sixteen scales are the group block's first 32 bytes.
+                    let dw = _mm256_cvtph_ps(unsafe {
+                        _mm_loadu_si128(p.add(16 * h) as *const __m128i)
+                    });
+                    for a in 0..NA {
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(ab[a].d));
+                        acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[a]), acc[a]);
+                    }
+                }
+                for (a, acc) in acc.iter().enumerate() {
                     let at = a * stride + g * GROUP + 8 * h;
-                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), hsum8_lanes(acc));
+                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), *acc);
                 }
             }
         }
     }
 
-    /// ggml's `hsum_float_8` across eight registers, element by element.
-    #[target_feature(enable = "avx")]
-    fn hsum8_lanes(acc: [__m256; 8]) -> __m256 {
-        let r: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(acc[i + 4], acc[i]));
-        _mm256_add_ps(_mm256_add_ps(r[0], r[2]), _mm256_add_ps(r[1], r[3]))
-    }
-
-    /// A whole group per register; step `s` of every block goes to accumulator `s`, each step's
-    /// VNNI sum starting from the activation's `vnni_init` (no dependency chains in integers).
+    /// A whole group per register; a block's eight steps in two VNNI chains per activation row
+    /// (the even steps from the activation's `vnni_init`, the odd ones from zero), added as
+    /// integers.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn avx512_rows<const NA: usize>(
         w: &[u8],
@@ -229,19 +236,23 @@ mod x86 {
             for a0 in (0..NA).step_by(AVX512_ROWS) {
                 let out = &mut out[a0 * stride + g * GROUP..];
                 let acts = &acts[a0 * nb..];
-                // SAFETY: passed on; at most `AVX512_ROWS` rows from `a0`.
-                unsafe {
-                    match (NA - a0, a0 == 0) {
-                        (1, true) => avx512_group::<1, true>(group, acts, nb, out, stride),
-                        (1, false) => avx512_group::<1, false>(group, acts, nb, out, stride),
-                        (_, true) => {
-                            avx512_group::<AVX512_ROWS, true>(group, acts, nb, out, stride)
+                macro_rules! pass {
+                    ($($n:literal)*) => {
+                        match ((NA - a0).min(AVX512_ROWS), a0 == 0) {
+                            $(
+                                // SAFETY: passed on; `$n` rows from `a0`.
+                                ($n, true) => unsafe {
+                                    avx512_group::<$n, true>(group, acts, nb, out, stride)
+                                },
+                                ($n, false) => unsafe {
+                                    avx512_group::<$n, false>(group, acts, nb, out, stride)
+                                },
+                            )*
+                            _ => unreachable!(),
                         }
-                        (_, false) => {
-                            avx512_group::<AVX512_ROWS, false>(group, acts, nb, out, stride)
-                        }
-                    }
+                    };
                 }
+                pass!(1 2 3 4);
             }
         }
     }
@@ -257,7 +268,7 @@ mod x86 {
         stride: usize,
     ) {
         let bias = _mm512_set1_ps(f32::from_bits(VNNI_BIAS as u32));
-        let mut acc = [[_mm512_setzero_ps(); 8]; NA];
+        let mut acc = [_mm512_setzero_ps(); NA];
         for (b, wb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
             let p = wb.as_ptr();
             // One row of activations streams the weight from memory (the LM head): ask for
@@ -280,23 +291,21 @@ mod x86 {
             };
             for (a, acc) in acc.iter_mut().enumerate() {
                 let ab = &acts[a * nb + b];
-                let d = _mm512_mul_ps(dw, _mm512_set1_ps(ab.d));
-                for (s, acc) in acc.iter_mut().enumerate() {
-                    let isum = _mm512_dpbusd_epi32(
-                        _mm512_set1_epi32(ab.vnni_init[s]),
-                        q[s],
-                        _mm512_set1_epi32(four(ab, s)),
-                    );
-                    // The bits of 1.5·2^23 + Σ w·a: minus 1.5·2^23 is Σ w·a as f32, exactly.
-                    let isum = _mm512_sub_ps(_mm512_castsi512_ps(isum), bias);
-                    *acc = _mm512_fmadd_ps(d, isum, *acc);
+                let mut even = _mm512_set1_epi32(ab.vnni_init);
+                let mut odd = _mm512_setzero_si512();
+                for s in (0..8).step_by(2) {
+                    even = _mm512_dpbusd_epi32(even, q[s], _mm512_set1_epi32(four(ab, s)));
+                    odd = _mm512_dpbusd_epi32(odd, q[s + 1], _mm512_set1_epi32(four(ab, s + 1)));
                 }
+                // The bits of 1.5·2^23 + Σ w·a: minus 1.5·2^23 is Σ w·a as f32, exactly.
+                let isum = _mm512_castsi512_ps(_mm512_add_epi32(even, odd));
+                let isum = _mm512_sub_ps(isum, bias);
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(ab.d));
+                *acc = _mm512_fmadd_ps(d, isum, *acc);
             }
         }
         for (a, acc) in acc.iter().enumerate() {
-            let r: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
-            let sum = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
-            _mm512_storeu_ps(out[a * stride..a * stride + GROUP].as_mut_ptr(), sum);
+            _mm512_storeu_ps(out[a * stride..a * stride + GROUP].as_mut_ptr(), *acc);
         }
     }
 }
@@ -328,23 +337,19 @@ mod tests {
 
     /// The kernel's formula written directly on GGUF blocks and activation quants.
     fn straightforward(wrow: &[u8], arow: &[Q8_0Block]) -> f32 {
-        let mut lane = [0f32; 8];
+        let mut acc = 0f32;
         for (wb, ab) in wrow.chunks_exact(BLOCK_BYTES).zip(arow) {
             let d = f16::from_le_bytes([wb[0], wb[1]]).to_f32() * ab.d;
-            for (k, lane) in lane.iter_mut().enumerate() {
-                let mut isum = 0i32;
-                for i in 4 * k..4 * k + 4 {
-                    isum += wb[2 + i] as i8 as i32 * ab.qs[i] as i32;
-                }
-                *lane = d.mul_add(isum as f32, *lane);
-            }
+            let isum: i32 = (0..32)
+                .map(|i| wb[2 + i] as i8 as i32 * ab.qs[i] as i32)
+                .sum();
+            acc = d.mul_add(isum as f32, acc);
         }
-        let r: [f32; 4] = std::array::from_fn(|i| lane[i + 4] + lane[i]);
-        (r[0] + r[2]) + (r[1] + r[3])
+        acc
     }
 
     #[test]
-    fn scalar_reference_is_ggmls_eight_lane_formula() {
+    fn scalar_reference_is_one_fma_per_block() {
         let mut rng = Rng::new(13);
         let (rows, nb, na) = (21, 5, 3);
         let w = random_weights(&mut rng, rows, nb);
