@@ -591,15 +591,7 @@ async fn deleting_the_model_fails_its_running_job() {
     let big: Vec<Value> = (0..40)
         .flat_map(|_| small.as_array().unwrap().iter().cloned())
         .collect();
-    let job = server
-        .post(
-            "/v1/preview/training-jobs",
-            &json!({"model_id": model_id, "trajectory_groups": big}),
-        )
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let job = post_job(&server, &model_id, &big).await;
     server
         .wait_for_status(&job, &["running"], Duration::from_secs(60))
         .await;
@@ -613,15 +605,7 @@ async fn deleting_the_model_fails_its_running_job() {
     assert_eq!(failed["error"], "the model was deleted");
     // The worker stops it and moves on: a new model's job runs.
     let again = create_model(&server).await;
-    let next = server
-        .post(
-            "/v1/preview/training-jobs",
-            &json!({"model_id": again, "trajectory_groups": small}),
-        )
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let next = post_job(&server, &again, &small).await;
     let done = server
         .wait_for_status(&next, &["succeeded", "failed"], Duration::from_secs(120))
         .await;
@@ -636,15 +620,7 @@ async fn post_long_job(server: &Server, model_id: &str) -> String {
     let big: Vec<Value> = (0..40)
         .flat_map(|_| small.as_array().unwrap().iter().cloned())
         .collect();
-    server
-        .post(
-            "/v1/preview/training-jobs",
-            &json!({"model_id": model_id, "trajectory_groups": big}),
-        )
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned()
+    post_job(&server, &model_id, &big).await
 }
 
 /// Waits until the job's `attempt`-th run (its `attempt`-th `training_started`) has made a
@@ -837,15 +813,7 @@ async fn a_job_running_at_three_crashes_in_a_row_fails_instead_of_looping() {
 
     // It stays failed, and the model's next job runs to a checkpoint, fsynced into place.
     let small = groups(&server, "default/proj/agent", PROMPTS).await;
-    let next = server
-        .post(
-            "/v1/preview/training-jobs",
-            &json!({"model_id": model_id, "trajectory_groups": small}),
-        )
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let next = post_job(&server, &model_id, &small).await;
     let done = server
         .wait_for_status(&next, &["succeeded", "failed"], Duration::from_secs(120))
         .await;
@@ -862,4 +830,17 @@ async fn a_job_running_at_three_crashes_in_a_row_fails_instead_of_looping() {
             .await["status"],
         "failed"
     );
+}
+
+/// Posts a training job of `groups` for `model_id`; returns the job's id.
+async fn post_job(server: &Server, model_id: &str, groups: &impl serde::Serialize) -> String {
+    server
+        .post(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model_id, "trajectory_groups": groups}),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
 }
