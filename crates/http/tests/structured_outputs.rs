@@ -218,8 +218,10 @@ async fn json_object_regex_choice_grammar_and_structural_tag() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_constrained_request_does_not_change_its_batch_neighbours() {
     let Some(s) = real_server().await else { return };
+    // Long enough to overlap the constrained request (whose grammar may compile first, and
+    // this prompt comes from the prefix cache the second time).
     let free = json!({"messages": user("Tell me about the sea."), "temperature": 1.0,
-        "seed": 42, "max_completion_tokens": 40, "return_token_ids": true});
+        "seed": 42, "max_completion_tokens": 160, "ignore_eos": true, "return_token_ids": true});
     let constrained = json!({"messages": user("Describe a person as JSON."), "temperature": 1.0,
         "seed": 1, "max_completion_tokens": 80,
         "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": person_schema()}}});
