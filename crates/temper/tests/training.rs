@@ -2,192 +2,15 @@
 //! HTTP, train, serve the checkpoint by name; and the crash test (`kill -9` with a job running
 //! and one queued, restart on the same data directory, both finish).
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-const KEY: &str = "test-key";
-
-/// A `temper serve` child process on an ephemeral port.
-struct Server {
-    child: Child,
-    base: String,
-    client: reqwest::Client,
-}
-
-impl Server {
-    fn start(model: &Path, data_dir: &Path, extra: &[&str]) -> Server {
-        Self::start_named("tiny", model, data_dir, extra)
-    }
-
-    fn start_named(name: &str, model: &Path, data_dir: &Path, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_temper"))
-            .arg("serve")
-            .args(["--port", "0", "--api-key", KEY])
-            .arg("--model")
-            .arg(format!("{name}={}", model.display()))
-            .arg("--data-dir")
-            .arg(data_dir)
-            .args(extra)
-            .env_remove("TEMPER_CONFIG")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start temper serve");
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut first = String::new();
-        stdout.read_line(&mut first).unwrap();
-        // Keep reading: a closed pipe would make the server's next print fail.
-        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
-        // "temper serving tiny at http://127.0.0.1:PORT/v1"
-        let url = first
-            .split_whitespace()
-            .find(|w| w.starts_with("http://"))
-            .unwrap_or_else(|| panic!("no URL in {first:?}"));
-        Server {
-            child,
-            base: url.trim_end_matches("/v1").to_owned(),
-            client: reqwest::Client::new(),
-        }
-    }
-
-    async fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
-        let mut req = self
-            .client
-            .request(method.parse().unwrap(), format!("{}{path}", self.base))
-            .bearer_auth(KEY);
-        if let Some(body) = body {
-            req = req.json(body);
-        }
-        let resp = req.send().await.unwrap();
-        let status = resp.status().as_u16();
-        (status, resp.json().await.unwrap())
-    }
-
-    async fn post(&self, path: &str, body: &Value) -> Value {
-        let (status, v) = self.call("POST", path, Some(body)).await;
-        assert_eq!(status, 200, "POST {path}: {v}");
-        v
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let (status, v) = self.call("GET", path, None).await;
-        assert_eq!(status, 200, "GET {path}: {v}");
-        v
-    }
-
-    /// Every event of a job so far, following the `after` cursor.
-    async fn events(&self, job: &str) -> Vec<Value> {
-        let mut all = Vec::new();
-        let mut after = 0;
-        loop {
-            let page = self
-                .get(&format!(
-                    "/v1/preview/training-jobs/{job}/events?after={after}&limit=100"
-                ))
-                .await;
-            let data = page["data"].as_array().unwrap().clone();
-            if let Some(last) = data.last() {
-                after = last["id"].as_i64().unwrap();
-            }
-            all.extend(data);
-            if page["has_more"] != true {
-                return all;
-            }
-        }
-    }
-
-    async fn wait_for_status(&self, job: &str, want: &[&str], within: Duration) -> Value {
-        let start = Instant::now();
-        loop {
-            let j = self.get(&format!("/v1/preview/training-jobs/{job}")).await;
-            if want.contains(&j["status"].as_str().unwrap()) {
-                return j;
-            }
-            assert!(start.elapsed() < within, "job {job} still {}", j["status"]);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn kill(&mut self) {
-        // SIGKILL: no shutdown code runs.
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn tiny_model(dir: &Path) -> PathBuf {
-    let path = dir.join("tiny.gguf");
-    temper_model::tiny::write_tiny_gguf(&path, 7).unwrap();
-    path
-}
-
-fn user(text: &str) -> Value {
-    json!([{"role": "user", "content": text}])
-}
-
-/// `n` sampled completions of `prompt` with logprobs and token ids, as training.md's rollout.
-async fn rollout(server: &Server, model: &str, prompt: &str, n: usize, seed: u64) -> Value {
-    server
-        .post(
-            "/v1/chat/completions",
-            &json!({"model": model, "messages": user(prompt), "n": n, "seed": seed,
-                "temperature": 1.0, "max_tokens": 8, "logprobs": true,
-                "return_tokens_as_token_ids": true}),
-        )
-        .await
-}
-
-/// One group per prompt: each choice a trajectory rewarded by whether its first sampled token
-/// id is even (a behaviour the model can learn), so rewards differ within the group.
-async fn groups(server: &Server, model: &str, prompts: &[&str]) -> Value {
-    let mut groups = Vec::new();
-    for (i, prompt) in prompts.iter().enumerate() {
-        let completion = rollout(server, model, prompt, 4, i as u64).await;
-        let trajectories: Vec<Value> = completion["choices"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .enumerate()
-            .map(|(j, choice)| {
-                let first = choice["logprobs"]["content"][0]["token"].as_str().unwrap();
-                let id: u32 = first.strip_prefix("token_id:").unwrap().parse().unwrap();
-                // Reward the even first tokens; break ties so no group is all equal.
-                let reward = if id.is_multiple_of(2) { 1.0 } else { 0.0 } + j as f64 * 1e-3;
-                json!({"messages_and_choices": [user(prompt)[0].clone(), choice], "reward": reward})
-            })
-            .collect();
-        groups.push(json!({"trajectories": trajectories}));
-    }
-    Value::Array(groups)
-}
-
-async fn create_model(server: &Server) -> String {
-    create_model_on(server, "tiny").await
-}
-
-async fn create_model_on(server: &Server, base: &str) -> String {
-    let model = server
-        .post(
-            "/v1/preview/models",
-            &json!({"project": "proj", "name": "agent", "base_model": base}),
-        )
-        .await;
-    model["id"].as_str().unwrap().to_owned()
-}
-
-const PROMPTS: &[&str] = &["Hello", "the cat sat", "what is the capital of France"];
+use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn train_and_serve_the_checkpoint_by_name() {
@@ -613,50 +436,6 @@ async fn deleting_the_model_fails_its_running_job() {
     assert!(!data.join("adapters").join(&model_id).exists());
 }
 
-/// Posts a job long enough to be caught running (many one-step packed sequences with
-/// `--max-train-seq-len 64`); returns its id.
-async fn post_long_job(server: &Server, model_id: &str) -> String {
-    let small = groups(server, "default/proj/agent", PROMPTS).await;
-    let big: Vec<Value> = (0..40)
-        .flat_map(|_| small.as_array().unwrap().iter().cloned())
-        .collect();
-    post_job(&server, &model_id, &big).await
-}
-
-/// Waits until the job's `attempt`-th run (its `attempt`-th `training_started`) has made a
-/// gradient step.
-async fn wait_for_step_of_attempt(server: &Server, job: &str, attempt: usize) {
-    let start = Instant::now();
-    loop {
-        let events = server.events(job).await;
-        let runs: Vec<usize> = events
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e["type"] == "training_started")
-            .map(|(i, _)| i)
-            .collect();
-        if runs.len() == attempt
-            && events[runs[attempt - 1]..]
-                .iter()
-                .any(|e| e["type"] == "gradient_step")
-        {
-            return;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no gradient step in run {attempt} of job {job}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn event_types(events: &[Value]) -> Vec<String> {
-    events
-        .iter()
-        .map(|e| e["type"].as_str().unwrap().to_owned())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_server_on_the_same_data_dir_refuses_to_start_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -830,17 +609,4 @@ async fn a_job_running_at_three_crashes_in_a_row_fails_instead_of_looping() {
             .await["status"],
         "failed"
     );
-}
-
-/// Posts a training job of `groups` for `model_id`; returns the job's id.
-async fn post_job(server: &Server, model_id: &str, groups: &impl serde::Serialize) -> String {
-    server
-        .post(
-            "/v1/preview/training-jobs",
-            &json!({"model_id": model_id, "trajectory_groups": groups}),
-        )
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned()
 }
