@@ -21,7 +21,9 @@ use crate::auth::RequestContext;
 use crate::error::ApiError;
 use crate::extract::ValidJson;
 use crate::extras::ServiceTier;
-use crate::prompt::{chat_prompt, logprob_entry, prompt_logprobs_at, reasoning_parser};
+use crate::prompt::{
+    encode_prompt, logprob_entry, prompt_logprobs_at, reasoning_parser, render_prompt,
+};
 use crate::protocol::{
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
     ChunkChoice, Delta, DeltaToolCall, FinishReasonJson, LogprobEntry, ResponseFunctionCall,
@@ -29,8 +31,9 @@ use crate::protocol::{
 };
 use crate::state::{unix_now, AppState};
 use crate::structured::compile_constraint;
+use crate::team_limits::TeamRequestSlot;
 use crate::training::resolve_model;
-use crate::validation::{validate_chat, StreamOptions};
+use crate::validation::{check_prompt_bytes, validate_chat, StreamOptions};
 
 pub const SYSTEM_FINGERPRINT: &str = concat!("temper-", env!("CARGO_PKG_VERSION"));
 
@@ -63,6 +66,8 @@ pub async fn chat_completions(
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
+    // Held until the response's last byte (moved into the stream below).
+    let team_slot = state.team_requests().enter(&ctx.team)?;
     let resolved = resolve_model(&state, req.model.as_deref(), &ctx.team).await?;
     let model = resolved.base.clone();
     let mut params = validate_chat(req, &state.limits(&model))?;
@@ -83,7 +88,15 @@ pub async fn chat_completions(
     let name = resolved.name.clone();
     let (params, prompt_ids, rx) = tokio::task::spawn_blocking(move || {
         let model = blocking_model;
-        let mut prompt_ids = chat_prompt(&model, &params.prompt)?;
+        let text = render_prompt(&model, &params.prompt)?;
+        if params.truncate_prompt_tokens.is_none() {
+            check_prompt_bytes(
+                text.len(),
+                model.max_text_bytes_per_token,
+                model.max_model_len,
+            )?;
+        }
+        let mut prompt_ids = encode_prompt(&model, &params.prompt, &text);
         if let Some(keep) = params.truncate_prompt_tokens {
             prompt_ids.drain(..prompt_ids.len().saturating_sub(keep));
         }
@@ -132,7 +145,7 @@ pub async fn chat_completions(
         echo: params.echo,
     };
     match params.stream {
-        Some(opts) => Ok(sse_response(rx, completion, opts)),
+        Some(opts) => Ok(sse_response(rx, completion, opts, team_slot)),
         None => Ok(Json(collect(rx, &completion).await?).into_response()),
     }
 }
@@ -620,10 +633,13 @@ fn sse_response(
     rx: UnboundedReceiver<GenerationEvent>,
     c: Completion,
     opts: StreamOptions,
+    team_slot: TeamRequestSlot,
 ) -> Response {
     let span = tracing::Span::current();
     let state = SseState::new(rx, c, opts);
     let stream = futures_util::stream::unfold(state, move |mut s| {
+        // The team's place is given back when the body is dropped: finished or disconnected.
+        let _ = &team_slot;
         async move {
             loop {
                 if let Some(bytes) = s.pending.pop_front() {

@@ -31,7 +31,8 @@ pub enum ApiError {
     RequestTooLarge(usize),
     #[error("{0}")]
     ServiceUnavailable(String),
-    /// Overload: the model's waiting queue is full. Sent with `Retry-After`.
+    /// Overload: the model's waiting queue, or a team's share of the server, is full. Sent with
+    /// `Retry-After`.
     #[error("{0}")]
     TooManyRequests(String),
     /// A server fault. Its text (SQL, file paths, panics) goes to the log only: the client gets
@@ -190,6 +191,9 @@ impl From<temper_store::Error> for ApiError {
             E::ModelExists { .. } | E::CheckpointExists { .. } | E::JobState { .. } => {
                 ApiError::Conflict(format!("{e}."))
             }
+            E::TeamQueueFull { .. } => ApiError::TooManyRequests(format!(
+                "Too many queued training jobs: {e}. Post again once one has started."
+            )),
             E::DataDir { .. }
             | E::Locked { .. }
             | E::LockFile { .. }

@@ -13,6 +13,7 @@ pub mod protocol;
 pub mod sampling;
 pub mod state;
 pub mod structured;
+pub mod team_limits;
 pub mod tokenize;
 pub mod training;
 pub mod validation;

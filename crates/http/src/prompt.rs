@@ -15,6 +15,12 @@ use crate::validation::PromptParams;
 /// Renders the chat template and tokenizes the result with special-token parsing (the template
 /// writes control tokens such as `<start_of_turn>` as text).
 pub fn chat_prompt(model: &ServedModel, p: &PromptParams) -> Result<Vec<u32>, ApiError> {
+    let text = render_prompt(model, p)?;
+    Ok(encode_prompt(model, p, &text))
+}
+
+/// The prompt's text: the messages through the request's template or the model's.
+pub fn render_prompt(model: &ServedModel, p: &PromptParams) -> Result<String, ApiError> {
     let tok = &model.tokenizer;
     let request_template;
     let template: &ChatTemplate = match (&p.chat_template, &model.chat_template) {
@@ -39,7 +45,7 @@ pub fn chat_prompt(model: &ServedModel, p: &PromptParams) -> Result<Vec<u32>, Ap
             ))
         }
     };
-    let text = template
+    template
         .render(&TemplateInput {
             messages: &p.messages,
             tools: p.tools.as_deref(),
@@ -49,12 +55,16 @@ pub fn chat_prompt(model: &ServedModel, p: &PromptParams) -> Result<Vec<u32>, Ap
             reasoning_effort: p.reasoning_effort.map(ReasoningEffort::as_str),
             kwargs: &p.chat_template_kwargs,
         })
-        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-    let mut ids = tok.encode(&text, true);
+        .map_err(|e| ApiError::bad("messages", e.to_string()))
+}
+
+/// The rendered prompt's token ids (the template's control tokens parsed as such).
+pub fn encode_prompt(model: &ServedModel, p: &PromptParams, text: &str) -> Vec<u32> {
+    let mut ids = model.tokenizer.encode(text, true);
     if p.add_special_tokens {
-        prepend_bos(tok, &mut ids);
+        prepend_bos(&model.tokenizer, &mut ids);
     }
-    Ok(ids)
+    ids
 }
 
 /// The reasoning parser for this request's output, when the template it renders with writes

@@ -10,6 +10,7 @@ use temper_text::{ChatTemplate, Tokenizer};
 
 use crate::error::ApiError;
 use crate::extras::{NoHook, RequestHook};
+use crate::team_limits::TeamRequests;
 use crate::training::Training;
 use crate::validation::Limits;
 
@@ -24,6 +25,8 @@ pub struct ServedModel {
     /// needs a request `chat_template`.
     pub chat_template: Option<Arc<ChatTemplate>>,
     pub max_model_len: usize,
+    /// [`Tokenizer::max_text_bytes_per_token`], for the context check before tokenizing.
+    pub max_text_bytes_per_token: usize,
     pub scheduling: Scheduling,
 }
 
@@ -157,6 +160,7 @@ impl ServedModel {
             Some(n) => n,
             None => context,
         };
+        let max_text_bytes_per_token = tokenizer.max_text_bytes_per_token();
         let tokenizer = Arc::new(tokenizer);
         loaded
             .model
@@ -182,6 +186,7 @@ impl ServedModel {
             tokenizer,
             chat_template,
             max_model_len,
+            max_text_bytes_per_token,
             scheduling: spec.scheduling,
         })
     }
@@ -210,6 +215,9 @@ pub struct ServerOptions {
     /// Most `top_logprobs` per token; `None` = the whole vocabulary may be requested.
     pub max_logprobs: Option<usize>,
     pub max_n: usize,
+    /// `--max-requests-per-team`: generation requests one team may have in flight (`None`: no
+    /// bound); past it a 429.
+    pub max_requests_per_team: Option<usize>,
     /// Sees every validated chat completion request (extensions; the default does nothing).
     pub request_hook: Arc<dyn RequestHook>,
 }
@@ -224,6 +232,7 @@ impl Default for ServerOptions {
             max_body_bytes: 4 * 1024 * 1024,
             max_logprobs: Some(20),
             max_n: 16,
+            max_requests_per_team: Some(128),
             request_hook: Arc::new(NoHook),
         }
     }
@@ -239,6 +248,7 @@ struct Inner {
     /// In order of configuration; the first answers requests that name no model.
     models: Vec<Arc<ServedModel>>,
     options: ServerOptions,
+    team_requests: Arc<TeamRequests>,
     /// The training service (store, worker, trained models); `None` serves base models only.
     training: Option<Arc<Training>>,
     /// Reported as every model's `created`.
@@ -276,6 +286,7 @@ impl AppState {
         Ok(AppState {
             inner: Arc::new(Inner {
                 models: models.into_iter().map(Arc::new).collect(),
+                team_requests: TeamRequests::new(options.max_requests_per_team),
                 options,
                 training,
                 started: unix_now(),
@@ -289,6 +300,11 @@ impl AppState {
 
     pub fn options(&self) -> &ServerOptions {
         &self.inner.options
+    }
+
+    /// Each team's generation requests in flight.
+    pub fn team_requests(&self) -> &Arc<TeamRequests> {
+        &self.inner.team_requests
     }
 
     pub fn started(&self) -> u64 {

@@ -496,6 +496,28 @@ fn logprob_count(param: &str, k: i64, limits: &Limits) -> Result<usize, ApiError
     }
 }
 
+/// The context rule checked on the rendered prompt's bytes, before tokenizing it: a text of
+/// `text_bytes` has at least `text_bytes / max_bytes_per_token` tokens, so a prompt far past
+/// the context is refused without the seconds its tokenization would take.
+pub fn check_prompt_bytes(
+    text_bytes: usize,
+    max_bytes_per_token: usize,
+    max_model_len: usize,
+) -> Result<(), ApiError> {
+    let at_least = text_bytes / max_bytes_per_token.max(1);
+    if at_least >= max_model_len {
+        return Err(ApiError::bad(
+            "messages",
+            format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your \
+                 request has at least {at_least} input tokens ({text_bytes} bytes of prompt \
+                 text). Please reduce the length of the input messages."
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// chat.md's context rules. Returns the completion budget.
 pub fn check_context(
     prompt_tokens: usize,

@@ -123,6 +123,8 @@ async fn a_next_turn_reports_its_cached_prompt_tokens() {
 
 /// Prompts of megabytes are rendered and tokenized on blocking threads: while four of them are
 /// being tokenized, `/health` and a small completion are answered (before the big ones are).
+/// (`truncate_prompt_tokens` makes the server tokenize them whole: without it, prompts this far
+/// past the context are refused by their byte count alone.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_prompts_do_not_hold_up_health_or_small_requests() {
     let s = std::sync::Arc::new(TestServer::tiny(options(), None).await);
@@ -133,10 +135,10 @@ async fn large_prompts_do_not_hold_up_health_or_small_requests() {
         let (s, big, done) = (s.clone(), big.clone(), done.clone());
         tasks.push(tokio::spawn(async move {
             let (status, v) = s
-                .chat(&json!({"messages": user(&big), "max_completion_tokens": 1}))
+                .chat(&json!({"messages": user(&big), "max_completion_tokens": 1,
+                    "truncate_prompt_tokens": 16}))
                 .await;
-            // Far past the tiny model's context: a 400 once tokenized.
-            assert_eq!(status, 400, "{v}");
+            assert_eq!(status, 200, "{v}");
             done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }));
     }
@@ -474,6 +476,13 @@ async fn context_length_errors() {
         .as_str()
         .unwrap()
         .contains("maximum context length is 64"));
+    // Far past the context by its bytes alone: refused before tokenizing, saying so.
+    let huge = "the cat sat on the mat ".repeat(40_000);
+    let (status, v) = s.chat(&json!({"messages": user(&huge)})).await;
+    assert_eq!(status, 400, "{v}");
+    assert_error(&v, 400, "BadRequestError", Some("messages"));
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("has at least"), "{message}");
     let (status, v) = s
         .chat(&json!({"messages": user("hi"), "max_tokens": 64}))
         .await;
@@ -619,6 +628,58 @@ async fn client_disconnect_cancels_the_stream() {
     assert!(stats.rows < max_tokens as u64 / 2, "{stats:?}");
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(s.engine_stats().steps, stats.steps);
+}
+
+/// `--max-requests-per-team 1`: while the team's stream runs, its next request is a 429 with
+/// `Retry-After` in the envelope; once the stream is gone (here: the client dropped it), the
+/// team's place is free again.
+#[tokio::test]
+async fn a_team_past_its_request_limit_gets_a_429() {
+    let s = TestServer::tiny(
+        ServerOptions {
+            max_requests_per_team: Some(1),
+            ..options()
+        },
+        None,
+    )
+    .await;
+    let r = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": user("hello"), "max_completion_tokens": 1900,
+                "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let mut body = r.bytes_stream();
+    body.next().await.unwrap().unwrap();
+    let refused = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": user("hi"), "max_completion_tokens": 2}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status().as_u16(), 429);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let v: Value = refused.json().await.unwrap();
+    assert_error(&v, 429, "RateLimitError", None);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-requests-per-team"),
+        "{v}"
+    );
+    drop(body);
+    s.wait_idle(Duration::from_secs(5)).await;
+    let (status, v) = s
+        .chat(&json!({"messages": user("hi"), "max_completion_tokens": 2}))
+        .await;
+    assert_eq!(status, 200, "{v}");
 }
 
 #[tokio::test]

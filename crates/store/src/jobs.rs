@@ -210,6 +210,7 @@ async fn insert_job(
     model_id: Uuid,
     kind: JobKind,
     request: &str,
+    max_queued: Option<u32>,
 ) -> Result<Job> {
     serde_json::from_str::<serde::de::IgnoredAny>(request)
         .map_err(|e| invalid("request", format!("not JSON: {e}")))?;
@@ -226,10 +227,12 @@ async fn insert_job(
         finished_at: None,
         attempts: 0,
     };
-    // One statement: the model check and the insert cannot race a deletion.
+    // One statement: the model check, the team's queue bound and the insert cannot race a
+    // deletion or another post.
     let inserted = sqlx::query(
         "INSERT INTO training_jobs (id, model_id, team, kind, status, request, created_at) \
-         SELECT ?, id, team, ?, 'queued', ?, ? FROM models WHERE id = ? AND team = ?",
+         SELECT ?, id, team, ?, 'queued', ?, ? FROM models WHERE id = ? AND team = ? \
+         AND (SELECT count(*) FROM training_jobs WHERE team = ? AND status = 'queued') < ?",
     )
     .bind(job.id.to_string())
     .bind(kind.as_str())
@@ -237,11 +240,25 @@ async fn insert_job(
     .bind(job.created_at)
     .bind(model_id.to_string())
     .bind(team)
-    .execute(conn)
+    .bind(team)
+    .bind(max_queued.map_or(i64::MAX, i64::from))
+    .execute(&mut *conn)
     .await?
     .rows_affected();
     if inserted == 0 {
-        return Err(Error::NotFound("model"));
+        let model_exists: Option<(String,)> =
+            sqlx::query_as("SELECT id FROM models WHERE id = ? AND team = ?")
+                .bind(model_id.to_string())
+                .bind(team)
+                .fetch_optional(&mut *conn)
+                .await?;
+        return Err(match (model_exists, max_queued) {
+            (Some(_), Some(limit)) => Error::TeamQueueFull {
+                team: team.to_owned(),
+                limit,
+            },
+            _ => Error::NotFound("model"),
+        });
     }
     Ok(job)
 }
@@ -274,7 +291,15 @@ impl Store {
         request: &str,
     ) -> Result<Job> {
         let mut conn = self.pool.acquire().await?;
-        insert_job(&mut conn, team, model_id, kind, request).await
+        insert_job(
+            &mut conn,
+            team,
+            model_id,
+            kind,
+            request,
+            self.max_queued_jobs_per_team,
+        )
+        .await
     }
 
     /// [`Store::enqueue_job`] for a request holding a claimed `Idempotency-Key`: the job and the
@@ -289,7 +314,15 @@ impl Store {
         key: IdempotencyKey<'_>,
     ) -> Result<Job> {
         let mut tx = self.write_tx().await?;
-        let job = insert_job(&mut tx, team, model_id, kind, request).await?;
+        let job = insert_job(
+            &mut tx,
+            team,
+            model_id,
+            kind,
+            request,
+            self.max_queued_jobs_per_team,
+        )
+        .await?;
         let answer = serde_json::json!({ "id": job.id.to_string() }).to_string();
         complete(&mut tx, key, 200, answer.as_bytes()).await?;
         tx.commit().await?;

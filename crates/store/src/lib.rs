@@ -75,6 +75,10 @@ pub enum Error {
     /// A state transition asked of a job in another state (e.g. finishing a cancelled job).
     #[error("training job {id} is {status}")]
     JobState { id: uuid::Uuid, status: JobStatus },
+    /// The team already has the most queued jobs [`Store::with_max_queued_jobs_per_team`]
+    /// allows.
+    #[error("team {team} already has {limit} queued training jobs")]
+    TeamQueueFull { team: String, limit: u32 },
     #[error("reading random bytes from the OS: {0}")]
     Random(String),
     #[error("stored data is corrupt: {0}")]
@@ -112,6 +116,8 @@ impl FromStr for Order {
 #[derive(Clone, Debug)]
 pub struct Store {
     pool: SqlitePool,
+    /// Most queued jobs a team may have; enqueueing past it is [`Error::TeamQueueFull`].
+    max_queued_jobs_per_team: Option<u32>,
 }
 
 fn migrator() -> Migrator {
@@ -162,7 +168,17 @@ impl Store {
             .connect_with(options)
             .await?;
         migrator().run(&pool).await?;
-        Ok(Store { pool })
+        Ok(Store {
+            pool,
+            max_queued_jobs_per_team: None,
+        })
+    }
+
+    /// Bounds each team's queued jobs (checked in the statement that enqueues, so concurrent
+    /// posts cannot pass it together).
+    pub fn with_max_queued_jobs_per_team(mut self, limit: u32) -> Store {
+        self.max_queued_jobs_per_team = Some(limit);
+        self
     }
 
     /// Waits for the pool's connections to close (checkpointing the WAL). Dropping a store

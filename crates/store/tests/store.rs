@@ -961,3 +961,37 @@ async fn a_job_and_its_idempotent_answer_commit_together() {
         Claim::Replay { status: 200, body }
     );
 }
+
+#[tokio::test]
+async fn a_team_past_its_queued_job_limit_is_refused_and_others_are_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await.with_max_queued_jobs_per_team(2);
+    let a = model(&store, "a", "m").await;
+    let b = model(&store, "b", "m").await;
+    let post = |m: &Model| {
+        let (store, team, id) = (store.clone(), m.team.clone(), m.id);
+        async move {
+            store
+                .enqueue_job(&team, id, temper_store::JobKind::Rl, "{}")
+                .await
+        }
+    };
+    post(&a).await.unwrap();
+    post(&a).await.unwrap();
+    match post(&a).await {
+        Err(Error::TeamQueueFull { team, limit }) => assert_eq!((team.as_str(), limit), ("a", 2)),
+        other => panic!("expected TeamQueueFull, got {other:?}"),
+    }
+    // Another team's queue is its own; a missing model is still a 404, not a full queue.
+    post(&b).await.unwrap();
+    let missing = store
+        .enqueue_job("a", Uuid::new_v4(), temper_store::JobKind::Rl, "{}")
+        .await;
+    assert!(
+        matches!(missing, Err(Error::NotFound("model"))),
+        "{missing:?}"
+    );
+    // A started job leaves the queue: the team may post again.
+    store.claim_next_job().await.unwrap().expect("a queued job");
+    post(&a).await.unwrap();
+}

@@ -82,6 +82,10 @@ pub struct ServeArgs {
     /// Most new requests waiting per model; past it a 429 with Retry-After [default: 256].
     #[arg(long, env = "TEMPER_MAX_WAITING", value_name = "N")]
     pub max_waiting: Option<usize>,
+    /// Most chat completion requests one team may have in flight, on all models together; past
+    /// it a 429 with Retry-After; 0 = no bound [default: 128].
+    #[arg(long, env = "TEMPER_MAX_REQUESTS_PER_TEAM", value_name = "N")]
+    pub max_requests_per_team: Option<usize>,
     /// Waiting-queue order: `fcfs`, or `priority` (a request's lower `priority` runs first and
     /// preempts worse ones; with `fcfs` a non-zero `priority` is a 400) [default: fcfs].
     #[arg(long, env = "TEMPER_SCHEDULING", value_name = "POLICY")]
@@ -117,6 +121,10 @@ pub struct ServeArgs {
     /// a crash or a kill, is failed instead of re-queued [default: 3].
     #[arg(long, env = "TEMPER_MAX_JOB_ATTEMPTS", value_name = "N")]
     pub max_job_attempts: Option<u32>,
+    /// Most queued training jobs per team; past it a 429 with Retry-After; 0 = no bound
+    /// [default: 64].
+    #[arg(long, env = "TEMPER_MAX_QUEUED_JOBS_PER_TEAM", value_name = "N")]
+    pub max_queued_jobs_per_team: Option<u32>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -138,6 +146,7 @@ pub struct FileConfig {
     pub max_running: Option<usize>,
     pub max_batch_tokens: Option<usize>,
     pub max_waiting: Option<usize>,
+    pub max_requests_per_team: Option<usize>,
     pub scheduling: Option<SchedulingPolicy>,
     pub prompt_lookup_tokens: Option<usize>,
     pub max_training_body_bytes: Option<usize>,
@@ -147,6 +156,7 @@ pub struct FileConfig {
     pub lora_alpha: Option<f32>,
     pub max_train_seq_len: Option<usize>,
     pub max_job_attempts: Option<u32>,
+    pub max_queued_jobs_per_team: Option<u32>,
 }
 
 /// The resolved configuration of `temper serve`.
@@ -168,6 +178,8 @@ pub struct Config {
     pub max_running: Option<usize>,
     pub max_batch_tokens: Option<usize>,
     pub max_waiting: Option<usize>,
+    /// `None` = no bound.
+    pub max_requests_per_team: Option<usize>,
     pub scheduling: Scheduling,
     /// Draft tokens per sequence and step; 0 = no speculative decoding.
     pub prompt_lookup_tokens: usize,
@@ -178,6 +190,8 @@ pub struct Config {
     pub lora_alpha: f32,
     pub max_train_seq_len: usize,
     pub max_job_attempts: u32,
+    /// `None` = no bound.
+    pub max_queued_jobs_per_team: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -345,6 +359,12 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         max_running: args.max_running.or(file.max_running),
         max_batch_tokens: args.max_batch_tokens.or(file.max_batch_tokens),
         max_waiting: args.max_waiting.or(file.max_waiting),
+        max_requests_per_team: Some(
+            args.max_requests_per_team
+                .or(file.max_requests_per_team)
+                .unwrap_or(128),
+        )
+        .filter(|&n| n > 0),
         scheduling: args
             .scheduling
             .or(file.scheduling)
@@ -360,6 +380,12 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         lora_alpha,
         max_train_seq_len,
         max_job_attempts,
+        max_queued_jobs_per_team: Some(
+            args.max_queued_jobs_per_team
+                .or(file.max_queued_jobs_per_team)
+                .unwrap_or(64),
+        )
+        .filter(|&n| n > 0),
     })
 }
 

@@ -82,6 +82,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             lora_alpha: cfg.lora_alpha,
             max_seq_len: cfg.max_train_seq_len,
             max_job_attempts: cfg.max_job_attempts,
+            max_queued_jobs_per_team: cfg.max_queued_jobs_per_team,
         }))
         .map_err(|e| format!("opening the store in {}: {e}", cfg.data_dir.display()))?;
     let store_keys = runtime
@@ -136,6 +137,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             max_body_bytes: cfg.max_body_bytes,
             max_logprobs: cfg.max_logprobs,
             max_n: cfg.max_n,
+            max_requests_per_team: cfg.max_requests_per_team,
             ..ServerOptions::default()
         },
         training,

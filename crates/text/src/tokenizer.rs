@@ -356,6 +356,31 @@ impl Tokenizer {
         )
     }
 
+    /// The most bytes of input text one token can stand for, so that a text of `b` bytes
+    /// encodes to at least `b / max_text_bytes_per_token()` tokens: what lets a server refuse
+    /// a prompt far past the context without tokenizing it. A space-replacement character
+    /// counts as the one space it replaces, a `<0xNN>` piece as one byte.
+    pub fn max_text_bytes_per_token(&self) -> usize {
+        let space_extra = self
+            .text
+            .space
+            .as_ref()
+            .map_or(0, |rep| rep.len().saturating_sub(1));
+        self.pieces
+            .iter()
+            .map(|piece| match byte_piece_value(piece) {
+                Some(_) => 1,
+                None if space_extra > 0 => {
+                    let rep = self.text.space.as_deref().unwrap_or_default();
+                    piece.len() - piece.matches(rep).count() * space_extra
+                }
+                None => piece.len(),
+            })
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.pieces.len()
     }

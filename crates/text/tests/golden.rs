@@ -178,3 +178,21 @@ fn decode_stream_handles_byte_fallback_emoji() {
     );
     assert_eq!(steps.concat(), text);
 }
+
+/// The byte floor a server checks before tokenizing holds on every golden text: no encoding
+/// has fewer tokens than its bytes over `max_text_bytes_per_token`.
+#[test]
+fn token_count_floor_from_bytes_holds_on_the_golden_texts() {
+    let Some(md) = metadata() else { return };
+    let tok = Tokenizer::from_gguf_metadata(&md).expect("tokenizer from GGUF metadata");
+    let per_token = tok.max_text_bytes_per_token();
+    println!("Gemma 3: at most {per_token} bytes of text per token");
+    assert!((8..=256).contains(&per_token), "{per_token}");
+    for line in fixture("tokenize.jsonl").lines() {
+        let case: TokenizeCase = serde_json::from_str(line).expect("golden line is JSON");
+        let ids = tok.encode(&case.text, case.parse_special);
+        assert!(ids.len() >= case.text.len() / per_token, "{:?}", case.text);
+    }
+    let spaces = " ".repeat(10_000);
+    assert!(tok.encode(&spaces, false).len() >= spaces.len() / per_token);
+}

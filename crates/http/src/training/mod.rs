@@ -40,6 +40,8 @@ pub struct TrainingOptions {
     /// A job found running at start-up after this many starts in a row (each ended by a crash
     /// or a kill) is failed instead of re-queued (at least 1).
     pub max_job_attempts: u32,
+    /// Most queued jobs per team (`None`: no bound); past it a post is a 429.
+    pub max_queued_jobs_per_team: Option<u32>,
 }
 
 impl TrainingOptions {
@@ -52,6 +54,7 @@ impl TrainingOptions {
             lora_alpha: 16.0,
             max_seq_len: 2048,
             max_job_attempts: 3,
+            max_queued_jobs_per_team: Some(64),
         }
     }
 }
@@ -77,7 +80,10 @@ impl Training {
     /// The caller holds the data directory's [`temper_store::DataDirLock`] (`temper serve`
     /// takes it before this), so that this recovery never touches another server's jobs.
     pub async fn open(options: TrainingOptions) -> Result<Training, temper_store::Error> {
-        let store = Store::open(&options.data_dir).await?;
+        let mut store = Store::open(&options.data_dir).await?;
+        if let Some(limit) = options.max_queued_jobs_per_team {
+            store = store.with_max_queued_jobs_per_team(limit);
+        }
         for path in files::remove_stray_temp_files(&options.data_dir) {
             tracing::warn!(
                 path = %path.display(),
