@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test bench bench-compare fetch-model build demo-rl
+.PHONY: serve test bench bench-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -36,6 +36,12 @@ bench: fetch-model build
 # server at a time, same model and load client; ARGS=--quick for a run of a few minutes.
 bench-compare: fetch-model
 	scripts/bench-compare.sh $(ARGS)
+
+# N clients for M minutes (streaming, n > 1, structured outputs, cancellations, agent turns and a
+# training loop) against a fresh server: 5xx count, p99 latency, RSS over time (README,
+# Reliability). ARGS="--clients 64 --minutes 10" is the README's run.
+soak: fetch-model build
+	scripts/soak.py $(ARGS)
 
 # RL learning demo on the default model: rollouts, rewards for answers beginning with a word,
 # one training job per round; prints the table and writes docs/rl-demo.png (README, RL demo).
