@@ -127,7 +127,7 @@ measure() {
         --reps "$AGENT_REPS" --max-tokens 32 --out "$RES/$name-agent.json" >/dev/null
     log "$name: echo-heavy, $ECHO_TOKENS tokens"
     client run --url "$url" --server "$name" --clients 1 --requests "$REPS" --echo \
-        --prompt-words 120 --max-tokens "$ECHO_TOKENS" --out "$RES/$name-echo.json" >/dev/null
+        --max-tokens "$ECHO_TOKENS" --out "$RES/$name-echo.json" >/dev/null
 }
 
 # --- host, binaries, model -------------------------------------------------------------------
@@ -231,7 +231,7 @@ if [[ -n $SPEC_FLAG ]]; then
     client run --url "$url" --server temper --max-tokens 8 >/dev/null
     log "temper ($SPEC_FLAG): echo-heavy, $ECHO_TOKENS tokens"
     client run --url "$url" --server temper --clients 1 --requests "$REPS" --echo \
-        --prompt-words 120 --max-tokens "$ECHO_TOKENS" --out "$RES/temper-echo-spec.json" >/dev/null
+        --max-tokens "$ECHO_TOKENS" --out "$RES/temper-echo-spec.json" >/dev/null
     stop_server
 fi
 
