@@ -41,7 +41,9 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         cfg.intermediate_size,
     );
 
-    let mut layers = Vec::with_capacity(cfg.num_layers);
+    // Grown as the layers load, not sized by the block count: a corrupt count must end at the
+    // first missing tensor, not ask for an allocation of its size.
+    let mut layers = Vec::new();
     for i in 0..cfg.num_layers {
         let p = format!("blk.{i}");
         layers.push(Layer {
