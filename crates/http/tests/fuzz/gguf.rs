@@ -201,7 +201,7 @@ fn mutate(valid: &[u8], layout: &Layout, rng: &mut Rng) -> Vec<u8> {
         };
         let at = rng.below(region.min(bytes.len()).max(1));
         match rng.below(8) {
-            0 | 1 | 2 => {
+            0..=2 => {
                 let field = *rng.pick(&layout.fields);
                 if field.offset + field.width <= bytes.len() {
                     let value = boundary_value(field, bytes.len(), rng);
