@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test bench bench-compare fetch-model build demo-rl soak
+.PHONY: serve test fuzz bench bench-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -27,6 +27,12 @@ test: fetch-model build
 	scripts/art-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
 	exit $$status
+
+# The fuzz tests of request bodies and GGUF files (part of `make test` for 3 s each) for
+# FUZZ_SECS seconds each, from TEMPER_FUZZ_SEED when set; a failure prints its seed and replay.
+FUZZ_SECS ?= 300
+fuzz:
+	TEMPER_FUZZ_SECS=$(FUZZ_SECS) cargo test --release -p temper-http --test fuzz -- --nocapture
 
 # temper's own throughput figures on this host (README, Benchmarks).
 bench: fetch-model build

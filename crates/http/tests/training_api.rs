@@ -14,7 +14,7 @@ struct Api {
 
 async fn api(options: ServerOptions) -> Api {
     let data = tempfile::tempdir().unwrap();
-    let server = TestServer::tiny_training(options, TrainingOptions::new(data.path())).await;
+    let server = TestServer::tiny_training(options, TrainingOptions::new(data.path()), None).await;
     Api {
         server,
         _data: data,
@@ -601,6 +601,7 @@ async fn training_routes_have_their_own_body_limit() {
             ..options()
         },
         training,
+        None,
     )
     .await;
     let api = Api {

@@ -17,7 +17,7 @@ use temper_http::TrainingOptions;
 async fn server(data: &Path, max_seq_len: usize) -> TestServer {
     let mut training = TrainingOptions::new(data);
     training.max_seq_len = max_seq_len;
-    let server = TestServer::tiny_training(options(), training).await;
+    let server = TestServer::tiny_training(options(), training, None).await;
     temper_http::training::worker::spawn(server.state.clone());
     server
 }
@@ -310,7 +310,8 @@ fn job_body(model_id: &str, reward: f64) -> Value {
 async fn idempotency_keys_replay_conflict_and_survive_a_restart() {
     let data = tempfile::tempdir().unwrap();
     // No worker: jobs stay queued, so cancelling them is possible at any time.
-    let server = TestServer::tiny_training(options(), TrainingOptions::new(data.path())).await;
+    let server =
+        TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
     let s = &server;
     let post_with = |path: &'static str, key: &'static str, body: Value| async move {
         call(s, "POST", path, KEY, Some(key), Some(&body)).await
@@ -462,7 +463,8 @@ async fn idempotency_keys_replay_conflict_and_survive_a_restart() {
 
     // After a restart on the same data directory: the same answers, the same conflicts.
     drop(server);
-    let server = TestServer::tiny_training(options(), TrainingOptions::new(data.path())).await;
+    let server =
+        TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
     let (status, again, replayed) = call(
         &server,
         "POST",

@@ -1,5 +1,6 @@
 use std::fs::File;
 use std::io::BufReader;
+use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -18,7 +19,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         source,
     };
     let mut reader = BufReader::new(File::open(path).map_err(io_err)?);
-    let content = gguf_file::Content::read(&mut reader)?;
+    let content = read_content(&mut reader)?;
     let mut weights = Weights {
         content: &content,
         reader: &mut reader,
@@ -41,7 +42,9 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         cfg.intermediate_size,
     );
 
-    let mut layers = Vec::with_capacity(cfg.num_layers);
+    // Grown as the layers load, not sized by the block count: a corrupt count must end at the
+    // first missing tensor, not ask for an allocation of its size.
+    let mut layers = Vec::new();
     for i in 0..cfg.num_layers {
         let p = format!("blk.{i}");
         layers.push(Layer {
@@ -86,6 +89,23 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         model,
         metadata: content.metadata,
     })
+}
+
+/// candle's header reader panics on some corrupt files (a `general.alignment` of 0 divides by
+/// zero): that is a bad file like any other, not a crash of the server starting on it.
+fn read_content(reader: &mut BufReader<File>) -> Result<gguf_file::Content, ModelError> {
+    std::panic::catch_unwind(AssertUnwindSafe(|| gguf_file::Content::read(reader)))
+        .unwrap_or_else(|payload| {
+            let reason = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(candle_core::Error::Msg(format!(
+                "the GGUF header is corrupt ({reason})"
+            )))
+        })
+        .map_err(ModelError::from)
 }
 
 struct Weights<'a, R> {

@@ -35,11 +35,17 @@ impl TestServer {
     }
 
     /// The tiny model with the training service over a store in `training.data_dir`.
-    pub async fn tiny_training(options: ServerOptions, training: TrainingOptions) -> TestServer {
+    pub async fn tiny_training(
+        options: ServerOptions,
+        training: TrainingOptions,
+        max_model_len: Option<usize>,
+    ) -> TestServer {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tiny.gguf");
         temper_model::tiny::write_tiny_gguf(&path, 7).unwrap();
-        let model = ServedModel::load(&ModelSpec::new("tiny", &path)).unwrap();
+        let mut spec = ModelSpec::new("tiny", &path);
+        spec.max_model_len = max_model_len;
+        let model = ServedModel::load(&spec).unwrap();
         let training = Training::open(training).await.unwrap();
         let state = AppState::with_training(vec![model], options, training).unwrap();
         let mut server = Self::serve(state).await;
