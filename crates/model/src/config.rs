@@ -105,6 +105,14 @@ impl ModelConfig {
                 "sliding_window_pattern must be positive",
             ),
             (self.context_length > 0, "context_length must be positive"),
+            // Shapes are products of these: a corrupt file must not wrap them around.
+            (
+                self.num_heads
+                    .checked_mul(self.head_dim)
+                    .and_then(|n| n.checked_mul(self.hidden_size))
+                    .is_some_and(|n| n <= 1 << 40),
+                "head_count * key_length * embedding_length is implausibly large",
+            ),
         ];
         match checks.iter().find(|(ok, _)| !ok) {
             Some((_, reason)) => Err(meta_err("gemma3", (*reason).to_string())),
