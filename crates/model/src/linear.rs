@@ -29,18 +29,32 @@ enum Weight {
     Candle(QMatMul),
 }
 
+/// A weight as a GGUF file stores it: its type, its shape `[out, in]` and its bytes.
+pub(crate) struct GgufWeight {
+    pub dtype: GgmlDType,
+    pub out_dim: usize,
+    pub in_dim: usize,
+    pub bytes: Vec<u8>,
+}
+
 impl Linear {
-    pub(crate) fn new(weight: Arc<QTensor>) -> Result<Self, ModelError> {
-        let (out_dim, in_dim) = weight.shape().dims2()?;
+    /// Takes the bytes over: the kernels' layout is made in their memory where it can be, so
+    /// a large weight is never held twice.
+    pub(crate) fn new(weight: GgufWeight) -> Result<Self, ModelError> {
+        let GgufWeight {
+            dtype,
+            out_dim,
+            in_dim,
+            bytes,
+        } = weight;
         // Our kernels have no Q5_0 path; its values fit Q8_0 exactly (same scale, integers
         // -16..15), which has one, and both pair with Q8_0 activations: the same integer block
         // sums as ggml's Q5_0 dot product.
-        let weight = if weight.dtype() == GgmlDType::Q5_0 {
-            Arc::new(q5_0_as_q8_0(&weight)?)
-        } else {
-            weight
+        let (dtype, bytes) = match dtype {
+            GgmlDType::Q5_0 => (GgmlDType::Q8_0, q5_0_as_q8_0(&bytes)),
+            _ => (dtype, bytes),
         };
-        let format = match weight.dtype() {
+        let format = match dtype {
             GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
             GgmlDType::Q4K => Some(WeightFormat::Q4K),
             GgmlDType::Q6K => Some(WeightFormat::Q6K),
@@ -49,9 +63,13 @@ impl Linear {
         let weight = match format.filter(|f| in_dim.is_multiple_of(f.block_elems())) {
             Some(format) => Weight::Kernel {
                 format,
-                data: kernels::prepare(format, &weight.data()?, out_dim),
+                data: kernels::prepare(format, bytes, out_dim),
             },
-            None => Weight::Candle(QMatMul::from_arc(weight)?),
+            None => {
+                let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, dtype)?;
+                let tensor = QTensor::new(storage, (out_dim, in_dim))?;
+                Weight::Candle(QMatMul::from_arc(Arc::new(tensor))?)
+            }
         };
         Ok(Self {
             weight,
@@ -164,8 +182,7 @@ impl Linear {
 const Q5_0_BYTES: usize = 22;
 const Q8_0_BYTES: usize = 34;
 
-fn q5_0_as_q8_0(w: &QTensor) -> Result<QTensor, ModelError> {
-    let src = w.data()?;
+fn q5_0_as_q8_0(src: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(src.len() / Q5_0_BYTES * Q8_0_BYTES);
     for b in src.chunks_exact(Q5_0_BYTES) {
         let d = f16::from_le_bytes([b[0], b[1]]);
@@ -181,8 +198,7 @@ fn q5_0_as_q8_0(w: &QTensor) -> Result<QTensor, ModelError> {
         out.extend_from_slice(&d.to_le_bytes());
         out.extend(q.iter().map(|&v| v as u8));
     }
-    let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
-    Ok(QTensor::new(storage, w.shape().clone())?)
+    out
 }
 
 #[cfg(test)]
@@ -196,8 +212,10 @@ mod tests {
             .collect();
         let t = Tensor::from_vec(data, (4, 64), &Device::Cpu).expect("tensor");
         let q5 = QTensor::quantize(&t, GgmlDType::Q5_0).expect("quantize");
-        let q8 = q5_0_as_q8_0(&q5).expect("convert");
-        assert_eq!(q8.dtype(), GgmlDType::Q8_0);
+        let bytes = q5_0_as_q8_0(&q5.data().expect("bytes"));
+        let storage =
+            QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, GgmlDType::Q8_0).expect("storage");
+        let q8 = QTensor::new(storage, (4, 64)).expect("tensor");
         let a = q5
             .dequantize(&Device::Cpu)
             .expect("deq")

@@ -1,5 +1,5 @@
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, SeekFrom};
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::Arc;
@@ -8,7 +8,7 @@ use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
 
 use crate::cache::KvPool;
-use crate::linear::Linear;
+use crate::linear::{GgufWeight, Linear};
 use crate::model::{Embedding, Gemma3, Layer, DEFAULT_KV_CACHE_BYTES};
 use crate::{LoadedModel, ModelConfig, ModelError};
 
@@ -25,8 +25,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         reader: &mut reader,
     };
 
-    let embed = weights.qtensor("token_embd.weight")?;
-    let (vocab_size, hidden) = embed.shape().dims2()?;
+    let (vocab_size, hidden) = weights.info("token_embd.weight")?.shape.dims2()?;
     let cfg = ModelConfig::from_metadata(&content.metadata, vocab_size)?;
     if hidden != cfg.hidden_size {
         return Err(shape_err(
@@ -68,10 +67,13 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let (lm_head, embed) = if content.tensor_infos.contains_key("output.weight") {
         (
             weights.linear("output.weight", vocab_size, hd)?,
-            Embedding::Table(embed),
+            Embedding::Table(weights.qtensor("token_embd.weight")?),
         )
     } else {
-        (Linear::new(embed)?, Embedding::Tied)
+        (
+            weights.linear("token_embd.weight", vocab_size, hd)?,
+            Embedding::Tied,
+        )
     };
 
     let kv_pool = KvPool::new(cfg.num_layers, cfg.num_kv_heads * cfg.head_dim, 1);
@@ -114,10 +116,15 @@ struct Weights<'a, R> {
 }
 
 impl<R: std::io::Read + std::io::Seek> Weights<'_, R> {
+    fn info(&self, name: &str) -> Result<&gguf_file::TensorInfo, ModelError> {
+        self.content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+    }
+
     fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>, ModelError> {
-        if !self.content.tensor_infos.contains_key(name) {
-            return Err(ModelError::MissingTensor(name.to_string()));
-        }
+        self.info(name)?;
         Ok(Arc::new(self.content.tensor(
             self.reader,
             name,
@@ -125,10 +132,44 @@ impl<R: std::io::Read + std::io::Seek> Weights<'_, R> {
         )?))
     }
 
+    /// A matrix's bytes as stored, read straight into the buffer the kernels' layout is made
+    /// in (candle's reader holds a second copy while it builds its tensor).
     fn linear(&mut self, name: &str, out_dim: usize, in_dim: usize) -> Result<Linear, ModelError> {
-        let t = self.qtensor(name)?;
-        check_shape(name, t.shape().dims(), &[out_dim, in_dim])?;
-        Linear::new(t)
+        let info = self.info(name)?;
+        check_shape(name, info.shape.dims(), &[out_dim, in_dim])?;
+        let dtype = info.ggml_dtype;
+        let elems = out_dim * in_dim;
+        if !elems.is_multiple_of(dtype.block_size()) {
+            return Err(candle_core::Error::Msg(format!(
+                "{name}: {elems} values are not whole {dtype:?} blocks"
+            ))
+            .into());
+        }
+        let len = elems / dtype.block_size() * dtype.type_size();
+        let start = self.content.tensor_data_offset.saturating_add(info.offset);
+        let file_len = self
+            .reader
+            .seek(SeekFrom::End(0))
+            .map_err(candle_core::Error::from)?;
+        if start.saturating_add(len as u64) > file_len {
+            return Err(candle_core::Error::Msg(format!(
+                "{name}: {len} bytes at offset {start} run past the end of the file ({file_len})"
+            ))
+            .into());
+        }
+        self.reader
+            .seek(SeekFrom::Start(start))
+            .map_err(candle_core::Error::from)?;
+        let mut bytes = vec![0u8; len];
+        self.reader
+            .read_exact(&mut bytes)
+            .map_err(candle_core::Error::from)?;
+        Linear::new(GgufWeight {
+            dtype,
+            out_dim,
+            in_dim,
+            bytes,
+        })
     }
 
     fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {

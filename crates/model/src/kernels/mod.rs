@@ -199,11 +199,11 @@ pub(crate) fn matmul(
 }
 
 /// The weight bytes the kernels read, from GGUF blocks (`[out_dim, in_dim]`, row-major).
-pub(crate) fn prepare(format: WeightFormat, gguf: &[u8], out_dim: usize) -> Vec<u8> {
+pub(crate) fn prepare(format: WeightFormat, gguf: Vec<u8>, out_dim: usize) -> Vec<u8> {
     match format {
-        WeightFormat::Q8_0 => q8_0::interleave(gguf, out_dim),
-        WeightFormat::Q4K => q4_k::interleave(gguf, out_dim),
-        WeightFormat::Q6K => gguf.to_vec(),
+        WeightFormat::Q8_0 => q8_0::interleave_owned(gguf, out_dim),
+        WeightFormat::Q4K => q4_k::interleave(&gguf, out_dim),
+        WeightFormat::Q6K => gguf,
     }
 }
 
@@ -461,7 +461,7 @@ mod tests {
                 continue;
             }
             let blocks = in_dim / format.block_elems() * out_dim;
-            let w = prepare(format, &random_gguf(format, blocks, &mut rng), out_dim);
+            let w = prepare(format, random_gguf(format, blocks, &mut rng), out_dim);
             let x: Vec<f32> = (0..rows * in_dim).map(|_| rng.uniform()).collect();
             let (mut best, mut best_cpu) = (f64::INFINITY, f64::INFINITY);
             for _ in 0..15 {

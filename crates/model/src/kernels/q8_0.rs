@@ -68,16 +68,42 @@ impl Kernel for Q8_0 {
 /// whole group.
 pub(crate) fn interleave(gguf: &[u8], out_dim: usize) -> Vec<u8> {
     let nb = gguf.len() / (out_dim * BLOCK_BYTES);
-    let groups = out_dim.div_ceil(GROUP);
-    let mut packed = vec![0u8; groups * nb * GROUP_BLOCK];
-    for (gb, dst) in packed.chunks_exact_mut(GROUP_BLOCK).enumerate() {
-        let (g, b) = (gb / nb, gb % nb);
+    let row_bytes = nb * BLOCK_BYTES;
+    let mut packed = vec![0u8; out_dim.div_ceil(GROUP) * nb * GROUP_BLOCK];
+    for (rows, dst) in gguf
+        .chunks(GROUP * row_bytes)
+        .zip(packed.chunks_exact_mut(nb * GROUP_BLOCK))
+    {
+        interleave_group(rows, nb, dst);
+    }
+    packed
+}
+
+/// [`interleave`] in the GGUF bytes' own memory when the rows fill whole groups (a group takes
+/// the bytes its rows took), so loading the 170 MB LM head never holds two copies of it.
+pub(crate) fn interleave_owned(mut gguf: Vec<u8>, out_dim: usize) -> Vec<u8> {
+    if out_dim == 0 || !out_dim.is_multiple_of(GROUP) {
+        return interleave(&gguf, out_dim);
+    }
+    let nb = gguf.len() / (out_dim * BLOCK_BYTES);
+    let mut rows = vec![0u8; nb * GROUP_BLOCK];
+    for group in gguf.chunks_exact_mut(nb * GROUP_BLOCK) {
+        rows.copy_from_slice(group);
+        interleave_group(&rows, nb, group);
+    }
+    gguf
+}
+
+/// Up to `GROUP` GGUF rows of `nb` blocks into one interleaved group (`dst`, `nb` group blocks);
+/// missing rows are zero rows.
+fn interleave_group(rows: &[u8], nb: usize, dst: &mut [u8]) {
+    const ZERO_BLOCK: [u8; BLOCK_BYTES] = [0; BLOCK_BYTES];
+    let row_bytes = nb * BLOCK_BYTES;
+    for (b, dst) in dst.chunks_exact_mut(GROUP_BLOCK).enumerate() {
         for j in 0..GROUP {
-            let row = g * GROUP + j;
-            let src = if row < out_dim {
-                &gguf[(row * nb + b) * BLOCK_BYTES..(row * nb + b + 1) * BLOCK_BYTES]
-            } else {
-                &[0u8; BLOCK_BYTES][..]
+            let src = match rows.get(j * row_bytes..(j + 1) * row_bytes) {
+                Some(row) => &row[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES],
+                None => &ZERO_BLOCK[..],
             };
             dst[2 * j..2 * j + 2].copy_from_slice(&src[..2]);
             for (i, &q) in src[2..].iter().enumerate() {
@@ -85,7 +111,6 @@ pub(crate) fn interleave(gguf: &[u8], out_dim: usize) -> Vec<u8> {
             }
         }
     }
-    packed
 }
 
 /// Rows of the interleaved weight in f32: `d * q` per value, as GGUF dequantization does.
@@ -411,6 +436,12 @@ mod tests {
         let w = random_weights(&mut rng, rows, nb);
         let packed = interleave(&w, rows);
         assert_eq!(packed.len(), 2 * GROUP * nb * BLOCK_BYTES);
+        // Whole groups are interleaved in the bytes' own memory, to the same layout.
+        let whole = &w[..GROUP * nb * BLOCK_BYTES];
+        assert_eq!(
+            interleave_owned(whole.to_vec(), GROUP),
+            &packed[..GROUP * nb * BLOCK_BYTES]
+        );
         for row in 0..2 * GROUP {
             for b in 0..nb {
                 let gb = &packed[((row / GROUP) * nb + b) * GROUP_BLOCK..][..GROUP_BLOCK];

@@ -77,7 +77,7 @@ pub(crate) fn check_paths_agree(
     rng: &mut Rng,
 ) {
     let wf = dequantized_weight(format, w, in_dim, out_dim);
-    let w = &prepare(format, w, out_dim)[..];
+    let w = &prepare(format, w.to_vec(), out_dim)[..];
     for rows in [1, 2, 3, 4, 5, 7, 9] {
         // Rows of different magnitudes, one of them all zero.
         let mut x: Vec<f32> = (0..rows * in_dim)
