@@ -56,7 +56,8 @@ async fn sigterm_finishes_the_stream_requeues_the_job_and_exits() {
     let job = post_long_job(&server, &model_id).await;
     wait_for_step_of_attempt(&server, &job, 1).await;
 
-    let max_tokens = 400;
+    // Some 250 ms of decoding on this host: still running when the signal arrives.
+    let max_tokens = 1000;
     let mut stream = start_stream(&server, max_tokens, 1).await;
     let mut text = String::from_utf8(stream.chunk().await.unwrap().unwrap().to_vec()).unwrap();
     let signalled = Instant::now();
@@ -69,11 +70,9 @@ async fn sigterm_finishes_the_stream_requeues_the_job_and_exits() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let refused_after = signalled.elapsed();
     while let Some(chunk) = stream.chunk().await.unwrap() {
         text.push_str(std::str::from_utf8(&chunk).unwrap());
     }
-    let streamed_for = signalled.elapsed();
     let events = sse_data(&text);
     assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
     let chunks: Vec<Value> = events[..events.len() - 1]
@@ -89,10 +88,6 @@ async fn sigterm_finishes_the_stream_requeues_the_job_and_exits() {
         .wait_for_exit(Duration::from_secs(30))
         .expect("exits within the timeout");
     assert_eq!(status.code(), Some(0), "{status}");
-    eprintln!(
-        "refused after {refused_after:?}, stream done after {streamed_for:?}, exited after {:?}",
-        signalled.elapsed()
-    );
 
     // Re-queued with its event and run again from its start; the shutdown was no attempt, so the
     // crash of the second run leaves it one attempt short of the limit: re-queued again.
@@ -140,7 +135,8 @@ async fn a_stream_longer_than_the_shutdown_timeout_is_cut() {
         &dir.path().join("data"),
         &["--shutdown-timeout", "1"],
     );
-    // Never read past its first chunk: it cannot finish, however fast the engine.
+    // Never read past its first chunk: its 6 MB (some 6 s of decoding here) cannot all fit in
+    // the sockets' buffers.
     let mut stream = start_stream(&server, 1900, 16).await;
     stream.chunk().await.unwrap().unwrap();
     let signalled = Instant::now();
@@ -185,7 +181,7 @@ async fn a_second_signal_exits_at_once() {
     let status = server
         .wait_for_exit(Duration::from_secs(2))
         .expect("exits at once");
-    eprintln!("exited after {:?}", signalled.elapsed());
+    assert!(signalled.elapsed() < Duration::from_secs(1));
     assert_eq!(status.code(), Some(130), "{status}");
     drop(stream);
 

@@ -219,7 +219,7 @@ pub async fn post_long_job(server: &Server, model_id: &str) -> String {
     let big: Vec<Value> = (0..40)
         .flat_map(|_| small.as_array().unwrap().iter().cloned())
         .collect();
-    post_job(&server, &model_id, &big).await
+    post_job(server, model_id, &big).await
 }
 
 /// Waits until the job's `attempt`-th run (its `attempt`-th `training_started`) has made a
