@@ -27,6 +27,9 @@ pub mod event {
     pub const TRAINING_FAILED: &str = "training_failed";
     /// A running job put back in the queue after a restart; it is re-run from its start.
     pub const TRAINING_REQUEUED: &str = "training_requeued";
+    /// A running job put back in the queue by a graceful shutdown; it is re-run from its start
+    /// and that run does not count as an attempt.
+    pub const TRAINING_REQUEUED_AT_SHUTDOWN: &str = "training_requeued_at_shutdown";
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,8 +123,9 @@ pub struct Job {
     pub created_at: i64,
     pub started_at: Option<i64>,
     pub finished_at: Option<i64>,
-    /// How many times a worker has started the job. At start-up, a job still `running` has
-    /// been interrupted by a crash this many times in a row (see [`Store::recover_after_crash`]).
+    /// How many times a worker has started the job, less the runs a graceful shutdown stopped
+    /// (see [`Store::requeue_at_shutdown`]). At start-up, a job still `running` has been
+    /// interrupted by a crash this many times in a row (see [`Store::recover_after_crash`]).
     pub attempts: u32,
 }
 
@@ -563,6 +567,32 @@ impl Store {
         .await?;
         let items = rows.iter().map(event_row).collect::<Result<Vec<_>>>()?;
         Ok(page(items, limit))
+    }
+
+    /// At a graceful shutdown, once the worker has stopped (or the shutdown's time is up): each
+    /// running job goes back to the queue with a `training_requeued_at_shutdown` event (it is
+    /// re-run from its start) and gets its attempt back, since a shutdown is not a crash. The
+    /// caller holds the data directory's lock, so every running job is its own. Returns the
+    /// re-queued jobs.
+    pub async fn requeue_at_shutdown(&self) -> Result<Vec<Uuid>> {
+        let at = now();
+        let mut tx = self.write_tx().await?;
+        let ids: Vec<String> = sqlx::query_scalar(
+            "UPDATE training_jobs SET status = 'queued', started_at = NULL, step = NULL, \
+             attempts = MAX(attempts - 1, 0) WHERE status = 'running' RETURNING id",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        let data = serde_json::json!({
+            "message": "the server shut down while this job was running: its partial weights \
+                        are discarded and it is re-run from its start; this run does not count \
+                        as an attempt",
+        });
+        for id in &ids {
+            insert_event(&mut tx, id, event::TRAINING_REQUEUED_AT_SHUTDOWN, &data, at).await?;
+        }
+        tx.commit().await?;
+        ids.iter().map(|id| parse_uuid(id)).collect()
     }
 
     /// At start-up, before any worker runs (and with the data directory's lock held, so no

@@ -741,6 +741,52 @@ async fn claims_count_attempts_and_a_job_running_at_max_attempts_crashes_fails()
     store.close().await;
 }
 
+#[tokio::test]
+async fn a_job_requeued_at_shutdown_gets_its_attempt_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let m = model(&store, "acme", "agent").await;
+    let job = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    let queued = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    // Two graceful shutdowns in a row, then a crash: one crash attempt, so not failed at 2.
+    for _ in 0..2 {
+        assert_eq!(store.claim_next_job().await.unwrap().unwrap().attempts, 1);
+        assert_eq!(store.requeue_at_shutdown().await.unwrap(), vec![job.id]);
+        let requeued = store.get_job("acme", job.id).await.unwrap();
+        assert_eq!(
+            (requeued.status, requeued.attempts, requeued.started_at),
+            (JobStatus::Queued, 0, None)
+        );
+    }
+    // Nothing running: nothing to re-queue, the queued job untouched.
+    assert!(store.requeue_at_shutdown().await.unwrap().is_empty());
+    assert_eq!(
+        store.get_job("acme", queued.id).await.unwrap().status,
+        JobStatus::Queued
+    );
+    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, job.id);
+    let recovery = store.recover_after_crash(2).await.unwrap();
+    assert_eq!(recovery.requeued, vec![job.id]);
+    let events = store.list_events("acme", job.id, None, 20).await.unwrap();
+    let kinds: Vec<&str> = events.items.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            event::TRAINING_REQUEUED_AT_SHUTDOWN,
+            event::TRAINING_REQUEUED_AT_SHUTDOWN,
+            event::TRAINING_REQUEUED
+        ]
+    );
+    assert_eq!(events.items[2].data["attempts"], 1);
+    store.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_claims_take_one_job_per_model() {
     let dir = tempfile::tempdir().unwrap();

@@ -2,6 +2,7 @@
 //! file, resolved into one `Config` (flags > env > file > defaults).
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use serde::Deserialize;
@@ -125,6 +126,10 @@ pub struct ServeArgs {
     /// [default: 64].
     #[arg(long, env = "TEMPER_MAX_QUEUED_JOBS_PER_TEAM", value_name = "N")]
     pub max_queued_jobs_per_team: Option<u32>,
+    /// After SIGINT or SIGTERM, the longest wait for in-flight requests to finish and the
+    /// training job to stop before the process exits anyway [default: 30].
+    #[arg(long, env = "TEMPER_SHUTDOWN_TIMEOUT", value_name = "SECONDS")]
+    pub shutdown_timeout: Option<u64>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -157,6 +162,7 @@ pub struct FileConfig {
     pub max_train_seq_len: Option<usize>,
     pub max_job_attempts: Option<u32>,
     pub max_queued_jobs_per_team: Option<u32>,
+    pub shutdown_timeout: Option<u64>,
 }
 
 /// The resolved configuration of `temper serve`.
@@ -192,6 +198,7 @@ pub struct Config {
     pub max_job_attempts: u32,
     /// `None` = no bound.
     pub max_queued_jobs_per_team: Option<u32>,
+    pub shutdown_timeout: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -386,6 +393,11 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
                 .unwrap_or(64),
         )
         .filter(|&n| n > 0),
+        shutdown_timeout: Duration::from_secs(
+            args.shutdown_timeout
+                .or(file.shutdown_timeout)
+                .unwrap_or(30),
+        ),
     })
 }
 
@@ -447,6 +459,7 @@ mod tests {
         assert_eq!((c.lora_rank, c.lora_alpha), (8, 16.0));
         assert_eq!(c.max_train_seq_len, 2048);
         assert_eq!(c.max_job_attempts, 3);
+        assert_eq!(c.shutdown_timeout, Duration::from_secs(30));
     }
 
     #[test]
@@ -460,6 +473,7 @@ mod tests {
             max_train_seq_len = 512
             max_training_body_bytes = 1000
             max_job_attempts = 5
+            shutdown_timeout = 7
             "#,
         )
         .unwrap();
@@ -470,13 +484,16 @@ mod tests {
         assert_eq!(c.max_train_seq_len, 512);
         assert_eq!(c.max_training_body_bytes, 1000);
         assert_eq!(c.max_job_attempts, 5);
+        assert_eq!(c.shutdown_timeout, Duration::from_secs(7));
         let c = resolve(
-            args(&["--max-job-attempts", "1"]),
+            args(&["--max-job-attempts", "1", "--shutdown-timeout", "0"]),
             FileConfig::default(),
             &home(),
         )
         .unwrap();
         assert_eq!(c.max_job_attempts, 1);
+        // 0: no wait, the running job is still re-queued.
+        assert_eq!(c.shutdown_timeout, Duration::ZERO);
         for bad in [
             &["--lora-rank", "0"][..],
             &["--lora-alpha", "0"],

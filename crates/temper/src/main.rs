@@ -144,21 +144,156 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
 
-    runtime.block_on(async move {
+    let shutdown_timeout = cfg.shutdown_timeout;
+    let ended = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addrs.as_slice())
             .await
             .map_err(|e| format!("binding {}:{}: {e}", cfg.host, cfg.port))?;
         let local = listener
             .local_addr()
             .map_err(|e| format!("reading the bound address: {e}"))?;
+        // Before the banner: from then on a signal is a graceful shutdown.
+        let mut signals = ShutdownSignals::listen()?;
         print_banner(&cfg, local, &names, store_keys);
-        temper_http::training::worker::spawn(state.clone());
-        temper_http::serve(listener, state, shutdown_signal())
+        let worker = temper_http::training::worker::spawn(state.clone());
+        let (stop_accepting, accepting_stopped) = tokio::sync::oneshot::channel::<()>();
+        let mut server = tokio::spawn(temper_http::serve(listener, state.clone(), async {
+            let _ = accepting_stopped.await;
+        }));
+        let signal = tokio::select! {
+            signal = signals.next() => signal,
+            served = &mut server => {
+                return Err(match served {
+                    Ok(Ok(())) => "the server stopped on its own".to_owned(),
+                    Ok(Err(e)) => format!("serving: {e}"),
+                    Err(e) => format!("the server task failed: {e}"),
+                });
+            }
+        };
+        tracing::info!(
+            signal = signal.name,
+            timeout_s = shutdown_timeout.as_secs(),
+            "shutting down: no new connections, in-flight requests finish, the training job \
+             stops at its next step; a second signal exits at once"
+        );
+        let _ = stop_accepting.send(());
+        let training = state.training().cloned();
+        if let Some(training) = &training {
+            training.begin_shutdown();
+        }
+        let stop_training = async {
+            if let Err(e) = worker.await {
+                tracing::error!(error = %e, "the training worker failed");
+            }
+            // At once, not after the streams: a second signal then finds the job queued.
+            if let Some(training) = &training {
+                training.requeue_at_shutdown().await;
+            }
+        };
+        let drain = async {
+            let drained = tokio::time::timeout(shutdown_timeout, async {
+                match tokio::join!(server, stop_training).0 {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::error!(error = %e, "serving"),
+                    Err(e) => tracing::error!(error = %e, "the server task failed"),
+                }
+            })
             .await
-            .map_err(|e| format!("serving: {e}"))
+            .is_ok();
+            if !drained {
+                // A trainer still in its step: its job is re-queued all the same.
+                if let Some(training) = &training {
+                    training.requeue_at_shutdown().await;
+                }
+            }
+            drained
+        };
+        Ok(tokio::select! {
+            drained = drain => if drained { Shutdown::Drained } else { Shutdown::TimedOut },
+            signal = signals.next() => Shutdown::Interrupted(signal),
+        })
     })?;
-    tracing::info!("shut down");
-    Ok(())
+    match ended {
+        Shutdown::Drained => {
+            tracing::info!("shut down");
+            Ok(())
+        }
+        // `exit`, not a return: dropping the runtime would wait for the trainer's thread.
+        Shutdown::TimedOut => {
+            eprintln!(
+                "temper: the shutdown timeout ({} s) passed with requests or a training step \
+                 still running: exiting without them",
+                shutdown_timeout.as_secs()
+            );
+            std::process::exit(1)
+        }
+        Shutdown::Interrupted(signal) => {
+            eprintln!("temper: a second signal ({}): exiting at once", signal.name);
+            std::process::exit(signal.exit_code)
+        }
+    }
+}
+
+/// How the graceful shutdown after the first signal ended.
+enum Shutdown {
+    /// Every request finished and the training job stopped within the timeout.
+    Drained,
+    /// The timeout passed first.
+    TimedOut,
+    /// A second signal came first.
+    Interrupted(ReceivedSignal),
+}
+
+struct ReceivedSignal {
+    name: &'static str,
+    /// What a process killed by the signal reports (128 + its number).
+    exit_code: i32,
+}
+
+/// SIGINT (Ctrl-C) and SIGTERM: once listened to, they no longer kill the process but are
+/// delivered here, the first to start a graceful shutdown, the second to end it at once.
+struct ShutdownSignals {
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    #[cfg(unix)]
+    fn listen() -> Result<Self, String> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let listen = |kind, name| signal(kind).map_err(|e| format!("listening for {name}: {e}"));
+        Ok(ShutdownSignals {
+            interrupt: listen(SignalKind::interrupt(), "SIGINT")?,
+            terminate: listen(SignalKind::terminate(), "SIGTERM")?,
+        })
+    }
+
+    #[cfg(not(unix))]
+    fn listen() -> Result<Self, String> {
+        Ok(ShutdownSignals {})
+    }
+
+    #[cfg(unix)]
+    async fn next(&mut self) -> ReceivedSignal {
+        tokio::select! {
+            _ = self.interrupt.recv() => ReceivedSignal { name: "SIGINT", exit_code: 130 },
+            _ = self.terminate.recv() => ReceivedSignal { name: "SIGTERM", exit_code: 143 },
+        }
+    }
+
+    #[cfg(not(unix))]
+    async fn next(&mut self) -> ReceivedSignal {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+        ReceivedSignal {
+            name: "ctrl-c",
+            exit_code: 130,
+        }
+    }
 }
 
 /// Resolves the host; without a key (none given, none active in the store) only loopback
@@ -209,35 +344,6 @@ fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String], store_keys: bo
             names[0]
         );
     }
-}
-
-/// Ctrl-C or SIGTERM: stop accepting, let in-flight requests finish.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %e, "cannot listen for ctrl-c");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
-    tracing::info!("shutting down: finishing in-flight requests");
 }
 
 #[cfg(test)]

@@ -67,6 +67,9 @@ pub struct Training {
     pub(crate) wake: tokio::sync::Notify,
     /// The cancel flag of each job the worker is running.
     running: Mutex<HashMap<Uuid, Arc<AtomicBool>>>,
+    /// Set (under the `running` lock) by [`Training::begin_shutdown`]: the worker claims no
+    /// more jobs.
+    shutting_down: AtomicBool,
     /// Loaded adapters by checkpoint id (a deleted and re-made step gets a new id).
     adapters: Mutex<ByteLru<Uuid, Arc<LoraAdapter>>>,
 }
@@ -107,6 +110,7 @@ impl Training {
             store,
             wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
+            shutting_down: AtomicBool::new(false),
             adapters: Mutex::new(ByteLru::new(options.adapter_cache_bytes)),
             options,
         })
@@ -120,10 +124,46 @@ impl Training {
         }
     }
 
+    /// The first step of a graceful shutdown: the worker claims no more jobs and stops the one
+    /// it runs before its next gradient step, writing no checkpoint; the job stays `running`
+    /// until [`Training::requeue_at_shutdown`].
+    pub fn begin_shutdown(&self) {
+        let running = self.lock_running();
+        // Under the lock: a job registered after this starts stopped.
+        self.shutting_down.store(true, Ordering::Relaxed);
+        for flag in running.values() {
+            flag.store(true, Ordering::Relaxed);
+        }
+        drop(running);
+        self.wake.notify_one();
+    }
+
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Relaxed)
+    }
+
+    /// The last step of a graceful shutdown, once the worker has stopped (or the time is up):
+    /// puts the running job back in the queue, its attempt given back. Errors are logged: the
+    /// next start's recovery re-queues the job instead (as after a crash).
+    pub async fn requeue_at_shutdown(&self) {
+        match self.store.requeue_at_shutdown().await {
+            Ok(ids) => {
+                for id in ids {
+                    tracing::info!(job_id = %id, "re-queued the running training job for the next start");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "re-queuing the running training job at shutdown")
+            }
+        }
+    }
+
     /// The cancel flag of a job the worker starts running.
     pub(crate) fn register(&self, id: Uuid) -> Arc<AtomicBool> {
-        let flag = Arc::new(AtomicBool::new(false));
-        self.lock_running().insert(id, flag.clone());
+        let mut running = self.lock_running();
+        // A job claimed while the shutdown begins stops before its first step.
+        let flag = Arc::new(AtomicBool::new(self.is_shutting_down()));
+        running.insert(id, flag.clone());
         flag
     }
 

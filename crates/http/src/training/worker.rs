@@ -27,12 +27,13 @@ pub fn spawn(state: AppState) -> tokio::task::JoinHandle<()> {
     tokio::spawn(run(state))
 }
 
-/// Runs queued jobs until the server stops. Returns at once on a server without training.
+/// Runs queued jobs until the server begins shutting down ([`Training::begin_shutdown`]), and
+/// returns once its job has stopped. Returns at once on a server without training.
 async fn run(state: AppState) {
     let Some(training) = state.training().cloned() else {
         return;
     };
-    loop {
+    while !training.is_shutting_down() {
         match training.store.claim_next_job().await {
             Ok(Some(job)) => {
                 let id = job.id;
@@ -179,7 +180,8 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
     training.unregister(job.id);
     let trained = trained.map_err(|e| format!("the trainer panicked: {e}"))?;
     if cancel.load(Ordering::Relaxed) {
-        // The store already says how it ended (cancelled, or failed with its model deleted).
+        // The store already says how it ended (cancelled, or failed with its model deleted), or
+        // the server is shutting down and re-queues it.
         tracing::info!("training job stopped");
         return Ok(());
     }

@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -110,6 +110,30 @@ impl Server {
             }
             assert!(start.elapsed() < within, "job {job} still {}", j["status"]);
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Sends `signal` ("TERM", "INT") to the server process, as `kill -TERM <pid>` does.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal}: {status}");
+    }
+
+    /// Waits for the process to exit on its own; `None` if it still runs after `within`.
+    pub fn wait_for_exit(&mut self, within: Duration) -> Option<ExitStatus> {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if start.elapsed() > within {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
