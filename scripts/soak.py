@@ -11,7 +11,8 @@ Starts the server (its own data directory under a temporary directory, one API k
   agent       a long shared system prompt + a new question (prefix cache)
 
 and one trainer thread that, in a loop, rolls out (n=4, logprobs), scores, posts a training job,
-waits for it and samples from the new checkpoint by name. Every `--report-every` seconds it
+waits for it and samples from the new checkpoint by name; one more thread times `GET /health`
+every half second. Every `--report-every` seconds it
 prints a row: requests finished, 2xx / 429 / other 4xx / 5xx / connection errors, p50 and p99
 latency of the window, and the server's VmRSS (now, and the peak so far). It ends with one line
 
@@ -232,6 +233,18 @@ def trainer_loop(api, model, deadline, tally, jobs):
             tally.add("job", 500, None, j)
 
 
+def health_loop(api, deadline, probes):
+    """`GET /health` every half second: how long the server takes to answer it under the load."""
+    while time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        try:
+            status, _ = api.call("GET", "/health")
+        except (OSError, http.client.HTTPException):
+            status = None
+        probes.append((status, time.perf_counter() - t0))
+        time.sleep(0.5)
+
+
 def start_server(args, workdir):
     cmd = [args.temper, "serve", "--port", "0", "--api-key", KEY,
            "--data-dir", os.path.join(workdir, "data")]
@@ -288,6 +301,8 @@ def main():
     deadline = start + args.minutes * 60
     threads = [threading.Thread(target=client_loop, args=(api, model, i, deadline, tally),
                                 daemon=True) for i in range(args.clients)]
+    probes = []
+    threads.append(threading.Thread(target=health_loop, args=(api, deadline, probes), daemon=True))
     if not args.no_train:
         threads.append(threading.Thread(target=trainer_loop,
                                         args=(api, model, deadline, tally, jobs), daemon=True))
@@ -326,9 +341,13 @@ def main():
           f"rss_last={mb(rss_rows[-1] if rss_rows else 0)}MB "
           f"rss_peak={mb(peak.get('max_vmrss_kb') or 0)}MB "
           f"jobs={jobs['succeeded']}/{jobs['posted']}")
+    health = [t for status, t in probes if status == 200]
+    print(f"health: {len(health)} of {len(probes)} probes answered 200, p99 "
+          f"{(pct(health, 99) or 0) * 1000:.0f} ms, max {max(health, default=0) * 1000:.0f} ms")
     for f in tally.failures:
         print(f"  failure: {f}")
-    bad = t["5xx"] or t["errors"] or t["4xx"] or jobs["succeeded"] != jobs["posted"]
+    bad = (t["5xx"] or t["errors"] or t["4xx"] or jobs["succeeded"] != jobs["posted"]
+           or len(health) != len(probes))
     sys.exit(1 if bad else 0)
 
 
