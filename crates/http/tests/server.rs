@@ -602,10 +602,11 @@ async fn project_header_is_validated() {
     }
 }
 
-#[tokio::test]
-async fn client_disconnect_cancels_the_stream() {
-    let s = TestServer::tiny(options(), None).await;
-    let max_tokens = 1900;
+/// The body of a streaming request for `max_tokens` tokens (EOS ignored), its status checked.
+async fn long_stream(
+    s: &TestServer,
+    max_tokens: usize,
+) -> impl futures_util::Stream<Item = reqwest::Result<axum::body::Bytes>> {
     let r = s
         .post(
             "/v1/chat/completions",
@@ -616,7 +617,14 @@ async fn client_disconnect_cancels_the_stream() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
-    let mut body = r.bytes_stream();
+    r.bytes_stream()
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_stream() {
+    let s = TestServer::tiny(options(), None).await;
+    let max_tokens = 1900;
+    let mut body = long_stream(&s, max_tokens).await;
     let mut seen = String::new();
     while seen.matches("\n\n").count() < 4 {
         seen.push_str(std::str::from_utf8(&body.next().await.unwrap().unwrap()).unwrap());
@@ -643,17 +651,7 @@ async fn a_team_past_its_request_limit_gets_a_429() {
         None,
     )
     .await;
-    let r = s
-        .post(
-            "/v1/chat/completions",
-            &json!({"messages": user("hello"), "max_completion_tokens": 1900,
-                "ignore_eos": true, "stream": true}),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let mut body = r.bytes_stream();
+    let mut body = long_stream(&s, 1900).await;
     body.next().await.unwrap().unwrap();
     let refused = s
         .post(

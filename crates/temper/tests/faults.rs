@@ -137,14 +137,7 @@ async fn kill_9_at_random_moments_loses_no_job_and_breaks_no_checkpoint() {
     // The last start: recovery, then every job runs to its end.
     let server = Server::start(&model, &data, &args);
     for job in accepted.keys() {
-        let done = server
-            .wait_for_status(
-                job,
-                &["succeeded", "failed", "cancelled"],
-                Duration::from_secs(300),
-            )
-            .await;
-        assert_eq!(done["status"], "succeeded", "job {job}: {done}");
+        server.wait_until_succeeded(job).await;
         let types = event_types(&server.events(job).await);
         let ends = types.iter().filter(|t| *t == "training_ended").count();
         assert_eq!(ends, 1, "job {job} ended {ends} times: {types:?}");

@@ -47,14 +47,15 @@ async fn refuses_new_connections(server: &Server) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_the_stream_requeues_the_job_and_exits() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
-    let data = dir.path().join("data");
     // At 2 attempts, a shutdown counted as an attempt would fail the job at the crash below.
     let args = ["--max-train-seq-len", "64", "--max-job-attempts", "2"];
-    let mut server = Server::start(&model, &data, &args);
-    let model_id = create_model(&server).await;
-    let job = post_long_job(&server, &model_id).await;
-    wait_for_step_of_attempt(&server, &job, 1).await;
+    let RunningJob {
+        model,
+        data,
+        mut server,
+        job,
+        ..
+    } = start_with_a_running_job(dir.path(), &args).await;
 
     // Some 250 ms of decoding on this host: still running when the signal arrives.
     let max_tokens = 1000;
@@ -100,10 +101,7 @@ async fn sigterm_finishes_the_stream_requeues_the_job_and_exits() {
     wait_for_step_of_attempt(&server, &job, 2).await;
     server.kill();
     let server = Server::start(&model, &data, &args);
-    let done = server
-        .wait_for_status(&job, &["succeeded", "failed"], Duration::from_secs(300))
-        .await;
-    assert_eq!(done["status"], "succeeded", "{done}");
+    let done = server.wait_until_succeeded(&job).await;
     assert_eq!(done["step"], 1);
     let kinds = event_types(&server.events(&job).await);
     let ends: Vec<&str> = kinds
@@ -156,13 +154,14 @@ async fn a_stream_longer_than_the_shutdown_timeout_is_cut() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_exits_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
-    let data = dir.path().join("data");
     let args = ["--max-train-seq-len", "64"];
-    let mut server = Server::start(&model, &data, &args);
-    let model_id = create_model(&server).await;
-    let job = post_long_job(&server, &model_id).await;
-    wait_for_step_of_attempt(&server, &job, 1).await;
+    let RunningJob {
+        model,
+        data,
+        mut server,
+        job,
+        ..
+    } = start_with_a_running_job(dir.path(), &args).await;
     // A stream that cannot finish keeps the first signal's shutdown waiting.
     let mut stream = start_stream(&server, 1900, 16).await;
     stream.chunk().await.unwrap().unwrap();

@@ -30,10 +30,7 @@ async fn train_and_serve_the_checkpoint_by_name() {
         )
         .await;
     let job_id = job["id"].as_str().unwrap();
-    let done = server
-        .wait_for_status(job_id, &["succeeded", "failed"], Duration::from_secs(120))
-        .await;
-    assert_eq!(done["status"], "succeeded", "{done}");
+    let done = server.wait_until_succeeded(job_id).await;
     assert_eq!(done["step"], 1);
     let events = server.events(job_id).await;
     let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
@@ -245,14 +242,7 @@ async fn a_killed_server_reruns_its_running_job_and_runs_the_queued_one() {
 
     let server = Server::start(&model, &data, &args);
     for (job, step) in [(&running, 1), (&queued, 2)] {
-        let done = server
-            .wait_for_status(
-                job,
-                &["succeeded", "failed", "cancelled"],
-                Duration::from_secs(300),
-            )
-            .await;
-        assert_eq!(done["status"], "succeeded", "{done}");
+        let done = server.wait_until_succeeded(job).await;
         assert_eq!(done["step"], step);
     }
     let kinds: Vec<String> = server
@@ -326,10 +316,7 @@ async fn cancel_stops_a_running_job_and_equal_rewards_learn_nothing() {
         .as_str()
         .unwrap()
         .to_owned();
-    let done = server
-        .wait_for_status(&flat, &["succeeded", "failed"], Duration::from_secs(120))
-        .await;
-    assert_eq!(done["status"], "succeeded", "{done}");
+    let done = server.wait_until_succeeded(&flat).await;
     assert_eq!(done["step"], 0);
     let ended = server.events(&flat).await;
     let last = ended.last().unwrap();
@@ -391,13 +378,8 @@ async fn default_model_served_logprobs_match_the_trainer() {
         )
         .await;
     let done = server
-        .wait_for_status(
-            job["id"].as_str().unwrap(),
-            &["succeeded", "failed"],
-            Duration::from_secs(900),
-        )
+        .wait_until_succeeded(job["id"].as_str().unwrap())
         .await;
-    assert_eq!(done["status"], "succeeded", "{done}");
     assert_eq!(done["step"], 1);
     let mean = served_vs_trainer(&server, name, &model, &data, &model_id).await;
     assert!(mean < 1e-3, "mean |diff| {mean}");
@@ -429,23 +411,21 @@ async fn deleting_the_model_fails_its_running_job() {
     // The worker stops it and moves on: a new model's job runs.
     let again = create_model(&server).await;
     let next = post_job(&server, &again, &small).await;
-    let done = server
-        .wait_for_status(&next, &["succeeded", "failed"], Duration::from_secs(120))
-        .await;
-    assert_eq!(done["status"], "succeeded", "{done}");
+    server.wait_until_succeeded(&next).await;
     assert!(!data.join("adapters").join(&model_id).exists());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_server_on_the_same_data_dir_refuses_to_start_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
-    let data = dir.path().join("data");
     let args = ["--max-train-seq-len", "64"];
-    let mut first = Server::start(&model, &data, &args);
-    let model_id = create_model(&first).await;
-    let job = post_long_job(&first, &model_id).await;
-    wait_for_step_of_attempt(&first, &job, 1).await;
+    let RunningJob {
+        model,
+        data,
+        server: mut first,
+        job,
+        ..
+    } = start_with_a_running_job(dir.path(), &args).await;
 
     // The same data directory, another port: refused before the store is touched.
     let second = Command::new(env!("CARGO_BIN_EXE_temper"))
@@ -593,10 +573,7 @@ async fn a_job_running_at_three_crashes_in_a_row_fails_instead_of_looping() {
     // It stays failed, and the model's next job runs to a checkpoint, fsynced into place.
     let small = groups(&server, "default/proj/agent", PROMPTS).await;
     let next = post_job(&server, &model_id, &small).await;
-    let done = server
-        .wait_for_status(&next, &["succeeded", "failed"], Duration::from_secs(120))
-        .await;
-    assert_eq!(done["status"], "succeeded", "{done}");
+    let done = server.wait_until_succeeded(&next).await;
     assert_eq!(done["step"], 1);
     let files: Vec<String> = std::fs::read_dir(&model_dir)
         .unwrap()

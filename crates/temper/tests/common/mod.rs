@@ -114,6 +114,20 @@ impl Server {
     }
 
     /// Sends `signal` ("TERM", "INT") to the server process, as `kill -TERM <pid>` does.
+    /// Waits for the job to end (up to 15 minutes: the default model's jobs are slow on two
+    /// cores) and returns it; fails the test unless it succeeded.
+    pub async fn wait_until_succeeded(&self, job: &str) -> Value {
+        let done = self
+            .wait_for_status(
+                job,
+                &["succeeded", "failed", "cancelled"],
+                Duration::from_secs(900),
+            )
+            .await;
+        assert_eq!(done["status"], "succeeded", "job {job}: {done}");
+        done
+    }
+
     pub fn signal(&self, signal: &str) {
         let status = Command::new("kill")
             .arg(format!("-{signal}"))
@@ -267,4 +281,31 @@ pub async fn post_job(server: &Server, model_id: &str, groups: &impl serde::Seri
         .as_str()
         .unwrap()
         .to_owned()
+}
+
+/// A server on a fresh data directory with a long job caught running (its first run has made a
+/// gradient step): where crash, lock and shutdown tests start.
+pub struct RunningJob {
+    pub model: PathBuf,
+    pub data: PathBuf,
+    pub server: Server,
+    pub model_id: String,
+    pub job: String,
+}
+
+/// [`RunningJob`] under `dir`, the server started with `args`.
+pub async fn start_with_a_running_job(dir: &Path, args: &[&str]) -> RunningJob {
+    let model = tiny_model(dir);
+    let data = dir.join("data");
+    let server = Server::start(&model, &data, args);
+    let model_id = create_model(&server).await;
+    let job = post_long_job(&server, &model_id).await;
+    wait_for_step_of_attempt(&server, &job, 1).await;
+    RunningJob {
+        model,
+        data,
+        server,
+        model_id,
+        job,
+    }
 }
