@@ -36,7 +36,6 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    bound_malloc_arenas();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -232,19 +231,6 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             eprintln!("temper: a second signal ({}): exiting at once", signal.name);
             std::process::exit(signal.exit_code)
         }
-    }
-}
-
-/// glibc gives each thread that allocates concurrently an arena of its own (up to eight per
-/// core), and memory freed in one is not reused by the others: with the trainer's large step
-/// buffers freed on one thread and the engine's on others, a server under load kept growing
-/// (`make soak`: +190 MB a minute after 3 minutes). Two arenas keep it flat, at no measured
-/// cost in speed (the kernels allocate little per step).
-fn bound_malloc_arenas() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets an allocator parameter; called before any other thread starts.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 2);
     }
 }
 
