@@ -3,8 +3,10 @@
 //! The forward runs the serving kernels (the quantized `Linear::forward`, the same norm, rope,
 //! attention and gelu arithmetic, the same per-row adapter term), so the trainer's logprobs are
 //! the server's. The backward is written by hand on f32 slices: gradients reach the input of a
-//! frozen linear through its dequantized weight (activation quantization in the forward is
-//! treated as identity, the usual straight-through choice), and only the adapters get grads.
+//! frozen linear through its weight (activation quantization in the forward is treated as
+//! identity, the usual straight-through choice), as int8 dot products with a transposed Q8_0
+//! copy of it and the gradient quantized per block of 32 (`Linear::backward_input`); only the
+//! adapters get grads.
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
@@ -76,14 +78,14 @@ impl Gemma3 {
         Ok((scores, tape))
     }
 
-    /// Bytes of dequantized f32 weights cached for the backward (about 1.1 GB on Gemma 3 270M,
-    /// the tied embedding included), 0 before the first backward.
+    /// Bytes of frozen weights kept for the backward (transposed Q8_0 copies, about 0.3 GB on
+    /// Gemma 3 270M, the tied embedding's 178 MB included), 0 before the first backward.
     pub fn training_cache_bytes(&self) -> usize {
-        self.lm_head.dequantized_bytes()
+        self.lm_head.input_grad_bytes()
             + self
                 .layers
                 .iter()
-                .flat_map(|l| LoraTarget::ALL.map(|t| l.linear(t).dequantized_bytes()))
+                .flat_map(|l| LoraTarget::ALL.map(|t| l.linear(t).input_grad_bytes()))
                 .sum::<usize>()
     }
 
@@ -191,12 +193,14 @@ impl Gemma3 {
                 .par_chunks_mut(vocab)
                 .zip(tgt.par_iter())
                 .map(|(row, &t)| {
-                    let s = RowSoftmax::new(row);
-                    let lp = (row[t as usize] as f64 - s.lse) as f32;
+                    let target_logit = row[t as usize];
+                    let s = RowSoftmax::new(row, record);
+                    let lp = (target_logit as f64 - s.lse) as f32;
                     if record {
-                        // The row becomes onehot(t) - softmax.
+                        // The row (now exp(z - max)) becomes onehot(t) - softmax.
+                        let inv_sum = 1.0 / s.sum;
                         for z in row.iter_mut() {
-                            *z = -((*z as f64 - s.lse).exp() as f32);
+                            *z = -((*z as f64 * inv_sum) as f32);
                         }
                         row[t as usize] += 1.0;
                     }
@@ -463,22 +467,30 @@ fn linear_backward(
 struct RowSoftmax {
     lse: f64,
     entropy: f64,
+    /// `Σ exp(z - max)`.
+    sum: f64,
 }
 
 impl RowSoftmax {
-    fn new(row: &[f32]) -> Self {
+    /// With `keep_exps` the row is overwritten by `exp(z - max)` (in f32), so the gradient
+    /// needs no second pass of exponentials over the 262k-wide row.
+    fn new(row: &mut [f32], keep_exps: bool) -> Self {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
         let (mut sum, mut weighted) = (0f64, 0f64);
-        for &z in row {
-            let e = (z as f64 - max).exp();
+        for z in row.iter_mut() {
+            let e = (*z as f64 - max).exp();
             sum += e;
-            weighted += e * (z as f64 - max);
+            weighted += e * (*z as f64 - max);
+            if keep_exps {
+                *z = e as f32;
+            }
         }
         let lse = max + sum.ln();
         // H = lse - E[z] = ln(sum) - E[z - max].
         RowSoftmax {
             lse,
             entropy: sum.ln() - weighted / sum,
+            sum,
         }
     }
 }
