@@ -20,12 +20,19 @@ pub(crate) struct Linear {
     input_grad: OnceLock<InputGradWeight>,
 }
 
+/// Rows of W per transposed span (see `InputGradWeight::TransposedQ8_0`): whole Q8_0 blocks,
+/// 2 KB of each transposed row; every layer's weight is one span.
+const INPUT_GRAD_SPAN: usize = 2048;
+
 /// What `dx = dy · W` multiplies by.
 #[derive(Debug)]
 enum InputGradWeight {
     /// Wᵀ `[in, out]` requantized to Q8_0 down each column (`kernels::transposed_q8_0`), for
-    /// our kernels: int8 dot products, a quarter of an f32 copy's bytes.
-    TransposedQ8_0(Vec<u8>),
+    /// our kernels: int8 dot products, a quarter of an f32 copy's bytes. One matrix per
+    /// `INPUT_GRAD_SPAN` rows of W: the kernels keep a slice of weight rows in L1 while every
+    /// activation tile passes over it, which the LM head's 262,144-wide transposed rows (278 KB
+    /// each) would not fit; in spans it is read from memory once per call, not once per tile.
+    TransposedQ8_0(Vec<Vec<u8>>),
     /// W `[out, in]` in f32, for the weights our kernels do not cover (the tiny f32 models of the
     /// gradient tests among them: their backward stays exact).
     Dense(Tensor),
@@ -101,14 +108,35 @@ impl Linear {
     /// `dx = dy · W` for rows of `dy` (`[rows, out]`); W stays frozen.
     pub(crate) fn backward_input(&self, dy: &[f32]) -> Result<Vec<f32>, ModelError> {
         match self.input_grad_weight()? {
-            InputGradWeight::TransposedQ8_0(wt) => Ok(kernels::matmul(
-                WeightFormat::Q8_0,
-                Isa::detect(),
-                wt,
-                self.out_dim,
-                self.in_dim,
-                dy,
-            )),
+            InputGradWeight::TransposedQ8_0(spans) => {
+                let mut dx: Vec<f32> = Vec::new();
+                for (i, wt) in spans.iter().enumerate() {
+                    let k0 = i * INPUT_GRAD_SPAN;
+                    let k1 = (k0 + INPUT_GRAD_SPAN).min(self.out_dim);
+                    let span_dy: Cow<'_, [f32]> = if (k0, k1) == (0, self.out_dim) {
+                        Cow::Borrowed(dy)
+                    } else {
+                        dy.chunks_exact(self.out_dim)
+                            .flat_map(|row| &row[k0..k1])
+                            .copied()
+                            .collect()
+                    };
+                    let part = kernels::matmul(
+                        WeightFormat::Q8_0,
+                        Isa::detect(),
+                        wt,
+                        k1 - k0,
+                        self.in_dim,
+                        &span_dy,
+                    );
+                    if dx.is_empty() {
+                        dx = part;
+                    } else {
+                        crate::model::add_assign(&mut dx, &part);
+                    }
+                }
+                Ok(dx)
+            }
             InputGradWeight::Dense(w) => {
                 let rows = dy.len() / self.out_dim;
                 let dy = Tensor::from_slice(dy, (rows, self.out_dim), &Device::Cpu)?;
@@ -123,11 +151,14 @@ impl Linear {
         }
         let w = match &self.weight {
             Weight::Kernel { format, data } if self.out_dim.is_multiple_of(32) => {
-                InputGradWeight::TransposedQ8_0(kernels::transposed_q8_0(
-                    *format,
-                    data,
-                    (self.in_dim, self.out_dim),
-                )?)
+                let spans = (0..self.out_dim)
+                    .step_by(INPUT_GRAD_SPAN)
+                    .map(|k0| {
+                        let span = k0..(k0 + INPUT_GRAD_SPAN).min(self.out_dim);
+                        kernels::transposed_q8_0(*format, data, (self.in_dim, self.out_dim), span)
+                    })
+                    .collect::<Result<_, _>>()?;
+                InputGradWeight::TransposedQ8_0(spans)
             }
             Weight::Kernel { .. } => {
                 let all: Vec<usize> = (0..self.out_dim).collect();
@@ -190,7 +221,7 @@ impl Linear {
     pub(crate) fn input_grad_bytes(&self) -> usize {
         match self.input_grad.get() {
             None => 0,
-            Some(InputGradWeight::TransposedQ8_0(wt)) => wt.len(),
+            Some(InputGradWeight::TransposedQ8_0(spans)) => spans.iter().map(Vec::len).sum(),
             Some(InputGradWeight::Dense(_)) => self.in_dim * self.out_dim * 4,
         }
     }
@@ -273,7 +304,8 @@ mod tests {
     /// block) part them, a fraction of a percent.
     #[test]
     fn quantized_input_gradient_follows_the_f32_product() {
-        let (out_dim, in_dim, rows) = (96, 256, 5);
+        // 4,160 rows of W: two whole spans and a partial one.
+        let (out_dim, in_dim, rows) = (2 * INPUT_GRAD_SPAN + 64, 256, 5);
         let values: Vec<f32> = (0..out_dim * in_dim)
             .map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 5000.0)
             .collect();
