@@ -394,29 +394,44 @@ impl Gemma3 {
             });
 
         // Per key: the queries that saw it are the later tokens of its segment, up to the
-        // window.
+        // window. Keys go in tiles, so each query row is read once for the tile's keys rather
+        // than once per key; each key still takes its terms in query order, head by head.
+        const KEY_TILE: usize = 16;
         let mut dk = vec![0f32; lt.k.len()];
         let mut dv = vec![0f32; lt.v.len()];
-        dk.par_chunks_mut(kv_width)
-            .zip(dv.par_chunks_mut(kv_width))
+        dk.par_chunks_mut(KEY_TILE * kv_width)
+            .zip(dv.par_chunks_mut(KEY_TILE * kv_width))
             .enumerate()
-            .for_each(|(j, (dkr, dvr))| {
-                let seg_end = tape.segments[layout.seq[j]].end;
-                let last = window.map_or(seg_end, |w| seg_end.min(j + w));
-                for t in j..last {
+            .for_each(|(tile, (dks, dvs))| {
+                let j0 = tile * KEY_TILE;
+                // Each key's queries: `j..last`.
+                let lasts: Vec<usize> = (j0..j0 + dks.len() / kv_width)
+                    .map(|j| {
+                        let seg_end = tape.segments[layout.seq[j]].end;
+                        window.map_or(seg_end, |w| seg_end.min(j + w))
+                    })
+                    .collect();
+                let t_end = lasts.iter().copied().max().unwrap_or(j0);
+                for t in j0..t_end {
                     let lo = first_key(t);
                     for head in 0..h {
                         let g = head / group;
                         let idx = t * h + head;
-                        let off = j - lo;
                         let qrow = &lt.q[idx * d..(idx + 1) * d];
                         let dout = &d_attn[idx * d..(idx + 1) * d];
-                        ops::axpy(
-                            dscores[idx][off] * scale,
-                            qrow,
-                            &mut dkr[g * d..(g + 1) * d],
-                        );
-                        ops::axpy(probs[idx][off], dout, &mut dvr[g * d..(g + 1) * d]);
+                        for (jj, &last) in lasts.iter().enumerate() {
+                            let j = j0 + jj;
+                            if t < j || t >= last {
+                                continue;
+                            }
+                            let at = jj * kv_width + g * d;
+                            ops::axpy(
+                                dscores[idx][j - lo] * scale,
+                                qrow,
+                                &mut dks[at..at + d],
+                            );
+                            ops::axpy(probs[idx][j - lo], dout, &mut dvs[at..at + d]);
+                        }
                     }
                 }
             });
