@@ -362,34 +362,46 @@ impl Gemma3 {
         };
 
         // Per (token, head): dq, and the probabilities and score gradients over its keys
-        // `first_key(t)..=t`, kept for the key/value pass.
+        // `first_key(t)..=t`, kept for the key/value pass. A token's heads go together, key by
+        // key, so each key and value row is read once for all of them (each head's terms
+        // still in key order).
         let mut dq = vec![0f32; lt.q.len()];
         let mut probs: Vec<Vec<f32>> = vec![Vec::new(); lt.q.len() / d];
         let mut dscores: Vec<Vec<f32>> = vec![Vec::new(); lt.q.len() / d];
-        dq.par_chunks_mut(d)
-            .zip(probs.par_iter_mut().zip(dscores.par_iter_mut()))
+        dq.par_chunks_mut(h * d)
+            .zip(probs.par_chunks_mut(h).zip(dscores.par_chunks_mut(h)))
             .enumerate()
-            .for_each(|(idx, (dqr, (p, ds)))| {
-                let (t, head) = (idx / h, idx % h);
-                let g = head / group;
+            .for_each(|(t, (dqt, (pt, dst)))| {
                 let lo = first_key(t);
-                let qrow = &lt.q[idx * d..(idx + 1) * d];
-                let dout = &d_attn[idx * d..(idx + 1) * d];
-                *p = (lo..=t)
-                    .map(|j| ops::dot(qrow, &lt.k[j * kv_width + g * d..][..d]) * scale)
-                    .collect();
-                ops::softmax(p);
-                let dp: Vec<f32> = (lo..=t)
-                    .map(|j| ops::dot(dout, &lt.v[j * kv_width + g * d..][..d]))
-                    .collect();
-                let mean: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                *ds = p
-                    .iter()
-                    .zip(&dp)
-                    .map(|(pj, dpj)| pj * (dpj - mean))
-                    .collect();
-                for (j, &s) in (lo..=t).zip(ds.iter()) {
-                    ops::axpy(s * scale, &lt.k[j * kv_width + g * d..][..d], dqr);
+                let keys = t + 1 - lo;
+                let at = |j: usize, head: usize| j * kv_width + (head / group) * d;
+                let k = |j: usize, head: usize| &lt.k[at(j, head)..][..d];
+                let v = |j: usize, head: usize| &lt.v[at(j, head)..][..d];
+                let q = |head: usize| &lt.q[(t * h + head) * d..][..d];
+                let dout = |head: usize| &d_attn[(t * h + head) * d..][..d];
+                let mut dp = vec![Vec::with_capacity(keys); h];
+                for p in pt.iter_mut() {
+                    p.reserve_exact(keys);
+                }
+                for j in lo..=t {
+                    for head in 0..h {
+                        pt[head].push(ops::dot(q(head), k(j, head)) * scale);
+                        dp[head].push(ops::dot(dout(head), v(j, head)));
+                    }
+                }
+                for (head, (p, ds)) in pt.iter_mut().zip(dst.iter_mut()).enumerate() {
+                    ops::softmax(p);
+                    let mean: f32 = p.iter().zip(&dp[head]).map(|(a, b)| a * b).sum();
+                    *ds = p
+                        .iter()
+                        .zip(&dp[head])
+                        .map(|(pj, dpj)| pj * (dpj - mean))
+                        .collect();
+                }
+                for j in lo..=t {
+                    for (head, dqr) in dqt.chunks_exact_mut(d).enumerate() {
+                        ops::axpy(dst[head][j - lo] * scale, k(j, head), dqr);
+                    }
                 }
             });
 
