@@ -437,11 +437,7 @@ impl Gemma3 {
                                 continue;
                             }
                             let at = jj * kv_width + g * d;
-                            ops::axpy(
-                                dscores[idx][j - lo] * scale,
-                                qrow,
-                                &mut dks[at..at + d],
-                            );
+                            ops::axpy(dscores[idx][j - lo] * scale, qrow, &mut dks[at..at + d]);
                             ops::axpy(probs[idx][j - lo], dout, &mut dvs[at..at + d]);
                         }
                     }
