@@ -163,7 +163,6 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
             &prompt,
             args.decode_tokens,
             repeat,
-            decode_tok_s,
             &TrainingBeside {
                 model: &model,
                 tokenizer: &tokenizer,
@@ -789,17 +788,18 @@ struct TrainingBeside<'a> {
     trainer: TrainerThreads,
 }
 
-/// Single-stream decode while jobs of `beside.shape` train one after another on a trainer pool
-/// as the server's worker runs them (from the first job's step on), next to `alone_tok_s`, the
-/// same decode with nothing else running.
+/// Single-stream decode with nothing else running, then while jobs of `beside.shape` train one
+/// after another on a trainer pool as the server's worker runs them (from the first job's step
+/// on). The two are measured back to back: on a shared host the load of other processes drifts.
 fn decode_beside_training_row(
     engine: &Engine,
     prompt: &[u32],
     decode_tokens: usize,
     repeat: usize,
-    alone_tok_s: f64,
     beside: &TrainingBeside,
 ) -> Result<Row, String> {
+    let decode = || generate(engine, prompt, 1, exactly(decode_tokens), None);
+    let alone = best_of(repeat, decode)?;
     let (trajectories, answer_len) = parse_shape(beside.shape)?;
     let request = train_job_request(beside.tokenizer, trajectories, answer_len)?;
     let pool = TrainerPool::new(beside.trainer)?;
@@ -833,11 +833,7 @@ fn decode_beside_training_row(
             let decode = started_rx
                 .recv()
                 .map_err(|_| "the training job beside decoding never started".to_owned())
-                .and_then(|()| {
-                    best_of(repeat, || {
-                        generate(engine, prompt, 1, exactly(decode_tokens), None)
-                    })
-                });
+                .and_then(|()| best_of(repeat, decode));
             stop.store(true, Ordering::Relaxed);
             training
                 .join()
@@ -845,7 +841,8 @@ fn decode_beside_training_row(
             decode
         })
     })?;
-    let tok_s = (decode_tokens - 1) as f64 / decode.decode.as_secs_f64();
+    let tok_s = |g: &Generation| (decode_tokens - 1) as f64 / g.decode.as_secs_f64();
+    let (beside_tok_s, alone_tok_s) = (tok_s(&decode), tok_s(&alone));
     Ok(Row {
         what: format!(
             "decode, 1 stream, {decode_tokens} tokens, while {} training jobs run (trainer: {} \
@@ -855,8 +852,8 @@ fn decode_beside_training_row(
             pool.nice()
         ),
         ours: format!(
-            "{tok_s:.1} vs {alone_tok_s:.1} tok/s ({:.2}x)",
-            tok_s / alone_tok_s
+            "{beside_tok_s:.1} vs {alone_tok_s:.1} tok/s ({:.2}x)",
+            beside_tok_s / alone_tok_s
         ),
     })
 }
