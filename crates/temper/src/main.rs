@@ -98,8 +98,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             max_seq_len: cfg.max_train_seq_len,
             max_job_attempts: cfg.max_job_attempts,
             max_queued_jobs_per_team: cfg.max_queued_jobs_per_team,
+            trainer_threads: cfg.trainer_threads,
         }))
-        .map_err(|e| format!("opening the store in {}: {e}", cfg.data_dir.display()))?;
+        .map_err(|e| e.to_string())?;
     let store_keys = runtime
         .block_on(training.store.has_active_keys())
         .map_err(|e| format!("reading the store's keys: {e}"))?;
