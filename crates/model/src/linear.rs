@@ -4,6 +4,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::f16;
+use rayon::prelude::*;
 
 use crate::kernels::{self, Isa, WeightFormat};
 use crate::ModelError;
@@ -116,10 +117,11 @@ impl Linear {
                     let span_dy: Cow<'_, [f32]> = if (k0, k1) == (0, self.out_dim) {
                         Cow::Borrowed(dy)
                     } else {
-                        dy.chunks_exact(self.out_dim)
-                            .flat_map(|row| &row[k0..k1])
-                            .copied()
-                            .collect()
+                        let mut part = vec![0f32; dy.len() / self.out_dim * (k1 - k0)];
+                        part.par_chunks_mut(k1 - k0)
+                            .zip(dy.par_chunks_exact(self.out_dim))
+                            .for_each(|(p, row)| p.copy_from_slice(&row[k0..k1]));
+                        Cow::Owned(part)
                     };
                     let part = kernels::matmul(
                         WeightFormat::Q8_0,

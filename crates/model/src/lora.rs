@@ -334,14 +334,26 @@ impl LoraAdapter {
     /// from `x` (the same rows of its input). Row by row, so a row's numbers never depend on the
     /// other rows (serving and training agree bit for bit).
     pub(crate) fn apply(&self, layer: usize, target: LoraTarget, x: &[f32], y: &mut [f32]) {
+        use rayon::prelude::*;
         let p = self.pair(layer, target);
         let scale = self.scale();
-        let mut t = vec![0f32; self.cfg.rank];
-        for (xr, yr) in x.chunks_exact(p.in_dim).zip(y.chunks_exact_mut(p.out_dim)) {
-            p.down_project(xr, &mut t);
-            for (yo, brow) in yr.iter_mut().zip(p.b.chunks_exact(self.cfg.rank)) {
-                *yo += scale * crate::ops::dot(&t, brow);
+        let rank = self.cfg.rank;
+        let row = |t: &mut Vec<f32>, (xr, yr): (&[f32], &mut [f32])| {
+            p.down_project(xr, t);
+            for (yo, brow) in yr.iter_mut().zip(p.b.chunks_exact(rank)) {
+                *yo += scale * crate::ops::dot(t, brow);
             }
+        };
+        let rows = x.chunks_exact(p.in_dim).zip(y.chunks_exact_mut(p.out_dim));
+        // A decode step's few rows stay on the calling thread (handing them over costs more).
+        if rows.len() < 2 * crate::ops::ROWS_PER_TASK {
+            let mut t = vec![0f32; rank];
+            rows.for_each(|r| row(&mut t, r));
+        } else {
+            x.par_chunks_exact(p.in_dim)
+                .zip(y.par_chunks_exact_mut(p.out_dim))
+                .with_min_len(crate::ops::ROWS_PER_TASK)
+                .for_each_init(|| vec![0f32; rank], row);
         }
     }
 }

@@ -2,6 +2,8 @@
 
 use std::sync::OnceLock;
 
+use rayon::prelude::*;
+
 use half::f16;
 
 /// Independent accumulators so the reduction vectorises (f32 addition is not associative, so
@@ -55,22 +57,22 @@ pub(crate) fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
 pub(crate) fn rms_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
     let n = weight.len();
     let mut dx = vec![0f32; x.len()];
-    for ((xr, dyr), dxr) in x
-        .chunks_exact(n)
-        .zip(dy.chunks_exact(n))
-        .zip(dx.chunks_exact_mut(n))
-    {
-        let mean = dot(xr, xr) / n as f32;
-        let r = 1.0 / (mean + eps).sqrt();
-        let mut s = 0f32;
-        for ((xi, di), wi) in xr.iter().zip(dyr).zip(weight) {
-            s += di * wi * xi;
-        }
-        let c = s * r * r * r / n as f32;
-        for (((d, xi), di), wi) in dxr.iter_mut().zip(xr).zip(dyr).zip(weight) {
-            *d = r * wi * di - xi * c;
-        }
-    }
+    x.par_chunks_exact(n)
+        .zip(dy.par_chunks_exact(n))
+        .zip(dx.par_chunks_exact_mut(n))
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|((xr, dyr), dxr)| {
+            let mean = dot(xr, xr) / n as f32;
+            let r = 1.0 / (mean + eps).sqrt();
+            let mut s = 0f32;
+            for ((xi, di), wi) in xr.iter().zip(dyr).zip(weight) {
+                s += di * wi * xi;
+            }
+            let c = s * r * r * r / n as f32;
+            for (((d, xi), di), wi) in dxr.iter_mut().zip(xr).zip(dyr).zip(weight) {
+                *d = r * wi * di - xi * c;
+            }
+        });
     dx
 }
 
@@ -146,19 +148,34 @@ const COEF_A: f32 = 0.044_715;
 /// value. Without, in f32: smooth, for gradient checks.
 pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32], f16_table: bool) {
     let table = gelu_table();
-    for (g, u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        *g = if !f16_table {
-            gelu(x) * u
-        } else if x <= -10.0 {
-            0.0
-        } else if x >= 10.0 {
-            x * u
-        } else {
-            table[f16::from_f32(x).to_bits() as usize] * u
-        };
+    let piece = |gate: &mut [f32], up: &[f32]| {
+        for (g, u) in gate.iter_mut().zip(up) {
+            let x = *g;
+            *g = if !f16_table {
+                gelu(x) * u
+            } else if x <= -10.0 {
+                0.0
+            } else if x >= 10.0 {
+                x * u
+            } else {
+                table[f16::from_f32(x).to_bits() as usize] * u
+            };
+        }
+    };
+    if gate.len() <= ELEMS_PER_TASK {
+        piece(gate, up);
+    } else {
+        gate.par_chunks_mut(ELEMS_PER_TASK)
+            .zip(up.par_chunks(ELEMS_PER_TASK))
+            .for_each(|(gate, up)| piece(gate, up));
     }
 }
+
+/// Element-wise work split across threads in pieces of this many values; less stays on the
+/// calling thread (a decode step's 2,048-wide row: handing it to the pool costs more).
+const ELEMS_PER_TASK: usize = 16 * 1024;
+/// Row-wise work (norms, the adapters' terms) split in tasks of at least this many rows.
+pub(crate) const ROWS_PER_TASK: usize = 8;
 
 fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (COEF_A * x).mul_add(x, 1.0)).tanh())
@@ -178,16 +195,23 @@ fn gelu_table() -> &'static [f32] {
 /// Backward of [`gelu_mul`] at inputs `gate`, `up` for output gradient `dy`: returns
 /// (d gate, d up).
 pub(crate) fn gelu_mul_backward(gate: &[f32], up: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let mut dg = Vec::with_capacity(gate.len());
-    let mut du = Vec::with_capacity(gate.len());
-    for ((&x, &u), &d) in gate.iter().zip(up).zip(dy) {
-        let t = (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh();
-        let gelu = 0.5 * x * (1.0 + t);
-        let dgelu = 0.5 * (1.0 + t)
-            + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF_A * x * x);
-        dg.push(d * u * dgelu);
-        du.push(d * gelu);
-    }
+    let mut dg = vec![0f32; gate.len()];
+    let mut du = vec![0f32; gate.len()];
+    dg.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(du.par_chunks_mut(ELEMS_PER_TASK))
+        .enumerate()
+        .for_each(|(i, (dg, du))| {
+            let at = i * ELEMS_PER_TASK;
+            let inputs = gate[at..].iter().zip(&up[at..]).zip(&dy[at..]);
+            for ((dg, du), ((&x, &u), &d)) in dg.iter_mut().zip(du.iter_mut()).zip(inputs) {
+                let t = (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh();
+                let gelu = 0.5 * x * (1.0 + t);
+                let dgelu = 0.5 * (1.0 + t)
+                    + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF_A * x * x);
+                *dg = d * u * dgelu;
+                *du = d * gelu;
+            }
+        });
     (dg, du)
 }
 
