@@ -5,19 +5,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{options, TestServer, KEY};
+use common::{options, TestServer};
 use serde_json::{json, Value};
 use temper_http::TrainingOptions;
 
 /// The scraped text, after checking the answer's status and content type.
 async fn scrape(server: &TestServer) -> String {
-    let resp = server
-        .client
-        .get(server.url("/metrics"))
-        .bearer_auth(KEY)
-        .send()
-        .await
-        .unwrap();
+    let resp = server.get("/metrics").await;
     assert_eq!(resp.status().as_u16(), 200);
     assert_eq!(
         resp.headers()["content-type"].to_str().unwrap(),
@@ -128,40 +122,26 @@ async fn training_series_count_a_finished_job() {
     assert_eq!(value(&text, "temper:gradient_steps_total"), 0.0);
 
     let model = s
-        .post(
+        .post_ok(
             "/v1/preview/models",
             &json!({"project": "p", "name": "m", "base_model": "tiny"}),
         )
-        .send()
-        .await
-        .unwrap()
-        .json::<Value>()
-        .await
-        .unwrap();
+        .await;
     let line = json!({"messages": [{"role": "user", "content": "hi"},
                                    {"role": "assistant", "content": "hello"}]});
     let job = s
-        .post(
+        .post_ok(
             "/v1/preview/sft-training-jobs",
             &json!({"model_id": model["id"], "trajectories": [line],
                     "config": {"learning_rate": 1e-3}}),
         )
-        .send()
-        .await
-        .unwrap()
-        .json::<Value>()
-        .await
-        .unwrap();
+        .await;
     let id = job["id"].as_str().expect("job id");
     let start = Instant::now();
     let events = loop {
         let page: Value = s
-            .client
-            .get(s.url(&format!("/v1/preview/training-jobs/{id}/events?limit=100")))
-            .bearer_auth(KEY)
-            .send()
+            .get(&format!("/v1/preview/training-jobs/{id}/events?limit=100"))
             .await
-            .unwrap()
             .json()
             .await
             .unwrap();

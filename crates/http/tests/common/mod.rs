@@ -83,6 +83,25 @@ impl TestServer {
         self.client.post(self.url(path)).bearer_auth(KEY).json(body)
     }
 
+    /// An authenticated GET.
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.client
+            .get(self.url(path))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// An authenticated POST of `body` that must answer 200; its JSON.
+    pub async fn post_ok(&self, path: &str, body: &Value) -> Value {
+        let resp = self.post(path, body).send().await.unwrap();
+        let status = resp.status().as_u16();
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(status, 200, "POST {path}: {v}");
+        v
+    }
+
     pub async fn chat(&self, body: &Value) -> (u16, Value) {
         let resp = self
             .post("/v1/chat/completions", body)
