@@ -310,6 +310,9 @@ def check(model, inputs_dir, fixture):
 @dataclass
 class Step:
     seconds: float
+    # CPU time of the process over the step (all threads): what the step costs when other work
+    # shares the cores and the wall time stretches.
+    cpu_seconds: float
     trainable: int
     peak_rss: int
 
@@ -323,12 +326,12 @@ def reference_step(model, ids):
     loss = -mean logprob (training.md's loss with rho = 1, A = 1, w = 1), forward + backward."""
     model.zero_grad(set_to_none=True)
     reset_peak_rss()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     lp = token_logprobs(model, ids)
     loss = -lp.sum() / lp.numel()
     loss.backward()
     seconds = time.perf_counter() - started
-    return Step(seconds, lp.numel(), peak_rss_bytes())
+    return Step(seconds, time.process_time() - cpu_started, lp.numel(), peak_rss_bytes())
 
 
 def parse_shape(shape):
@@ -342,14 +345,14 @@ def parse_temper_bench(path):
     """{shape: Step} from the trainer rows of `temper bench`'s table."""
     row = re.compile(
         r"trainer step \(forward \+ backward\), (\d+x\d+) tokens packed \((\d+) trainable\): "
-        r"([\d.]+) s .*peak RSS ([\d.]+) GiB"
+        r"([\d.]+) s \(forward [\d.]+ s; ([\d.]+) CPU-s\), peak RSS ([\d.]+) GiB"
     )
     steps = {}
     with open(path) as f:
         for line in f:
             m = row.search(line)
             if m:
-                steps[m[1]] = Step(float(m[3]), int(m[2]), int(float(m[4]) * GIB))
+                steps[m[1]] = Step(float(m[3]), float(m[4]), int(m[2]), int(float(m[5]) * GIB))
     return steps
 
 
@@ -375,14 +378,15 @@ def bench(model, shapes, repeat, temper_steps, token_ids):
 def print_table(rows):
     print()
     print(
-        "| shape | trainable tokens | temper s/step | reference s/step | temper tok/s | "
-        "reference tok/s | tok/s temper / reference | temper peak RSS | reference peak RSS | "
-        "RSS temper / reference |"
+        "| shape | trainable tokens | temper s/step (CPU-s) | reference s/step (CPU-s) | "
+        "temper tok/s | reference tok/s | tok/s temper / reference | temper peak RSS | "
+        "reference peak RSS | RSS temper / reference |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for shape, ours, ref in rows:
         print(
-            f"| {shape} | {ours.trainable} | {ours.seconds:.2f} | {ref.seconds:.2f} | "
+            f"| {shape} | {ours.trainable} | {ours.seconds:.2f} ({ours.cpu_seconds:.1f}) | "
+            f"{ref.seconds:.2f} ({ref.cpu_seconds:.1f}) | "
             f"{ours.tok_s:.0f} | {ref.tok_s:.0f} | {ours.tok_s / ref.tok_s:.2f}x | "
             f"{ours.peak_rss / GIB:.2f} GiB | {ref.peak_rss / GIB:.2f} GiB | "
             f"{ours.peak_rss / ref.peak_rss:.2f}x |"
@@ -413,7 +417,8 @@ def main():
     model = load_model(args.gguf, rank, alpha)
     print(
         f"loaded {args.gguf} with a LoRA of rank {rank}, alpha {alpha:g} on "
-        f"{'/'.join(TARGETS)} in {time.perf_counter() - started:.1f} s"
+        f"{'/'.join(TARGETS)} in {time.perf_counter() - started:.1f} s; attention: "
+        f"{model.config._attn_implementation}"
     )
     set_adapter(model, adapter, model.config.num_hidden_layers)
     summary = check(model, args.check_dir, args.write_fixture)
@@ -430,7 +435,8 @@ def main():
     )
     print(
         f"one step = forward + backward (no optimizer) on both sides, best of {args.repeat}; "
-        "peak RSS = the process's VmHWM from the step's start"
+        "peak RSS = the process's VmHWM from the step's start (the summary's rss: the largest "
+        "of each side's shapes)"
     )
     print_table(rows)
     print(summary)
