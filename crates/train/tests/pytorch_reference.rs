@@ -86,7 +86,13 @@ fn check_adapter(model: &Gemma3) -> LoraAdapter {
     const B_SCALE: f32 = 0.01;
     let mut adapter = LoraAdapter::new(model.config(), LoraConfig::default(), 13);
     // params alternate A, B; B gets a Weyl sequence in [-B_SCALE, B_SCALE).
-    for (p, b) in adapter.params_mut().into_iter().enumerate().skip(1).step_by(2) {
+    for (p, b) in adapter
+        .params_mut()
+        .into_iter()
+        .enumerate()
+        .skip(1)
+        .step_by(2)
+    {
         for (i, v) in b.iter_mut().enumerate() {
             let u = (i as f64 * 0.618_033_988_75 + p as f64 * 0.414_213_562).fract();
             *v = B_SCALE * (2.0 * u as f32 - 1.0);
@@ -147,9 +153,7 @@ fn temper_values(model: &Gemma3, batch: &CheckBatch, adapter: &LoraAdapter) -> T
             dlogprobs.push((dl * seg.weight * norm) as f32);
         }
     }
-    let grads = model
-        .backward(tape, adapter, &dlogprobs)
-        .expect("backward");
+    let grads = model.backward(tape, adapter, &dlogprobs).expect("backward");
     TemperValues {
         logprobs: scores.logprobs,
         loss,
@@ -158,7 +162,11 @@ fn temper_values(model: &Gemma3, batch: &CheckBatch, adapter: &LoraAdapter) -> T
 }
 
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
+    let dot: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| f64::from(x) * f64::from(y))
+        .sum();
     let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
     dot / (norm(a) * norm(b))
 }
@@ -247,7 +255,11 @@ fn agrees_with_the_pytorch_reference() {
         ours.loss,
         cosines.len()
     );
-    assert_eq!(cosines.len(), 56, "the fixture's gradient tensors (4 layers)");
+    assert_eq!(
+        cosines.len(),
+        56,
+        "the fixture's gradient tensors (4 layers)"
+    );
     // The reference runs f32 on the dequantized weights; temper rounds every matmul's input
     // activations to 8 bits (and keys, values and GELU to f16), and this model amplifies such
     // rounding: the reference itself, with only temper's activation rounding emulated
@@ -263,7 +275,10 @@ fn agrees_with_the_pytorch_reference() {
     assert!(loss_rel < 0.1, "relative loss difference {loss_rel}");
     assert!(min_cos > 0.9, "gradient cosine {min_cos} ({worst})");
     assert!(mean_cos > 0.97, "mean gradient cosine {mean_cos}");
-    assert!(worst_norm < 0.3, "a gradient's norm is off by {worst_norm}x");
+    assert!(
+        worst_norm < 0.3,
+        "a gradient's norm is off by {worst_norm}x"
+    );
 }
 
 /// Writes the inputs of `scripts/train_reference.py` into `$TEMPER_CHECK_DIR`: the batch
@@ -301,7 +316,13 @@ fn write_check_inputs() {
     );
     let bytes: Vec<(String, Vec<u8>, usize)> = tensors
         .into_iter()
-        .map(|(name, v)| (name, v.iter().flat_map(|x| x.to_le_bytes()).collect(), v.len()))
+        .map(|(name, v)| {
+            (
+                name,
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                v.len(),
+            )
+        })
         .collect();
     let views = bytes.iter().map(|(name, data, len)| {
         let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![*len], data)
