@@ -26,7 +26,7 @@ for a in "$@"; do
         --write-fixture) WRITE_FIXTURE=1 ;;
         --no-build) BUILD=0 ;;
         --check-only) CHECK_ONLY=1 ;;
-        -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
         *) echo "bench-train-compare: unknown argument $a (see --help)" >&2; exit 2 ;;
     esac
 done
