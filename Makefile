@@ -55,8 +55,8 @@ bench-train-compare: fetch-model
 soak: fetch-model build
 	scripts/soak.py $(ARGS)
 
-# RL learning demo on the default model: rollouts, rewards for answers beginning with a word,
-# one training job per round; prints the table and writes docs/rl-demo.png (README, RL demo).
-demo-rl: fetch-model
-	cargo build --release -p temper-train --example demo_rl
-	./target/release/examples/demo_rl $(ARGS)
+# RL learning demo on the default model through the HTTP API of a fresh `temper serve`: rollouts,
+# rewards for answers beginning with a word, one training job per round; prints the table and
+# writes docs/rl-demo.png (README, RL demo).
+demo-rl: fetch-model build
+	scripts/demo-rl.sh $(ARGS)

@@ -8,6 +8,7 @@
 mod logits;
 mod lookup;
 mod mask_workers;
+mod metrics;
 mod rng;
 mod sampler;
 mod scheduler;
@@ -17,6 +18,7 @@ mod structured;
 use std::sync::{Arc, OnceLock};
 
 pub use mask_workers::MaskHold;
+pub use metrics::{HistogramSnapshot, RequestMetrics};
 
 pub use structured::{
     Grammar, GrammarCompiler, GrammarError, GrammarMatcher, JsonOptions, OutputConstraint,
@@ -315,6 +317,8 @@ pub struct EngineStats {
     pub max_rows_in_step: usize,
     /// Sequences admitted and not finished (a request reserves n).
     pub running: usize,
+    /// Requests admitted and not finished.
+    pub running_requests: usize,
     /// Requests queued and not yet admitted.
     pub waiting: usize,
     /// Running requests sent back to the queue for a better-ranked one (priority scheduling).
@@ -490,7 +494,12 @@ impl Engine {
         let (tx, rx) = unbounded_channel();
         if self
             .tx
-            .send(scheduler::Submission { req, procs, tx })
+            .send(scheduler::Submission {
+                req,
+                procs,
+                tx,
+                submitted: std::time::Instant::now(),
+            })
             .is_err()
         {
             self.stats.leave_queue();
@@ -502,6 +511,11 @@ impl Engine {
     /// The scheduler's counters, as of its last step.
     pub fn stats(&self) -> EngineStats {
         self.stats.snapshot()
+    }
+
+    /// Latency histograms and token counts of this engine's requests since it started.
+    pub fn request_metrics(&self) -> RequestMetrics {
+        self.stats.requests.snapshot()
     }
 
     /// The effective maximum of prompt + max_tokens (the configured one, capped by the model's

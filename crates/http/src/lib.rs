@@ -8,6 +8,7 @@ pub mod chat;
 pub mod error;
 pub mod extract;
 pub mod extras;
+pub mod metrics;
 pub mod prompt;
 pub mod protocol;
 pub mod sampling;
@@ -40,6 +41,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(list_models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
+        .route("/metrics", get(metrics::metrics))
         .merge(training_routes(&state))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),

@@ -15,9 +15,27 @@ pub(crate) struct Linear {
     weight: Weight,
     in_dim: usize,
     out_dim: usize,
-    /// The weight dequantized to f32, made on the first backward (training only): the gradient
-    /// to the input goes through the frozen weight's values.
-    dequantized: OnceLock<Tensor>,
+    /// The frozen weight as the input gradient reads it, made on the first backward (training
+    /// only).
+    input_grad: OnceLock<InputGradWeight>,
+}
+
+/// Rows of W per transposed span (see `InputGradWeight::TransposedQ8_0`): whole Q8_0 blocks,
+/// 2 KB of each transposed row; every layer's weight is one span.
+const INPUT_GRAD_SPAN: usize = 2048;
+
+/// What `dx = dy · W` multiplies by.
+#[derive(Debug)]
+enum InputGradWeight {
+    /// Wᵀ `[in, out]` requantized to Q8_0 down each column (`kernels::transposed_q8_0`), for
+    /// our kernels: int8 dot products, a quarter of an f32 copy's bytes. One matrix per
+    /// `INPUT_GRAD_SPAN` rows of W: the kernels keep a slice of weight rows in L1 while every
+    /// activation tile passes over it, which the LM head's 262,144-wide transposed rows (278 KB
+    /// each) would not fit; in spans it is read from memory once per call, not once per tile.
+    TransposedQ8_0(Vec<Vec<u8>>),
+    /// W `[out, in]` in f32, for the weights our kernels do not cover (the tiny f32 models of the
+    /// gradient tests among them: their backward stays exact).
+    Dense(Tensor),
 }
 
 /// The one copy of a weight kept.
@@ -75,7 +93,7 @@ impl Linear {
             weight,
             in_dim,
             out_dim,
-            dequantized: OnceLock::new(),
+            input_grad: OnceLock::new(),
         })
     }
 
@@ -89,28 +107,78 @@ impl Linear {
 
     /// `dx = dy · W` for rows of `dy` (`[rows, out]`); W stays frozen.
     pub(crate) fn backward_input(&self, dy: &[f32]) -> Result<Vec<f32>, ModelError> {
-        let w = self.dequantized()?;
-        let rows = dy.len() / self.out_dim;
-        let dy = Tensor::from_slice(dy, (rows, self.out_dim), &Device::Cpu)?;
-        Ok(dy.matmul(w)?.flatten_all()?.to_vec1::<f32>()?)
+        match self.input_grad_weight()? {
+            InputGradWeight::TransposedQ8_0(spans) => {
+                let mut dx: Vec<f32> = Vec::new();
+                for (i, wt) in spans.iter().enumerate() {
+                    let k0 = i * INPUT_GRAD_SPAN;
+                    let k1 = (k0 + INPUT_GRAD_SPAN).min(self.out_dim);
+                    let span_dy: Cow<'_, [f32]> = if (k0, k1) == (0, self.out_dim) {
+                        Cow::Borrowed(dy)
+                    } else {
+                        dy.chunks_exact(self.out_dim)
+                            .flat_map(|row| &row[k0..k1])
+                            .copied()
+                            .collect()
+                    };
+                    let part = kernels::matmul(
+                        WeightFormat::Q8_0,
+                        Isa::detect(),
+                        wt,
+                        k1 - k0,
+                        self.in_dim,
+                        &span_dy,
+                    );
+                    if dx.is_empty() {
+                        dx = part;
+                    } else {
+                        crate::model::add_assign(&mut dx, &part);
+                    }
+                }
+                Ok(dx)
+            }
+            InputGradWeight::Dense(w) => {
+                let rows = dy.len() / self.out_dim;
+                let dy = Tensor::from_slice(dy, (rows, self.out_dim), &Device::Cpu)?;
+                Ok(dy.matmul(w)?.flatten_all()?.to_vec1::<f32>()?)
+            }
+        }
     }
 
-    /// The f32 weight `[out, in]`.
-    pub(crate) fn dequantized(&self) -> Result<&Tensor, ModelError> {
-        if let Some(w) = self.dequantized.get() {
+    fn input_grad_weight(&self) -> Result<&InputGradWeight, ModelError> {
+        if let Some(w) = self.input_grad.get() {
             return Ok(w);
         }
         let w = match &self.weight {
+            Weight::Kernel { format, data } if self.out_dim.is_multiple_of(32) => {
+                let spans = (0..self.out_dim)
+                    .step_by(INPUT_GRAD_SPAN)
+                    .map(|k0| {
+                        let span = k0..(k0 + INPUT_GRAD_SPAN).min(self.out_dim);
+                        kernels::transposed_q8_0(*format, data, (self.in_dim, self.out_dim), span)
+                    })
+                    .collect::<Result<_, _>>()?;
+                InputGradWeight::TransposedQ8_0(spans)
+            }
             Weight::Kernel { .. } => {
                 let all: Vec<usize> = (0..self.out_dim).collect();
-                Tensor::from_vec(self.rows(&all)?, (self.out_dim, self.in_dim), &Device::Cpu)?
+                let w = self.rows(&all)?;
+                InputGradWeight::Dense(Tensor::from_vec(
+                    w,
+                    (self.out_dim, self.in_dim),
+                    &Device::Cpu,
+                )?)
             }
-            Weight::Candle(QMatMul::QTensor(q)) => q.dequantize(&Device::Cpu)?,
-            Weight::Candle(QMatMul::Tensor(t)) => t.clone(),
-            Weight::Candle(QMatMul::TensorF16(t)) => t.to_dtype(candle_core::DType::F32)?,
+            Weight::Candle(QMatMul::QTensor(q)) => {
+                InputGradWeight::Dense(q.dequantize(&Device::Cpu)?)
+            }
+            Weight::Candle(QMatMul::Tensor(t)) => InputGradWeight::Dense(t.clone()),
+            Weight::Candle(QMatMul::TensorF16(t)) => {
+                InputGradWeight::Dense(t.to_dtype(candle_core::DType::F32)?)
+            }
         };
-        // Two threads racing here build the same tensor; either copy is kept.
-        Ok(self.dequantized.get_or_init(|| w))
+        // Two threads racing here build the same weight; either copy is kept.
+        Ok(self.input_grad.get_or_init(|| w))
     }
 
     /// Rows of the weight in f32 (an embedding lookup when the LM head is tied to it), the
@@ -149,11 +217,13 @@ impl Linear {
         }
     }
 
-    /// Bytes of f32 weights cached for training (0 until the first backward).
-    pub(crate) fn dequantized_bytes(&self) -> usize {
-        self.dequantized
-            .get()
-            .map_or(0, |_| self.in_dim * self.out_dim * 4)
+    /// Bytes of the weight kept for training's input gradient (0 until the first backward).
+    pub(crate) fn input_grad_bytes(&self) -> usize {
+        match self.input_grad.get() {
+            None => 0,
+            Some(InputGradWeight::TransposedQ8_0(spans)) => spans.iter().map(Vec::len).sum(),
+            Some(InputGradWeight::Dense(_)) => self.in_dim * self.out_dim * 4,
+        }
     }
 
     /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major. A row's
@@ -227,5 +297,65 @@ mod tests {
             .to_vec2::<f32>()
             .expect("vec");
         assert_eq!(a, b);
+    }
+
+    /// The int8 input gradient against `dy · W` in f32 over the same (dequantized) weight, for
+    /// each format our kernels cover: only the two 8-bit roundings (W down its columns, dy per
+    /// block) part them, a fraction of a percent.
+    #[test]
+    fn quantized_input_gradient_follows_the_f32_product() {
+        // 4,160 rows of W: two whole spans and a partial one.
+        let (out_dim, in_dim, rows) = (2 * INPUT_GRAD_SPAN + 64, 256, 5);
+        let values: Vec<f32> = (0..out_dim * in_dim)
+            .map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 5000.0)
+            .collect();
+        let w = Tensor::from_vec(values, (out_dim, in_dim), &Device::Cpu).expect("tensor");
+        let dy: Vec<f32> = (0..rows * out_dim)
+            .map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 300.0)
+            .collect();
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+            let q = QTensor::quantize(&w, dtype).expect("quantize");
+            let linear = Linear::new(GgufWeight {
+                dtype,
+                out_dim,
+                in_dim,
+                bytes: q.data().expect("bytes").into_owned(),
+            })
+            .expect("linear");
+            let dense = Tensor::from_vec(
+                linear
+                    .rows(&(0..out_dim).collect::<Vec<_>>())
+                    .expect("rows"),
+                (out_dim, in_dim),
+                &Device::Cpu,
+            )
+            .expect("dense");
+            let want = Tensor::from_slice(&dy, (rows, out_dim), &Device::Cpu)
+                .and_then(|dy| dy.matmul(&dense))
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("f32 product");
+            let got = linear.backward_input(&dy).expect("backward");
+            assert!(matches!(
+                linear.input_grad.get(),
+                Some(InputGradWeight::TransposedQ8_0(_))
+            ));
+            for (g, w) in got.chunks(in_dim).zip(want.chunks(in_dim)) {
+                let dot: f64 = g.iter().zip(w).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let norm = |v: &[f32]| v.iter().map(|&a| a as f64 * a as f64).sum::<f64>().sqrt();
+                let err: f64 = g
+                    .iter()
+                    .zip(w)
+                    .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
+                    .sum::<f64>()
+                    .sqrt();
+                let (cos, rel) = (dot / (norm(g) * norm(w)), err / norm(w));
+                eprintln!("{dtype:?}: cosine {cos:.6}, relative error {rel:.2e}");
+                assert!(
+                    cos > 0.9999 && rel < 1e-2,
+                    "{dtype:?}: cosine {cos}, relative error {rel}"
+                );
+            }
+        }
     }
 }

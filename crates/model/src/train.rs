@@ -3,8 +3,10 @@
 //! The forward runs the serving kernels (the quantized `Linear::forward`, the same norm, rope,
 //! attention and gelu arithmetic, the same per-row adapter term), so the trainer's logprobs are
 //! the server's. The backward is written by hand on f32 slices: gradients reach the input of a
-//! frozen linear through its dequantized weight (activation quantization in the forward is
-//! treated as identity, the usual straight-through choice), and only the adapters get grads.
+//! frozen linear through its weight (activation quantization in the forward is treated as
+//! identity, the usual straight-through choice), as int8 dot products with a transposed Q8_0
+//! copy of it and the gradient quantized per block of 32 (`Linear::backward_input`); only the
+//! adapters get grads.
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
@@ -76,14 +78,14 @@ impl Gemma3 {
         Ok((scores, tape))
     }
 
-    /// Bytes of dequantized f32 weights cached for the backward (about 1.1 GB on Gemma 3 270M,
-    /// the tied embedding included), 0 before the first backward.
+    /// Bytes of frozen weights kept for the backward (transposed Q8_0 copies, about 0.3 GB on
+    /// Gemma 3 270M, the tied embedding's 178 MB included), 0 before the first backward.
     pub fn training_cache_bytes(&self) -> usize {
-        self.lm_head.dequantized_bytes()
+        self.lm_head.input_grad_bytes()
             + self
                 .layers
                 .iter()
-                .flat_map(|l| LoraTarget::ALL.map(|t| l.linear(t).dequantized_bytes()))
+                .flat_map(|l| LoraTarget::ALL.map(|t| l.linear(t).input_grad_bytes()))
                 .sum::<usize>()
     }
 
@@ -191,12 +193,14 @@ impl Gemma3 {
                 .par_chunks_mut(vocab)
                 .zip(tgt.par_iter())
                 .map(|(row, &t)| {
-                    let s = RowSoftmax::new(row);
-                    let lp = (row[t as usize] as f64 - s.lse) as f32;
+                    let target_logit = row[t as usize];
+                    let s = RowSoftmax::new(row, record);
+                    let lp = (target_logit as f64 - s.lse) as f32;
                     if record {
-                        // The row becomes onehot(t) - softmax.
+                        // The row (now exp(z - max)) becomes onehot(t) - softmax.
+                        let inv_sum = 1.0 / s.sum;
                         for z in row.iter_mut() {
-                            *z = -((*z as f64 - s.lse).exp() as f32);
+                            *z = -((*z as f64 * inv_sum) as f32);
                         }
                         row[t as usize] += 1.0;
                     }
@@ -358,61 +362,84 @@ impl Gemma3 {
         };
 
         // Per (token, head): dq, and the probabilities and score gradients over its keys
-        // `first_key(t)..=t`, kept for the key/value pass.
+        // `first_key(t)..=t`, kept for the key/value pass. A token's heads go together, key by
+        // key, so each key and value row is read once for all of them (each head's terms
+        // still in key order).
         let mut dq = vec![0f32; lt.q.len()];
         let mut probs: Vec<Vec<f32>> = vec![Vec::new(); lt.q.len() / d];
         let mut dscores: Vec<Vec<f32>> = vec![Vec::new(); lt.q.len() / d];
-        dq.par_chunks_mut(d)
-            .zip(probs.par_iter_mut().zip(dscores.par_iter_mut()))
+        dq.par_chunks_mut(h * d)
+            .zip(probs.par_chunks_mut(h).zip(dscores.par_chunks_mut(h)))
             .enumerate()
-            .for_each(|(idx, (dqr, (p, ds)))| {
-                let (t, head) = (idx / h, idx % h);
-                let g = head / group;
+            .for_each(|(t, (dqt, (pt, dst)))| {
                 let lo = first_key(t);
-                let qrow = &lt.q[idx * d..(idx + 1) * d];
-                let dout = &d_attn[idx * d..(idx + 1) * d];
-                *p = (lo..=t)
-                    .map(|j| ops::dot(qrow, &lt.k[j * kv_width + g * d..][..d]) * scale)
-                    .collect();
-                ops::softmax(p);
-                let dp: Vec<f32> = (lo..=t)
-                    .map(|j| ops::dot(dout, &lt.v[j * kv_width + g * d..][..d]))
-                    .collect();
-                let mean: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                *ds = p
-                    .iter()
-                    .zip(&dp)
-                    .map(|(pj, dpj)| pj * (dpj - mean))
-                    .collect();
-                for (j, &s) in (lo..=t).zip(ds.iter()) {
-                    ops::axpy(s * scale, &lt.k[j * kv_width + g * d..][..d], dqr);
+                let keys = t + 1 - lo;
+                let at = |j: usize, head: usize| j * kv_width + (head / group) * d;
+                let k = |j: usize, head: usize| &lt.k[at(j, head)..][..d];
+                let v = |j: usize, head: usize| &lt.v[at(j, head)..][..d];
+                let q = |head: usize| &lt.q[(t * h + head) * d..][..d];
+                let dout = |head: usize| &d_attn[(t * h + head) * d..][..d];
+                let mut dp = vec![Vec::with_capacity(keys); h];
+                for p in pt.iter_mut() {
+                    p.reserve_exact(keys);
+                }
+                for j in lo..=t {
+                    for head in 0..h {
+                        pt[head].push(ops::dot(q(head), k(j, head)) * scale);
+                        dp[head].push(ops::dot(dout(head), v(j, head)));
+                    }
+                }
+                for (head, (p, ds)) in pt.iter_mut().zip(dst.iter_mut()).enumerate() {
+                    ops::softmax(p);
+                    let mean: f32 = p.iter().zip(&dp[head]).map(|(a, b)| a * b).sum();
+                    *ds = p
+                        .iter()
+                        .zip(&dp[head])
+                        .map(|(pj, dpj)| pj * (dpj - mean))
+                        .collect();
+                }
+                for j in lo..=t {
+                    for (head, dqr) in dqt.chunks_exact_mut(d).enumerate() {
+                        ops::axpy(dst[head][j - lo] * scale, k(j, head), dqr);
+                    }
                 }
             });
 
         // Per key: the queries that saw it are the later tokens of its segment, up to the
-        // window.
+        // window. Keys go in tiles, so each query row is read once for the tile's keys rather
+        // than once per key; each key still takes its terms in query order, head by head.
+        const KEY_TILE: usize = 16;
         let mut dk = vec![0f32; lt.k.len()];
         let mut dv = vec![0f32; lt.v.len()];
-        dk.par_chunks_mut(kv_width)
-            .zip(dv.par_chunks_mut(kv_width))
+        dk.par_chunks_mut(KEY_TILE * kv_width)
+            .zip(dv.par_chunks_mut(KEY_TILE * kv_width))
             .enumerate()
-            .for_each(|(j, (dkr, dvr))| {
-                let seg_end = tape.segments[layout.seq[j]].end;
-                let last = window.map_or(seg_end, |w| seg_end.min(j + w));
-                for t in j..last {
+            .for_each(|(tile, (dks, dvs))| {
+                let j0 = tile * KEY_TILE;
+                // Each key's queries: `j..last`.
+                let lasts: Vec<usize> = (j0..j0 + dks.len() / kv_width)
+                    .map(|j| {
+                        let seg_end = tape.segments[layout.seq[j]].end;
+                        window.map_or(seg_end, |w| seg_end.min(j + w))
+                    })
+                    .collect();
+                let t_end = lasts.iter().copied().max().unwrap_or(j0);
+                for t in j0..t_end {
                     let lo = first_key(t);
                     for head in 0..h {
                         let g = head / group;
                         let idx = t * h + head;
-                        let off = j - lo;
                         let qrow = &lt.q[idx * d..(idx + 1) * d];
                         let dout = &d_attn[idx * d..(idx + 1) * d];
-                        ops::axpy(
-                            dscores[idx][off] * scale,
-                            qrow,
-                            &mut dkr[g * d..(g + 1) * d],
-                        );
-                        ops::axpy(probs[idx][off], dout, &mut dvr[g * d..(g + 1) * d]);
+                        for (jj, &last) in lasts.iter().enumerate() {
+                            let j = j0 + jj;
+                            if t < j || t >= last {
+                                continue;
+                            }
+                            let at = jj * kv_width + g * d;
+                            ops::axpy(dscores[idx][j - lo] * scale, qrow, &mut dks[at..at + d]);
+                            ops::axpy(probs[idx][j - lo], dout, &mut dvs[at..at + d]);
+                        }
                     }
                 }
             });
@@ -463,22 +490,30 @@ fn linear_backward(
 struct RowSoftmax {
     lse: f64,
     entropy: f64,
+    /// `Σ exp(z - max)`.
+    sum: f64,
 }
 
 impl RowSoftmax {
-    fn new(row: &[f32]) -> Self {
+    /// With `keep_exps` the row is overwritten by `exp(z - max)` (in f32), so the gradient
+    /// needs no second pass of exponentials over the 262k-wide row.
+    fn new(row: &mut [f32], keep_exps: bool) -> Self {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
         let (mut sum, mut weighted) = (0f64, 0f64);
-        for &z in row {
-            let e = (z as f64 - max).exp();
+        for z in row.iter_mut() {
+            let e = (*z as f64 - max).exp();
             sum += e;
-            weighted += e * (z as f64 - max);
+            weighted += e * (*z as f64 - max);
+            if keep_exps {
+                *z = e as f32;
+            }
         }
         let lse = max + sum.ln();
         // H = lse - E[z] = ln(sum) - E[z - max].
         RowSoftmax {
             lse,
             entropy: sum.ln() - weighted / sum,
+            sum,
         }
     }
 }

@@ -41,6 +41,20 @@ pub enum JobStatus {
     Cancelled,
 }
 
+/// Counts over all jobs (see `Store::training_totals`).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct TrainingTotals {
+    /// Jobs per status that has any.
+    pub jobs_by_status: Vec<(String, u64)>,
+    pub succeeded_jobs: u64,
+    /// Summed over succeeded jobs, from start to finish (whole seconds as stored).
+    pub succeeded_job_seconds: u64,
+    /// `gradient_step` events recorded.
+    pub gradient_steps: u64,
+    /// Their `num_trainable_tokens`, summed.
+    pub trained_tokens: u64,
+}
+
 impl JobStatus {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -346,6 +360,38 @@ impl Store {
         row.as_ref()
             .map(job)
             .unwrap_or(Err(Error::NotFound("training job")))
+    }
+
+    /// Totals over every team's jobs, for `/metrics`.
+    pub async fn training_totals(&self) -> Result<TrainingTotals> {
+        let mut totals = TrainingTotals::default();
+        for row in sqlx::query("SELECT status, COUNT(*) FROM training_jobs GROUP BY status")
+            .fetch_all(&self.pool)
+            .await?
+        {
+            let status: String = row.try_get(0)?;
+            totals
+                .jobs_by_status
+                .push((status, row.try_get::<i64, _>(1)? as u64));
+        }
+        let row = sqlx::query(
+            "SELECT COUNT(*), COALESCE(SUM(finished_at - started_at), 0) FROM training_jobs \
+             WHERE status = 'succeeded' AND started_at IS NOT NULL AND finished_at IS NOT NULL",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        totals.succeeded_jobs = row.try_get::<i64, _>(0)? as u64;
+        totals.succeeded_job_seconds = row.try_get::<i64, _>(1)? as u64;
+        let row = sqlx::query(
+            "SELECT COUNT(*), \
+             COALESCE(SUM(json_extract(data, '$.num_trainable_tokens')), 0) \
+             FROM job_events WHERE type = 'gradient_step'",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        totals.gradient_steps = row.try_get::<i64, _>(0)? as u64;
+        totals.trained_tokens = row.try_get::<i64, _>(1)? as u64;
+        Ok(totals)
     }
 
     /// A team's jobs, newest first, optionally of one model. `after` is the id of the last job

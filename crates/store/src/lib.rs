@@ -22,7 +22,7 @@ use sqlx::sqlite::{
 use sqlx::SqlSafeStr;
 
 pub use idempotency::{Claim, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN};
-pub use jobs::{event, Event, Job, JobKind, JobStatus, Recovery};
+pub use jobs::{event, Event, Job, JobKind, JobStatus, Recovery, TrainingTotals};
 pub use keys::{KeyInfo, Team, SECRET_PREFIX};
 pub use lock::DataDirLock;
 pub use models::{Checkpoint, DeletedCheckpoints, DeletedModel, Model, NewModel};

@@ -4,7 +4,9 @@
 //! figures from another host mean nothing next to these: `make bench-compare` measures llama.cpp
 //! side by side in the same run.
 
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +17,7 @@ use temper_engine::{
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
 use temper_text::{ChatTemplate, DecodeOptions, Tokenizer};
-use temper_train::{TrainEvent, TrainerConfig, TrainingRequest};
+use temper_train::{TrainEvent, TrainerConfig, TrainerPool, TrainerThreads, TrainingRequest};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -41,6 +43,18 @@ pub struct BenchArgs {
     /// (forward, backward, AdamW) and the checkpoint write. An empty list skips them.
     #[arg(long, value_delimiter = ',', default_values_t = ["16x30".to_string(), "8x128".to_string()])]
     pub train_jobs: Vec<String>,
+    /// The training job run beside one decoding stream, as TRAJECTORIESxANSWER_TOKENS (as
+    /// `--train-jobs`): decode tok/s with and without it; empty skips it.
+    #[arg(long, default_value = "16x30")]
+    pub decode_beside_job: String,
+    /// Threads of the trainer's pool beside decoding, as `temper serve --train-threads`
+    /// [default: one per core].
+    #[arg(long, value_name = "N")]
+    pub train_threads: Option<NonZeroUsize>,
+    /// The trainer threads' nice increment beside decoding, as `temper serve --train-nice`.
+    #[arg(long, value_name = "N", default_value_t = temper_train::DEFAULT_TRAIN_NICE,
+          value_parser = clap::value_parser!(u8).range(0..=19))]
+    pub train_nice: u8,
     /// Only the trainer rows (`--train-shapes`, `--train-jobs`), none of the serving ones: what
     /// `make bench-train-compare` runs next to PyTorch + PEFT.
     #[arg(long)]
@@ -63,7 +77,14 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path)
         .map_err(|e| format!("tokenizer of {}: {e}", path.display()))?;
     let load_time = started.elapsed();
-    let loaded_metadata = loaded.metadata;
+    let template = temper_text::gguf_chat_template(&loaded.metadata)
+        .unwrap_or_else(|| ChatTemplate::GEMMA3.to_owned());
+    let template = ChatTemplate::new(
+        &template,
+        tokenizer.bos_token().map(str::to_owned),
+        tokenizer.eos_token().map(str::to_owned),
+    )
+    .map_err(|e| format!("chat template: {e}"))?;
     let model = Arc::new(loaded.model);
     let tokenizer = Arc::new(tokenizer);
     let repeat = args.repeat.max(1);
@@ -72,7 +93,9 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     let engine_stats = if args.train_only {
         None
     } else {
-        Some(serving_rows(&args, &model, &tokenizer, repeat, &mut rows)?)
+        Some(serving_rows(
+            &args, &model, &tokenizer, &template, repeat, &mut rows,
+        )?)
     };
 
     for shape in args.train_shapes.iter().filter(|s| !s.is_empty()) {
@@ -94,19 +117,8 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         });
     }
 
-    let jobs: Vec<&String> = args.train_jobs.iter().filter(|s| !s.is_empty()).collect();
-    if !jobs.is_empty() {
-        let template = temper_text::gguf_chat_template(&loaded_metadata)
-            .unwrap_or_else(|| ChatTemplate::GEMMA3.to_owned());
-        let template = ChatTemplate::new(
-            &template,
-            tokenizer.bos_token().map(str::to_owned),
-            tokenizer.eos_token().map(str::to_owned),
-        )
-        .map_err(|e| format!("chat template: {e}"))?;
-        for shape in jobs {
-            rows.push(train_job_row(&model, &tokenizer, &template, shape, repeat)?);
-        }
+    for shape in args.train_jobs.iter().filter(|s| !s.is_empty()) {
+        rows.push(train_job_row(&model, &tokenizer, &template, shape, repeat)?);
     }
 
     println!(
@@ -136,18 +148,19 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     Ok(())
 }
 
-/// The prefill, decode, batching, structured-output and prompt-lookup rows; returns the engine's
-/// counters.
+/// The prefill, decode, batching, decode-beside-training, structured-output and prompt-lookup
+/// rows; returns the engine's counters.
 fn serving_rows(
     args: &BenchArgs,
     model: &Arc<Gemma3>,
     tokenizer: &Arc<Tokenizer>,
+    template: &ChatTemplate,
     repeat: usize,
     rows: &mut Vec<Row>,
 ) -> Result<EngineStats, String> {
     for &len in &args.prompt_lens {
-        let prompt = prompt_tokens(tokenizer, len);
-        let best = best_of(repeat, || prefill(model, &prompt))?;
+        let prompt = prompt_tokens(&tokenizer, len);
+        let best = best_of(repeat, || prefill(&model, &prompt))?;
         let tok_s = len as f64 / best.as_secs_f64();
         rows.push(Row {
             what: format!("prompt processing, {len} tokens (one forward)"),
@@ -168,7 +181,7 @@ fn serving_rows(
             ..EngineConfig::default()
         },
     );
-    let prompt = prompt_tokens(tokenizer, 16);
+    let prompt = prompt_tokens(&tokenizer, 16);
     let single = best_of(repeat, || {
         generate(&engine, &prompt, 1, exactly(args.decode_tokens), None)
     })?;
@@ -210,9 +223,30 @@ fn serving_rows(
             batched.wall.as_secs_f64() / single.wall.as_secs_f64()
         ),
     });
+    if !args.decode_beside_job.is_empty() {
+        let trainer = TrainerThreads {
+            threads: args
+                .train_threads
+                .unwrap_or(TrainerThreads::default().threads),
+            nice: args.train_nice,
+        };
+        rows.push(decode_beside_training_row(
+            &engine,
+            &prompt,
+            args.decode_tokens,
+            repeat,
+            &TrainingBeside {
+                model: &model,
+                tokenizer: &tokenizer,
+                template: &template,
+                shape: &args.decode_beside_job,
+                trainer,
+            },
+        )?);
+    }
     rows.extend(structured_output_rows(
         &engine,
-        tokenizer,
+        &tokenizer,
         &prompt,
         args.decode_tokens,
         repeat,
@@ -227,16 +261,16 @@ fn serving_rows(
     // As many tokens as the paragraph has: the echo itself.
     let echo_tokens = tokenizer.encode(ECHO_PARAGRAPH, false).len();
     rows.push(prompt_lookup_row(
-        model,
-        tokenizer,
+        &model,
+        &tokenizer,
         repeat,
         "greedy echo of a paragraph in a chat turn",
         &echo,
         echo_tokens,
     )?);
     rows.push(prompt_lookup_row(
-        model,
-        tokenizer,
+        &model,
+        &tokenizer,
         repeat,
         "greedy continuation of a story opening (little to echo)",
         STORY,
@@ -658,14 +692,19 @@ fn train_job_row(
 ) -> Result<Row, String> {
     let (trajectories, answer_len) = parse_shape(shape)?;
     let request = train_job_request(tokenizer, trajectories, answer_len)?;
-    let dir = std::env::temp_dir().join(format!("temper-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let checkpoint = dir.join("adapter.safetensors");
-    let job = best_of(repeat, || {
-        train_job(model, tokenizer, template, &request, &checkpoint)
-    });
-    let _ = std::fs::remove_dir_all(&dir);
-    let job = job?;
+    let job = with_checkpoint_path(|checkpoint| {
+        best_of(repeat, || {
+            train_job(
+                model,
+                tokenizer,
+                template,
+                &request,
+                checkpoint,
+                &AtomicBool::new(false),
+                &mut || {},
+            )
+        })
+    })?;
     let secs = job.wall.as_secs_f64();
     let tok_s = job.trainable as f64 / secs;
     Ok(Row {
@@ -714,14 +753,28 @@ fn train_job_request(
     .map_err(|e| format!("training request: {e}"))
 }
 
-/// Runs `request` as the job worker does: tokenize_job, a fresh adapter, run_job, the checkpoint
-/// written to `checkpoint`. The peak RSS is measured from the job's start.
+/// Runs `f` with the path of a checkpoint file in a fresh directory, removed after it.
+fn with_checkpoint_path<T>(
+    f: impl FnOnce(&std::path::Path) -> Result<T, String>,
+) -> Result<T, String> {
+    let dir = std::env::temp_dir().join(format!("temper-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let result = f(&dir.join("adapter.safetensors"));
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// Runs `request` as the job worker does: tokenize_job, a fresh adapter, run_job (stopped before
+/// its next step once `cancel` is set; `on_start` is called when its first step begins), the
+/// checkpoint written to `checkpoint`. The peak RSS is measured from the job's start.
 fn train_job(
     model: &Gemma3,
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
     request: &TrainingRequest,
     checkpoint: &std::path::Path,
+    cancel: &AtomicBool,
+    on_start: &mut dyn FnMut(),
 ) -> Result<TrainJob, String> {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
     let started = Instant::now();
@@ -731,19 +784,14 @@ fn train_job(
     let config = TrainerConfig::default();
     let start = LoraAdapter::new(model.config(), config.lora, 1);
     let (mut trainable, mut steps) = (0, 0);
-    let trained = temper_train::run_job(
-        model,
-        &start,
-        &job,
-        &config,
-        &std::sync::atomic::AtomicBool::new(false),
-        &mut |e| {
-            if let TrainEvent::GradientStep(m) = e {
-                trainable += m.num_trainable_tokens;
-                steps += 1;
-            }
-        },
-    )
+    let trained = temper_train::run_job(model, &start, &job, &config, cancel, &mut |e| match e {
+        TrainEvent::Started { .. } => on_start(),
+        TrainEvent::GradientStep(m) => {
+            trainable += m.num_trainable_tokens;
+            steps += 1;
+        }
+        TrainEvent::SftStep(_) | TrainEvent::Ended { .. } => {}
+    })
     .map_err(|e| format!("run_job: {e}"))?
     .ok_or("run_job learned nothing")?;
     trained
@@ -756,6 +804,86 @@ fn train_job(
         tokens: job.sequences.iter().map(|s| s.tokens.len()).sum(),
         steps,
         peak_rss_bytes: peak_rss_bytes(),
+    })
+}
+
+/// The training that runs beside the decoding stream of [`decode_beside_training_row`].
+struct TrainingBeside<'a> {
+    model: &'a Gemma3,
+    tokenizer: &'a Tokenizer,
+    template: &'a ChatTemplate,
+    /// TRAJECTORIESxANSWER_TOKENS, as `--train-jobs`.
+    shape: &'a str,
+    trainer: TrainerThreads,
+}
+
+/// Single-stream decode with nothing else running, then while jobs of `beside.shape` train one
+/// after another on a trainer pool as the server's worker runs them (from the first job's step
+/// on). The two are measured back to back: on a shared host the load of other processes drifts.
+fn decode_beside_training_row(
+    engine: &Engine,
+    prompt: &[u32],
+    decode_tokens: usize,
+    repeat: usize,
+    beside: &TrainingBeside,
+) -> Result<Row, String> {
+    let decode = || generate(engine, prompt, 1, exactly(decode_tokens), None);
+    let alone = best_of(repeat, decode)?;
+    let (trajectories, answer_len) = parse_shape(beside.shape)?;
+    let request = train_job_request(beside.tokenizer, trajectories, answer_len)?;
+    let pool = TrainerPool::new(beside.trainer)?;
+    let (stop, pool, request) = (&AtomicBool::new(false), &pool, &request);
+    let decode = with_checkpoint_path(|checkpoint| {
+        std::thread::scope(|scope| {
+            let (started_tx, started_rx) = std::sync::mpsc::channel();
+            // Owns the sender: a job failing before its step ends the wait below.
+            let training = scope.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let job = pool.install(|| {
+                        train_job(
+                            beside.model,
+                            beside.tokenizer,
+                            beside.template,
+                            request,
+                            checkpoint,
+                            stop,
+                            &mut || {
+                                let _ = started_tx.send(());
+                            },
+                        )
+                    });
+                    // Cancelled once the decoding is measured.
+                    if let (Err(e), false) = (job, stop.load(Ordering::Relaxed)) {
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            });
+            let decode = started_rx
+                .recv()
+                .map_err(|_| "the training job beside decoding never started".to_owned())
+                .and_then(|()| best_of(repeat, decode));
+            stop.store(true, Ordering::Relaxed);
+            training
+                .join()
+                .map_err(|_| "the training job beside decoding panicked".to_owned())??;
+            decode
+        })
+    })?;
+    let tok_s = |g: &Generation| (decode_tokens - 1) as f64 / g.decode.as_secs_f64();
+    let (beside_tok_s, alone_tok_s) = (tok_s(&decode), tok_s(&alone));
+    Ok(Row {
+        what: format!(
+            "decode, 1 stream, {decode_tokens} tokens, while {} training jobs run (trainer: {} \
+             threads at nice {}) vs nothing else running",
+            beside.shape,
+            pool.threads(),
+            pool.nice()
+        ),
+        ours: format!(
+            "{beside_tok_s:.1} vs {alone_tok_s:.1} tok/s ({:.2}x)",
+            beside_tok_s / alone_tok_s
+        ),
     })
 }
 

@@ -1,12 +1,14 @@
 //! `temper serve` configuration: flags, `TEMPER_*` environment variables and an optional TOML
 //! file, resolved into one `Config` (flags > env > file > defaults).
 
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use serde::Deserialize;
 use temper_engine::Scheduling;
+use temper_train::TrainerThreads;
 
 pub const DEFAULT_MODEL_NAME: &str = "gemma-3-270m";
 pub use temper_model::paths::DEFAULT_MODEL_FILE;
@@ -126,6 +128,14 @@ pub struct ServeArgs {
     /// [default: 64].
     #[arg(long, env = "TEMPER_MAX_QUEUED_JOBS_PER_TEAM", value_name = "N")]
     pub max_queued_jobs_per_team: Option<u32>,
+    /// Threads of the trainer's own pool (the engine keeps the global one) [default: one per
+    /// core].
+    #[arg(long, env = "TEMPER_TRAIN_THREADS", value_name = "N")]
+    pub train_threads: Option<usize>,
+    /// How much lower the trainer threads' priority is than the server's, as a nice increment
+    /// 0-19 (Linux): a running job then takes the cores decoding leaves idle [default: 19].
+    #[arg(long, env = "TEMPER_TRAIN_NICE", value_name = "N")]
+    pub train_nice: Option<u8>,
     /// After SIGINT or SIGTERM, the longest wait for in-flight requests to finish and the
     /// training job to stop before the process exits anyway [default: 30].
     #[arg(long, env = "TEMPER_SHUTDOWN_TIMEOUT", value_name = "SECONDS")]
@@ -162,6 +172,8 @@ pub struct FileConfig {
     pub max_train_seq_len: Option<usize>,
     pub max_job_attempts: Option<u32>,
     pub max_queued_jobs_per_team: Option<u32>,
+    pub train_threads: Option<usize>,
+    pub train_nice: Option<u8>,
     pub shutdown_timeout: Option<u64>,
 }
 
@@ -198,6 +210,7 @@ pub struct Config {
     pub max_job_attempts: u32,
     /// `None` = no bound.
     pub max_queued_jobs_per_team: Option<u32>,
+    pub trainer_threads: TrainerThreads,
     pub shutdown_timeout: Duration,
 }
 
@@ -221,6 +234,8 @@ pub enum ConfigError {
     Zero(&'static str),
     #[error("--lora-alpha must be a positive number, got {0}")]
     LoraAlpha(f32),
+    #[error("--train-nice must be 0-19, got {0}")]
+    TrainNice(u8),
 }
 
 pub use temper_model::paths::temper_home;
@@ -330,6 +345,19 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         .adapter_cache_mb
         .or(file.adapter_cache_mb)
         .unwrap_or(256);
+    let default_trainer = TrainerThreads::default();
+    let train_threads = positive(
+        args.train_threads.or(file.train_threads),
+        default_trainer.threads.get(),
+        "--train-threads",
+    )?;
+    let train_nice = args
+        .train_nice
+        .or(file.train_nice)
+        .unwrap_or(default_trainer.nice);
+    if train_nice > 19 {
+        return Err(ConfigError::TrainNice(train_nice));
+    }
     let kv_cache_mb = args.kv_cache_mb.or(file.kv_cache_mb);
     if kv_cache_mb == Some(0) {
         return Err(ConfigError::Zero("--kv-cache-mb"));
@@ -393,6 +421,10 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
                 .unwrap_or(64),
         )
         .filter(|&n| n > 0),
+        trainer_threads: TrainerThreads {
+            threads: NonZeroUsize::new(train_threads).unwrap_or(NonZeroUsize::MIN),
+            nice: train_nice,
+        },
         shutdown_timeout: Duration::from_secs(
             args.shutdown_timeout
                 .or(file.shutdown_timeout)
@@ -460,6 +492,7 @@ mod tests {
         assert_eq!(c.max_train_seq_len, 2048);
         assert_eq!(c.max_job_attempts, 3);
         assert_eq!(c.shutdown_timeout, Duration::from_secs(30));
+        assert_eq!(c.trainer_threads, TrainerThreads::default());
     }
 
     #[test]
@@ -474,6 +507,8 @@ mod tests {
             max_training_body_bytes = 1000
             max_job_attempts = 5
             shutdown_timeout = 7
+            train_threads = 3
+            train_nice = 4
             "#,
         )
         .unwrap();
@@ -485,6 +520,10 @@ mod tests {
         assert_eq!(c.max_training_body_bytes, 1000);
         assert_eq!(c.max_job_attempts, 5);
         assert_eq!(c.shutdown_timeout, Duration::from_secs(7));
+        assert_eq!(
+            (c.trainer_threads.threads.get(), c.trainer_threads.nice),
+            (3, 4)
+        );
         let c = resolve(
             args(&["--max-job-attempts", "1", "--shutdown-timeout", "0"]),
             FileConfig::default(),
@@ -499,6 +538,8 @@ mod tests {
             &["--lora-alpha", "0"],
             &["--max-train-seq-len", "0"],
             &["--max-job-attempts", "0"],
+            &["--train-threads", "0"],
+            &["--train-nice", "20"],
         ] {
             assert!(
                 resolve(args(bad), FileConfig::default(), &home()).is_err(),

@@ -36,6 +36,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    keep_large_buffers_in_the_heap();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -55,6 +56,20 @@ fn main() -> ExitCode {
             eprintln!("temper: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Every engine step allocates and frees buffers of megabytes (the LM head's logits: 1 MB per
+/// row). Above glibc's mmap threshold each one is a fresh mapping whose pages fault in zeroed,
+/// which cost ~4% of a 16-client decode's CPU time in sys time and page clearing; from the heap
+/// they are reused. The trim threshold lets an arena keep that much free memory instead of
+/// handing it back after every step (the training worker still trims after each job).
+fn keep_large_buffers_in_the_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator thresholds, before any thread is started.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 128 << 20);
     }
 }
 
@@ -83,8 +98,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             max_seq_len: cfg.max_train_seq_len,
             max_job_attempts: cfg.max_job_attempts,
             max_queued_jobs_per_team: cfg.max_queued_jobs_per_team,
+            trainer_threads: cfg.trainer_threads,
         }))
-        .map_err(|e| format!("opening the store in {}: {e}", cfg.data_dir.display()))?;
+        .map_err(|e| e.to_string())?;
     let store_keys = runtime
         .block_on(training.store.has_active_keys())
         .map_err(|e| format!("reading the store's keys: {e}"))?;

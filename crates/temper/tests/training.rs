@@ -587,3 +587,60 @@ async fn a_job_running_at_three_crashes_in_a_row_fails_instead_of_looping() {
         "failed"
     );
 }
+
+/// (name, nice value) of each thread of a process, from /proc/<pid>/task/<tid>/stat.
+#[cfg(target_os = "linux")]
+fn threads_of(pid: &str) -> Vec<(String, i32)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| {
+            let stat = std::fs::read_to_string(task.ok()?.path().join("stat")).ok()?;
+            let (head, rest) = stat.rsplit_once(')')?;
+            let name = head.split_once('(')?.1.to_owned();
+            // Field 19 is the nice value; `rest` starts at field 3.
+            let nice = rest.split_whitespace().nth(16)?.parse().ok()?;
+            Some((name, nice))
+        })
+        .collect()
+}
+
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trainer_runs_on_its_own_threads_at_a_lower_priority() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = Server::start(
+        &model,
+        &dir.path().join("data"),
+        &["--train-threads", "3", "--train-nice", "7"],
+    );
+    // The server inherits this process's nice value; its trainer threads are 7 above it.
+    let ours = threads_of("self")[0].1;
+    let want = (ours + 7).min(19);
+    let pid = server.child.id().to_string();
+    let threads = threads_of(&pid);
+    let mut trainers: Vec<(String, i32)> = threads
+        .iter()
+        .filter(|(name, _)| name.starts_with("temper-train-"))
+        .cloned()
+        .collect();
+    trainers.sort();
+    let want_trainers: Vec<(String, i32)> = (0..3)
+        .map(|i| (format!("temper-train-{i}"), want))
+        .collect();
+    assert_eq!(trainers, want_trainers);
+    // Serving keeps the server's priority.
+    assert!(
+        threads
+            .iter()
+            .filter(|(name, _)| !name.starts_with("temper-train-"))
+            .all(|&(_, nice)| nice == ours),
+        "{threads:?}"
+    );
+
+    // Jobs run on them.
+    let model_id = create_model(&server).await;
+    let trajectory_groups = groups(&server, "default/proj/agent", PROMPTS).await;
+    let job = post_job(&server, &model_id, &trajectory_groups).await;
+    assert_eq!(server.wait_until_succeeded(&job).await["step"], 1);
+}

@@ -3,11 +3,13 @@
 //! [`tokenize_job`] at the edge; the job worker calls [`run_job`]. SFT jobs go the same way:
 //! [`SftRequest`], [`tokenize_sft_job`], [`run_sft_job`].
 
+mod pool;
 mod request;
 mod summary;
 mod tokenize;
 mod trainer;
 
+pub use pool::{TrainerPool, TrainerThreads, DEFAULT_TRAIN_NICE};
 pub use request::{
     Choice, ChoiceLogprobs, ExperimentalConfig, History, ImportanceSamplingLevel, LearningRate,
     LossConfig, MessageOrChoice, SftConfig, SftRequest, SftSchedule, SftTrajectory, TokenLogprob,

@@ -17,8 +17,10 @@ impl Scheduler {
             s.req.adapter.as_ref().map(|a| a.id()),
             s.req.cache_salt.as_deref(),
         );
+        let timer = RequestTimer::new(self.stats.requests.clone(), s.submitted, s.req.n);
         self.requeue(Group {
             id: self.arrivals,
+            timer,
             phase: Phase::Prefill {
                 cache: self.model.new_shared_cache(prefix_key),
                 done: 0,
@@ -44,6 +46,9 @@ impl Scheduler {
     pub(super) fn publish_counts(&self) {
         let running = self.groups.iter().map(Group::running).sum();
         self.stats.running.store(running, Ordering::Relaxed);
+        self.stats
+            .running_requests
+            .store(self.groups.len(), Ordering::Relaxed);
         self.stats
             .waiting
             .store(self.waiting.len(), Ordering::Relaxed);

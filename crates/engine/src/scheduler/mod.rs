@@ -56,6 +56,7 @@ use beam::*;
 use sequence::*;
 
 use crate::mask_workers::{MaskDone, MaskGate, MaskKey, MaskOutcome, MaskWorkers};
+use crate::metrics::{RequestCounters, RequestTimer};
 use crate::rng::{random_seed, Rng};
 use crate::sampler::{self, Sampler};
 use crate::stop::StopMatcher;
@@ -74,6 +75,7 @@ pub(crate) struct Submission {
     pub(crate) req: GenerationRequest,
     pub(crate) procs: Processors,
     pub(crate) tx: UnboundedSender<GenerationEvent>,
+    pub(crate) submitted: std::time::Instant,
 }
 
 /// Counters shared with `Engine::stats` callers.
@@ -84,6 +86,7 @@ pub(crate) struct Stats {
     tokens: AtomicU64,
     max_rows_in_step: AtomicUsize,
     running: AtomicUsize,
+    running_requests: AtomicUsize,
     waiting: AtomicUsize,
     /// New requests submitted and not yet admitted (nor cancelled): what `max_waiting` bounds.
     queued: AtomicUsize,
@@ -94,6 +97,7 @@ pub(crate) struct Stats {
     prompt_logprobs: AtomicU64,
     drafted_tokens: AtomicU64,
     accepted_tokens: AtomicU64,
+    pub(crate) requests: Arc<RequestCounters>,
 }
 
 impl Stats {
@@ -117,6 +121,7 @@ impl Stats {
             tokens: self.tokens.load(Ordering::Relaxed),
             max_rows_in_step: self.max_rows_in_step.load(Ordering::Relaxed),
             running: self.running.load(Ordering::Relaxed),
+            running_requests: self.running_requests.load(Ordering::Relaxed),
             waiting: self.waiting.load(Ordering::Relaxed),
             preemptions: self.preemptions.load(Ordering::Relaxed),
             masks: self.masks.load(Ordering::Relaxed),

@@ -107,6 +107,8 @@ pub(super) struct Group {
     pub(super) cached_tokens: Option<usize>,
     /// Counted in `Stats::queued`: submitted, never admitted yet.
     pub(super) queued: bool,
+    /// Its latency and tokens, for `Engine::request_metrics`.
+    pub(super) timer: RequestTimer,
 }
 
 impl Group {
@@ -129,6 +131,7 @@ impl Group {
         if let GenerationEvent::Finished { cached_tokens, .. } = &mut ev {
             *cached_tokens = self.cached_tokens.unwrap_or(0);
         }
+        self.timer.observe(&ev);
         if self.tx.send(ev).is_err() {
             self.dropped = true;
         }

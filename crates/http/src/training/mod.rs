@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use temper_model::LoraAdapter;
 use temper_store::{Checkpoint, Store};
+use temper_train::{TrainerPool, TrainerThreads};
 use uuid::Uuid;
 
 use crate::error::ApiError;
@@ -42,6 +43,8 @@ pub struct TrainingOptions {
     pub max_job_attempts: u32,
     /// Most queued jobs per team (`None`: no bound); past it a post is a 429.
     pub max_queued_jobs_per_team: Option<u32>,
+    /// The trainer's own threads and their priority (below serving's).
+    pub trainer_threads: TrainerThreads,
 }
 
 impl TrainingOptions {
@@ -55,6 +58,7 @@ impl TrainingOptions {
             max_seq_len: 2048,
             max_job_attempts: 3,
             max_queued_jobs_per_team: Some(64),
+            trainer_threads: TrainerThreads::default(),
         }
     }
 }
@@ -72,18 +76,37 @@ pub struct Training {
     shutting_down: AtomicBool,
     /// Loaded adapters by checkpoint id (a deleted and re-made step gets a new id).
     adapters: Mutex<ByteLru<Uuid, Arc<LoraAdapter>>>,
+    /// Where the worker runs jobs, so that they do not take the engine's threads.
+    pub(crate) trainer_pool: TrainerPool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("opening the store in {}: {source}", data_dir.display())]
+    Store {
+        data_dir: PathBuf,
+        source: temper_store::Error,
+    },
+    #[error("{0}")]
+    TrainerPool(String),
 }
 
 impl Training {
     /// Opens the store under `options.data_dir`, removes the temporary files of adapter saves
     /// a crash cut short, and puts back in the queue any job a crash left running (the worker
     /// then re-runs it from its start), or fails it when it was running at
-    /// `options.max_job_attempts` crashes in a row.
+    /// `options.max_job_attempts` crashes in a row. Starts the trainer's threads.
     ///
     /// The caller holds the data directory's [`temper_store::DataDirLock`] (`temper serve`
     /// takes it before this), so that this recovery never touches another server's jobs.
-    pub async fn open(options: TrainingOptions) -> Result<Training, temper_store::Error> {
-        let mut store = Store::open(&options.data_dir).await?;
+    pub async fn open(options: TrainingOptions) -> Result<Training, OpenError> {
+        let trainer_pool =
+            TrainerPool::new(options.trainer_threads).map_err(OpenError::TrainerPool)?;
+        let store_error = |source| OpenError::Store {
+            data_dir: options.data_dir.clone(),
+            source,
+        };
+        let mut store = Store::open(&options.data_dir).await.map_err(store_error)?;
         if let Some(limit) = options.max_queued_jobs_per_team {
             store = store.with_max_queued_jobs_per_team(limit);
         }
@@ -95,7 +118,8 @@ impl Training {
         }
         let recovery = store
             .recover_after_crash(options.max_job_attempts.max(1))
-            .await?;
+            .await
+            .map_err(store_error)?;
         for id in &recovery.requeued {
             tracing::warn!(job_id = %id, "re-queued a training job the last run left running");
         }
@@ -112,6 +136,7 @@ impl Training {
             running: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),
             adapters: Mutex::new(ByteLru::new(options.adapter_cache_bytes)),
+            trainer_pool,
             options,
         })
     }

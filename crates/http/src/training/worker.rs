@@ -130,32 +130,37 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
     let tokenizer = base.tokenizer.clone();
     let flag = cancel.clone();
     let seed = adapter_seed(job.model_id);
-    // The trainer is CPU-bound for seconds to minutes: it runs on a blocking thread while this
-    // task writes its events.
+    let pool_owner = training.clone();
+    // The trainer is CPU-bound for seconds to minutes: it runs on its own pool (waited on by a
+    // blocking thread) while this task writes its events.
     let trained = tokio::task::spawn_blocking(move || {
-        let start = match start_path {
-            Some(path) => LoraAdapter::load(&path, weights.config())
-                .map_err(|e| format!("loading the adapter of step {latest_step}: {e}"))?,
-            None => LoraAdapter::new(weights.config(), lora, seed),
-        };
-        // The receiver only goes away when the worker is dropped with the server.
-        let mut send = |e| {
-            let _ = events_tx.send(e);
-        };
-        match request {
-            JobRequest::Rl(request) => {
-                let tokenized = temper_train::tokenize_job(&request, &tokenizer, &template)
-                    .map_err(|e| e.to_string())?;
-                temper_train::run_job(&weights, &start, &tokenized, &trainer, &flag, &mut send)
-            }
-            JobRequest::Sft(request) => {
-                let tokenized = temper_train::tokenize_sft_job(&request, &tokenizer, &template)
-                    .map_err(|e| e.to_string())?;
-                temper_train::run_sft_job(&weights, &start, &tokenized, &trainer, &flag, &mut send)
+        pool_owner.trainer_pool.install(move || {
+            let start = match start_path {
+                Some(path) => LoraAdapter::load(&path, weights.config())
+                    .map_err(|e| format!("loading the adapter of step {latest_step}: {e}"))?,
+                None => LoraAdapter::new(weights.config(), lora, seed),
+            };
+            // The receiver only goes away when the worker is dropped with the server.
+            let mut send = |e| {
+                let _ = events_tx.send(e);
+            };
+            match request {
+                JobRequest::Rl(request) => {
+                    let tokenized = temper_train::tokenize_job(&request, &tokenizer, &template)
+                        .map_err(|e| e.to_string())?;
+                    temper_train::run_job(&weights, &start, &tokenized, &trainer, &flag, &mut send)
+                }
+                JobRequest::Sft(request) => {
+                    let tokenized = temper_train::tokenize_sft_job(&request, &tokenizer, &template)
+                        .map_err(|e| e.to_string())?;
+                    temper_train::run_sft_job(
+                        &weights, &start, &tokenized, &trainer, &flag, &mut send,
+                    )
                     .map(Some)
+                }
             }
-        }
-        .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())
+        })
     });
 
     let mut step_metrics: Vec<Map<String, Value>> = Vec::new();

@@ -251,6 +251,55 @@ pub(crate) fn dequantize_rows(
     }
 }
 
+/// Wᵀ of rows `rows` of a prepared weight `[out_dim, in_dim]` (dims `(in_dim, out_dim)`), as a
+/// prepared Q8_0 weight `[in_dim, rows.len()]`: each block of 32 frozen values down a column
+/// requantized as ggml's `quantize_row_q8_0` does. Training's `dx = dy · W` then runs through
+/// `matmul` as int8 dot products instead of f32 products over a dequantized copy (4x the
+/// bytes). `rows` must be whole blocks of 32.
+pub(crate) fn transposed_q8_0(
+    format: WeightFormat,
+    w: &[u8],
+    dims: (usize, usize),
+    rows: std::ops::Range<usize>,
+) -> Result<Vec<u8>, candle_core::Error> {
+    let (in_dim, out_dim) = dims;
+    let (bb, be) = (q8_0::BLOCK_BYTES, q8_0::BLOCK_ELEMS);
+    if !rows.start.is_multiple_of(be) || !rows.len().is_multiple_of(be) || rows.end > out_dim {
+        candle_core::bail!("transposing rows {rows:?} of [{out_dim}, {in_dim}]: not whole blocks");
+    }
+    let blocks_per_row = rows.len() / be;
+    let mut gguf = vec![0u8; in_dim * blocks_per_row * bb];
+    // A few block rows at a time: each is dequantized once (32 weight rows) and cut into its
+    // columns' blocks; the batch bounds what is held besides the result.
+    const BATCH: usize = 64;
+    for b0 in (0..blocks_per_row).step_by(BATCH) {
+        let b1 = (b0 + BATCH).min(blocks_per_row);
+        let batch: Vec<Vec<u8>> = (b0..b1)
+            .into_par_iter()
+            .map(|b| {
+                let first = rows.start + b * be;
+                let values = dequantize_rows(format, w, dims, &Vec::from_iter(first..first + be))?;
+                let mut blocks = vec![0u8; in_dim * bb];
+                let mut column = [0f32; 32];
+                for (c, block) in blocks.chunks_exact_mut(bb).enumerate() {
+                    for (j, v) in column.iter_mut().enumerate() {
+                        *v = values[j * in_dim + c];
+                    }
+                    q8_0::quantize_block(&column, block);
+                }
+                Ok(blocks)
+            })
+            .collect::<Result<_, candle_core::Error>>()?;
+        for (b, blocks) in (b0..).zip(&batch) {
+            for (c, block) in blocks.chunks_exact(bb).enumerate() {
+                let at = (c * blocks_per_row + b) * bb;
+                gguf[at..at + bb].copy_from_slice(block);
+            }
+        }
+    }
+    Ok(q8_0::interleave_owned(gguf, in_dim))
+}
+
 fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -> Vec<f32> {
     let (in_dim, out_dim) = dims;
     assert!(in_dim > 0 && in_dim.is_multiple_of(K::BLOCK_ELEMS));
