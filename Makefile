@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test fuzz bench bench-compare fetch-model build demo-rl soak
+.PHONY: serve test fuzz bench bench-compare bench-train-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -42,6 +42,12 @@ bench: fetch-model build
 # server at a time, same model and load client; ARGS=--quick for a run of a few minutes.
 bench-compare: fetch-model
 	scripts/bench-compare.sh $(ARGS)
+
+# temper's trainer step next to PyTorch + PEFT's (a venv in $TEMPER_HOME/train-ref-venv) in one run
+# on this host, after checking both give the same logprobs, loss and LoRA gradients on one batch;
+# ARGS=--write-fixture also rewrites the reference fixture of the temper-train agreement test.
+bench-train-compare: fetch-model
+	scripts/bench-train-compare.sh $(ARGS)
 
 # N clients for M minutes (streaming, n > 1, structured outputs, cancellations, agent turns and a
 # training loop) against a fresh server: 5xx count, p99 latency, RSS over time (README,

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use temper_engine::{
-    Engine, EngineConfig, GenerationEvent, GenerationRequest, Grammar, GrammarMatcher, JsonOptions,
-    OutputConstraint, SamplingParams, StopParams,
+    Engine, EngineConfig, EngineStats, GenerationEvent, GenerationRequest, Grammar, GrammarMatcher,
+    JsonOptions, OutputConstraint, SamplingParams, StopParams,
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
 use temper_text::{ChatTemplate, DecodeOptions, Tokenizer};
@@ -55,6 +55,10 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = temper_train::DEFAULT_TRAIN_NICE,
           value_parser = clap::value_parser!(u8).range(0..=19))]
     pub train_nice: u8,
+    /// Only the trainer rows (`--train-shapes`, `--train-jobs`), none of the serving ones: what
+    /// `make bench-train-compare` runs next to PyTorch + PEFT.
+    #[arg(long)]
+    pub train_only: bool,
     /// Repetitions of each measurement; the best is reported.
     #[arg(long, default_value_t = 2)]
     pub repeat: usize,
@@ -66,7 +70,7 @@ struct Row {
 }
 
 pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
-    let path = args.model.unwrap_or(default_model);
+    let path = args.model.clone().unwrap_or(default_model);
     let started = Instant::now();
     let loaded =
         temper_model::load_gguf(&path).map_err(|e| format!("loading {}: {e}", path.display()))?;
@@ -86,6 +90,74 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     let repeat = args.repeat.max(1);
     let mut rows = Vec::new();
 
+    let engine_stats = if args.train_only {
+        None
+    } else {
+        Some(serving_rows(
+            &args, &model, &tokenizer, &template, repeat, &mut rows,
+        )?)
+    };
+
+    for shape in args.train_shapes.iter().filter(|s| !s.is_empty()) {
+        let (seqs, len) = parse_shape(shape)?;
+        let prompt = prompt_tokens(&tokenizer, len);
+        let step = best_of(repeat, || train_step(&model, &prompt, seqs))?;
+        let tok_s = step.trainable as f64 / step.wall.as_secs_f64();
+        rows.push(Row {
+            what: format!(
+                "trainer step (forward + backward), {seqs}x{len} tokens packed ({} trainable): \
+                 {:.2} s (forward {:.2} s; {:.1} CPU-s), peak RSS {:.2} GiB",
+                step.trainable,
+                step.wall.as_secs_f64(),
+                step.forward.as_secs_f64(),
+                step.cpu.as_secs_f64(),
+                step.peak_rss_bytes as f64 / (1u64 << 30) as f64,
+            ),
+            ours: format!("{tok_s:.0} trainable tok/s"),
+        });
+    }
+
+    for shape in args.train_jobs.iter().filter(|s| !s.is_empty()) {
+        rows.push(train_job_row(&model, &tokenizer, &template, shape, repeat)?);
+    }
+
+    println!(
+        "model: {} ({} layers, width {}), loaded in {:.2} s; {} thread(s); best of {repeat}",
+        path.display(),
+        model.config().num_layers,
+        model.config().hidden_size,
+        load_time.as_secs_f64(),
+        rayon::current_num_threads(),
+    );
+    if let Some(stats) = engine_stats {
+        println!(
+            "engine: {} steps, most rows in one step {}",
+            stats.steps, stats.max_rows_in_step
+        );
+    }
+    println!(
+        "temper's own figures on this host; `make bench-compare` measures llama.cpp next to \
+         temper in one run (hosts of one machine kind differ 2-3x)"
+    );
+    println!();
+    println!("| measurement | temper |");
+    println!("|---|---|");
+    for r in rows {
+        println!("| {} | {} |", r.what, r.ours);
+    }
+    Ok(())
+}
+
+/// The prefill, decode, batching, decode-beside-training, structured-output and prompt-lookup
+/// rows; returns the engine's counters.
+fn serving_rows(
+    args: &BenchArgs,
+    model: &Arc<Gemma3>,
+    tokenizer: &Arc<Tokenizer>,
+    template: &ChatTemplate,
+    repeat: usize,
+    rows: &mut Vec<Row>,
+) -> Result<EngineStats, String> {
     for &len in &args.prompt_lens {
         let prompt = prompt_tokens(&tokenizer, len);
         let best = best_of(repeat, || prefill(&model, &prompt))?;
@@ -204,52 +276,7 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         STORY,
         echo_tokens,
     )?);
-
-    for shape in args.train_shapes.iter().filter(|s| !s.is_empty()) {
-        let (seqs, len) = parse_shape(shape)?;
-        let prompt = prompt_tokens(&tokenizer, len);
-        let step = best_of(repeat, || train_step(&model, &prompt, seqs))?;
-        let tok_s = step.trainable as f64 / step.wall.as_secs_f64();
-        rows.push(Row {
-            what: format!(
-                "trainer step (forward + backward), {seqs}x{len} tokens packed: {:.1} s \
-                 (forward {:.1} s; {:.1} CPU-s), peak RSS {:.1} GiB",
-                step.wall.as_secs_f64(),
-                step.forward.as_secs_f64(),
-                step.cpu.as_secs_f64(),
-                step.peak_rss_bytes as f64 / (1u64 << 30) as f64,
-            ),
-            ours: format!("{tok_s:.0} trainable tok/s"),
-        });
-    }
-
-    for shape in args.train_jobs.iter().filter(|s| !s.is_empty()) {
-        rows.push(train_job_row(&model, &tokenizer, &template, shape, repeat)?);
-    }
-
-    println!(
-        "model: {} ({} layers, width {}), loaded in {:.2} s; {} thread(s); best of {repeat}",
-        path.display(),
-        model.config().num_layers,
-        model.config().hidden_size,
-        load_time.as_secs_f64(),
-        rayon::current_num_threads(),
-    );
-    println!(
-        "engine: {} steps, most rows in one step {}",
-        stats.steps, stats.max_rows_in_step
-    );
-    println!(
-        "temper's own figures on this host; `make bench-compare` measures llama.cpp next to \
-         temper in one run (hosts of one machine kind differ 2-3x)"
-    );
-    println!();
-    println!("| measurement | temper |");
-    println!("|---|---|");
-    for r in rows {
-        println!("| {} | {} |", r.what, r.ours);
-    }
-    Ok(())
+    Ok(stats)
 }
 
 /// A prompt of exactly `len` tokens cut from ordinary English text.
@@ -623,7 +650,9 @@ fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, 
         .train_forward(&packed, &adapter)
         .map_err(|e| format!("train_forward: {e}"))?;
     let forward = started.elapsed();
-    let dlogprobs = vec![1.0 / scores.logprobs.len() as f32; scores.logprobs.len()];
+    // loss = -mean logprob: training.md's loss with rho = 1, A = 1 and w = 1 (as the PyTorch
+    // reference of `make bench-train-compare`).
+    let dlogprobs = vec![-1.0 / scores.logprobs.len() as f32; scores.logprobs.len()];
     model
         .backward(tape, &adapter, &dlogprobs)
         .map_err(|e| format!("backward: {e}"))?;
