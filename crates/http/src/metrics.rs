@@ -7,7 +7,7 @@ use std::fmt::Write;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use temper_engine::HistogramSnapshot;
+use temper_engine::{HistogramSnapshot, RequestMetrics};
 
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -62,10 +62,17 @@ pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError
     Ok(([(header::CONTENT_TYPE, CONTENT_TYPE)], out.text).into_response())
 }
 
+/// A series: its name, its help text and how to read it.
+type Series<'a, F> = (&'a str, &'a str, F);
+/// How a counter reads an engine's request metrics.
+type CounterOf = fn(&RequestMetrics) -> u64;
+/// How a histogram reads an engine's request metrics.
+type HistogramOf = fn(&RequestMetrics) -> &HistogramSnapshot;
+
 fn serving(state: &AppState, out: &mut Exposition) {
     let models = state.models();
     let label = |i: usize| [("model_name", models[i].name.as_str())];
-    let gauges: [(&str, &str, &dyn Fn(usize) -> f64); 3] = [
+    let gauges: [Series<&dyn Fn(usize) -> f64>; 3] = [
         (
             "vllm:num_requests_running",
             "Requests admitted to the batch and not finished.",
@@ -94,7 +101,7 @@ fn serving(state: &AppState, out: &mut Exposition) {
         }
     }
     let metrics: Vec<_> = models.iter().map(|m| m.engine.request_metrics()).collect();
-    let counters: [(&str, &str, fn(&temper_engine::RequestMetrics) -> u64); 2] = [
+    let counters: [Series<CounterOf>; 2] = [
         (
             "vllm:prompt_tokens_total",
             "Prompt tokens of finished requests.",
@@ -121,11 +128,7 @@ fn serving(state: &AppState, out: &mut Exposition) {
             out.sample("vllm:request_success_total", &labels, n as f64);
         }
     }
-    let histograms: [(
-        &str,
-        &str,
-        fn(&temper_engine::RequestMetrics) -> &HistogramSnapshot,
-    ); 2] = [
+    let histograms: [Series<HistogramOf>; 2] = [
         (
             "vllm:time_to_first_token_seconds",
             "Time from submission to the engine (the prompt tokenized) to the first token.",

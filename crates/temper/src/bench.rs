@@ -159,8 +159,8 @@ fn serving_rows(
     rows: &mut Vec<Row>,
 ) -> Result<EngineStats, String> {
     for &len in &args.prompt_lens {
-        let prompt = prompt_tokens(&tokenizer, len);
-        let best = best_of(repeat, || prefill(&model, &prompt))?;
+        let prompt = prompt_tokens(tokenizer, len);
+        let best = best_of(repeat, || prefill(model, &prompt))?;
         let tok_s = len as f64 / best.as_secs_f64();
         rows.push(Row {
             what: format!("prompt processing, {len} tokens (one forward)"),
@@ -181,7 +181,7 @@ fn serving_rows(
             ..EngineConfig::default()
         },
     );
-    let prompt = prompt_tokens(&tokenizer, 16);
+    let prompt = prompt_tokens(tokenizer, 16);
     let single = best_of(repeat, || {
         generate(&engine, &prompt, 1, exactly(args.decode_tokens), None)
     })?;
@@ -236,9 +236,9 @@ fn serving_rows(
             args.decode_tokens,
             repeat,
             &TrainingBeside {
-                model: &model,
-                tokenizer: &tokenizer,
-                template: &template,
+                model,
+                tokenizer,
+                template,
                 shape: &args.decode_beside_job,
                 trainer,
             },
@@ -246,7 +246,7 @@ fn serving_rows(
     }
     rows.extend(structured_output_rows(
         &engine,
-        &tokenizer,
+        tokenizer,
         &prompt,
         args.decode_tokens,
         repeat,
@@ -261,16 +261,16 @@ fn serving_rows(
     // As many tokens as the paragraph has: the echo itself.
     let echo_tokens = tokenizer.encode(ECHO_PARAGRAPH, false).len();
     rows.push(prompt_lookup_row(
-        &model,
-        &tokenizer,
+        model,
+        tokenizer,
         repeat,
         "greedy echo of a paragraph in a chat turn",
         &echo,
         echo_tokens,
     )?);
     rows.push(prompt_lookup_row(
-        &model,
-        &tokenizer,
+        model,
+        tokenizer,
         repeat,
         "greedy continuation of a story opening (little to echo)",
         STORY,
