@@ -7,6 +7,8 @@
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 
+use temper_model::softmax::{exp_neg, log_sum_exp, max_logit, CHUNK, LANES};
+
 use crate::rng::Rng;
 use crate::{PromptLogprob, SamplingParams, TokenLogprob};
 
@@ -20,11 +22,6 @@ const CUTOFF: f32 = 40.0;
 /// Histogram resolution for top_p, in buckets per unit of log-weight.
 const BUCKETS_PER_UNIT: f32 = 32.0;
 const BUCKETS: usize = (CUTOFF * BUCKETS_PER_UNIT) as usize + 1;
-
-/// Rows are processed in chunks (L1-sized) with LANES independent accumulators, so the
-/// compiler vectorizes the loops.
-const CHUNK: usize = 1024;
-const LANES: usize = 16;
 
 #[derive(Default)]
 pub(crate) struct Sampler {
@@ -62,44 +59,6 @@ impl PartialOrd for Ranked {
     }
 }
 
-/// e^x for x <= 0 (NaN is the caller's to mask): range reduction to 2^n · 2^f with |f| <= 1/2
-/// and a degree-7 Taylor polynomial (relative error ~1e-7). Branch-free, so loops over it
-/// vectorize, unlike `f32::exp`.
-#[inline(always)]
-fn exp_neg(x: f32) -> f32 {
-    let x = x.max(-87.0);
-    let t = x * std::f32::consts::LOG2_E;
-    let n = (t + 0.5).floor();
-    let g = (t - n) * std::f32::consts::LN_2;
-    let p = 1.0
-        + g * (1.0
-            + g * (1.0 / 2.0
-                + g * (1.0 / 6.0
-                    + g * (1.0 / 24.0
-                        + g * (1.0 / 120.0 + g * (1.0 / 720.0 + g * (1.0 / 5040.0)))))));
-    // n is in [-126, 0]: a normal power of two.
-    f32::from_bits(((n as i32 + 127) as u32) << 23) * p
-}
-
-/// Largest logit, NaN ignored (-inf when there is none).
-fn max_logit(logits: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let mut it = logits.chunks_exact(LANES);
-    for c in &mut it {
-        for (m, &v) in lanes.iter_mut().zip(c) {
-            // `v > m` is false for NaN, so NaN never wins.
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    let mut m = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for &v in it.remainder() {
-        if v > m {
-            m = v;
-        }
-    }
-    m
-}
-
 /// Argmax, lowest id on ties; NaN logits never win.
 pub(crate) fn argmax(logits: &[f32]) -> u32 {
     let m = max_logit(logits);
@@ -108,30 +67,6 @@ pub(crate) fn argmax(logits: &[f32]) -> u32 {
         .position(|&v| v == m)
         .or_else(|| logits.iter().position(|v| !v.is_nan()))
         .unwrap_or(0) as u32
-}
-
-/// Sum of exp(x - max) over the row, NaN counted as 0.
-fn sum_exp(logits: &[f32], max: f32) -> f64 {
-    let mut total = 0.0f64;
-    for c in logits.chunks(CHUNK) {
-        let mut lanes = [0.0f32; LANES];
-        let mut it = c.chunks_exact(LANES);
-        for v in &mut it {
-            for (acc, &l) in lanes.iter_mut().zip(v) {
-                let x = l - max;
-                *acc += if x <= 0.0 { exp_neg(x) } else { 0.0 };
-            }
-        }
-        let mut s: f64 = lanes.iter().map(|&v| v as f64).sum();
-        for &l in it.remainder() {
-            let x = l - max;
-            if x <= 0.0 {
-                s += exp_neg(x) as f64;
-            }
-        }
-        total += s;
-    }
-    total
 }
 
 /// Orders candidates by descending weight, then ascending id: a total order, so results do
@@ -381,8 +316,7 @@ fn draw(cand: &[(u32, f32)], rng: &mut Rng) -> Option<u32> {
 /// Raw log-softmax of `token` and the `k` most likely tokens (descending, lowest id first on
 /// ties), before any sampling transform.
 pub(crate) fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprob {
-    let max = max_logit(logits);
-    let lse = max as f64 + sum_exp(logits, max).ln();
+    let lse = log_sum_exp(logits);
     let lp = |l: f32| (l as f64 - lse) as f32;
     let logprob = logits
         .get(token as usize)
@@ -589,23 +523,6 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn exp_neg_is_accurate() {
-        let mut x = 0.0f32;
-        while x > -87.0 {
-            let want = (x as f64).exp();
-            let got = exp_neg(x) as f64;
-            // f32 inputs carry ~1.2e-7·|x| relative error of their own.
-            let tol = 1e-6 + 2e-7 * x.abs() as f64;
-            assert!(
-                ((got - want) / want).abs() < tol,
-                "exp({x}) = {got}, want {want}"
-            );
-            x -= 0.0137;
-        }
-        assert_eq!(exp_neg(0.0), 1.0);
     }
 
     #[test]

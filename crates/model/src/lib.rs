@@ -12,6 +12,7 @@ mod lora;
 mod model;
 mod ops;
 pub mod paths;
+pub mod softmax;
 pub mod tiny;
 mod train;
 

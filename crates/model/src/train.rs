@@ -197,10 +197,9 @@ impl Gemma3 {
                     let s = RowSoftmax::new(row, record);
                     let lp = (target_logit as f64 - s.lse) as f32;
                     if record {
-                        // The row (now exp(z - max)) becomes onehot(t) - softmax.
-                        let inv_sum = 1.0 / s.sum;
+                        // The row (now the softmax) becomes onehot(t) - softmax.
                         for z in row.iter_mut() {
-                            *z = -((*z as f64 * inv_sum) as f32);
+                            *z = -*z;
                         }
                         row[t as usize] += 1.0;
                     }
@@ -486,34 +485,33 @@ fn linear_backward(
     Ok(dx)
 }
 
-/// Log-sum-exp and entropy of one row of logits, summed in f64 like the server's logprobs.
+/// Log-sum-exp and entropy of one row of logits. The log-sum-exp is the server's
+/// (`softmax::log_sum_exp`), so a trained logprob is the served one's bits.
 struct RowSoftmax {
     lse: f64,
     entropy: f64,
-    /// `Σ exp(z - max)`.
-    sum: f64,
 }
 
 impl RowSoftmax {
-    /// With `keep_exps` the row is overwritten by `exp(z - max)` (in f32), so the gradient
-    /// needs no second pass of exponentials over the 262k-wide row.
-    fn new(row: &mut [f32], keep_exps: bool) -> Self {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let (mut sum, mut weighted) = (0f64, 0f64);
-        for z in row.iter_mut() {
-            let e = (*z as f64 - max).exp();
-            sum += e;
-            weighted += e * (*z as f64 - max);
-            if keep_exps {
-                *z = e as f32;
+    /// With `keep_probs` the row is overwritten by its softmax (in f32), for the gradient.
+    fn new(row: &mut [f32], keep_probs: bool) -> Self {
+        use crate::softmax::{exp_neg, log_sum_exp, CHUNK, LANES};
+        let lse = log_sum_exp(row);
+        // H = -Σ p (z - lse), with p = e^(z - lse) <= 1 (NaN counted as 0); in lanes, so the
+        // pass vectorizes like the sum behind `lse`.
+        let mut entropy = 0f64;
+        for chunk in row.chunks_mut(CHUNK) {
+            let mut lanes = [0f32; LANES];
+            for (i, z) in chunk.iter_mut().enumerate() {
+                let x = (*z as f64 - lse) as f32;
+                let p = if x <= 0.0 { exp_neg(x) } else { 0.0 };
+                lanes[i % LANES] -= p * x;
+                if keep_probs {
+                    *z = p;
+                }
             }
+            entropy += lanes.iter().map(|&v| v as f64).sum::<f64>();
         }
-        let lse = max + sum.ln();
-        // H = lse - E[z] = ln(sum) - E[z - max].
-        RowSoftmax {
-            lse,
-            entropy: sum.ln() - weighted / sum,
-            sum,
-        }
+        RowSoftmax { lse, entropy }
     }
 }

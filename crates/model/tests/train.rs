@@ -13,8 +13,8 @@ fn scored_all(segment_lens: &[usize]) -> Vec<bool> {
         .collect()
 }
 
-/// The serving forward's log-softmax (and entropy) of each next token of `toks`, one segment
-/// alone, computed from its full logits: the first token a prompt, every later one a sampled
+/// The serving forward's log-softmax (and entropy, in f64) of each next token of `toks`, one
+/// segment alone, computed from its full logits: the first token a prompt, every later one a sampled
 /// token (as `scored_all` marks them), so each row is computed as its decode step was.
 fn serving_scores(model: &Gemma3, toks: &[u32], adapter: Option<&LoraAdapter>) -> TokenScores {
     let mut cache = model.new_cache();
@@ -33,9 +33,8 @@ fn serving_scores(model: &Gemma3, toks: &[u32], adapter: Option<&LoraAdapter>) -
     };
     for t in 1..toks.len() {
         let row = logits.row(t - 1);
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let sum: f64 = row.iter().map(|&z| (z as f64 - max).exp()).sum();
-        let lse = max + sum.ln();
+        // The server's normalizer (its sampler's logprobs use this function).
+        let lse = temper_model::softmax::log_sum_exp(row);
         let entropy: f64 = row
             .iter()
             .map(|&z| {
