@@ -28,14 +28,6 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `y += a * x`
-#[inline]
-pub(crate) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
-    }
-}
-
 /// RMS-normalises every row of width `weight.len()` in place and multiplies by `weight`
 /// (GGUF norm weights already include Gemma's +1). As ggml: the squares (f32) summed in order
 /// in f64, the mean rounded to f32, then `x * scale * w`.

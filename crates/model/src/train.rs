@@ -315,7 +315,7 @@ impl Gemma3 {
         let d_attn = lin(LoraTarget::O, &lt.attn, &d_o)?;
         let global = cfg.is_global(li);
         let window = (!global).then_some(cfg.sliding_window);
-        let (mut dq, mut dk, dv) = self.attend_backward(lt, tape, window, &d_attn);
+        let (mut dq, mut dk, dv) = self.attend_backward(lt, tape, window, &d_attn)?;
         let rope = ropes.get(global);
         rope.apply_inverse(&mut dq, h);
         rope.apply_inverse(&mut dk, hkv);
@@ -341,108 +341,94 @@ impl Gemma3 {
 
     /// Gradients of causal (windowed, segment-isolated) attention to q, k and v. The softmax is
     /// recomputed from q and k in f32 (the forward's f16 rounding of keys and values is not
-    /// differentiated).
+    /// differentiated). Per segment and key/value head, as matrix products over the rows of
+    /// that head's query heads (`S = Q·Kᵀ`, `dP = dO·Vᵀ`, `dQ = dS·K`, `dK = dSᵀ·Q`,
+    /// `dV = Pᵀ·dO`), so a long sequence's quadratic part runs at gemm speed.
     fn attend_backward(
         &self,
         lt: &LayerTape,
         tape: &TrainTape,
         window: Option<usize>,
         d_attn: &[f32],
-    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ModelError> {
         let (h, hkv, d) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
         let group = h / hkv;
         let kv_width = hkv * d;
         let scale = 1.0 / (d as f32).sqrt();
-        let layout = &tape.layout;
-        let first_key = |t: usize| {
-            let pos = layout.pos[t];
-            let seg_start = tape.segments[layout.seq[t]].start;
-            seg_start + window.map_or(0, |w| (pos + 1).saturating_sub(w))
-        };
-
-        // Per (token, head): dq, and the probabilities and score gradients over its keys
-        // `first_key(t)..=t`, kept for the key/value pass. A token's heads go together, key by
-        // key, so each key and value row is read once for all of them (each head's terms
-        // still in key order).
+        let pos = &tape.layout.pos;
+        let cpu = &Device::Cpu;
         let mut dq = vec![0f32; lt.q.len()];
-        let mut probs: Vec<Vec<f32>> = vec![Vec::new(); lt.q.len() / d];
-        let mut dscores: Vec<Vec<f32>> = vec![Vec::new(); lt.q.len() / d];
-        dq.par_chunks_mut(h * d)
-            .zip(probs.par_chunks_mut(h).zip(dscores.par_chunks_mut(h)))
-            .enumerate()
-            .for_each(|(t, (dqt, (pt, dst)))| {
-                let lo = first_key(t);
-                let keys = t + 1 - lo;
-                let at = |j: usize, head: usize| j * kv_width + (head / group) * d;
-                let k = |j: usize, head: usize| &lt.k[at(j, head)..][..d];
-                let v = |j: usize, head: usize| &lt.v[at(j, head)..][..d];
-                let q = |head: usize| &lt.q[(t * h + head) * d..][..d];
-                let dout = |head: usize| &d_attn[(t * h + head) * d..][..d];
-                let mut dp = vec![Vec::with_capacity(keys); h];
-                for p in pt.iter_mut() {
-                    p.reserve_exact(keys);
-                }
-                for j in lo..=t {
-                    for head in 0..h {
-                        pt[head].push(ops::dot(q(head), k(j, head)) * scale);
-                        dp[head].push(ops::dot(dout(head), v(j, head)));
-                    }
-                }
-                for (head, (p, ds)) in pt.iter_mut().zip(dst.iter_mut()).enumerate() {
-                    ops::softmax(p);
-                    let mean: f32 = p.iter().zip(&dp[head]).map(|(a, b)| a * b).sum();
-                    *ds = p
-                        .iter()
-                        .zip(&dp[head])
-                        .map(|(pj, dpj)| pj * (dpj - mean))
-                        .collect();
-                }
-                for j in lo..=t {
-                    for (head, dqr) in dqt.chunks_exact_mut(d).enumerate() {
-                        ops::axpy(dst[head][j - lo] * scale, k(j, head), dqr);
-                    }
-                }
-            });
-
-        // Per key: the queries that saw it are the later tokens of its segment, up to the
-        // window. Keys go in tiles, so each query row is read once for the tile's keys rather
-        // than once per key; each key still takes its terms in query order, head by head.
-        const KEY_TILE: usize = 16;
         let mut dk = vec![0f32; lt.k.len()];
         let mut dv = vec![0f32; lt.v.len()];
-        dk.par_chunks_mut(KEY_TILE * kv_width)
-            .zip(dv.par_chunks_mut(KEY_TILE * kv_width))
-            .enumerate()
-            .for_each(|(tile, (dks, dvs))| {
-                let j0 = tile * KEY_TILE;
-                // Each key's queries: `j..last`.
-                let lasts: Vec<usize> = (j0..j0 + dks.len() / kv_width)
-                    .map(|j| {
-                        let seg_end = tape.segments[layout.seq[j]].end;
-                        window.map_or(seg_end, |w| seg_end.min(j + w))
-                    })
-                    .collect();
-                let t_end = lasts.iter().copied().max().unwrap_or(j0);
-                for t in j0..t_end {
-                    let lo = first_key(t);
-                    for head in 0..h {
-                        let g = head / group;
-                        let idx = t * h + head;
-                        let qrow = &lt.q[idx * d..(idx + 1) * d];
-                        let dout = &d_attn[idx * d..(idx + 1) * d];
-                        for (jj, &last) in lasts.iter().enumerate() {
-                            let j = j0 + jj;
-                            if t < j || t >= last {
-                                continue;
-                            }
-                            let at = jj * kv_width + g * d;
-                            ops::axpy(dscores[idx][j - lo] * scale, qrow, &mut dks[at..at + d]);
-                            ops::axpy(probs[idx][j - lo], dout, &mut dvs[at..at + d]);
-                        }
+        for seg in &tape.segments {
+            let len = seg.len();
+            let rows = len * group;
+            for g in 0..hkv {
+                // Rows (token, head) of this key/value head's query heads, token-major.
+                let gather = |m: &[f32]| -> Vec<f32> {
+                    let mut out = Vec::with_capacity(rows * d);
+                    for t in seg.clone() {
+                        let at = (t * h + g * group) * d;
+                        out.extend_from_slice(&m[at..at + group * d]);
                     }
+                    out
+                };
+                let kv = |m: &[f32]| -> Vec<f32> {
+                    let mut out = Vec::with_capacity(len * d);
+                    for t in seg.clone() {
+                        out.extend_from_slice(&m[t * kv_width + g * d..][..d]);
+                    }
+                    out
+                };
+                let q = Tensor::from_vec(gather(&lt.q), (rows, d), cpu)?;
+                let dout = Tensor::from_vec(gather(d_attn), (rows, d), cpu)?;
+                let k = Tensor::from_vec(kv(&lt.k), (len, d), cpu)?;
+                let v = Tensor::from_vec(kv(&lt.v), (len, d), cpu)?;
+                let mut p = (q.matmul(&k.t()?)? * scale as f64)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let dp = dout.matmul(&v.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+                // Row r is query token seg.start + r / group: it sees keys lo..=t of its segment.
+                let mut ds = vec![0f32; rows * len];
+                p.par_chunks_mut(len)
+                    .zip(dp.par_chunks(len))
+                    .zip(ds.par_chunks_mut(len))
+                    .enumerate()
+                    .for_each(|(r, ((pr, dpr), dsr))| {
+                        let t = r / group;
+                        let lo = window.map_or(0, |w| (pos[seg.start + t] + 1).saturating_sub(w));
+                        pr[..lo].fill(0.0);
+                        pr[t + 1..].fill(0.0);
+                        ops::softmax(&mut pr[lo..=t]);
+                        let mean: f32 = pr[lo..=t]
+                            .iter()
+                            .zip(&dpr[lo..=t])
+                            .map(|(a, b)| a * b)
+                            .sum();
+                        for j in lo..=t {
+                            dsr[j] = pr[j] * (dpr[j] - mean);
+                        }
+                    });
+                let p = Tensor::from_vec(p, (rows, len), cpu)?;
+                let ds = Tensor::from_vec(ds, (rows, len), cpu)?;
+                let dq_g = (ds.matmul(&k)? * scale as f64)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let dk_g = (ds.t()?.matmul(&q)? * scale as f64)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let dv_g = p.t()?.matmul(&dout)?.flatten_all()?.to_vec1::<f32>()?;
+                for (i, t) in seg.clone().enumerate() {
+                    let at = (t * h + g * group) * d;
+                    dq[at..at + group * d]
+                        .copy_from_slice(&dq_g[i * group * d..(i + 1) * group * d]);
+                    let at = t * kv_width + g * d;
+                    dk[at..at + d].copy_from_slice(&dk_g[i * d..(i + 1) * d]);
+                    dv[at..at + d].copy_from_slice(&dv_g[i * d..(i + 1) * d]);
                 }
-            });
-        (dq, dk, dv)
+            }
+        }
+        Ok((dq, dk, dv))
     }
 }
 
