@@ -483,20 +483,33 @@ impl RowSoftmax {
     fn new(row: &mut [f32], keep_probs: bool) -> Self {
         use crate::softmax::{exp_neg, log_sum_exp, CHUNK, LANES};
         let lse = log_sum_exp(row);
-        // H = -Σ p (z - lse), with p = e^(z - lse) <= 1 (NaN counted as 0); in lanes, so the
-        // pass vectorizes like the sum behind `lse`.
+        // H = -Σ p (z - lse), with p = e^(z - lse) <= 1 (NaN counted as 0), in f32 lanes like
+        // the sum behind `lse`, so the pass vectorizes. `lse` rounded to f32 is still >= the row's
+        // largest logit (an f32 itself), so no p exceeds 1.
+        let lse32 = lse as f32;
         let mut entropy = 0f64;
+        let term = |z: &mut f32| {
+            let x = *z - lse32;
+            let p = if x <= 0.0 { exp_neg(x) } else { 0.0 };
+            if keep_probs {
+                *z = p;
+            }
+            -p * x
+        };
         for chunk in row.chunks_mut(CHUNK) {
             let mut lanes = [0f32; LANES];
-            for (i, z) in chunk.iter_mut().enumerate() {
-                let x = (*z as f64 - lse) as f32;
-                let p = if x <= 0.0 { exp_neg(x) } else { 0.0 };
-                lanes[i % LANES] -= p * x;
-                if keep_probs {
-                    *z = p;
+            let mut it = chunk.chunks_exact_mut(LANES);
+            for v in &mut it {
+                for (acc, z) in lanes.iter_mut().zip(v) {
+                    *acc += term(z);
                 }
             }
             entropy += lanes.iter().map(|&v| v as f64).sum::<f64>();
+            entropy += it
+                .into_remainder()
+                .iter_mut()
+                .map(|z| term(z) as f64)
+                .sum::<f64>();
         }
         RowSoftmax { lse, entropy }
     }
