@@ -343,7 +343,8 @@ impl Gemma3 {
     /// recomputed from q and k in f32 (the forward's f16 rounding of keys and values is not
     /// differentiated). Per segment and key/value head, as matrix products over the rows of
     /// that head's query heads (`S = Q·Kᵀ`, `dP = dO·Vᵀ`, `dQ = dS·K`, `dK = dSᵀ·Q`,
-    /// `dV = Pᵀ·dO`), so a long sequence's quadratic part runs at gemm speed.
+    /// `dV = Pᵀ·dO`), in tiles of `QUERY_TILE` query tokens, so a long sequence's quadratic
+    /// part runs at gemm speed and skips what the causal mask and the window hide.
     fn attend_backward(
         &self,
         lt: &LayerTape,
@@ -380,44 +381,60 @@ impl Gemma3 {
                     }
                     out
                 };
-                let q = Tensor::from_vec(gather(&lt.q), (rows, d), cpu)?;
-                let dout = Tensor::from_vec(gather(d_attn), (rows, d), cpu)?;
-                let k = Tensor::from_vec(kv(&lt.k), (len, d), cpu)?;
-                let v = Tensor::from_vec(kv(&lt.v), (len, d), cpu)?;
-                let mut p = (q.matmul(&k.t()?)? * scale as f64)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                let dp = dout.matmul(&v.t()?)?.flatten_all()?.to_vec1::<f32>()?;
-                // Row r is query token seg.start + r / group: it sees keys lo..=t of its segment.
-                let mut ds = vec![0f32; rows * len];
-                p.par_chunks_mut(len)
-                    .zip(dp.par_chunks(len))
-                    .zip(ds.par_chunks_mut(len))
-                    .enumerate()
-                    .for_each(|(r, ((pr, dpr), dsr))| {
-                        let t = r / group;
-                        let lo = window.map_or(0, |w| (pos[seg.start + t] + 1).saturating_sub(w));
-                        pr[..lo].fill(0.0);
-                        pr[t + 1..].fill(0.0);
-                        ops::softmax(&mut pr[lo..=t]);
-                        let mean: f32 = pr[lo..=t]
-                            .iter()
-                            .zip(&dpr[lo..=t])
-                            .map(|(a, b)| a * b)
-                            .sum();
-                        for j in lo..=t {
-                            dsr[j] = pr[j] * (dpr[j] - mean);
-                        }
-                    });
-                let p = Tensor::from_vec(p, (rows, len), cpu)?;
-                let ds = Tensor::from_vec(ds, (rows, len), cpu)?;
-                let dq_g = (ds.matmul(&k)? * scale as f64)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                let dk_g = (ds.t()?.matmul(&q)? * scale as f64)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                let dv_g = p.t()?.matmul(&dout)?.flatten_all()?.to_vec1::<f32>()?;
+                let (q_all, dout_all) = (gather(&lt.q), gather(d_attn));
+                let (k_all, v_all) = (kv(&lt.k), kv(&lt.v));
+                let mut dq_g = vec![0f32; rows * d];
+                let mut dk_g = vec![0f32; len * d];
+                let mut dv_g = vec![0f32; len * d];
+                // Queries in tiles, each against the keys any of its rows sees (from the first
+                // row's window start to the last row): the masked rest is never multiplied.
+                for i0 in (0..len).step_by(QUERY_TILE) {
+                    let i1 = (i0 + QUERY_TILE).min(len);
+                    // Segment-relative: the first key a query at `i` sees.
+                    let lo =
+                        |i: usize| window.map_or(0, |w| (pos[seg.start + i] + 1).saturating_sub(w));
+                    let k0 = lo(i0);
+                    let (tile_rows, keys) = ((i1 - i0) * group, i1 - k0);
+                    let tile = |m: &[f32]| m[i0 * group * d..i1 * group * d].to_vec();
+                    let q = Tensor::from_vec(tile(&q_all), (tile_rows, d), cpu)?;
+                    let dout = Tensor::from_vec(tile(&dout_all), (tile_rows, d), cpu)?;
+                    let k = Tensor::from_vec(k_all[k0 * d..i1 * d].to_vec(), (keys, d), cpu)?;
+                    let v = Tensor::from_vec(v_all[k0 * d..i1 * d].to_vec(), (keys, d), cpu)?;
+                    let mut p = (q.matmul(&k.t()?)? * scale as f64)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    let dp = dout.matmul(&v.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+                    // Row r is query i0 + r / group: it sees keys lo..=i (from k0 on).
+                    let mut ds = vec![0f32; tile_rows * keys];
+                    p.par_chunks_mut(keys)
+                        .zip(dp.par_chunks(keys))
+                        .zip(ds.par_chunks_mut(keys))
+                        .enumerate()
+                        .for_each(|(r, ((pr, dpr), dsr))| {
+                            let i = i0 + r / group;
+                            let (a, b) = (lo(i) - k0, i - k0);
+                            pr[..a].fill(0.0);
+                            pr[b + 1..].fill(0.0);
+                            ops::softmax(&mut pr[a..=b]);
+                            let mean: f32 =
+                                pr[a..=b].iter().zip(&dpr[a..=b]).map(|(x, y)| x * y).sum();
+                            for j in a..=b {
+                                dsr[j] = pr[j] * (dpr[j] - mean);
+                            }
+                        });
+                    let p = Tensor::from_vec(p, (tile_rows, keys), cpu)?;
+                    let ds = Tensor::from_vec(ds, (tile_rows, keys), cpu)?;
+                    let dq_t = (ds.matmul(&k)? * scale as f64)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    dq_g[i0 * group * d..i1 * group * d].copy_from_slice(&dq_t);
+                    let dk_t = (ds.t()?.matmul(&q)? * scale as f64)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    add_assign(&mut dk_g[k0 * d..i1 * d], &dk_t);
+                    let dv_t = p.t()?.matmul(&dout)?.flatten_all()?.to_vec1::<f32>()?;
+                    add_assign(&mut dv_g[k0 * d..i1 * d], &dv_t);
+                }
                 for (i, t) in seg.clone().enumerate() {
                     let at = (t * h + g * group) * d;
                     dq[at..at + group * d]
@@ -431,6 +448,9 @@ impl Gemma3 {
         Ok((dq, dk, dv))
     }
 }
+
+/// Query tokens per tile of the attention backward's matrix products.
+const QUERY_TILE: usize = 256;
 
 /// Backward of `layer.project(target)` at input rows `x` with output gradient `dy`: adds the
 /// adapter's grads and returns d x (through the frozen weight and the adapter).

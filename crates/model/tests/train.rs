@@ -255,19 +255,38 @@ fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
 /// residuals and the chunked LM head, so a wrong backward of any op shows up here.
 #[test]
 fn backward_matches_finite_differences() {
-    let mut model = tiny_model_f32("train-gradcheck");
+    check_finite_differences("train-gradcheck", &[13, 11], 0, 3);
+}
+
+/// The same check over a segment longer than the attention backward's query tile (256): only
+/// the last 20 tokens weigh in the loss (so its f32 noise stays that of the short check), and
+/// their gradients reach keys and values of the first tile through the global layers and of
+/// the tile's own window start through the local ones.
+#[test]
+fn backward_matches_finite_differences_across_query_tiles() {
+    check_finite_differences("train-gradcheck-long", &[300, 7], 287, 1);
+}
+
+/// Central differences of `Σ c_t · logprob_t` against the backward, for `samples` entries of
+/// every adapter tensor, with `c_t` zero for the first `unweighted` scored tokens.
+fn check_finite_differences(name: &str, lens: &[usize], unweighted: usize, samples: usize) {
+    let mut model = tiny_model_f32(name);
     // The f16 keys, values and GELU table would make the loss a step function at this scale too.
     model.set_smooth(true);
     let mut adapter = trained_adapter(&model, 11, 0.1);
-    let toks = [tokens(13, 5), tokens(11, 6)].concat();
-    let lens = [13, 11];
-    let scored = scored_all(&lens);
+    let toks: Vec<u32> = lens
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &n)| tokens(n, 5 + i as u32))
+        .collect();
+    let scored = scored_all(lens);
     let packed = PackedSequence {
         tokens: &toks,
-        segment_lens: &lens,
+        segment_lens: lens,
         scored: &scored,
     };
-    let coef = pseudo_random(scored.iter().filter(|&&s| s).count(), 3);
+    let mut coef = pseudo_random(scored.iter().filter(|&&s| s).count(), 3);
+    coef[..unweighted].fill(0.0);
     let loss = |adapter: &LoraAdapter| -> f64 {
         let s = model.score(&packed, Some(adapter)).expect("score");
         s.logprobs
@@ -285,7 +304,10 @@ fn backward_matches_finite_differences() {
     let (mut err2, mut norm2) = (0f64, 0f64);
     for p in 0..num_params {
         let len = adapter.params()[p].len();
-        for (k, r) in pseudo_random(3, p as u64 + 100).into_iter().enumerate() {
+        for (k, r) in pseudo_random(samples, p as u64 + 100)
+            .into_iter()
+            .enumerate()
+        {
             let i = (((r + 1.0) / 2.0) * len as f32) as usize % len;
             let orig = adapter.params()[p][i];
             adapter.params_mut()[p][i] = orig + EPS;
