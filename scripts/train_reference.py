@@ -270,14 +270,15 @@ def check(model, inputs_dir, fixture):
     )
     print(f"temper vs reference: {ours.line()}")
     print(f"reference with temper's activation rounding vs reference: {agreement(rounded, reference).line()}")
-    for matrix in ("a", "b"):
-        per_layer = [
-            min(ours.cosines[temper_name(layer, t, matrix)] for t in TARGETS)
-            for layer in range(model.config.num_hidden_layers)
-        ]
+    # The cosine of every gradient tensor with the reference's, a line per layer.
+    print("  gradient cosine per tensor (lora_a/lora_b): " + ", ".join(TARGETS))
+    for layer in range(model.config.num_hidden_layers):
         print(
-            f"  temper's min cosine per layer, lora_{matrix}: "
-            + " ".join(f"{c:.3f}" for c in per_layer)
+            f"  layer {layer:2}: "
+            + "  ".join(
+                "/".join(f"{ours.cosines[temper_name(layer, t, m)]:.3f}" for m in ("a", "b"))
+                for t in TARGETS
+            )
         )
 
     if fixture:
