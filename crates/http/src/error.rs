@@ -205,6 +205,23 @@ impl From<temper_store::Error> for ApiError {
     }
 }
 
+impl From<temper_train::service::ServiceError> for ApiError {
+    fn from(e: temper_train::service::ServiceError) -> Self {
+        use temper_train::service::ServiceError as E;
+        match e {
+            E::Store(e) => e.into(),
+            E::Train(e) => e.into(),
+            E::Invalid { param, message } => ApiError::bad(param, message),
+            E::EntityNotFound(_) => ApiError::NotFound(e.to_string()),
+            E::UnknownBaseModel(_) => ApiError::bad("base_model", e.to_string()),
+            E::NoChatTemplate(_) => ApiError::bad("model_id", e.to_string()),
+            E::BaseModelNotServed(_) => ApiError::ServiceUnavailable(e.to_string()),
+            E::Conflict(message) => ApiError::Conflict(message),
+            E::Internal(message) => ApiError::Internal(message),
+        }
+    }
+}
+
 impl From<temper_train::TrainError> for ApiError {
     fn from(e: temper_train::TrainError) -> Self {
         match e {

@@ -29,7 +29,7 @@ use axum::{middleware, Extension, Json, Router};
 pub use error::ApiError;
 pub use extras::{NoHook, RequestHook};
 pub use state::{AppState, LoadError, ModelSpec, ServedModel, ServerOptions};
-pub use training::{Training, TrainingOptions};
+pub use temper_train::service::{TrainingOptions, TrainingService};
 
 use protocol::{ModelCard, ModelList};
 
@@ -93,13 +93,31 @@ fn training_routes(state: &AppState) -> Router<AppState> {
         .layer(Extension(extract::BodyLimit(limit)))
 }
 
+/// A worker node's HTTP (`temper serve --role worker`): `/health` only, for probes.
+pub fn worker_router() -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(auth::request_context))
+}
+
 /// Serves `router(state)` on `listener` until `shutdown` resolves; in-flight requests finish.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
+    serve_router(listener, router(state), shutdown).await
+}
+
+/// Serves `app` (see [`router`], [`worker_router`]) until `shutdown` resolves.
+pub async fn serve_router(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
 }
@@ -157,7 +175,7 @@ async fn list_models(
                     .await?;
                 after = page.items.last().map(|c| c.id);
                 for c in &page.items {
-                    let id = training::names::checkpoint_name(
+                    let id = temper_train::service::names::checkpoint_name(
                         &model.team,
                         &model.project,
                         &model.name,
