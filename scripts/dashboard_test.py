@@ -4,7 +4,7 @@ test-dashboard`, part of `make test`); Python's standard library only. Prints a 
 `test result:` line the Makefile sums.
 
 A fresh data directory gets a team key (`temper keys create`); the server is started on it; one
-model is registered and trained by two RL jobs on sampled rollouts (rewarded by answer length)
+model is registered and trained by three RL jobs on sampled rollouts (rewarded by answer length)
 with `/log` of a `val` split before, between and after them, and a third job is cancelled. Then
 Chromium loads the page with the key and its DOM (after the script ran) must show the model, every
 checkpoint, every job with its status and events, and the reward and loss curves with a point per
@@ -26,12 +26,15 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINARY = os.environ.get("TEMPER_BIN", os.path.join(ROOT, "target/release/temper"))
 MODEL = "gemma-3-270m"
 TEAM = "dash-team"
+# RL jobs, each on a fresh group of rollouts from the latest checkpoint.
+ROUNDS = 3
 QUESTION = "Name one fruit and say why you like it."
 # A user-chosen metric name with markup: the page must show it as text.
 MARKUP_METRIC = "<b>bold</b>"
@@ -94,8 +97,7 @@ def rollouts(client, name, seed):
         "model": name, "messages": [user], "n": 8, "max_tokens": 8, "temperature": 1.0,
         "seed": seed, "logprobs": True, "return_tokens_as_token_ids": True})
     return [{"messages_and_choices": [user, choice],
-             "reward": len(choice["message"]["content"] or "") / 40,
-             "metrics": {MARKUP_METRIC: 1.0}}
+             "reward": len(choice["message"]["content"] or "") / 40}
             for choice in r["choices"]]
 
 
@@ -125,12 +127,19 @@ def train(client):
     model = client.call("POST", "/v1/preview/models", {
         "entity": None, "project": "dashboard-test", "name": "agent", "base_model": MODEL})
     name = f"{model['entity']}/{model['project']}/{model['name']}"
-    log = lambda groups: client.call("POST", f"/v1/preview/models/{model['id']}/log", {
-        "model_id": model["id"], "split": "val", "trajectory_groups": groups})
+
+    def log(groups):
+        client.call("POST", f"/v1/preview/models/{model['id']}/log", {
+            "model_id": model["id"], "split": "val", "trajectory_groups": groups})
+
     jobs = []
-    for round_ in range(2):
+    for round_ in range(ROUNDS):
         groups = [{"trajectories": rollouts(client, name, 100 + round_)}]
-        log(groups)
+        if round_ == 0:
+            # Logged once (as `val/<b>bold</b>` of step 0), not trained on.
+            log([{"trajectories": [dict(t, metrics={MARKUP_METRIC: 1.0}) for t in groups[0]["trajectories"]]}])
+        else:
+            log(groups)
         job = client.call("POST", "/v1/preview/training-jobs", {
             "model_id": model["id"], "trajectory_groups": groups,
             "experimental_config": {"learning_rate": 1e-4}})
@@ -188,7 +197,7 @@ def check_page(dom, trained):
     assert re.search(rf"<h2>{re.escape(trained['name'])}</h2>", dom), "model name"
     assert attr(dom, "section", "data-model-id", trained["model"]["id"]), "model section"
     steps = [c["step"] for c in trained["checkpoints"]]
-    assert steps == [0, 1, 2], f"checkpoints of two trained jobs: {steps}"
+    assert steps == list(range(ROUNDS + 1)), f"checkpoints of {ROUNDS} trained jobs: {steps}"
     for step in steps:
         assert attr(dom, "tr", "data-step", str(step)), f"checkpoint row of step {step}"
     for job in trained["jobs"]:
@@ -210,7 +219,7 @@ def check_curves(dom, trained):
     trained checkpoint, and the `val` split's `/log` at every checkpoint."""
     gradient_steps = [e for job in trained["jobs"] for e in job["events"] if e["type"] == "gradient_step"]
     assert len(gradient_steps) >= 2, gradient_steps
-    for series, points in [("loss", len(gradient_steps)), ("reward", 2), ("val/reward", 3)]:
+    for series, points in [("loss", len(gradient_steps)), ("reward", ROUNDS), ("val/reward", ROUNDS + 1)]:
         d, n = series_path(dom, series)
         assert n == points, f"{series}: {n} points, want {points}"
         coords = re.findall(r"[ML]([\d.]+) ([\d.]+)", d)
@@ -242,11 +251,47 @@ def check_screenshot(binary, url, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if os.path.exists(path):
         os.remove(path)
-    chromium(binary, url, f"--screenshot={os.path.abspath(path)}", "--window-size=1280,1600")
+    chromium(binary, url, f"--screenshot={os.path.abspath(path)}", "--window-size=1280,1460")
     with open(path, "rb") as f:
         head = f.read(24)
     assert head[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    assert struct.unpack(">II", head[16:24]) == (1280, 1600), struct.unpack(">II", head[16:24])
+    assert struct.unpack(">II", head[16:24]) == (1280, 1460), struct.unpack(">II", head[16:24])
+
+
+def run_checks(server, key, args):
+    """(passed, failed): training and loading the page are one check, then each check of it."""
+    started = time.monotonic()
+    try:
+        trained = train(Client(server.base, key))
+        print(f"trained {trained['name']}: checkpoints {[c['step'] for c in trained['checkpoints']]}, "
+              f"jobs {[j['status'] for j in trained['jobs']]} in {time.monotonic() - started:.0f} s")
+        succeeded = [j["id"] for j in trained["jobs"] if j["status"] == "succeeded"]
+        url = f"{server.base}/dashboard#key={urllib.parse.quote(key)}&open={succeeded[-1]}"
+        dom = dump_dom(args.chromium, url)
+    except Exception as e:  # noqa: BLE001 - reported as the failed test it is
+        print(f"test dashboard_train_and_load ... FAILED: {e}")
+        return 0, 1
+    checks = [
+        ("dashboard_shows_models_checkpoints_jobs_and_events", lambda: check_page(dom, trained)),
+        ("dashboard_draws_reward_and_loss_curves", lambda: check_curves(dom, trained)),
+        ("dashboard_escapes_user_strings", lambda: check_escaping(dom, trained)),
+        ("dashboard_shows_a_wrong_or_missing_key", lambda: check_key_errors(args.chromium, server.base)),
+        ("dashboard_screenshot", lambda: check_screenshot(args.chromium, url, args.screenshot)),
+    ]
+    passed, failed = 0, 0
+    for name, check in checks:
+        try:
+            check()
+            print(f"test {name} ... ok")
+            passed += 1
+        except Exception as e:  # noqa: BLE001 - every failure is reported, then counted
+            print(f"test {name} ... FAILED: {e}")
+            failed += 1
+    if failed:
+        with open(os.path.join(ROOT, "target/dashboard-dom.html"), "w") as f:
+            f.write(dom)
+        print("the page's DOM: target/dashboard-dom.html")
+    return passed, failed
 
 
 def main():
@@ -258,44 +303,13 @@ def main():
     key = subprocess.run([BINARY, "keys", "create", "--team", TEAM, "--data-dir", data_dir.name],
                          capture_output=True, text=True, check=True).stdout.strip()
     server = Server(data_dir.name)
-    passed, failed = 0, 0
     try:
-        started = time.monotonic()
-        try:
-            trained = train(Client(server.base, key))
-        except Exception as e:  # noqa: BLE001 - reported as the failed test it is
-            print(f"test dashboard_training_setup ... FAILED: {e}")
-            failed += 1
-            raise
-        print(f"trained {trained['name']}: checkpoints {[c['step'] for c in trained['checkpoints']]}, "
-              f"jobs {[j['status'] for j in trained['jobs']]} in {time.monotonic() - started:.0f} s")
-        succeeded = [j["id"] for j in trained["jobs"] if j["status"] == "succeeded"]
-        url = f"{server.base}/dashboard#key={key}&open={succeeded[-1]}"
-        dom = dump_dom(args.chromium, url)
-        checks = [
-            ("dashboard_shows_models_checkpoints_jobs_and_events", lambda: check_page(dom, trained)),
-            ("dashboard_draws_reward_and_loss_curves", lambda: check_curves(dom, trained)),
-            ("dashboard_escapes_user_strings", lambda: check_escaping(dom, trained)),
-            ("dashboard_shows_a_wrong_or_missing_key", lambda: check_key_errors(args.chromium, server.base)),
-            ("dashboard_screenshot", lambda: check_screenshot(args.chromium, url, args.screenshot)),
-        ]
-        for name, check in checks:
-            try:
-                check()
-                print(f"test {name} ... ok")
-                passed += 1
-            except Exception as e:  # noqa: BLE001 - every failure is reported, then counted
-                print(f"test {name} ... FAILED: {e}")
-                failed += 1
-        if failed:
-            with open(os.path.join(ROOT, "target/dashboard-dom.html"), "w") as f:
-                f.write(dom)
-            print("the page's DOM: target/dashboard-dom.html")
+        passed, failed = run_checks(server, key, args)
     finally:
         server.stop()
-        if failed:
-            print("".join(server.log[-40:]), file=sys.stderr)
         data_dir.cleanup()
+    if failed:
+        print("".join(server.log[-40:]), file=sys.stderr)
     print(f"screenshot: {args.screenshot}")
     status = "ok" if not failed else "FAILED"
     print(f"test result: {status}. {passed} passed; {failed} failed")

@@ -5,7 +5,7 @@
 
 pub mod auth;
 pub mod chat;
-pub mod dashboard;
+mod dashboard;
 pub mod error;
 pub mod extract;
 pub mod extras;

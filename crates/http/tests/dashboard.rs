@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{options, TestServer, KEY};
+use common::{options, TestServer};
 use serde_json::{json, Value};
 use temper_http::TrainingOptions;
 
@@ -21,7 +21,8 @@ async fn get(server: &TestServer, path: &str) -> Value {
 #[tokio::test]
 async fn page_is_public_and_the_routes_it_reads_answer_what_it_reads() {
     let data = tempfile::tempdir().unwrap();
-    let server = TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
+    let server =
+        TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
     temper_http::training::worker::spawn(server.state.clone());
 
     // The page: no key needed, HTML, confined to this server.
@@ -35,7 +36,10 @@ async fn page_is_public_and_the_routes_it_reads_answer_what_it_reads() {
     let headers = resp.headers().clone();
     assert_eq!(headers["content-type"], "text/html; charset=utf-8");
     let csp = headers["content-security-policy"].to_str().unwrap();
-    assert!(csp.contains("connect-src 'self'") && csp.contains("default-src 'none'"), "{csp}");
+    assert!(
+        csp.contains("connect-src 'self'") && csp.contains("default-src 'none'"),
+        "{csp}"
+    );
     let page = resp.text().await.unwrap();
     assert!(page.starts_with("<!doctype html>"), "{}", &page[..100]);
     // What the script fetches; each is called below as the page calls it.
@@ -82,9 +86,7 @@ async fn page_is_public_and_the_routes_it_reads_answer_what_it_reads() {
         )
         .await;
     let id = model["id"].as_str().unwrap();
-    let turn = |q: &str, a: &str| {
-        json!({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
-    };
+    let turn = |q: &str, a: &str| json!({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]});
     let job = server
         .post_ok(
             "/v1/preview/sft-training-jobs",
@@ -123,7 +125,9 @@ async fn page_is_public_and_the_routes_it_reads_answer_what_it_reads() {
     assert_eq!(checkpoints["has_more"], false);
     let data = checkpoints["data"].as_array().unwrap();
     assert_eq!(
-        data.iter().map(|c| c["step"].as_i64().unwrap()).collect::<Vec<_>>(),
+        data.iter()
+            .map(|c| c["step"].as_i64().unwrap())
+            .collect::<Vec<_>>(),
         [0, 1]
     );
     assert!(data[1]["metrics"]["loss"].is_number(), "{}", data[1]);
@@ -152,9 +156,14 @@ async fn page_is_public_and_the_routes_it_reads_answer_what_it_reads() {
     assert_eq!(events["has_more"], false);
     let events = events["data"].as_array().unwrap();
     let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
-    assert_eq!(types, ["training_started", "gradient_step", "training_ended"]);
+    assert_eq!(
+        types,
+        ["training_started", "gradient_step", "training_ended"]
+    );
     assert!(events[1]["data"]["loss"].is_number(), "{}", events[1]);
-    assert!(events.iter().all(|e| e["id"].is_i64() && e["created_at"].is_i64()));
+    assert!(events
+        .iter()
+        .all(|e| e["id"].is_i64() && e["created_at"].is_i64()));
     let after = events[0]["id"].as_i64().unwrap();
     let rest = get(
         &server,
