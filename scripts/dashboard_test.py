@@ -5,7 +5,8 @@ test-dashboard`, part of `make test`); Python's standard library only. Prints a 
 
 A fresh data directory gets a team key (`temper keys create`); the server is started on it; one
 model is registered and trained by three RL jobs on sampled rollouts (rewarded by answer length)
-with `/log` of a `val` split before, between and after them, and a third job is cancelled. Then
+with `/log` of a `val` split before, between and after them; a fourth, long job is cancelled after
+the page was loaded while it was queued or running (it must show it so, and poll). Then
 Chromium loads the page with the key and its DOM (after the script ran) must show the model, every
 checkpoint, every job with its status and events, and the reward and loss curves with a point per
 checkpoint / gradient step; a metric name with markup must show as text; a wrong or missing key
@@ -122,8 +123,10 @@ def events(client, job_id):
         after = out[-1]["id"]
 
 
-def train(client):
-    """Registers the model and trains it; what the page must then show."""
+def train(client, while_live):
+    """Registers the model and trains it; what the page must then show. `while_live(job_id)` is
+    called while a long job is queued or running (then it is cancelled); its result is kept as
+    `live`."""
     model = client.call("POST", "/v1/preview/models", {
         "entity": None, "project": "dashboard-test", "name": "agent", "base_model": MODEL})
     name = f"{model['entity']}/{model['project']}/{model['name']}"
@@ -132,9 +135,10 @@ def train(client):
         client.call("POST", f"/v1/preview/models/{model['id']}/log", {
             "model_id": model["id"], "split": "val", "trajectory_groups": groups})
 
-    jobs = []
+    jobs, trajectories = [], []
     for round_ in range(ROUNDS):
         groups = [{"trajectories": rollouts(client, name, 100 + round_)}]
+        trajectories += groups[0]["trajectories"]
         if round_ == 0:
             # Logged once (as `val/<b>bold</b>` of step 0), not trained on.
             log([{"trajectories": [dict(t, metrics={MARKUP_METRIC: 1.0}) for t in groups[0]["trajectories"]]}])
@@ -146,17 +150,22 @@ def train(client):
         job = wait_finished(client, job["id"])
         assert job["status"] == "succeeded", job
         jobs.append(job)
-    log([{"trajectories": rollouts(client, name, 200)}])
-    # A job cancelled at once: the page shows that status too.
-    cancelled = client.call("POST", "/v1/preview/training-jobs", {
-        "model_id": model["id"], "trajectory_groups": groups})
-    jobs.append(client.call("POST", f"/v1/preview/training-jobs/{cancelled['id']}/cancel"))
+    last = rollouts(client, name, 200)
+    log([{"trajectories": last}])
+    # Every rollout in one group: 16 gradient steps (tens of seconds), long enough for the page
+    # to be loaded while the job is queued or running; then it is cancelled.
+    live = client.call("POST", "/v1/preview/training-jobs", {
+        "model_id": model["id"], "trajectory_groups": [{"trajectories": trajectories + last}],
+        "experimental_config": {"learning_rate": 1e-4}})
+    seen_live = while_live(live["id"])
+    jobs.append(client.call("POST", f"/v1/preview/training-jobs/{live['id']}/cancel"))
     assert jobs[-1]["status"] == "cancelled", jobs[-1]
-    wait_finished(client, cancelled["id"])
+    wait_finished(client, live["id"])
     for job in jobs:
         job["events"] = events(client, job["id"])
     checkpoints = client.call("GET", f"/v1/preview/models/{model['id']}/checkpoints?limit=100")["data"]
-    return {"model": model, "name": name, "jobs": jobs, "checkpoints": checkpoints}
+    return {"model": model, "name": name, "jobs": jobs, "checkpoints": checkpoints,
+            "live": (live["id"], seen_live)}
 
 
 def chromium(binary, url, *extra, budget_ms=15000):
@@ -230,6 +239,14 @@ def check_curves(dom, trained):
         assert f">{label}</text>" in dom, f"axis label or legend {label!r}"
 
 
+def check_live(_dom, trained):
+    """Loaded while a job was queued or running: that job is shown so, and the page polls."""
+    job_id, dom = trained["live"]
+    row = re.search(rf'<tr\b[^>]*data-job-id="{job_id}"[^>]*data-status="([a-z]+)"', dom)
+    assert row and row.group(1) in ("queued", "running"), row and row.group(0)
+    assert '<span class="live">live: polling every 3 s</span>' in dom, "no live status"
+
+
 def check_escaping(dom, _trained):
     """The metric `<b>bold</b>` (from /log, as `val/<b>bold</b>`) is text, not markup."""
     assert "val/" + html.escape(MARKUP_METRIC, quote=False) in dom, "the metric name as text"
@@ -262,11 +279,12 @@ def run_checks(server, key, args):
     """(passed, failed): training and loading the page are one check, then each check of it."""
     started = time.monotonic()
     try:
-        trained = train(Client(server.base, key))
+        page = f"{server.base}/dashboard#key={urllib.parse.quote(key)}"
+        trained = train(Client(server.base, key), lambda _job: dump_dom(args.chromium, page))
         print(f"trained {trained['name']}: checkpoints {[c['step'] for c in trained['checkpoints']]}, "
               f"jobs {[j['status'] for j in trained['jobs']]} in {time.monotonic() - started:.0f} s")
         succeeded = [j["id"] for j in trained["jobs"] if j["status"] == "succeeded"]
-        url = f"{server.base}/dashboard#key={urllib.parse.quote(key)}&open={succeeded[-1]}"
+        url = f"{page}&open={succeeded[-1]}"
         dom = dump_dom(args.chromium, url)
     except Exception as e:  # noqa: BLE001 - reported as the failed test it is
         print(f"test dashboard_train_and_load ... FAILED: {e}")
@@ -274,6 +292,7 @@ def run_checks(server, key, args):
     checks = [
         ("dashboard_shows_models_checkpoints_jobs_and_events", lambda: check_page(dom, trained)),
         ("dashboard_draws_reward_and_loss_curves", lambda: check_curves(dom, trained)),
+        ("dashboard_follows_a_live_job", lambda: check_live(dom, trained)),
         ("dashboard_escapes_user_strings", lambda: check_escaping(dom, trained)),
         ("dashboard_shows_a_wrong_or_missing_key", lambda: check_key_errors(args.chromium, server.base)),
         ("dashboard_screenshot", lambda: check_screenshot(args.chromium, url, args.screenshot)),
