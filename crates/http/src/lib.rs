@@ -5,6 +5,7 @@
 
 pub mod auth;
 pub mod chat;
+mod dashboard;
 pub mod error;
 pub mod extract;
 pub mod extras;
@@ -49,6 +50,7 @@ pub fn router(state: AppState) -> Router {
         ));
     Router::new()
         .route("/health", get(health))
+        .route("/dashboard", get(dashboard::page))
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
