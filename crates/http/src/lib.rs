@@ -38,7 +38,8 @@ use protocol::{ModelCard, ModelList};
 type Route = (&'static str, MethodRouter<AppState>);
 
 /// The application: every route, authentication, body limit, the error envelope for axum's own
-/// rejections, and the per-request tracing span.
+/// rejections, and the per-request tracing span. Every route is in one of the tables below
+/// (`open_routes`, `serving_routes`, `training_route_table`), so that `route_paths` lists it.
 pub fn router(state: AppState) -> Router {
     let api = mount(serving_routes())
         .merge(training_routes(&state))
