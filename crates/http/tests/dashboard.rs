@@ -23,7 +23,7 @@ async fn page_is_public_and_the_routes_it_reads_answer_what_it_reads() {
     let data = tempfile::tempdir().unwrap();
     let server =
         TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
-    temper_http::training::worker::spawn(server.state.clone());
+    server.state.training().unwrap().spawn_worker();
 
     // The page: no key needed, HTML, confined to this server.
     let resp = server
