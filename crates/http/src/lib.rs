@@ -17,6 +17,7 @@ pub mod structured;
 pub mod team_limits;
 pub mod tokenize;
 pub mod training;
+pub mod usage;
 pub mod validation;
 
 use std::future::Future;
@@ -42,6 +43,7 @@ pub fn router(state: AppState) -> Router {
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/metrics", get(metrics::metrics))
+        .route("/v1/usage", get(usage::usage))
         .merge(training_routes(&state))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),

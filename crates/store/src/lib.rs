@@ -28,8 +28,7 @@ pub use keys::{KeyInfo, Team, SECRET_PREFIX};
 pub use lock::DataDirLock;
 pub use models::{Checkpoint, DeletedCheckpoints, DeletedModel, Model, NewModel};
 pub use usage::{
-    usage_bucket, utc_date, utc_month, Quota, TokenCounts, UsageKey, UsageRow,
-    USAGE_BUCKET_SECONDS,
+    usage_bucket, utc_date, utc_month, Quota, TokenCounts, UsageKey, UsageRow, USAGE_BUCKET_SECONDS,
 };
 
 /// The database file inside the data directory.

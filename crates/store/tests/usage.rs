@@ -131,7 +131,11 @@ async fn gradient_steps_count_their_trainable_tokens_for_the_models_project() {
     }
     // Other events count nothing.
     store
-        .append_event(job.id, event::TRAINING_STARTED, &json!({"num_sequences": 2}))
+        .append_event(
+            job.id,
+            event::TRAINING_STARTED,
+            &json!({"num_sequences": 2}),
+        )
         .await
         .unwrap();
     store.cancel_job("a", job.id).await.unwrap();

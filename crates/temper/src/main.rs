@@ -222,6 +222,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                     training.requeue_at_shutdown().await;
                 }
             }
+            // The usage of the requests that ended, not yet written.
+            if let Some(meter) = state.usage_meter() {
+                if let Err(e) = meter.flush().await {
+                    tracing::error!(error = %e, "writing usage at shutdown");
+                }
+            }
             drained
         };
         Ok(tokio::select! {

@@ -393,6 +393,7 @@ async fn enqueue_validated(
         + 'static,
 ) -> Result<Json<JobCreatedJson>, ApiError> {
     let training = state.require_training()?;
+    crate::usage::check_quota(state, &ctx.team).await?;
     let Queued {
         model_id,
         kind,
