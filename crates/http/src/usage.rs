@@ -251,16 +251,6 @@ impl UsageQuery {
             )
         })?;
         let start = parse_time("start", start)?;
-        let end = match self.end.as_deref() {
-            Some(end) => parse_time("end", end)?,
-            None => now,
-        };
-        if end <= start {
-            return Err(ApiError::bad(
-                "end",
-                format!("`end` ({end}) must be after `start` ({start})."),
-            ));
-        }
         let width = match self.bucket_width.as_deref().unwrap_or("1d") {
             "1h" => 3600,
             "1d" => 86_400,
@@ -271,6 +261,21 @@ impl UsageQuery {
                 ))
             }
         };
+        let end = match self.end.as_deref() {
+            Some(end) => parse_time("end", end)?,
+            // Through the bucket holding now.
+            None => now - now % width + width,
+        };
+        if end <= start {
+            let (param, end) = match self.end {
+                Some(_) => ("end", end.to_string()),
+                None => ("start", format!("{end}, the end of the current bucket")),
+            };
+            return Err(ApiError::bad(
+                param,
+                format!("`start` ({start}) must be before `end` ({end})."),
+            ));
+        }
         let start = start - start % width;
         let buckets = (end - start + width - 1) / width;
         if buckets > MAX_BUCKETS {
@@ -475,7 +480,7 @@ mod tests {
             r,
             UsageRange {
                 start: 86_400,
-                end: now,
+                end: 101 * 86_400,
                 width: 86_400,
                 by_project: false,
                 by_model: false
@@ -492,6 +497,10 @@ mod tests {
             assert_eq!(bad(query(start, None, None, None)), "start", "{start}");
         }
         assert_eq!(bad(query("10", Some("10"), None, None)), "end");
+        assert_eq!(
+            bad(query(&(101 * 86_400).to_string(), None, None, None)),
+            "start"
+        );
         assert_eq!(bad(query("10", Some("abc"), None, None)), "end");
         assert_eq!(bad(query("10", None, Some("1m"), None)), "bucket_width");
         for g in ["projects", "project,", "project,project", "", "project_id"] {
