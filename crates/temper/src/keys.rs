@@ -268,7 +268,7 @@ mod tests {
         assert_eq!(
             quota_table(&quotas, 5),
             "TEAM  MONTHLY TOKENS  USED 1970-01  REMAINING\n\
-             acme  1000            1200         0\n"
+             acme  1000            1200          0\n"
         );
     }
 }
