@@ -33,17 +33,6 @@ pub struct TokenCounts {
     pub num_gradient_steps: u64,
 }
 
-impl TokenCounts {
-    /// What counts against a quota: prompt, completion and trained tokens.
-    pub fn quota_tokens(&self) -> u64 {
-        self.input_tokens + self.output_tokens + self.trained_tokens
-    }
-
-    pub fn is_zero(&self) -> bool {
-        *self == TokenCounts::default()
-    }
-}
-
 impl AddAssign for TokenCounts {
     fn add_assign(&mut self, o: TokenCounts) {
         self.input_tokens += o.input_tokens;
