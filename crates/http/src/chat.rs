@@ -83,15 +83,15 @@ pub async fn chat_completions(
         (Some(checkpoint), Some(training)) => training.adapter(&model, checkpoint).await?,
         _ => None,
     };
-    // Rendering and tokenizing a prompt of up to the body limit, and preparing the logits
-    // processors, take milliseconds to seconds: on a blocking thread, so the async workers keep
-    // answering `/health`, authentication and every stream meanwhile.
     let usage_sink = state.usage_meter().map(|meter| UsageSink {
         meter: meter.clone(),
         team: ctx.team.clone(),
         project: ctx.usage_project().to_owned(),
         model: usage_model(&resolved, &ctx.team),
     });
+    // Rendering and tokenizing a prompt of up to the body limit, and preparing the logits
+    // processors, take milliseconds to seconds: on a blocking thread, so the async workers keep
+    // answering `/health`, authentication and every stream meanwhile.
     let blocking_model = model.clone();
     let name = resolved.name.clone();
     let (params, prompt_ids, rx) = tokio::task::spawn_blocking(move || {
