@@ -19,6 +19,7 @@ pub mod structured;
 pub mod team_limits;
 pub mod tokenize;
 pub mod training;
+pub mod usage;
 pub mod validation;
 
 use std::future::Future;
@@ -92,6 +93,7 @@ fn serving_routes() -> Vec<Route> {
         ("/tokenize", post(tokenize::tokenize)),
         ("/detokenize", post(tokenize::detokenize)),
         ("/metrics", get(metrics::metrics)),
+        ("/v1/usage", get(usage::usage)),
     ]
 }
 

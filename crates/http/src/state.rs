@@ -10,6 +10,7 @@ use temper_train::service::{BaseModel, TrainingService};
 use crate::error::ApiError;
 use crate::extras::{NoHook, RequestHook};
 use crate::team_limits::TeamRequests;
+use crate::usage::UsageMeter;
 use crate::validation::Limits;
 
 /// One model the server answers for: a base model (shared with the training service) and its
@@ -181,6 +182,8 @@ struct Inner {
     team_requests: Arc<TeamRequests>,
     /// The training service (store, worker, trained models); `None` serves base models only.
     training: Option<Arc<TrainingService>>,
+    /// Counts chat completions' tokens into the training service's store; `None` without one.
+    usage: Option<Arc<UsageMeter>>,
     /// Reported as every model's `created`.
     started: u64,
 }
@@ -218,6 +221,7 @@ impl AppState {
                 models: models.into_iter().map(Arc::new).collect(),
                 team_requests: TeamRequests::new(options.max_requests_per_team),
                 options,
+                usage: training.as_ref().map(|t| UsageMeter::new(t.store.clone())),
                 training,
                 started: unix_now(),
             }),
@@ -243,6 +247,11 @@ impl AppState {
 
     pub fn training(&self) -> Option<&Arc<TrainingService>> {
         self.inner.training.as_ref()
+    }
+
+    /// Where chat completions' usage is counted (with the store).
+    pub fn usage_meter(&self) -> Option<&Arc<UsageMeter>> {
+        self.inner.usage.as_ref()
     }
 
     /// The training service, or a 503 saying the server runs without one.

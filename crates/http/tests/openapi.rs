@@ -297,6 +297,7 @@ fn request_schemas_list_exactly_the_accepted_fields() {
             fields::<w::EventQuery>(),
             "/v1/preview/training-jobs/{job_id}/events",
         ),
+        (fields::<temper_http::usage::UsageQuery>(), "/v1/usage"),
     ] {
         let documented = query_parameters(&doc, path);
         if accepted != documented {
@@ -774,6 +775,27 @@ async fn real_responses_match_the_documented_schemas() {
 
     // Serving, with the trained checkpoints listed and served by name.
     c.send(&s, Call::new("GET", "/metrics"), 200).await;
+    let usage = c
+        .send(
+            &s,
+            Call::new("GET", "/v1/usage").at(format!(
+                "/v1/usage?start={}&bucket_width=1h&group_by=project,model",
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_secs()
+                    - 3600
+            )),
+            200,
+        )
+        .await;
+    assert!(!usage.body["data"].as_array().unwrap().is_empty());
+    c.send(
+        &s,
+        Call::new("GET", "/v1/usage").at("/v1/usage?start=yesterday".to_owned()),
+        400,
+    )
+    .await;
     let listed = c.send(&s, Call::new("GET", "/v1/models"), 200).await;
     assert!(listed.body["data"]
         .as_array()

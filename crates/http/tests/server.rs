@@ -579,13 +579,14 @@ async fn project_header_is_validated() {
     let body = json!({"messages": user("hi"), "max_completion_tokens": 1});
     let r = s
         .post("/v1/chat/completions", &body)
-        .header("OpenAI-Project", "acme/agents")
+        .header("OpenAI-Project", "default/agents")
         .send()
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert!(r.headers().contains_key("x-request-id"));
-    for bad in ["acme", "acme/", "a/b/c", "acme/has space"] {
+    // Another team's project than the key's (team `default`).
+    for bad in ["acme", "acme/", "a/b/c", "acme/has space", "acme/agents"] {
         let r = s
             .post("/v1/chat/completions", &body)
             .header("OpenAI-Project", bad)

@@ -13,6 +13,7 @@ use uuid::Uuid;
 
 use crate::idempotency::{complete, IdempotencyKey};
 use crate::models::insert_checkpoint;
+use crate::usage::add_trained_tokens;
 use crate::{
     check_limit, invalid, now, page, parse_json, parse_uuid, Checkpoint, Error, Page, Result, Store,
 };
@@ -463,7 +464,9 @@ impl Store {
     }
 
     /// Appends an event to a running job. A job that is no longer running (cancelled, its model
-    /// deleted) is `JobState`: the worker's signal to stop.
+    /// deleted) is `JobState`: the worker's signal to stop. A `gradient_step` event's
+    /// `num_trainable_tokens` is added to its model's team and project usage in the same
+    /// transaction, so a step is counted exactly when its event is stored.
     pub async fn append_event(
         &self,
         job_id: Uuid,
@@ -479,7 +482,11 @@ impl Store {
         if running.is_none() {
             return Err(state_error(&mut tx, job_id).await);
         }
-        let event = insert_event(&mut tx, &job_id.to_string(), kind, data, now()).await?;
+        let at = now();
+        let event = insert_event(&mut tx, &job_id.to_string(), kind, data, at).await?;
+        if kind == event::GRADIENT_STEP {
+            add_trained_tokens(&mut tx, &job_id.to_string(), data, at).await?;
+        }
         tx.commit().await?;
         Ok(event)
     }

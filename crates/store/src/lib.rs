@@ -1,5 +1,5 @@
 //! temper's durable state: teams and API keys, trainable models, checkpoints, training jobs and
-//! their events, in one SQLite file under the data directory (sqlx, so PostgreSQL can follow).
+//! their events, token usage and quotas, in one SQLite file under the data directory (sqlx, so PostgreSQL can follow).
 //!
 //! Every query lives in this crate; callers get typed values. Team-scoped methods treat another
 //! team's rows exactly like missing ones ([`Error::NotFound`]), so existence never leaks.
@@ -9,6 +9,7 @@ mod jobs;
 mod keys;
 mod lock;
 mod models;
+mod usage;
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -26,6 +27,9 @@ pub use jobs::{event, Event, Job, JobKind, JobStatus, Recovery, TrainingTotals};
 pub use keys::{KeyInfo, Team, SECRET_PREFIX};
 pub use lock::DataDirLock;
 pub use models::{Checkpoint, DeletedCheckpoints, DeletedModel, Model, NewModel};
+pub use usage::{
+    usage_bucket, utc_date, utc_month, Quota, TokenCounts, UsageKey, UsageRow, USAGE_BUCKET_SECONDS,
+};
 
 /// The database file inside the data directory.
 pub const DB_FILE: &str = "temper.db";
@@ -144,6 +148,7 @@ fn migrator() -> Migrator {
             "job_attempts",
             include_str!("../migrations/0003_job_attempts.sql"),
         ),
+        migration(4, "usage", include_str!("../migrations/0004_usage.sql")),
     ])
 }
 

@@ -146,7 +146,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     // A worker's HTTP answers /health only: nothing to protect with a key.
     let addrs = bind_addresses(&cfg, store_keys || !cfg.role.serves_api())?;
     let names: Vec<String> = cfg.models.iter().map(|(name, _)| name.clone()).collect();
-    let app = if cfg.role.serves_api() {
+    let state = if cfg.role.serves_api() {
         let state = AppState::with_training(
             served,
             ServerOptions {
@@ -165,10 +165,13 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             training.clone(),
         )
         .map_err(|e| e.to_string())?;
-        temper_http::router(state)
+        Some(state)
     } else {
-        temper_http::worker_router()
+        None
     };
+    let app = state
+        .clone()
+        .map_or_else(temper_http::worker_router, temper_http::router);
 
     let shutdown_timeout = cfg.shutdown_timeout;
     let ended = runtime.block_on(async move {
@@ -230,6 +233,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 // A trainer still in its step: its job is re-queued all the same.
                 if let Some(training) = worker_training {
                     training.requeue_at_shutdown().await;
+                }
+            }
+            // The usage of the requests that ended, not yet written.
+            if let Some(meter) = state.as_ref().and_then(|s| s.usage_meter()) {
+                if let Err(e) = meter.flush().await {
+                    tracing::error!(error = %e, "writing usage at shutdown");
                 }
             }
             drained

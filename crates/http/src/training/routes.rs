@@ -248,6 +248,7 @@ async fn enqueue(
     claimed: Option<Extension<ClaimedKey>>,
 ) -> Result<Json<JobCreatedJson>, ApiError> {
     let training = state.require_training()?;
+    crate::usage::check_quota(state, &ctx.team).await?;
     let model_id = parse_id("model_id", model_id)?;
     // parse_json has read it as JSON, so it is UTF-8.
     let text = String::from_utf8_lossy(body);
