@@ -300,7 +300,7 @@ async fn a_cancelled_stream_counts_what_was_generated() {
 #[tokio::test]
 async fn trained_tokens_count_for_the_models_project() {
     let (server, _data) = server().await;
-    temper_http::training::worker::spawn(server.state.clone());
+    server.state.training().unwrap().spawn_worker();
     let model = server
         .post_ok(
             "/v1/preview/models",
