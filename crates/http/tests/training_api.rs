@@ -680,7 +680,7 @@ async fn log_stores_split_metrics_on_the_latest_checkpoint() {
     assert_eq!(status, 404);
 }
 
-/// A checkpoint's adapter as the worker leaves it: a file under the data dir and a store row.
+/// A checkpoint's adapter as the worker leaves it: stored in the artifacts and a store row.
 /// Its weights are set by hand (a fresh adapter changes nothing) so that it visibly differs.
 async fn checkpoint_with_adapter(api: &Api, model_id: uuid::Uuid, step: i64, scale: f32) {
     add_checkpoints_from(api, model_id, step, step).await;
@@ -693,9 +693,10 @@ async fn checkpoint_with_adapter(api: &Api, model_id: uuid::Uuid, step: i64, sca
             *x = ((i % 7) as f32 - 3.0) * scale;
         }
     }
-    std::fs::create_dir_all(training.model_dir(model_id)).unwrap();
-    adapter
-        .save(&training.adapter_path(model_id, step))
+    training
+        .artifacts
+        .put(model_id, step, adapter.to_bytes().unwrap())
+        .await
         .unwrap();
 }
 

@@ -115,13 +115,6 @@ fn tensor_name(layer: usize, target: LoraTarget, matrix: &str) -> String {
     format!("blk.{layer}.{}.lora_{matrix}", target.name())
 }
 
-fn adapter_err(path: &Path, reason: impl Into<String>) -> ModelError {
-    ModelError::Adapter {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
-}
-
 /// A fresh adapter identity.
 fn next_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -198,9 +191,8 @@ impl LoraAdapter {
             })
     }
 
-    /// Safetensors, written to a temporary file beside `path` then renamed over it, so a reader
-    /// never sees a half-written adapter.
-    pub fn save(&self, path: &Path) -> Result<(), ModelError> {
+    /// The adapter as a safetensors file's bytes (what [`LoraAdapter::from_bytes`] reads).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, ModelError> {
         let mut tensors = HashMap::new();
         for (l, layer) in self.layers.iter().enumerate() {
             for t in LoraTarget::ALL {
@@ -215,44 +207,59 @@ impl LoraAdapter {
             ALPHA_KEY.to_string(),
             Tensor::from_slice(&[self.cfg.alpha], 1, &Device::Cpu)?,
         );
+        safetensors::tensor::serialize(&tensors, None)
+            .map_err(|e| ModelError::Candle(candle_core::Error::from(e)))
+    }
+
+    /// Safetensors, written to a temporary file beside `path` then renamed over it, so a reader
+    /// never sees a half-written adapter.
+    pub fn save(&self, path: &Path) -> Result<(), ModelError> {
+        let bytes = self.to_bytes()?;
+        let io_err = |source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        };
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(format!(".tmp{}", std::process::id()));
         let tmp = std::path::PathBuf::from(tmp);
-        candle_core::safetensors::save(&tensors, &tmp)?;
-        std::fs::rename(&tmp, path).map_err(|source| ModelError::Io {
-            path: path.display().to_string(),
-            source,
-        })
+        std::fs::write(&tmp, bytes).map_err(io_err)?;
+        std::fs::rename(&tmp, path).map_err(io_err)
     }
 
     /// Loads an adapter saved by [`LoraAdapter::save`]; every tensor's shape is checked against
     /// `model`.
     pub fn load(path: &Path, model: &ModelConfig) -> Result<Self, ModelError> {
-        if let Err(source) = std::fs::metadata(path) {
-            return Err(ModelError::Io {
-                path: path.display().to_string(),
-                source,
-            });
-        }
-        let mut tensors = candle_core::safetensors::load(path, &Device::Cpu)
-            .map_err(|e| adapter_err(path, format!("not a safetensors file: {e}")))?;
+        let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_bytes(&bytes, &path.display().to_string(), model)
+    }
+
+    /// Reads an adapter from the bytes of [`LoraAdapter::to_bytes`] (a safetensors file);
+    /// every tensor's shape is checked against `model`. `origin` (where the bytes came from)
+    /// names the adapter in errors.
+    pub fn from_bytes(bytes: &[u8], origin: &str, model: &ModelConfig) -> Result<Self, ModelError> {
+        let adapter_err = |reason: String| ModelError::Adapter {
+            path: origin.to_owned(),
+            reason,
+        };
+        let mut tensors = candle_core::safetensors::load_buffer(bytes, &Device::Cpu)
+            .map_err(|e| adapter_err(format!("not a safetensors file: {e}")))?;
         let alpha = tensors
             .remove(ALPHA_KEY)
-            .ok_or_else(|| adapter_err(path, format!("tensor {ALPHA_KEY} is missing")))?
+            .ok_or_else(|| adapter_err(format!("tensor {ALPHA_KEY} is missing")))?
             .flatten_all()?
             .to_vec1::<f32>()
-            .map_err(|e| adapter_err(path, format!("{ALPHA_KEY}: {e}")))?;
+            .map_err(|e| adapter_err(format!("{ALPHA_KEY}: {e}")))?;
         let [alpha] = alpha[..] else {
-            return Err(adapter_err(
-                path,
-                format!("{ALPHA_KEY} must hold one value"),
-            ));
+            return Err(adapter_err(format!("{ALPHA_KEY} must hold one value")));
         };
         let first = tensor_name(0, LoraTarget::Q, "a");
         let rank = match tensors.get(&first).map(|t| t.dims()) {
             Some(&[r, _]) if r > 0 => r,
-            Some(dims) => return Err(adapter_err(path, format!("{first} has shape {dims:?}"))),
-            None => return Err(adapter_err(path, format!("tensor {first} is missing"))),
+            Some(dims) => return Err(adapter_err(format!("{first} has shape {dims:?}"))),
+            None => return Err(adapter_err(format!("tensor {first} is missing"))),
         };
         let mut layers = Vec::with_capacity(model.num_layers);
         for l in 0..model.num_layers {
@@ -263,7 +270,7 @@ impl LoraAdapter {
                     let name = tensor_name(l, t, matrix);
                     let tensor = tensors
                         .remove(&name)
-                        .ok_or_else(|| adapter_err(path, format!("tensor {name} is missing")))?;
+                        .ok_or_else(|| adapter_err(format!("tensor {name} is missing")))?;
                     if tensor.dims() != shape {
                         return Err(ModelError::TensorShape {
                             name,
@@ -274,7 +281,7 @@ impl LoraAdapter {
                     tensor
                         .flatten_all()?
                         .to_vec1::<f32>()
-                        .map_err(|e| adapter_err(path, format!("{name}: {e}")))
+                        .map_err(|e| adapter_err(format!("{name}: {e}")))
                 };
                 let a = read("a", [rank, in_dim])?;
                 let b = read("b", [out_dim, rank])?;
@@ -287,14 +294,13 @@ impl LoraAdapter {
             }
             let pairs: [LoraPair; 7] = pairs
                 .try_into()
-                .map_err(|_| adapter_err(path, "wrong number of targets"))?;
+                .map_err(|_| adapter_err("wrong number of targets".to_owned()))?;
             layers.push(pairs);
         }
         if let Some(extra) = tensors.keys().next() {
-            return Err(adapter_err(
-                path,
-                format!("unexpected tensor {extra} (an adapter for a model with more layers?)"),
-            ));
+            return Err(adapter_err(format!(
+                "unexpected tensor {extra} (an adapter for a model with more layers?)"
+            )));
         }
         Ok(LoraAdapter {
             id: next_id(),

@@ -105,6 +105,15 @@ fn save_then_load_round_trips_and_checks_shapes() {
     assert_eq!(loaded.config(), adapter.config());
     assert_eq!(loaded.params(), adapter.params());
     assert_eq!(loaded.num_params(), adapter.num_params());
+    // The bytes of a save, without a file (what an object store keeps), read back the same.
+    let bytes = adapter.to_bytes().expect("to_bytes");
+    assert_eq!(bytes, std::fs::read(&path).expect("read"));
+    let from_bytes = LoraAdapter::from_bytes(&bytes, "s3://b/x", model.config()).expect("bytes");
+    assert_eq!(from_bytes.params(), adapter.params());
+    match LoraAdapter::from_bytes(&bytes[..bytes.len() / 2], "s3://b/x", model.config()) {
+        Err(e @ ModelError::Adapter { .. }) => assert!(e.to_string().contains("s3://b/x"), "{e}"),
+        r => panic!("expected an adapter error, got {r:?}"),
+    }
     // rank 8 on 4 layers: q 64->64, k/v 64->32, o 64->64, gate/up 64->256, down 256->64.
     let per_layer = 8 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 256) * 3);
     assert_eq!(adapter.num_params(), 4 * per_layer);

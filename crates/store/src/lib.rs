@@ -3,7 +3,11 @@
 //!
 //! Every query lives in this crate; callers get typed values. Team-scoped methods treat another
 //! team's rows exactly like missing ones ([`Error::NotFound`]), so existence never leaks.
+//!
+//! The checkpoints' adapter files are kept by [`Artifacts`]: under the data directory, or in an
+//! S3 bucket that every server sharing the store reads.
 
+mod artifacts;
 mod idempotency;
 mod jobs;
 mod keys;
@@ -22,6 +26,7 @@ use sqlx::sqlite::{
 };
 use sqlx::SqlSafeStr;
 
+pub use artifacts::{ArtifactError, Artifacts, ArtifactsLocation};
 pub use idempotency::{Claim, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN};
 pub use jobs::{event, Event, Job, JobKind, JobStatus, Recovery, TrainingTotals};
 pub use keys::{KeyInfo, Team, SECRET_PREFIX};

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::Deserialize;
 use temper_engine::Scheduling;
+use temper_store::ArtifactsLocation;
 use temper_train::TrainerThreads;
 
 pub const DEFAULT_MODEL_NAME: &str = "gemma-3-270m";
@@ -49,6 +50,11 @@ pub struct ServeArgs {
     /// Directory for server state [default: $TEMPER_HOME/data].
     #[arg(long, env = "TEMPER_DATA_DIR", value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
+    /// Where trained checkpoints' LoRA adapters are stored: `s3://BUCKET[/PREFIX]`, read with
+    /// the AWS_* environment variables (credentials, AWS_REGION, AWS_ENDPOINT_URL, ...), shared by
+    /// every server on the same store [default: DATA_DIR/adapters].
+    #[arg(long, env = "TEMPER_ARTIFACTS", value_name = "URL")]
+    pub artifacts: Option<String>,
     /// Jinja chat template file for every served model, instead of the model's own.
     #[arg(long, env = "TEMPER_CHAT_TEMPLATE", value_name = "PATH")]
     pub chat_template: Option<PathBuf>,
@@ -156,6 +162,7 @@ pub struct FileConfig {
     pub models: Option<Vec<String>>,
     pub api_keys: Option<Vec<String>>,
     pub data_dir: Option<PathBuf>,
+    pub artifacts: Option<String>,
     pub chat_template: Option<PathBuf>,
     pub trust_request_chat_template: Option<bool>,
     pub enable_tool_calls: Option<bool>,
@@ -191,6 +198,7 @@ pub struct Config {
     pub models: Vec<(String, PathBuf)>,
     pub api_keys: Vec<String>,
     pub data_dir: PathBuf,
+    pub artifacts: ArtifactsLocation,
     pub chat_template: Option<PathBuf>,
     pub trust_request_chat_template: bool,
     pub enable_tool_calls: bool,
@@ -243,6 +251,8 @@ pub enum ConfigError {
     LoraAlpha(f32),
     #[error("--train-nice must be 0-19, got {0}")]
     TrainNice(u8),
+    #[error("{0}")]
+    Artifacts(#[from] temper_store::ArtifactError),
 }
 
 pub use temper_model::paths::temper_home;
@@ -388,6 +398,10 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
     if train_nice > 19 {
         return Err(ConfigError::TrainNice(train_nice));
     }
+    let artifacts = match args.artifacts.or(file.artifacts) {
+        Some(url) => url.parse()?,
+        None => ArtifactsLocation::DataDir,
+    };
     let kv_cache_mb = args.kv_cache_mb.or(file.kv_cache_mb);
     if kv_cache_mb == Some(0) {
         return Err(ConfigError::Zero("--kv-cache-mb"));
@@ -408,6 +422,7 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
             .data_dir
             .or(file.data_dir)
             .unwrap_or_else(|| home.join("data")),
+        artifacts,
         chat_template: args.chat_template.or(file.chat_template),
         trust_request_chat_template: args
             .trust_request_chat_template
@@ -512,6 +527,7 @@ mod tests {
         );
         assert!(c.api_keys.is_empty());
         assert_eq!(c.data_dir, PathBuf::from("/h/data"));
+        assert_eq!(c.artifacts, ArtifactsLocation::DataDir);
         assert!(!c.trust_request_chat_template);
         assert!(!c.enable_tool_calls);
         assert_eq!(c.max_logprobs, Some(20));
@@ -591,6 +607,27 @@ mod tests {
         let c = resolve(args(&["--role", "api"]), file, &home()).unwrap();
         assert!(c.role.serves_api() && !c.role.runs_jobs());
         assert!(Cli::try_parse_from(["temper", "--role", "trainer"]).is_err());
+    }
+
+    #[test]
+    fn artifacts_from_file_and_flag() {
+        let file: FileConfig = toml::from_str(r#"artifacts = "s3://from-file/a""#).unwrap();
+        let c = resolve(ServeArgs::default(), file, &home()).unwrap();
+        let s3 = |bucket: &str, prefix: &str| ArtifactsLocation::S3 {
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+        };
+        assert_eq!(c.artifacts, s3("from-file", "a"));
+        let file: FileConfig = toml::from_str(r#"artifacts = "s3://from-file/a""#).unwrap();
+        let c = resolve(args(&["--artifacts", "s3://flag/b/c/"]), file, &home()).unwrap();
+        assert_eq!(c.artifacts, s3("flag", "b/c"));
+        let err = resolve(
+            args(&["--artifacts", "/mnt/adapters"]),
+            FileConfig::default(),
+            &home(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("s3://BUCKET"), "{err}");
     }
 
     #[test]

@@ -127,6 +127,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         .block_on(TrainingService::open(
             TrainingOptions {
                 data_dir: cfg.data_dir.clone(),
+                artifacts: cfg.artifacts.clone(),
                 max_body_bytes: cfg.max_training_body_bytes,
                 adapter_cache_bytes: cfg.adapter_cache_bytes,
                 lora_rank: cfg.lora_rank,

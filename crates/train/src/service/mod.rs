@@ -4,7 +4,6 @@
 //! (`temper serve --role worker`) runs only its worker.
 
 mod base;
-mod files;
 mod lru;
 pub mod names;
 mod worker;
@@ -17,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use serde_json::{json, Map, Value};
 use temper_model::LoraAdapter;
 use temper_store::{
-    Checkpoint, DeletedCheckpoints, DeletedModel, IdempotencyKey, Job, JobKind, Model, NewModel,
-    Store,
+    Artifacts, ArtifactsLocation, Checkpoint, DeletedCheckpoints, DeletedModel, IdempotencyKey,
+    Job, JobKind, Model, NewModel, Store,
 };
 use uuid::Uuid;
 
@@ -31,8 +30,10 @@ use names::StepSelector;
 /// Settings of the training service.
 #[derive(Debug, Clone)]
 pub struct TrainingOptions {
-    /// The store and the adapter files live here.
+    /// The store lives here, and the adapter files unless `artifacts` says otherwise.
     pub data_dir: PathBuf,
+    /// Where checkpoints' adapters are stored (`--artifacts`).
+    pub artifacts: ArtifactsLocation,
     /// Largest accepted body of the training routes (trajectory groups are large).
     pub max_body_bytes: usize,
     /// Memory the cache of loaded adapters may use before it evicts the least recently used.
@@ -54,6 +55,7 @@ impl TrainingOptions {
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
         TrainingOptions {
             data_dir: data_dir.into(),
+            artifacts: ArtifactsLocation::DataDir,
             max_body_bytes: 64 << 20,
             adapter_cache_bytes: 256 << 20,
             lora_rank: 8,
@@ -102,6 +104,8 @@ pub enum OpenError {
     },
     #[error("{0}")]
     TrainerPool(String),
+    #[error("{0}")]
+    Artifacts(#[from] temper_store::ArtifactError),
 }
 
 /// A job's request: posted to the API, stored as posted, read back by the worker.
@@ -136,6 +140,8 @@ pub struct TrainedCheckpoint {
 /// The store plus what the API calls and the worker share.
 pub struct TrainingService {
     pub store: Store,
+    /// The checkpoints' adapters.
+    pub artifacts: Artifacts,
     pub options: TrainingOptions,
     /// What jobs train: the base models this process loaded.
     base_models: Vec<Arc<BaseModel>>,
@@ -153,8 +159,9 @@ pub struct TrainingService {
 }
 
 impl TrainingService {
-    /// Opens the store under `options.data_dir`, removes the temporary files of adapter saves
-    /// a crash cut short, and puts back in the queue any job a crash left running (the worker
+    /// Opens the store under `options.data_dir` and the adapters' storage (an S3 bucket is
+    /// reached once, so that wrong settings fail here), removes the temporary files of adapter
+    /// saves a crash cut short, and puts back in the queue any job a crash left running (the worker
     /// then re-runs it from its start), or fails it when it was running at
     /// `options.max_job_attempts` crashes in a row. Starts the trainer's threads.
     ///
@@ -174,7 +181,8 @@ impl TrainingService {
         if let Some(limit) = options.max_queued_jobs_per_team {
             store = store.with_max_queued_jobs_per_team(limit);
         }
-        for path in files::remove_stray_temp_files(&options.data_dir) {
+        let artifacts = Artifacts::open(&options.artifacts, &options.data_dir).await?;
+        for path in artifacts.remove_stray_temp_files().await {
             tracing::warn!(
                 path = %path.display(),
                 "removed the temporary file of an interrupted adapter save"
@@ -196,6 +204,7 @@ impl TrainingService {
         }
         Ok(TrainingService {
             store,
+            artifacts,
             base_models,
             wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
@@ -258,23 +267,20 @@ impl TrainingService {
         }
     }
 
-    /// Deletes the model, its checkpoints and their adapter files; its queued and running jobs
-    /// fail (a running one stops before its next step).
+    /// Deletes the model, its checkpoints and their adapters; its queued and running jobs fail
+    /// (a running one stops before its next step).
     pub async fn delete_model(&self, team: &str, id: Uuid) -> Result<DeletedModel, ServiceError> {
         let deleted = self.store.delete_model(team, id).await?;
         for job in &deleted.failed_jobs {
             self.stop_job(*job);
         }
-        let dir = self.model_dir(id);
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(dir = %dir.display(), error = %e, "removing a deleted model's adapters");
-            }
+        if let Err(e) = self.artifacts.delete_model(id).await {
+            tracing::warn!(error = %e, "removing a deleted model's adapters");
         }
         Ok(deleted)
     }
 
-    /// Deletes checkpoints by step, with their adapter files.
+    /// Deletes checkpoints by step, with their adapters.
     pub async fn delete_checkpoints(
         &self,
         team: &str,
@@ -286,11 +292,8 @@ impl TrainingService {
             .iter()
             .filter(|s| !deleted.not_found_steps.contains(s))
         {
-            let path = self.adapter_path(model_id, *step);
-            if let Err(e) = std::fs::remove_file(&path) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(path = %path.display(), error = %e, "removing a deleted checkpoint");
-                }
+            if let Err(e) = self.artifacts.delete(model_id, *step).await {
+                tracing::warn!(error = %e, "removing a deleted checkpoint's adapter");
             }
         }
         Ok(deleted)
@@ -391,8 +394,9 @@ impl TrainingService {
         }
     }
 
-    /// The adapter a checkpoint is served with: none for step 0 (the base weights), else its
-    /// file, loaded once into the LRU cache.
+    /// The adapter a checkpoint is served with: none for step 0 (the base weights), else the
+    /// one stored for it (on this server's disk or in the shared bucket), loaded once into the
+    /// LRU cache.
     pub async fn adapter(
         &self,
         base: &BaseModel,
@@ -404,18 +408,26 @@ impl TrainingService {
         if let Some(adapter) = self.lock_adapters().get(&checkpoint.id) {
             return Ok(Some(adapter));
         }
-        let path = self.adapter_path(checkpoint.model_id, checkpoint.step);
+        let cannot_load = |e: &dyn std::fmt::Display| {
+            ServiceError::Internal(format!(
+                "The adapter of checkpoint step {} cannot be loaded: {e}",
+                checkpoint.step
+            ))
+        };
+        let (model_id, step) = (checkpoint.model_id, checkpoint.step);
+        let bytes = self
+            .artifacts
+            .get(model_id, step)
+            .await
+            .map_err(|e| cannot_load(&e))?;
+        let origin = self.artifacts.key(model_id, step);
         let weights = base.model.clone();
-        let loaded =
-            tokio::task::spawn_blocking(move || LoraAdapter::load(&path, weights.config()))
-                .await
-                .map_err(|e| ServiceError::Internal(format!("loading an adapter panicked: {e}")))?
-                .map_err(|e| {
-                    ServiceError::Internal(format!(
-                        "The adapter of checkpoint step {} cannot be loaded: {e}",
-                        checkpoint.step
-                    ))
-                })?;
+        let loaded = tokio::task::spawn_blocking(move || {
+            LoraAdapter::from_bytes(&bytes, &origin, weights.config())
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(format!("loading an adapter panicked: {e}")))?
+        .map_err(|e| cannot_load(&e))?;
         let adapter = Arc::new(loaded);
         let bytes = adapter.memory_bytes();
         self.lock_adapters()
@@ -486,19 +498,6 @@ impl TrainingService {
     fn lock_adapters(&self) -> std::sync::MutexGuard<'_, ByteLru<Uuid, Arc<LoraAdapter>>> {
         // Each cache operation leaves it consistent, so a panic elsewhere cannot corrupt it.
         self.adapters.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Where the adapter of a model's checkpoint is kept.
-    pub fn adapter_path(&self, model_id: Uuid, step: i64) -> PathBuf {
-        self.model_dir(model_id)
-            .join(format!("step-{step}.safetensors"))
-    }
-
-    pub fn model_dir(&self, model_id: Uuid) -> PathBuf {
-        self.options
-            .data_dir
-            .join("adapters")
-            .join(model_id.to_string())
     }
 }
 

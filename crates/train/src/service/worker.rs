@@ -104,7 +104,17 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
         rank: options.lora_rank,
         alpha: options.lora_alpha,
     };
-    let start_path = (latest_step > 0).then(|| training.adapter_path(job.model_id, latest_step));
+    // The previous step's adapter, from the artifact store (maybe written by another server).
+    let start_bytes = if latest_step > 0 {
+        let bytes = training
+            .artifacts
+            .get(job.model_id, latest_step)
+            .await
+            .map_err(|e| format!("loading the adapter of step {latest_step}: {e}"))?;
+        Some((bytes, training.artifacts.key(job.model_id, latest_step)))
+    } else {
+        None
+    };
     let trainer = TrainerConfig {
         lora,
         max_seq_len: options.max_seq_len,
@@ -126,8 +136,8 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
     // blocking thread) while this task writes its events.
     let trained = tokio::task::spawn_blocking(move || {
         pool_owner.trainer_pool.install(move || {
-            let start = match start_path {
-                Some(path) => LoraAdapter::load(&path, weights.config())
+            let start = match start_bytes {
+                Some((bytes, origin)) => LoraAdapter::from_bytes(&bytes, &origin, weights.config())
                     .map_err(|e| format!("loading the adapter of step {latest_step}: {e}"))?,
                 None => LoraAdapter::new(weights.config(), lora, seed),
             };
@@ -195,13 +205,17 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
     match trained? {
         Some(adapter) => {
             let step = latest_step + 1;
-            let path = training.adapter_path(job.model_id, step);
-            let saved = path.clone();
-            // On disk (file and directory entry fsynced) before the checkpoint row commits.
-            tokio::task::spawn_blocking(move || super::files::save_adapter(&adapter, &saved))
+            let bytes = tokio::task::spawn_blocking(move || adapter.to_bytes())
                 .await
-                .map_err(|e| format!("saving the adapter panicked: {e}"))?
-                .map_err(|e| format!("saving the adapter: {e}"))?;
+                .map_err(|e| format!("serializing the adapter panicked: {e}"))?
+                .map_err(|e| format!("serializing the adapter: {e}"))?;
+            // Stored (a file and its directory entry fsynced, or an S3 object acknowledged)
+            // before the checkpoint row commits.
+            training
+                .artifacts
+                .put(job.model_id, step, bytes)
+                .await
+                .map_err(|e| format!("storing the adapter: {e}"))?;
             let metrics = mean_metrics(&step_metrics);
             match store
                 .succeed_job(job.id, step, Some(metrics), &json!({ "step": step }))
@@ -212,8 +226,10 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
                     Ok(())
                 }
                 Err(e) => {
-                    // No checkpoint row points at the file: it must not outlive this.
-                    let _ = std::fs::remove_file(&path);
+                    // No checkpoint row points at the adapter: it must not outlive this.
+                    if let Err(e) = training.artifacts.delete(job.model_id, step).await {
+                        tracing::warn!(error = %e, "removing the adapter of an uncommitted step");
+                    }
                     match e {
                         temper_store::Error::JobState { .. } => Ok(()),
                         e => Err(e.to_string()),
