@@ -498,6 +498,21 @@ pub(crate) fn page<T>(mut items: Vec<T>, limit: i64) -> Page<T> {
     Page { items, has_more }
 }
 
+/// A name for a new worker, unique across servers and restarts (`<host>-<pid>-<random hex>`):
+/// its job leases say which server runs a job.
+pub fn new_worker_id() -> Result<String> {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned());
+    Ok(format!(
+        "{host}-{}-{}",
+        std::process::id(),
+        hex(&random_bytes::<4>()?)
+    ))
+}
+
 /// Seconds from now, for a lease's end (whole seconds, as every time in the store).
 pub(crate) fn seconds_from(at: i64, d: Duration) -> i64 {
     at.saturating_add(i64::try_from(d.as_secs()).unwrap_or(i64::MAX))

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::Deserialize;
 use temper_engine::Scheduling;
+use temper_store::StoreLocation;
 use temper_train::TrainerThreads;
 
 pub const DEFAULT_MODEL_NAME: &str = "gemma-3-270m";
@@ -49,6 +50,11 @@ pub struct ServeArgs {
     /// Directory for server state [default: $TEMPER_HOME/data].
     #[arg(long, env = "TEMPER_DATA_DIR", value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
+    /// The store (keys, models, checkpoints, jobs) in a PostgreSQL database that several servers
+    /// share, as a postgres:// URL, instead of the SQLite file in the data directory (adapter
+    /// files stay in the data directory) [default: DIR/temper.db].
+    #[arg(long, env = "TEMPER_STORE", value_name = "URL", hide_env_values = true)]
+    pub store: Option<String>,
     /// Jinja chat template file for every served model, instead of the model's own.
     #[arg(long, env = "TEMPER_CHAT_TEMPLATE", value_name = "PATH")]
     pub chat_template: Option<PathBuf>,
@@ -136,6 +142,11 @@ pub struct ServeArgs {
     /// 0-19 (Linux): a running job then takes the cores decoding leaves idle [default: 19].
     #[arg(long, env = "TEMPER_TRAIN_NICE", value_name = "N")]
     pub train_nice: Option<u8>,
+    /// How long a server's claim on the training job it runs lasts unless renewed (it renews
+    /// it every third of that): another server re-queues the job of one that died this long
+    /// after its last renewal; at least 3 [default: 30].
+    #[arg(long, env = "TEMPER_JOB_LEASE", value_name = "SECONDS")]
+    pub job_lease: Option<u64>,
     /// After SIGINT or SIGTERM, the longest wait for in-flight requests to finish and the
     /// training job to stop before the process exits anyway [default: 30].
     #[arg(long, env = "TEMPER_SHUTDOWN_TIMEOUT", value_name = "SECONDS")]
@@ -151,6 +162,7 @@ pub struct FileConfig {
     pub models: Option<Vec<String>>,
     pub api_keys: Option<Vec<String>>,
     pub data_dir: Option<PathBuf>,
+    pub store: Option<String>,
     pub chat_template: Option<PathBuf>,
     pub trust_request_chat_template: Option<bool>,
     pub enable_tool_calls: Option<bool>,
@@ -174,6 +186,7 @@ pub struct FileConfig {
     pub max_queued_jobs_per_team: Option<u32>,
     pub train_threads: Option<usize>,
     pub train_nice: Option<u8>,
+    pub job_lease: Option<u64>,
     pub shutdown_timeout: Option<u64>,
 }
 
@@ -185,6 +198,8 @@ pub struct Config {
     pub models: Vec<(String, PathBuf)>,
     pub api_keys: Vec<String>,
     pub data_dir: PathBuf,
+    /// The SQLite file in `data_dir`, or `--store`'s PostgreSQL database.
+    pub store: StoreLocation,
     pub chat_template: Option<PathBuf>,
     pub trust_request_chat_template: bool,
     pub enable_tool_calls: bool,
@@ -211,6 +226,7 @@ pub struct Config {
     /// `None` = no bound.
     pub max_queued_jobs_per_team: Option<u32>,
     pub trainer_threads: TrainerThreads,
+    pub job_lease: Duration,
     pub shutdown_timeout: Duration,
 }
 
@@ -236,6 +252,10 @@ pub enum ConfigError {
     LoraAlpha(f32),
     #[error("--train-nice must be 0-19, got {0}")]
     TrainNice(u8),
+    #[error("--store: {0}")]
+    Store(temper_store::Error),
+    #[error("--job-lease must be at least 3 seconds (it is renewed every third of it), got {0}")]
+    JobLease(u64),
 }
 
 pub use temper_model::paths::temper_home;
@@ -358,6 +378,18 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
     if train_nice > 19 {
         return Err(ConfigError::TrainNice(train_nice));
     }
+    let data_dir = args
+        .data_dir
+        .or(file.data_dir)
+        .unwrap_or_else(|| home.join("data"));
+    let store = match args.store.or(file.store) {
+        Some(url) => StoreLocation::parse_url(&url).map_err(ConfigError::Store)?,
+        None => StoreLocation::Sqlite(data_dir.clone()),
+    };
+    let job_lease = args.job_lease.or(file.job_lease).unwrap_or(30);
+    if job_lease < 3 {
+        return Err(ConfigError::JobLease(job_lease));
+    }
     let kv_cache_mb = args.kv_cache_mb.or(file.kv_cache_mb);
     if kv_cache_mb == Some(0) {
         return Err(ConfigError::Zero("--kv-cache-mb"));
@@ -374,10 +406,8 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
             .into_iter()
             .filter(|k| !k.trim().is_empty())
             .collect(),
-        data_dir: args
-            .data_dir
-            .or(file.data_dir)
-            .unwrap_or_else(|| home.join("data")),
+        data_dir,
+        store,
         chat_template: args.chat_template.or(file.chat_template),
         trust_request_chat_template: args
             .trust_request_chat_template
@@ -425,6 +455,7 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
             threads: NonZeroUsize::new(train_threads).unwrap_or(NonZeroUsize::MIN),
             nice: train_nice,
         },
+        job_lease: Duration::from_secs(job_lease),
         shutdown_timeout: Duration::from_secs(
             args.shutdown_timeout
                 .or(file.shutdown_timeout)
@@ -481,6 +512,8 @@ mod tests {
         );
         assert!(c.api_keys.is_empty());
         assert_eq!(c.data_dir, PathBuf::from("/h/data"));
+        assert_eq!(c.store, StoreLocation::Sqlite(PathBuf::from("/h/data")));
+        assert_eq!(c.job_lease, Duration::from_secs(30));
         assert!(!c.trust_request_chat_template);
         assert!(!c.enable_tool_calls);
         assert_eq!(c.max_logprobs, Some(20));
@@ -540,6 +573,49 @@ mod tests {
             &["--max-job-attempts", "0"],
             &["--train-threads", "0"],
             &["--train-nice", "20"],
+        ] {
+            assert!(
+                resolve(args(bad), FileConfig::default(), &home()).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn store_and_job_lease() {
+        let file: FileConfig = toml::from_str(
+            r#"
+            data_dir = "/srv/temper"
+            store = "postgres://temper@db/temper"
+            job_lease = 12
+            "#,
+        )
+        .unwrap();
+        let c = resolve(ServeArgs::default(), file, &home()).unwrap();
+        assert_eq!(
+            c.store,
+            StoreLocation::Postgres("postgres://temper@db/temper".to_owned())
+        );
+        // Adapters stay in the data directory.
+        assert_eq!(c.data_dir, PathBuf::from("/srv/temper"));
+        assert_eq!(c.job_lease, Duration::from_secs(12));
+        let c = resolve(
+            args(&["--store", "postgresql://a@b/c", "--job-lease", "3"]),
+            FileConfig::default(),
+            &home(),
+        )
+        .unwrap();
+        assert_eq!(
+            c.store,
+            StoreLocation::Postgres("postgresql://a@b/c".to_owned())
+        );
+        assert_eq!(c.job_lease, Duration::from_secs(3));
+        // Without --store, the SQLite file follows --data-dir.
+        let c = resolve(args(&["--data-dir", "/d"]), FileConfig::default(), &home()).unwrap();
+        assert_eq!(c.store, StoreLocation::Sqlite(PathBuf::from("/d")));
+        for bad in [
+            &["--store", "/var/lib/temper.db"][..],
+            &["--job-lease", "2"],
         ] {
             assert!(
                 resolve(args(bad), FileConfig::default(), &home()).is_err(),

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use temper_http::{AppState, ModelSpec, ServedModel, ServerOptions, Training, TrainingOptions};
+use temper_store::StoreLocation;
 
 use config::{Config, ServeArgs};
 
@@ -79,9 +80,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         None => config::FileConfig::default(),
     };
     let cfg = config::resolve(args, file, &config::temper_home()).map_err(|e| e.to_string())?;
-    // One server per data directory, locked before the store is touched: a second server
-    // must neither migrate the store nor re-queue (as crashed) the first one's running job.
-    // Held until the process exits (declared before the runtime, so dropped after it and its
+    // One server per data directory, locked before the store is touched: with the SQLite store
+    // in it, a second server must neither migrate the store nor re-queue (as crashed) the first
+    // one's running job; with a PostgreSQL store, servers share the database but each keeps
+    // its own data directory (its adapter files). Held until the process exits (declared before the runtime, so dropped after it and its
     // blocking threads, the trainer's included); the OS releases it however the process ends.
     let _lock = temper_store::DataDirLock::acquire(&cfg.data_dir).map_err(|e| e.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -91,6 +93,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let training = runtime
         .block_on(Training::open(TrainingOptions {
             data_dir: cfg.data_dir.clone(),
+            store: cfg.store.clone(),
+            job_lease: cfg.job_lease,
             max_body_bytes: cfg.max_training_body_bytes,
             adapter_cache_bytes: cfg.adapter_cache_bytes,
             lora_rank: cfg.lora_rank,
@@ -336,10 +340,17 @@ fn bind_addresses(cfg: &Config, store_keys: bool) -> Result<Vec<SocketAddr>, Str
 fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String], store_keys: bool) {
     let url = format!("http://{addr}");
     println!("temper serving {} at {url}/v1", names.join(", "));
-    println!(
-        "  state (models, checkpoints, jobs, keys) in {}",
-        cfg.data_dir.display()
-    );
+    match &cfg.store {
+        StoreLocation::Sqlite(_) => println!(
+            "  state (models, checkpoints, jobs, keys) in {}",
+            cfg.data_dir.display()
+        ),
+        StoreLocation::Postgres(_) => println!(
+            "  state (models, checkpoints, jobs, keys) in {}, adapters in {}",
+            cfg.store,
+            cfg.data_dir.display()
+        ),
+    }
     if cfg.api_keys.is_empty() && !store_keys {
         println!("  no API key configured: open to clients on this machine only");
         println!(

@@ -14,9 +14,10 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use temper_model::LoraAdapter;
-use temper_store::{Checkpoint, Store};
+use temper_store::{Backend, Checkpoint, Store, StoreLocation};
 use temper_train::{TrainerPool, TrainerThreads};
 use uuid::Uuid;
 
@@ -28,8 +29,14 @@ use names::StepSelector;
 /// Server settings of the training service.
 #[derive(Debug, Clone)]
 pub struct TrainingOptions {
-    /// The store and the adapter files live here.
+    /// The adapter files live here, and by default the store.
     pub data_dir: PathBuf,
+    /// The store: the SQLite file in `data_dir` (the default), or a PostgreSQL database that
+    /// several servers share.
+    pub store: StoreLocation,
+    /// How long the worker's claim on a running job lasts unless renewed (it renews it every
+    /// third of that); a server that dies loses its job to another worker this long after.
+    pub job_lease: Duration,
     /// Largest accepted body of the training routes (trajectory groups are large).
     pub max_body_bytes: usize,
     /// Memory the cache of loaded adapters may use before it evicts the least recently used.
@@ -49,8 +56,11 @@ pub struct TrainingOptions {
 
 impl TrainingOptions {
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        let data_dir = data_dir.into();
         TrainingOptions {
-            data_dir: data_dir.into(),
+            store: StoreLocation::Sqlite(data_dir.clone()),
+            data_dir,
+            job_lease: Duration::from_secs(30),
             max_body_bytes: 64 << 20,
             adapter_cache_bytes: 256 << 20,
             lora_rank: 8,
@@ -66,6 +76,8 @@ impl TrainingOptions {
 /// The store plus what the routes and the worker share.
 pub struct Training {
     pub store: Store,
+    /// This server's worker, as its job leases name it.
+    pub worker_id: String,
     pub options: TrainingOptions,
     /// Wakes the worker when a job is queued.
     pub(crate) wake: tokio::sync::Notify,
@@ -82,9 +94,9 @@ pub struct Training {
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    #[error("opening the store in {}: {source}", data_dir.display())]
+    #[error("opening the store {location}: {source}")]
     Store {
-        data_dir: PathBuf,
+        location: StoreLocation,
         source: temper_store::Error,
     },
     #[error("{0}")]
@@ -92,21 +104,22 @@ pub enum OpenError {
 }
 
 impl Training {
-    /// Opens the store under `options.data_dir`, removes the temporary files of adapter saves
-    /// a crash cut short, and puts back in the queue any job a crash left running (the worker
-    /// then re-runs it from its start), or fails it when it was running at
-    /// `options.max_job_attempts` crashes in a row. Starts the trainer's threads.
+    /// Opens the store (`options.store`), removes the temporary files of adapter saves a crash
+    /// cut short, and puts back in the queue the jobs whose worker is gone (the worker then
+    /// re-runs them from their start), or fails those interrupted `options.max_job_attempts`
+    /// times in a row. Starts the trainer's threads.
     ///
-    /// The caller holds the data directory's [`temper_store::DataDirLock`] (`temper serve`
-    /// takes it before this), so that this recovery never touches another server's jobs.
+    /// On SQLite every running job was this server's: the caller holds the data directory's
+    /// [`temper_store::DataDirLock`] (`temper serve` takes it before this), so no other server
+    /// uses the store. On PostgreSQL other servers' jobs are alive: only expired leases count.
     pub async fn open(options: TrainingOptions) -> Result<Training, OpenError> {
         let trainer_pool =
             TrainerPool::new(options.trainer_threads).map_err(OpenError::TrainerPool)?;
         let store_error = |source| OpenError::Store {
-            data_dir: options.data_dir.clone(),
+            location: options.store.clone(),
             source,
         };
-        let mut store = Store::open(&options.data_dir).await.map_err(store_error)?;
+        let mut store = Store::connect(&options.store).await.map_err(store_error)?;
         if let Some(limit) = options.max_queued_jobs_per_team {
             store = store.with_max_queued_jobs_per_team(limit);
         }
@@ -116,22 +129,16 @@ impl Training {
                 "removed the temporary file of an interrupted adapter save"
             );
         }
-        let recovery = store
-            .recover_after_crash(options.max_job_attempts.max(1))
-            .await
-            .map_err(store_error)?;
-        for id in &recovery.requeued {
-            tracing::warn!(job_id = %id, "re-queued a training job the last run left running");
+        let max_attempts = options.max_job_attempts.max(1);
+        let recovery = match store.backend() {
+            Backend::Sqlite => store.recover_after_crash(max_attempts).await,
+            Backend::Postgres => store.requeue_expired_leases(max_attempts).await,
         }
-        for id in &recovery.failed {
-            tracing::error!(
-                job_id = %id,
-                max_attempts = options.max_job_attempts,
-                "failed a training job that was running at its attempt limit of crashes in a row"
-            );
-        }
+        .map_err(store_error)?;
+        worker::log_recovery(&recovery, max_attempts);
         Ok(Training {
             store,
+            worker_id: temper_store::new_worker_id().map_err(store_error)?,
             wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),
@@ -168,10 +175,11 @@ impl Training {
     }
 
     /// The last step of a graceful shutdown, once the worker has stopped (or the time is up):
-    /// puts the running job back in the queue, its attempt given back. Errors are logged: the
-    /// next start's recovery re-queues the job instead (as after a crash).
+    /// puts this worker's running job back in the queue, its attempt given back. Errors are
+    /// logged: the job is re-queued as after a crash instead (at the next start on SQLite, once
+    /// its lease expires on PostgreSQL).
     pub async fn requeue_at_shutdown(&self) {
-        match self.store.requeue_at_shutdown().await {
+        match self.store.requeue_at_shutdown(&self.worker_id).await {
             Ok(ids) => {
                 for id in ids {
                     tracing::info!(job_id = %id, "re-queued the running training job for the next start");
