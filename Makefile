@@ -16,12 +16,14 @@ build:
 serve: fetch-model build
 	./target/release/temper serve $(ARGS)
 
-# Tests that need the default model fail (not skip) without it. Then the client suites against the
-# built server: the openai SDK, and the openpipe-art RL library. The last line sums every test
-# binary's result (cargo prints one line per binary; each Python suite prints one in the same shape).
+# Tests that need the default model fail (not skip) without it; so do the PostgreSQL store's, run
+# against a throwaway server (scripts/with-postgres.sh). Then the client suites against the built
+# server: the openai SDK, and the openpipe-art RL library. The last line sums every test binary's
+# result (cargo prints one line per binary; each Python suite prints one in the same shape).
 test: fetch-model build
 	mkdir -p target
-	TEMPER_REQUIRE_MODEL=1 cargo test --release --workspace --lib --bins --tests 2>&1 | tee target/test.log
+	TEMPER_REQUIRE_MODEL=1 TEMPER_REQUIRE_POSTGRES=1 scripts/with-postgres.sh \
+		cargo test --release --workspace --lib --bins --tests 2>&1 | tee target/test.log
 	status=0; \
 	scripts/python-sdk-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	scripts/art-tests.sh 2>&1 | tee -a target/test.log || status=1; \
