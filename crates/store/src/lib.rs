@@ -6,7 +6,7 @@
 //! team's rows exactly like missing ones ([`Error::NotFound`]), so existence never leaks.
 //!
 //! One set of queries serves both databases (sqlx's `Any` driver, `$N` parameters, SQL both
-//! accept); where they must differ (row locks, JSON) a query is a [`Dialects`] pair. The same
+//! accept); where they must differ (row locks, JSON) a query is a `Dialects` pair. The same
 //! numbered migrations run on both, with a PostgreSQL file only where its SQL must differ.
 
 mod idempotency;
@@ -60,7 +60,7 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
-    /// A `--store` value that is not a PostgreSQL URL.
+    /// A `--store` value that is not a PostgreSQL URL (its password hidden).
     #[error("invalid store {0:?}: expected a postgres:// or postgresql:// URL (without one the store is the SQLite file in the data directory)")]
     Location(String),
     #[error("database: {0}")]
@@ -142,7 +142,7 @@ impl StoreLocation {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             Ok(StoreLocation::Postgres(url.to_owned()))
         } else {
-            Err(Error::Location(url.to_owned()))
+            Err(Error::Location(redact_password(url).into_owned()))
         }
     }
 
@@ -513,7 +513,7 @@ pub fn new_worker_id() -> Result<String> {
     ))
 }
 
-/// Seconds from now, for a lease's end (whole seconds, as every time in the store).
+/// `at` plus `d`, for a lease's end (whole seconds, as every time in the store).
 pub(crate) fn seconds_from(at: i64, d: Duration) -> i64 {
     at.saturating_add(i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
@@ -576,6 +576,8 @@ mod tests {
                 "{bad}"
             );
         }
+        let refused = StoreLocation::parse_url("mysql://root:hunter2@db/x").unwrap_err();
+        assert!(!refused.to_string().contains("hunter2"), "{refused}");
     }
 
     #[test]
