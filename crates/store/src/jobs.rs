@@ -370,6 +370,16 @@ impl Store {
         .bind(team)
         .execute(&mut *conn)
         .await?;
+        // The model's row, shared until this commits: a deletion of the model waits for this
+        // job, then fails it (see `delete_model`).
+        sqlx::query(self.sql(locking!(
+            "SELECT 1 FROM models WHERE id = $1 AND team = $2",
+            "FOR KEY SHARE"
+        )))
+        .bind(model_id.to_string())
+        .bind(team)
+        .execute(&mut *conn)
+        .await?;
         let max_queued = self.max_queued_jobs_per_team;
         // One statement: the model check, the team's queue bound and the insert cannot race a
         // deletion or another post.
@@ -684,6 +694,16 @@ impl Store {
     ) -> Result<(Job, Option<Checkpoint>)> {
         let at = now();
         let mut tx = self.write_tx().await?;
+        // The model before the job, as `delete_model` locks them (the checkpoint's foreign key
+        // would take the model's row after the job's otherwise, and the two could deadlock).
+        sqlx::query(self.sql(locking!(
+            "SELECT 1 FROM models \
+             WHERE id = (SELECT model_id FROM training_jobs WHERE id = $1)",
+            "FOR KEY SHARE"
+        )))
+        .bind(job_id.to_string())
+        .execute(&mut *tx)
+        .await?;
         let row = sqlx::query(concat!(
             "UPDATE training_jobs SET status = 'succeeded', step = $1, finished_at = $2, \
              lease_owner = NULL, lease_expires_at = NULL \

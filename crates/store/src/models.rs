@@ -236,12 +236,17 @@ impl Store {
     pub async fn delete_model(&self, team: &str, id: Uuid) -> Result<DeletedModel> {
         let at = now();
         let mut tx = self.write_tx().await?;
-        let exists: Option<i64> =
-            sqlx::query_scalar("SELECT 1 FROM models WHERE id = $1 AND team = $2")
-                .bind(id.to_string())
-                .bind(team)
-                .fetch_optional(&mut *tx)
-                .await?;
+        // On PostgreSQL the model's row is locked first: a job being queued for it (which holds
+        // the row shared) commits before this fails the model's jobs, and none is queued after.
+        // Everything that locks a model and a job locks the model first, so none deadlocks.
+        let exists: Option<i64> = sqlx::query_scalar(self.sql(locking!(
+            "SELECT 1 FROM models WHERE id = $1 AND team = $2",
+            "FOR UPDATE"
+        )))
+        .bind(id.to_string())
+        .bind(team)
+        .fetch_optional(&mut *tx)
+        .await?;
         if exists.is_none() {
             return Err(Error::NotFound("model"));
         }

@@ -169,6 +169,7 @@ on_both_backends!(
     shutdown_requeues_only_the_workers_own_jobs,
     stale_idempotency_claims_are_released,
     training_totals_count_jobs_steps_and_tokens,
+    a_model_deleted_amid_posts_and_a_finishing_job_leaves_none_pending,
 );
 
 async fn model(store: &Store, team: &str, name: &str) -> Model {
@@ -1729,4 +1730,68 @@ async fn a_claim_skips_a_job_being_claimed_but_not_to_its_later_jobs() {
     assert_eq!(claim().await.expect("a claim never waits").unwrap(), None);
     claiming.rollback().await.unwrap();
     assert_eq!(claim().await.unwrap().unwrap().map(|j| j.id), Some(jobs[0]));
+}
+
+/// A model deleted while jobs are posted for it and its running job ends: every job of it ends
+/// failed or succeeded (none left queued or running), and nothing deadlocks.
+async fn a_model_deleted_amid_posts_and_a_finishing_job_leaves_none_pending(db: Db) {
+    let store = db.open().await;
+    for round in 0..6 {
+        let m = model(&store, "acme", &format!("m{round}")).await;
+        let running = store
+            .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+            .await
+            .unwrap();
+        assert_eq!(
+            store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+            running.id
+        );
+        let mut tasks = Vec::new();
+        for _ in 0..6 {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                match store
+                    .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+                    .await
+                {
+                    Ok(_) | Err(Error::NotFound("model")) => {}
+                    Err(e) => panic!("posting: {e}"),
+                }
+            }));
+        }
+        let finishing = store.clone();
+        tasks.push(tokio::spawn(async move {
+            match finishing
+                .succeed_job(running.id, W, 1, Some(json!({})), &json!({ "step": 1 }))
+                .await
+            {
+                Ok(_)
+                | Err(Error::JobState {
+                    status: JobStatus::Failed,
+                    ..
+                })
+                | Err(Error::NotFound("model")) => {}
+                Err(e) => panic!("finishing: {e}"),
+            }
+        }));
+        let deleting = store.clone();
+        tasks.push(tokio::spawn(async move {
+            deleting.delete_model("acme", m.id).await.unwrap();
+        }));
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let jobs = store
+            .list_jobs("acme", Some(m.id), None, 100)
+            .await
+            .unwrap();
+        for job in &jobs.items {
+            assert!(
+                matches!(job.status, JobStatus::Failed | JobStatus::Succeeded),
+                "round {round}: job {} is {}",
+                job.id,
+                job.status
+            );
+        }
+    }
 }
