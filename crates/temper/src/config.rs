@@ -145,8 +145,12 @@ pub struct ServeArgs {
     /// How long a server's claim on the training job it runs lasts unless renewed (it renews
     /// it every third of that): another server re-queues the job of one that died this long
     /// after its last renewal; at least 3 [default: 30].
-    #[arg(long, env = "TEMPER_JOB_LEASE", value_name = "SECONDS")]
-    pub job_lease: Option<u64>,
+    #[arg(long, env = "TEMPER_JOB_LEASE_SECS", value_name = "SECONDS")]
+    pub job_lease_secs: Option<u64>,
+    /// This server's worker name in job leases and `training_started` events; unique among
+    /// the servers sharing a store [default: <host>-<pid>-<random hex>].
+    #[arg(long, env = "TEMPER_WORKER_ID", value_name = "NAME")]
+    pub worker_id: Option<String>,
     /// After SIGINT or SIGTERM, the longest wait for in-flight requests to finish and the
     /// training job to stop before the process exits anyway [default: 30].
     #[arg(long, env = "TEMPER_SHUTDOWN_TIMEOUT", value_name = "SECONDS")]
@@ -186,7 +190,8 @@ pub struct FileConfig {
     pub max_queued_jobs_per_team: Option<u32>,
     pub train_threads: Option<usize>,
     pub train_nice: Option<u8>,
-    pub job_lease: Option<u64>,
+    pub job_lease_secs: Option<u64>,
+    pub worker_id: Option<String>,
     pub shutdown_timeout: Option<u64>,
 }
 
@@ -227,6 +232,8 @@ pub struct Config {
     pub max_queued_jobs_per_team: Option<u32>,
     pub trainer_threads: TrainerThreads,
     pub job_lease: Duration,
+    /// `None`: a generated one.
+    pub worker_id: Option<String>,
     pub shutdown_timeout: Duration,
 }
 
@@ -254,8 +261,12 @@ pub enum ConfigError {
     TrainNice(u8),
     #[error("--store: {0}")]
     Store(temper_store::Error),
-    #[error("--job-lease must be at least 3 seconds (it is renewed every third of it), got {0}")]
+    #[error(
+        "--job-lease-secs must be at least 3 (the lease is renewed every third of it), got {0}"
+    )]
     JobLease(u64),
+    #[error("--worker-id {0:?}: expected 1 to 128 of A-Z a-z 0-9 - _ . :")]
+    WorkerId(String),
 }
 
 pub use temper_model::paths::temper_home;
@@ -386,9 +397,19 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         Some(url) => StoreLocation::parse_url(&url).map_err(ConfigError::Store)?,
         None => StoreLocation::Sqlite(data_dir.clone()),
     };
-    let job_lease = args.job_lease.or(file.job_lease).unwrap_or(30);
+    let job_lease = args.job_lease_secs.or(file.job_lease_secs).unwrap_or(30);
     if job_lease < 3 {
         return Err(ConfigError::JobLease(job_lease));
+    }
+    let worker_id = args.worker_id.or(file.worker_id);
+    if let Some(id) = &worker_id {
+        let ok = (1..=128).contains(&id.len())
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'));
+        if !ok {
+            return Err(ConfigError::WorkerId(id.clone()));
+        }
     }
     let kv_cache_mb = args.kv_cache_mb.or(file.kv_cache_mb);
     if kv_cache_mb == Some(0) {
@@ -456,6 +477,7 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
             nice: train_nice,
         },
         job_lease: Duration::from_secs(job_lease),
+        worker_id,
         shutdown_timeout: Duration::from_secs(
             args.shutdown_timeout
                 .or(file.shutdown_timeout)
@@ -514,6 +536,7 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("/h/data"));
         assert_eq!(c.store, StoreLocation::Sqlite(PathBuf::from("/h/data")));
         assert_eq!(c.job_lease, Duration::from_secs(30));
+        assert_eq!(c.worker_id, None);
         assert!(!c.trust_request_chat_template);
         assert!(!c.enable_tool_calls);
         assert_eq!(c.max_logprobs, Some(20));
@@ -582,12 +605,13 @@ mod tests {
     }
 
     #[test]
-    fn store_and_job_lease() {
+    fn store_job_lease_and_worker_id() {
         let file: FileConfig = toml::from_str(
             r#"
             data_dir = "/srv/temper"
             store = "postgres://temper@db/temper"
-            job_lease = 12
+            job_lease_secs = 12
+            worker_id = "node-1"
             "#,
         )
         .unwrap();
@@ -599,8 +623,16 @@ mod tests {
         // Adapters stay in the data directory.
         assert_eq!(c.data_dir, PathBuf::from("/srv/temper"));
         assert_eq!(c.job_lease, Duration::from_secs(12));
+        assert_eq!(c.worker_id.as_deref(), Some("node-1"));
         let c = resolve(
-            args(&["--store", "postgresql://a@b/c", "--job-lease", "3"]),
+            args(&[
+                "--store",
+                "postgresql://a@b/c",
+                "--job-lease-secs",
+                "3",
+                "--worker-id",
+                "w2",
+            ]),
             FileConfig::default(),
             &home(),
         )
@@ -610,12 +642,15 @@ mod tests {
             StoreLocation::Postgres("postgresql://a@b/c".to_owned())
         );
         assert_eq!(c.job_lease, Duration::from_secs(3));
+        assert_eq!(c.worker_id.as_deref(), Some("w2"));
         // Without --store, the SQLite file follows --data-dir.
         let c = resolve(args(&["--data-dir", "/d"]), FileConfig::default(), &home()).unwrap();
         assert_eq!(c.store, StoreLocation::Sqlite(PathBuf::from("/d")));
         for bad in [
             &["--store", "/var/lib/temper.db"][..],
-            &["--job-lease", "2"],
+            &["--job-lease-secs", "2"],
+            &["--worker-id", ""],
+            &["--worker-id", "a b"],
         ] {
             assert!(
                 resolve(args(bad), FileConfig::default(), &home()).is_err(),

@@ -95,6 +95,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             data_dir: cfg.data_dir.clone(),
             store: cfg.store.clone(),
             job_lease: cfg.job_lease,
+            worker_id: cfg.worker_id.clone(),
             max_body_bytes: cfg.max_training_body_bytes,
             adapter_cache_bytes: cfg.adapter_cache_bytes,
             lora_rank: cfg.lora_rank,

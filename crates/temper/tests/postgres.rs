@@ -122,18 +122,24 @@ async fn a_killed_servers_job_is_rerun_by_another_once_its_lease_expires() {
     };
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let args = [
-        "--store",
-        &url,
-        "--job-lease",
-        "3",
-        "--max-train-seq-len",
-        "64",
-    ];
-    let mut servers = [
-        Server::start(&model, &dir.path().join("a"), &args),
-        Server::start(&model, &dir.path().join("b"), &args),
-    ];
+    let args = |worker| {
+        [
+            "--store",
+            &url,
+            "--job-lease-secs",
+            "3",
+            "--max-train-seq-len",
+            "64",
+            "--worker-id",
+            worker,
+        ]
+        .map(str::to_owned)
+    };
+    let mut servers = ["worker-a", "worker-b"].map(|worker| {
+        let args = args(worker);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Server::start(&model, &dir.path().join(worker), &args)
+    });
     let model_id = create_model(&servers[0]).await;
     // Longer than post_long_job's: it has to outlast the wait below.
     let small = groups(&servers[1], "default/proj/agent", PROMPTS).await;
@@ -153,9 +159,9 @@ async fn a_killed_servers_job_is_rerun_by_another_once_its_lease_expires() {
         assert!(start.elapsed() < Duration::from_secs(60), "never claimed");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let running = servers
+    let running = ["worker-a", "worker-b"]
         .iter()
-        .position(|s| owner.contains(&format!("-{}-", s.child.id())))
+        .position(|w| *w == owner)
         .unwrap_or_else(|| panic!("{owner} is neither server's worker"));
 
     // Past the lease, renewed: still running under its first claim.
@@ -179,6 +185,16 @@ async fn a_killed_servers_job_is_rerun_by_another_once_its_lease_expires() {
         .collect();
     assert_eq!(requeued.len(), 1, "{events:?}");
     assert_eq!(requeued[0]["data"]["worker"], owner.as_str());
+    // Each run's training_started names its worker: the killed one, then the other.
+    let started: Vec<&str> = events
+        .iter()
+        .filter(|e| e["type"] == "training_started")
+        .map(|e| e["data"]["worker"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        started,
+        [owner.as_str(), ["worker-a", "worker-b"][1 - running]]
+    );
     let job = store.get_job("default", id).await.unwrap();
     assert_eq!(job.attempts, 2);
 }

@@ -37,6 +37,9 @@ pub struct TrainingOptions {
     /// How long the worker's claim on a running job lasts unless renewed (it renews it every
     /// third of that); a server that dies loses its job to another worker this long after.
     pub job_lease: Duration,
+    /// This server's worker name in job leases and events (`None`: a generated one, see
+    /// [`temper_store::new_worker_id`]); unique among the servers sharing a store.
+    pub worker_id: Option<String>,
     /// Largest accepted body of the training routes (trajectory groups are large).
     pub max_body_bytes: usize,
     /// Memory the cache of loaded adapters may use before it evicts the least recently used.
@@ -61,6 +64,7 @@ impl TrainingOptions {
             store: StoreLocation::Sqlite(data_dir.clone()),
             data_dir,
             job_lease: Duration::from_secs(30),
+            worker_id: None,
             max_body_bytes: 64 << 20,
             adapter_cache_bytes: 256 << 20,
             lora_rank: 8,
@@ -138,7 +142,10 @@ impl Training {
         worker::log_recovery(&recovery, max_attempts);
         Ok(Training {
             store,
-            worker_id: temper_store::new_worker_id().map_err(store_error)?,
+            worker_id: match &options.worker_id {
+                Some(id) => id.clone(),
+                None => temper_store::new_worker_id().map_err(store_error)?,
+            },
             wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),

@@ -279,7 +279,7 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
         let (kind, data) = match e {
             TrainEvent::Started { num_sequences } => (
                 event::TRAINING_STARTED,
-                json!({ "num_sequences": num_sequences }),
+                json!({ "num_sequences": num_sequences, "worker": training.worker_id }),
             ),
             TrainEvent::GradientStep(metrics) => step_data(
                 serde_json::to_value(&metrics),
