@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test fuzz bench bench-compare bench-train-compare fetch-model build demo-rl soak
+.PHONY: serve test test-dashboard fuzz bench bench-compare bench-train-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -17,18 +17,28 @@ serve: fetch-model build
 	./target/release/temper serve $(ARGS)
 
 # Tests that need the default model fail (not skip) without it; so do the PostgreSQL store's, run
-# against a throwaway server (scripts/with-postgres.sh). Then the client suites against the built
-# server: the openai SDK, and the openpipe-art RL library. The last line sums every test binary's
-# result (cargo prints one line per binary; each Python suite prints one in the same shape).
+# against a throwaway server (scripts/with-postgres.sh). Then the OpenAPI document's check against
+# the OpenAPI 3.1 schema, and the client suites against the built server: the openai SDK, the
+# openpipe-art RL library, and the dashboard in headless Chromium (required here: it fails, not
+# skips, without chromium). The last line sums every test binary's result (cargo prints one line
+# per binary; each Python suite prints one in the same shape).
 test: fetch-model build
 	mkdir -p target
 	TEMPER_REQUIRE_MODEL=1 TEMPER_REQUIRE_POSTGRES=1 scripts/with-postgres.sh \
 		cargo test --release --workspace --lib --bins --tests 2>&1 | tee target/test.log
 	status=0; \
+	scripts/openapi-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	scripts/python-sdk-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	scripts/art-tests.sh 2>&1 | tee -a target/test.log || status=1; \
+	TEMPER_REQUIRE_CHROMIUM=1 scripts/dashboard-test.sh 2>&1 | tee -a target/test.log || status=1; \
 	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
 	exit $$status
+
+# GET /dashboard in Debian's headless chromium against a fresh server with trained checkpoints
+# (skipped with the reason when chromium is missing); ARGS="--screenshot docs/dashboard.png"
+# rewrites the README's screenshot (by default it goes to target/dashboard.png).
+test-dashboard: fetch-model build
+	scripts/dashboard-test.sh $(ARGS)
 
 # The fuzz tests of request bodies and GGUF files (part of `make test` for 3 s each) for
 # FUZZ_SECS seconds each, from TEMPER_FUZZ_SEED when set; a failure prints its seed and replay.

@@ -167,13 +167,26 @@ class Project(unittest.TestCase):
             client(project="no slash here").chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=1)
         self.assertEqual(e.exception.body.get("param"), "OpenAI-Project")
 
-    def test_project_appears_in_the_request_log(self):
+    def test_another_teams_project_is_a_400(self):
+        # The suite's key is the command line's, of team `default`.
+        with self.assertRaises(openai.BadRequestError) as e:
+            client(project="research/agents").chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=1)
+        self.assertEqual(e.exception.body.get("param"), "OpenAI-Project")
+
+    def test_project_appears_in_the_request_log_and_its_usage(self):
         name = f"sdkproj{os.getpid()}"
-        client(project=f"research/{name}").chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=1)
+        r = client(project=f"default/{name}").chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=1)
         deadline = time.time() + 10
         while name not in SERVER.log_text() and time.time() < deadline:
             time.sleep(0.1)
         self.assertIn(name, SERVER.log_text())
+        # GET /v1/usage through the SDK's raw request method.
+        page = client().get(f"/usage?start={int(time.time()) - 3600}&bucket_width=1h&group_by=project",
+                            cast_to=object)
+        mine = [res for b in page["data"] for res in b["results"] if res["project_id"] == name]
+        self.assertEqual(len(mine), 1, page)
+        self.assertEqual((mine[0]["input_tokens"], mine[0]["output_tokens"], mine[0]["num_model_requests"]),
+                         (r.usage.prompt_tokens, r.usage.completion_tokens, 1))
 
 
 class ExtraBody(unittest.TestCase):

@@ -27,7 +27,17 @@ pub struct RequestContext {
     pub team: String,
 }
 
-/// `OpenAI-Project: <team>/<project>`: usage attribution.
+impl RequestContext {
+    /// The project the request's usage counts under: the `OpenAI-Project` header's, else
+    /// [`DEFAULT_PROJECT`](crate::usage::DEFAULT_PROJECT).
+    pub fn usage_project(&self) -> &str {
+        self.project
+            .as_ref()
+            .map_or(crate::usage::DEFAULT_PROJECT, |p| p.project.as_str())
+    }
+}
+
+/// `OpenAI-Project: <team>/<project>`: usage attribution. The team must be the key's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Project {
     pub team: String,
@@ -95,7 +105,8 @@ pub async fn request_context(mut req: Request, next: Next) -> Response {
     response
 }
 
-/// Bearer key check, then the project header. Every route but `/health` runs through this.
+/// Bearer key check, then the project header, whose team must be the key's (a 400 otherwise).
+/// Every route but `/health` runs through this.
 pub async fn authorize(
     State(state): State<AppState>,
     mut req: Request,
@@ -110,6 +121,17 @@ pub async fn authorize(
         })?)?),
     };
     if let Some(p) = &project {
+        if p.team != team {
+            // Usage is the key's team's: another team's project would put it on their account.
+            return Err(ApiError::bad(
+                "OpenAI-Project",
+                format!(
+                    "The OpenAI-Project header names team `{}`, but the API key belongs to team \
+                     `{team}`: send `OpenAI-Project: {team}/<project>`.",
+                    p.team
+                ),
+            ));
+        }
         tracing::Span::current().record("project", p.project.as_str());
     }
     if let Some(ctx) = req.extensions_mut().get_mut::<RequestContext>() {

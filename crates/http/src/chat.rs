@@ -27,13 +27,15 @@ use crate::prompt::{
 use crate::protocol::{
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
     ChunkChoice, Delta, DeltaToolCall, FinishReasonJson, LogprobEntry, ResponseFunctionCall,
-    ResponseMessage, ResponseToolCall, StopReasonJson, Usage,
+    ResponseMessage, ResponseToolCall, StopReasonJson,
 };
 use crate::state::{unix_now, AppState};
 use crate::structured::compile_constraint;
 use crate::team_limits::TeamRequestSlot;
-use crate::training::resolve_model;
+use crate::training::{resolve_model, ResolvedModel};
+use crate::usage::{check_quota, ChatUsage, UsageSink};
 use crate::validation::{check_prompt_bytes, validate_chat, StreamOptions};
+use temper_train::service::names;
 
 pub const SYSTEM_FINGERPRINT: &str = concat!("temper-", env!("CARGO_PKG_VERSION"));
 
@@ -71,6 +73,7 @@ pub async fn chat_completions(
     let resolved = resolve_model(&state, req.model.as_deref(), &ctx.team).await?;
     let model = resolved.base.clone();
     let mut params = validate_chat(req, &state.limits(&model))?;
+    check_quota(&state, &ctx.team).await?;
     let constraint = compile_constraint(&model.engine, params.constraint.take()).await?;
     let request_id = params
         .request_id
@@ -81,6 +84,12 @@ pub async fn chat_completions(
         (Some(checkpoint), Some(training)) => training.adapter(&model, checkpoint).await?,
         _ => None,
     };
+    let usage_sink = state.usage_meter().map(|meter| UsageSink {
+        meter: meter.clone(),
+        team: ctx.team.clone(),
+        project: ctx.usage_project().to_owned(),
+        model: usage_model(&resolved, &ctx.team),
+    });
     // Rendering and tokenizing a prompt of up to the body limit, and preparing the logits
     // processors, take milliseconds to seconds: on a blocking thread, so the async workers keep
     // answering `/health`, authentication and every stream meanwhile.
@@ -124,6 +133,8 @@ pub async fn chat_completions(
     })
     .await
     .map_err(|e| ApiError::Internal(format!("the prompt task failed: {e}")))??;
+    // Counted from here: the engine has the request.
+    let usage = ChatUsage::new(prompt_ids.len(), params.n, usage_sink);
     let reasoning_parser = reasoning_parser(&model, &params.prompt, &prompt_ids);
     let completion = Completion {
         id: format!(
@@ -145,8 +156,19 @@ pub async fn chat_completions(
         echo: params.echo,
     };
     match params.stream {
-        Some(opts) => Ok(sse_response(rx, completion, opts, team_slot)),
-        None => Ok(Json(collect(rx, &completion).await?).into_response()),
+        Some(opts) => Ok(sse_response(rx, completion, opts, team_slot, usage)),
+        None => Ok(Json(collect(rx, &completion, usage).await?).into_response()),
+    }
+}
+
+/// The model a request's usage counts under: a base model's name, or the checkpoint it used as
+/// `<team>/<project>/<name>:step<N>` (however the request spelled it).
+fn usage_model(resolved: &ResolvedModel, team: &str) -> String {
+    match (&resolved.checkpoint, names::parse(&resolved.name)) {
+        (Some(checkpoint), Some(name)) => {
+            names::checkpoint_name(team, name.project, name.name, checkpoint.step)
+        }
+        _ => resolved.name.clone(),
     }
 }
 
@@ -202,19 +224,19 @@ struct ChoiceAcc {
     token_ids: Vec<u32>,
     logprobs: Vec<LogprobEntry>,
     finish: Option<(FinishReasonJson, Option<StopReasonJson>)>,
-    completion_tokens: usize,
 }
 
 /// Non-streaming: waits for every choice to finish. If the client goes away, axum drops this
-/// future and with it the receiver, which cancels the request in the engine.
+/// future and with it the receiver, which cancels the request in the engine; `usage` records
+/// what was generated however it ends.
 pub async fn collect(
     mut rx: UnboundedReceiver<GenerationEvent>,
     c: &Completion,
+    mut usage: ChatUsage,
 ) -> Result<ChatCompletionResponse, ApiError> {
     let mut choices: Vec<ChoiceAcc> = (0..c.n).map(|_| ChoiceAcc::default()).collect();
     let mut finished = 0;
     let mut prompt_logprobs = None;
-    let mut cached = 0;
     while finished < c.n {
         match rx.recv().await.ok_or_else(engine_gone)? {
             GenerationEvent::PromptLogprobs { entries } => prompt_logprobs = Some(entries),
@@ -225,6 +247,7 @@ pub async fn collect(
                 logprob,
             } => {
                 let acc = choices.get_mut(choice).ok_or_else(|| bad_choice(choice))?;
+                usage.token(choice);
                 acc.text.push_str(&text);
                 acc.token_ids.push(token_id);
                 if let Some(lp) = logprob {
@@ -245,19 +268,18 @@ pub async fn collect(
                 cached_tokens,
                 ..
             } => {
-                cached = cached_tokens;
                 let acc = choices.get_mut(choice).ok_or_else(|| bad_choice(choice))?;
                 acc.text.push_str(&text);
                 if acc.finish.is_none() {
                     finished += 1;
                 }
                 acc.finish = Some((finish_json(reason), stop_json(stop_reason)));
-                acc.completion_tokens = completion_tokens;
+                usage.finished(choice, completion_tokens, cached_tokens);
             }
             GenerationEvent::Error { message } => return Err(ApiError::Generation(message)),
         }
     }
-    let completion_tokens = choices.iter().map(|a| a.completion_tokens).sum();
+    usage.record();
     // The first prompt token has nothing before it to be predicted from.
     let prompt_logprobs = prompt_logprobs.map(|entries| {
         std::iter::once(None)
@@ -308,7 +330,7 @@ pub async fn collect(
                 }
             })
             .collect(),
-        usage: Usage::new(c.prompt_ids.len(), cached, completion_tokens),
+        usage: usage.usage(),
         system_fingerprint: SYSTEM_FINGERPRINT,
         service_tier: c.service_tier,
         prompt_token_ids: c.return_token_ids.then(|| c.prompt_ids.clone()),
@@ -348,9 +370,8 @@ struct SseState {
     c: Completion,
     opts: StreamOptions,
     pending: VecDeque<Bytes>,
-    completion_tokens: Vec<usize>,
-    /// Prompt tokens the prefix cache held (known from the first `Finished`).
-    cached_tokens: usize,
+    /// Recorded as the stream ends, or when its client goes away.
+    usage: ChatUsage,
     finished: Vec<bool>,
     /// One per choice when the reasoning parser is on, else empty.
     parsers: Vec<ReasoningParser>,
@@ -363,7 +384,12 @@ struct SseState {
 }
 
 impl SseState {
-    fn new(rx: UnboundedReceiver<GenerationEvent>, c: Completion, opts: StreamOptions) -> Self {
+    fn new(
+        rx: UnboundedReceiver<GenerationEvent>,
+        c: Completion,
+        opts: StreamOptions,
+        usage: ChatUsage,
+    ) -> Self {
         let n = c.n;
         let parsers = c
             .reasoning_parser
@@ -380,8 +406,7 @@ impl SseState {
             c,
             opts,
             pending: VecDeque::new(),
-            completion_tokens: vec![0; n],
-            cached_tokens: 0,
+            usage,
             finished: vec![false; n],
             parsers,
             tool_parsers,
@@ -477,14 +502,6 @@ impl SseState {
         }
     }
 
-    fn usage(&self) -> Usage {
-        Usage::new(
-            self.c.prompt_ids.len(),
-            self.cached_tokens,
-            self.completion_tokens.iter().sum(),
-        )
-    }
-
     fn chunk(&self, choice: ChunkChoice, with_prompt_ids: bool) -> Bytes {
         sse_data(&ChatCompletionChunk {
             id: &self.c.id,
@@ -492,13 +509,14 @@ impl SseState {
             created: self.c.created,
             model: &self.c.model,
             choices: vec![choice],
-            usage: self.opts.continuous_usage_stats.then(|| self.usage()),
+            usage: self.opts.continuous_usage_stats.then(|| self.usage.usage()),
             prompt_token_ids: with_prompt_ids.then_some(self.c.prompt_ids.as_slice()),
         })
     }
 
     fn fail(&mut self, e: ApiError) {
         tracing::error!(error = %e, "stream failed");
+        self.usage.record();
         self.pending.push_back(sse_error(&e));
         self.pending.push_back(Bytes::from_static(SSE_DONE));
         self.done = true;
@@ -516,10 +534,9 @@ impl SseState {
                 text,
                 logprob,
             }) => {
-                let Some(count) = self.completion_tokens.get_mut(choice) else {
+                if !self.usage.token(choice) {
                     return self.fail(bad_choice(choice));
-                };
-                *count += 1;
+                }
                 let d = self.split(choice, &text, false);
                 if d.content.is_empty()
                     && d.reasoning.is_empty()
@@ -568,14 +585,14 @@ impl SseState {
                 cached_tokens,
                 ..
             }) => {
-                self.cached_tokens = cached_tokens;
                 match self.finished.get_mut(choice) {
                     Some(f) if !*f => *f = true,
                     // A second Finished for one choice would break "exactly one finish chunk".
                     Some(_) => return,
                     None => return self.fail(bad_choice(choice)),
                 }
-                self.completion_tokens[choice] = completion_tokens;
+                self.usage
+                    .finished(choice, completion_tokens, cached_tokens);
                 let d = self.split(choice, &text, true);
                 let finish_reason = finish_with_calls(finish_json(reason), self.calls[choice] > 0);
                 let chunk = self.chunk(
@@ -596,6 +613,8 @@ impl SseState {
                 );
                 self.pending.push_back(chunk);
                 if self.finished.iter().all(|&f| f) {
+                    // Before the client can read the end of the stream.
+                    self.usage.record();
                     if self.opts.include_usage {
                         let usage = sse_data(&ChatCompletionChunk {
                             id: &self.c.id,
@@ -603,7 +622,7 @@ impl SseState {
                             created: self.c.created,
                             model: &self.c.model,
                             choices: Vec::new(),
-                            usage: Some(self.usage()),
+                            usage: Some(self.usage.usage()),
                             prompt_token_ids: None,
                         });
                         self.pending.push_back(usage);
@@ -611,7 +630,7 @@ impl SseState {
                     self.pending.push_back(Bytes::from_static(SSE_DONE));
                     self.done = true;
                     tracing::info!(
-                        completion_tokens = self.completion_tokens.iter().sum::<usize>(),
+                        completion_tokens = self.usage.usage().completion_tokens,
                         "stream finished"
                     );
                 }
@@ -634,9 +653,10 @@ fn sse_response(
     c: Completion,
     opts: StreamOptions,
     team_slot: TeamRequestSlot,
+    usage: ChatUsage,
 ) -> Response {
     let span = tracing::Span::current();
-    let state = SseState::new(rx, c, opts);
+    let state = SseState::new(rx, c, opts, usage);
     let stream = futures_util::stream::unfold(state, move |mut s| {
         // The team's place is given back when the body is dropped: finished or disconnected.
         let _ = &team_slot;
@@ -732,7 +752,8 @@ mod tests {
     /// Runs events through the state machine; returns the payloads (`[DONE]` as a string).
     fn run(c: Completion, opts: StreamOptions, events: Vec<Option<GenerationEvent>>) -> Vec<Value> {
         let (_tx, rx) = unbounded_channel();
-        let mut s = SseState::new(rx, c, opts);
+        let usage = ChatUsage::new(c.prompt_ids.len(), c.n, None);
+        let mut s = SseState::new(rx, c, opts, usage);
         for e in events {
             s.on_event(e);
         }
@@ -879,7 +900,8 @@ mod tests {
         let c = completion(1, true, false);
         let tok = c.tokenizer.clone();
         let (_tx, rx) = unbounded_channel();
-        let mut s = SseState::new(rx, c, StreamOptions::default());
+        let usage = ChatUsage::new(c.prompt_ids.len(), c.n, None);
+        let mut s = SseState::new(rx, c, StreamOptions::default(), usage);
         s.on_event(Some(GenerationEvent::Token {
             choice: 0,
             token_id: 10,

@@ -1,7 +1,7 @@
 //! The one error type of the HTTP layer and its mapping to the OpenAI error envelope
 //! `{"error": {"message", "type", "param", "code"}}`.
 
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
@@ -35,6 +35,10 @@ pub enum ApiError {
     /// `Retry-After`.
     #[error("{0}")]
     TooManyRequests(String),
+    /// The team has used its monthly token quota: retrying does not help before the next
+    /// month, so no `Retry-After`, and `x-should-retry: false` stops the OpenAI SDK's retries.
+    #[error("{0}")]
+    QuotaExceeded(String),
     /// A server fault. Its text (SQL, file paths, panics) goes to the log only: the client gets
     /// a fixed message and finds the log lines by the response's `x-request-id`.
     #[error("{0}")]
@@ -79,7 +83,9 @@ impl ApiError {
             ApiError::Conflict(_) | ApiError::IdempotencyConflict(_) => StatusCode::CONFLICT,
             ApiError::RequestTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ServiceUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::TooManyRequests(_) | ApiError::QuotaExceeded(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ApiError::Internal(_) | ApiError::Generation(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -94,6 +100,7 @@ impl ApiError {
             ApiError::RequestTooLarge(_) => "RequestTooLargeError",
             ApiError::ServiceUnavailable(_) => "ServiceUnavailableError",
             ApiError::TooManyRequests(_) => "RateLimitError",
+            ApiError::QuotaExceeded(_) => "QuotaExceededError",
             ApiError::Internal(_) | ApiError::Generation(_) => "InternalServerError",
         }
     }
@@ -144,11 +151,18 @@ impl IntoResponse for ApiError {
             tracing::info!(error = %self, status = self.status().as_u16(), "request rejected");
         }
         let mut response = (self.status(), axum::Json(self.envelope())).into_response();
-        if matches!(self, ApiError::TooManyRequests(_)) {
-            response.headers_mut().insert(
-                axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from_static(RETRY_AFTER_SECONDS),
-            );
+        let headers = response.headers_mut();
+        match self {
+            ApiError::TooManyRequests(_) => {
+                headers.insert(
+                    header::RETRY_AFTER,
+                    HeaderValue::from_static(RETRY_AFTER_SECONDS),
+                );
+            }
+            ApiError::QuotaExceeded(_) => {
+                headers.insert("x-should-retry", HeaderValue::from_static("false"));
+            }
+            _ => {}
         }
         response
     }
@@ -203,6 +217,23 @@ impl From<temper_store::Error> for ApiError {
             | E::Migrate(_)
             | E::Random(_)
             | E::Corrupt(_) => ApiError::Internal(format!("The store failed: {e}")),
+        }
+    }
+}
+
+impl From<temper_train::service::ServiceError> for ApiError {
+    fn from(e: temper_train::service::ServiceError) -> Self {
+        use temper_train::service::ServiceError as E;
+        match e {
+            E::Store(e) => e.into(),
+            E::Train(e) => e.into(),
+            E::Invalid { param, message } => ApiError::bad(param, message),
+            E::EntityNotFound(_) => ApiError::NotFound(e.to_string()),
+            E::UnknownBaseModel(_) => ApiError::bad("base_model", e.to_string()),
+            E::NoChatTemplate(_) => ApiError::bad("model_id", e.to_string()),
+            E::BaseModelNotServed(_) => ApiError::ServiceUnavailable(e.to_string()),
+            E::Conflict(message) => ApiError::Conflict(message),
+            E::Internal(message) => ApiError::Internal(message),
         }
     }
 }
@@ -275,6 +306,12 @@ mod tests {
                 ApiError::ServiceUnavailable("s".into()),
                 503,
                 "ServiceUnavailableError",
+                None,
+            ),
+            (
+                ApiError::QuotaExceeded("q".into()),
+                429,
+                "QuotaExceededError",
                 None,
             ),
             (

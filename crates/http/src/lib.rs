@@ -5,10 +5,12 @@
 
 pub mod auth;
 pub mod chat;
+mod dashboard;
 pub mod error;
 pub mod extract;
 pub mod extras;
 pub mod metrics;
+pub mod openapi;
 pub mod prompt;
 pub mod protocol;
 pub mod sampling;
@@ -17,38 +19,37 @@ pub mod structured;
 pub mod team_limits;
 pub mod tokenize;
 pub mod training;
+pub mod usage;
 pub mod validation;
 
 use std::future::Future;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
-use axum::routing::{get, post};
+use axum::routing::{get, post, MethodRouter};
 use axum::{middleware, Extension, Json, Router};
 
 pub use error::ApiError;
 pub use extras::{NoHook, RequestHook};
 pub use state::{AppState, LoadError, ModelSpec, ServedModel, ServerOptions};
-pub use training::{Training, TrainingOptions};
+pub use temper_train::service::{TrainingOptions, TrainingService};
 
 use protocol::{ModelCard, ModelList};
 
+/// A path and the handlers of its methods.
+type Route = (&'static str, MethodRouter<AppState>);
+
 /// The application: every route, authentication, body limit, the error envelope for axum's own
-/// rejections, and the per-request tracing span.
+/// rejections, and the per-request tracing span. Every route is in one of the tables below
+/// (`open_routes`, `serving_routes`, `training_route_table`), so that `route_paths` lists it.
 pub fn router(state: AppState) -> Router {
-    let api = Router::new()
-        .route("/v1/chat/completions", post(chat::chat_completions))
-        .route("/v1/models", get(list_models))
-        .route("/tokenize", post(tokenize::tokenize))
-        .route("/detokenize", post(tokenize::detokenize))
-        .route("/metrics", get(metrics::metrics))
+    let api = mount(serving_routes())
         .merge(training_routes(&state))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::authorize,
         ));
-    Router::new()
-        .route("/health", get(health))
+    mount(open_routes())
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -57,34 +58,51 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// Every path `router` serves, as axum spells it (`{id}` for a path parameter): the OpenAPI
+/// document's test checks each against the document.
+pub fn route_paths() -> Vec<&'static str> {
+    [open_routes(), serving_routes(), training_route_table()]
+        .into_iter()
+        .flatten()
+        .map(|(path, _)| path)
+        .collect()
+}
+
+fn mount(routes: Vec<Route>) -> Router<AppState> {
+    routes
+        .into_iter()
+        .fold(Router::new(), |router, (path, handlers)| {
+            router.route(path, handlers)
+        })
+}
+
+/// Served without a key.
+fn open_routes() -> Vec<Route> {
+    vec![
+        ("/health", get(health)),
+        ("/openapi.json", get(openapi::document)),
+        ("/dashboard", get(dashboard::page)),
+    ]
+}
+
+/// The OpenAI/vLLM-compatible routes.
+fn serving_routes() -> Vec<Route> {
+    vec![
+        ("/v1/chat/completions", post(chat::chat_completions)),
+        ("/v1/models", get(list_models)),
+        ("/tokenize", post(tokenize::tokenize)),
+        ("/detokenize", post(tokenize::detokenize)),
+        ("/metrics", get(metrics::metrics)),
+        ("/v1/usage", get(usage::usage)),
+    ]
+}
+
 /// training.md's preview API, with its own (larger) body limit and `Idempotency-Key`s.
 fn training_routes(state: &AppState) -> Router<AppState> {
-    use training::routes as r;
     let limit = state
         .training()
         .map_or(state.options().max_body_bytes, |t| t.options.max_body_bytes);
-    Router::new()
-        .route(
-            "/v1/preview/models",
-            post(r::create_model).get(r::list_models),
-        )
-        .route(
-            "/v1/preview/models/{id}",
-            get(r::get_model).delete(r::delete_model),
-        )
-        .route(
-            "/v1/preview/models/{id}/checkpoints",
-            get(r::list_checkpoints).delete(r::delete_checkpoints),
-        )
-        .route("/v1/preview/models/{id}/log", post(r::log_metrics))
-        .route(
-            "/v1/preview/training-jobs",
-            get(r::list_jobs).post(r::create_job),
-        )
-        .route("/v1/preview/training-jobs/{id}", get(r::get_job))
-        .route("/v1/preview/training-jobs/{id}/events", get(r::list_events))
-        .route("/v1/preview/training-jobs/{id}/cancel", post(r::cancel_job))
-        .route("/v1/preview/sft-training-jobs", post(r::create_sft_job))
+    mount(training_route_table())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             training::idempotency::idempotent,
@@ -93,13 +111,58 @@ fn training_routes(state: &AppState) -> Router<AppState> {
         .layer(Extension(extract::BodyLimit(limit)))
 }
 
+fn training_route_table() -> Vec<Route> {
+    use training::routes as r;
+    vec![
+        (
+            "/v1/preview/models",
+            post(r::create_model).get(r::list_models),
+        ),
+        (
+            "/v1/preview/models/{id}",
+            get(r::get_model).delete(r::delete_model),
+        ),
+        (
+            "/v1/preview/models/{id}/checkpoints",
+            get(r::list_checkpoints).delete(r::delete_checkpoints),
+        ),
+        ("/v1/preview/models/{id}/log", post(r::log_metrics)),
+        (
+            "/v1/preview/training-jobs",
+            get(r::list_jobs).post(r::create_job),
+        ),
+        ("/v1/preview/training-jobs/{id}", get(r::get_job)),
+        ("/v1/preview/training-jobs/{id}/events", get(r::list_events)),
+        ("/v1/preview/training-jobs/{id}/cancel", post(r::cancel_job)),
+        ("/v1/preview/sft-training-jobs", post(r::create_sft_job)),
+    ]
+}
+
+/// A worker node's HTTP (`temper serve --role worker`): `/health` only, for probes.
+pub fn worker_router() -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(auth::request_context))
+}
+
 /// Serves `router(state)` on `listener` until `shutdown` resolves; in-flight requests finish.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
+    serve_router(listener, router(state), shutdown).await
+}
+
+/// Serves `app` (see [`router`], [`worker_router`]) until `shutdown` resolves.
+pub async fn serve_router(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
 }
@@ -157,7 +220,7 @@ async fn list_models(
                     .await?;
                 after = page.items.last().map(|c| c.id);
                 for c in &page.items {
-                    let id = training::names::checkpoint_name(
+                    let id = temper_train::service::names::checkpoint_name(
                         &model.team,
                         &model.project,
                         &model.name,

@@ -1,33 +1,35 @@
 //! Typed server state: the served models and the server-wide options.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use temper_engine::{Engine, EngineConfig, Scheduling};
-use temper_model::Gemma3;
-use temper_text::{ChatTemplate, Tokenizer};
+use temper_train::service::{BaseModel, TrainingService};
 
 use crate::error::ApiError;
 use crate::extras::{NoHook, RequestHook};
 use crate::team_limits::TeamRequests;
-use crate::training::Training;
+use crate::usage::UsageMeter;
 use crate::validation::Limits;
 
-/// One model the server answers for, with its own engine (scheduler thread).
+/// One model the server answers for: a base model (shared with the training service) and its
+/// own engine (scheduler thread). Reads as its [`BaseModel`] (name, weights, tokenizer,
+/// template).
 pub struct ServedModel {
-    pub name: String,
-    /// The weights the engine serves, shared with the trainer (read-only).
-    pub model: Arc<Gemma3>,
+    pub base: Arc<BaseModel>,
     pub engine: Engine,
-    pub tokenizer: Arc<Tokenizer>,
-    /// `None` when neither the operator, the file nor the architecture gives one: such a model
-    /// needs a request `chat_template`.
-    pub chat_template: Option<Arc<ChatTemplate>>,
     pub max_model_len: usize,
-    /// [`Tokenizer::max_text_bytes_per_token`], for the context check before tokenizing.
+    /// [`temper_text::Tokenizer::max_text_bytes_per_token`], for the context check before tokenizing.
     pub max_text_bytes_per_token: usize,
     pub scheduling: Scheduling,
+}
+
+impl std::ops::Deref for ServedModel {
+    type Target = BaseModel;
+    fn deref(&self) -> &BaseModel {
+        &self.base
+    }
 }
 
 /// How to load one served model from a GGUF file.
@@ -53,28 +55,8 @@ pub struct ModelSpec {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("loading model `{name}` from {path}: {source}")]
-    Model {
-        name: String,
-        path: PathBuf,
-        // Boxed: the model error is large and load errors are rare.
-        source: Box<temper_model::ModelError>,
-    },
-    #[error("tokenizer of model `{name}`: {source}")]
-    Tokenizer {
-        name: String,
-        source: temper_text::TextError,
-    },
-    #[error("reading chat template {path}: {source}")]
-    TemplateFile {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("chat template of model `{name}`: {source}")]
-    Template {
-        name: String,
-        source: temper_text::TextError,
-    },
+    #[error(transparent)]
+    Base(#[from] temper_train::service::LoadError),
     #[error("--max-model-len {requested} exceeds the context length {context} of model `{name}`")]
     MaxModelLen {
         name: String,
@@ -110,45 +92,9 @@ impl ServedModel {
     /// Template precedence: `spec.chat_template` file, then the GGUF's `tokenizer.chat_template`,
     /// then the shipped Gemma 3 template for gemma3 files.
     pub fn load(spec: &ModelSpec) -> Result<ServedModel, LoadError> {
+        let base = BaseModel::load(&spec.name, &spec.path, spec.chat_template.as_deref())?;
         let name = spec.name.clone();
-        let loaded = temper_model::load_gguf(&spec.path).map_err(|source| LoadError::Model {
-            name: name.clone(),
-            path: spec.path.clone(),
-            source: Box::new(source),
-        })?;
-        let tokenizer =
-            temper_text::load_tokenizer(&loaded.metadata, &spec.path).map_err(|source| {
-                LoadError::Tokenizer {
-                    name: name.clone(),
-                    source,
-                }
-            })?;
-        let source = match &spec.chat_template {
-            Some(path) => Some(read_template(path)?),
-            None => temper_text::gguf_chat_template(&loaded.metadata).or_else(|| {
-                let arch = loaded
-                    .metadata
-                    .get("general.architecture")
-                    .and_then(|v| v.to_string().ok());
-                (arch.map(String::as_str) == Some("gemma3"))
-                    .then(|| ChatTemplate::GEMMA3.to_owned())
-            }),
-        };
-        let chat_template = source
-            .map(|src| {
-                ChatTemplate::new(
-                    &src,
-                    tokenizer.bos_token().map(str::to_owned),
-                    tokenizer.eos_token().map(str::to_owned),
-                )
-                .map(Arc::new)
-                .map_err(|source| LoadError::Template {
-                    name: name.clone(),
-                    source,
-                })
-            })
-            .transpose()?;
-        let context = loaded.model.config().context_length;
+        let context = base.model.config().context_length;
         let max_model_len = match spec.max_model_len {
             Some(n) if n > context => {
                 return Err(LoadError::MaxModelLen {
@@ -160,16 +106,11 @@ impl ServedModel {
             Some(n) => n,
             None => context,
         };
-        let max_text_bytes_per_token = tokenizer.max_text_bytes_per_token();
-        let tokenizer = Arc::new(tokenizer);
-        loaded
-            .model
-            .kv_pool()
-            .set_capacity_bytes(spec.kv_cache_bytes);
-        let model = Arc::new(loaded.model);
+        let max_text_bytes_per_token = base.tokenizer.max_text_bytes_per_token();
+        base.model.kv_pool().set_capacity_bytes(spec.kv_cache_bytes);
         let engine = Engine::start(
-            model.clone(),
-            tokenizer.clone(),
+            base.model.clone(),
+            base.tokenizer.clone(),
             EngineConfig {
                 max_batch_tokens: spec.max_batch_tokens,
                 max_running: spec.max_running,
@@ -180,23 +121,13 @@ impl ServedModel {
             },
         );
         Ok(ServedModel {
-            name,
-            model,
+            base: Arc::new(base),
             engine,
-            tokenizer,
-            chat_template,
             max_model_len,
             max_text_bytes_per_token,
             scheduling: spec.scheduling,
         })
     }
-}
-
-fn read_template(path: &Path) -> Result<String, LoadError> {
-    std::fs::read_to_string(path).map_err(|source| LoadError::TemplateFile {
-        path: path.to_owned(),
-        source,
-    })
 }
 
 /// Server-wide settings that shape request handling.
@@ -250,7 +181,9 @@ struct Inner {
     options: ServerOptions,
     team_requests: Arc<TeamRequests>,
     /// The training service (store, worker, trained models); `None` serves base models only.
-    training: Option<Arc<Training>>,
+    training: Option<Arc<TrainingService>>,
+    /// Counts chat completions' tokens into the training service's store; `None` without one.
+    usage: Option<Arc<UsageMeter>>,
     /// Reported as every model's `created`.
     started: u64,
 }
@@ -265,15 +198,15 @@ impl AppState {
     pub fn with_training(
         models: Vec<ServedModel>,
         options: ServerOptions,
-        training: Training,
+        training: Arc<TrainingService>,
     ) -> Result<Self, LoadError> {
-        Self::build(models, options, Some(Arc::new(training)))
+        Self::build(models, options, Some(training))
     }
 
     fn build(
         models: Vec<ServedModel>,
         options: ServerOptions,
-        training: Option<Arc<Training>>,
+        training: Option<Arc<TrainingService>>,
     ) -> Result<Self, LoadError> {
         if models.is_empty() {
             return Err(LoadError::NoModels);
@@ -288,6 +221,7 @@ impl AppState {
                 models: models.into_iter().map(Arc::new).collect(),
                 team_requests: TeamRequests::new(options.max_requests_per_team),
                 options,
+                usage: training.as_ref().map(|t| UsageMeter::new(t.store.clone())),
                 training,
                 started: unix_now(),
             }),
@@ -311,12 +245,17 @@ impl AppState {
         self.inner.started
     }
 
-    pub fn training(&self) -> Option<&Arc<Training>> {
+    pub fn training(&self) -> Option<&Arc<TrainingService>> {
         self.inner.training.as_ref()
     }
 
+    /// Where chat completions' usage is counted (with the store).
+    pub fn usage_meter(&self) -> Option<&Arc<UsageMeter>> {
+        self.inner.usage.as_ref()
+    }
+
     /// The training service, or a 503 saying the server runs without one.
-    pub fn require_training(&self) -> Result<&Arc<Training>, ApiError> {
+    pub fn require_training(&self) -> Result<&Arc<TrainingService>, ApiError> {
         self.training().ok_or_else(|| {
             ApiError::ServiceUnavailable(
                 "This server runs without a store: the training API is off.".to_owned(),

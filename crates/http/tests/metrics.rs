@@ -113,7 +113,7 @@ async fn serving_series_add_up_to_the_responses() {
 async fn training_series_count_a_finished_job() {
     let data = tempfile::tempdir().unwrap();
     let s = TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
-    temper_http::training::worker::spawn(s.state.clone());
+    s.state.training().unwrap().spawn_worker();
     let text = scrape(&s).await;
     assert_eq!(
         value(&text, "temper:training_jobs{status=\"succeeded\"}"),

@@ -18,7 +18,7 @@ async fn server(data: &Path, max_seq_len: usize) -> TestServer {
     let mut training = TrainingOptions::new(data);
     training.max_seq_len = max_seq_len;
     let server = TestServer::tiny_training(options(), training, None).await;
-    temper_http::training::worker::spawn(server.state.clone());
+    server.state.training().unwrap().spawn_worker();
     server
 }
 

@@ -351,7 +351,7 @@ impl Gemma3 {
         tape: &TrainTape,
         window: Option<usize>,
         d_attn: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ModelError> {
+    ) -> Result<QkvGrads, ModelError> {
         let (h, hkv, d) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
         let group = h / hkv;
         let kv_width = hkv * d;
@@ -493,6 +493,9 @@ fn linear_backward(
 
 /// Log-sum-exp and entropy of one row of logits. The log-sum-exp is the server's
 /// (`softmax::log_sum_exp`), so a trained logprob is the served one's bits.
+/// Gradients of the attention's queries, keys and values (row-major, one row per token).
+type QkvGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
+
 struct RowSoftmax {
     lse: f64,
     entropy: f64,

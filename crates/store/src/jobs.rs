@@ -22,6 +22,7 @@ use uuid::Uuid;
 
 use crate::idempotency::{complete, IdempotencyKey};
 use crate::models::insert_checkpoint;
+use crate::usage::add_trained_tokens;
 use crate::{
     check_limit, invalid, locking, now, page, parse_json, parse_uuid, seconds_from, Checkpoint,
     Error, Page, Result, Store,
@@ -654,7 +655,9 @@ impl Store {
     }
 
     /// Appends an event to a job `worker` runs. A job it no longer holds (cancelled, its model
-    /// deleted, its lease lost) is `JobState` or `LeaseLost`: the worker's signal to stop.
+    /// deleted, its lease lost) is `JobState` or `LeaseLost`: the worker's signal to stop. A
+    /// `gradient_step` event's `num_trainable_tokens` is added to its model's team and project
+    /// usage in the same transaction, so a step is counted exactly when its event is stored.
     pub async fn append_event(
         &self,
         job_id: Uuid,
@@ -675,7 +678,11 @@ impl Store {
         if held.is_none() {
             return Err(not_held_error(&mut tx, job_id, worker).await);
         }
-        let event = insert_event(&mut tx, &job_id.to_string(), kind, data, now()).await?;
+        let at = now();
+        let event = insert_event(&mut tx, &job_id.to_string(), kind, data, at).await?;
+        if kind == event::GRADIENT_STEP {
+            add_trained_tokens(&mut tx, &job_id.to_string(), data, at).await?;
+        }
         tx.commit().await?;
         Ok(event)
     }

@@ -1,6 +1,7 @@
 //! temper's durable state: teams and API keys, trainable models, checkpoints, training jobs and
-//! their events. By default in one SQLite file under the data directory (one server); or in a
-//! PostgreSQL database that any number of servers share (`--store postgres://…`).
+//! their events, token usage and quotas. By default in one SQLite file under the data directory
+//! (one server); or in a PostgreSQL database that any number of servers share
+//! (`--store postgres://…`).
 //!
 //! Every query lives in this crate; callers get typed values. Team-scoped methods treat another
 //! team's rows exactly like missing ones ([`Error::NotFound`]), so existence never leaks.
@@ -14,6 +15,7 @@ mod jobs;
 mod keys;
 mod lock;
 mod models;
+mod usage;
 
 use std::borrow::Cow;
 use std::fmt;
@@ -31,6 +33,9 @@ pub use jobs::{event, Event, Job, JobKind, JobStatus, Recovery, TrainingTotals};
 pub use keys::{KeyInfo, Team, SECRET_PREFIX};
 pub use lock::DataDirLock;
 pub use models::{Checkpoint, DeletedCheckpoints, DeletedModel, Model, NewModel};
+pub use usage::{
+    usage_bucket, utc_date, utc_month, Quota, TokenCounts, UsageKey, UsageRow, USAGE_BUCKET_SECONDS,
+};
 
 /// The database file inside the data directory.
 pub const DB_FILE: &str = "temper.db";
@@ -268,6 +273,7 @@ const MIGRATIONS: &[MigrationFile] = &[
     migration!("0001_initial", postgres),
     migration!("0002_job_kind_idempotency", postgres),
     migration!("0003_job_attempts"),
+    migration!("0004_usage"),
     migration!("0005_job_leases"),
 ];
 

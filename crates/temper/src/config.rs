@@ -95,6 +95,11 @@ pub struct ServeArgs {
     /// it a 429 with Retry-After; 0 = no bound [default: 128].
     #[arg(long, env = "TEMPER_MAX_REQUESTS_PER_TEAM", value_name = "N")]
     pub max_requests_per_team: Option<usize>,
+    /// What this process does: `all` (serve the API and run training jobs), `api` (serve the
+    /// API; jobs are only queued, for workers sharing the store) or `worker` (run the store's
+    /// queued jobs; HTTP only answers /health) [default: all].
+    #[arg(long, env = "TEMPER_ROLE", value_name = "ROLE")]
+    pub role: Option<Role>,
     /// Waiting-queue order: `fcfs`, or `priority` (a request's lower `priority` runs first and
     /// preempts worse ones; with `fcfs` a non-zero `priority` is a 400) [default: fcfs].
     #[arg(long, env = "TEMPER_SCHEDULING", value_name = "POLICY")]
@@ -178,6 +183,7 @@ pub struct FileConfig {
     pub max_batch_tokens: Option<usize>,
     pub max_waiting: Option<usize>,
     pub max_requests_per_team: Option<usize>,
+    pub role: Option<Role>,
     pub scheduling: Option<SchedulingPolicy>,
     pub prompt_lookup_tokens: Option<usize>,
     pub max_training_body_bytes: Option<usize>,
@@ -218,6 +224,7 @@ pub struct Config {
     pub max_waiting: Option<usize>,
     /// `None` = no bound.
     pub max_requests_per_team: Option<usize>,
+    pub role: Role,
     pub scheduling: Scheduling,
     /// Draft tokens per sequence and step; 0 = no speculative decoding.
     pub prompt_lookup_tokens: usize,
@@ -270,6 +277,29 @@ pub enum ConfigError {
 }
 
 pub use temper_model::paths::temper_home;
+
+/// `--role`: which parts of the server this process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// The API and the training worker (one process, today's default).
+    #[default]
+    All,
+    /// The API only: chat completions and the training API; jobs are queued for workers.
+    Api,
+    /// The training worker only: runs queued jobs; no engine, no API.
+    Worker,
+}
+
+impl Role {
+    pub fn serves_api(self) -> bool {
+        self != Role::Worker
+    }
+
+    pub fn runs_jobs(self) -> bool {
+        self != Role::Api
+    }
+}
 
 /// `--scheduling` / `scheduling = "..."` (the engine's `Scheduling` stays free of clap and serde).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
@@ -451,6 +481,7 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
                 .unwrap_or(128),
         )
         .filter(|&n| n > 0),
+        role: args.role.or(file.role).unwrap_or_default(),
         scheduling: args
             .scheduling
             .or(file.scheduling)
@@ -657,6 +688,20 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn role_from_file_and_flag() {
+        let c = resolve(ServeArgs::default(), FileConfig::default(), &home()).unwrap();
+        assert_eq!(c.role, Role::All);
+        assert!(c.role.serves_api() && c.role.runs_jobs());
+        let file: FileConfig = toml::from_str(r#"role = "worker""#).unwrap();
+        let c = resolve(ServeArgs::default(), file, &home()).unwrap();
+        assert!(!c.role.serves_api() && c.role.runs_jobs());
+        let file: FileConfig = toml::from_str(r#"role = "worker""#).unwrap();
+        let c = resolve(args(&["--role", "api"]), file, &home()).unwrap();
+        assert!(c.role.serves_api() && !c.role.runs_jobs());
+        assert!(Cli::try_parse_from(["temper", "--role", "trainer"]).is_err());
     }
 
     #[test]

@@ -1,9 +1,9 @@
-//! `temper keys create|list|revoke`: team API keys in the server's store.
+//! `temper keys create|list|revoke|quota`: team API keys and token quotas in the server's store.
 
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use temper_store::{KeyInfo, Store, StoreLocation};
+use temper_store::{KeyInfo, Quota, Store, StoreLocation};
 
 use crate::config;
 
@@ -48,6 +48,21 @@ enum KeysCommand {
     Revoke {
         /// The key's id (`key_…`, from `temper keys list`).
         id: String,
+    },
+    /// Set (--tokens) or remove (--clear) a team's monthly token quota, or show quotas and use
+    ///
+    /// A quota counts prompt, completion and trained tokens per UTC calendar month; past it the
+    /// team's chat completions and training job posts get a 429 until the next month.
+    Quota {
+        /// The team; without --tokens or --clear, show only its quota.
+        #[arg(long, required_if_eq_any([("clear", "true")]))]
+        team: Option<String>,
+        /// Prompt, completion and trained tokens the team may use per UTC calendar month.
+        #[arg(long, requires = "team", conflicts_with = "clear")]
+        tokens: Option<u64>,
+        /// Remove the team's quota.
+        #[arg(long)]
+        clear: bool,
     },
 }
 
@@ -104,8 +119,75 @@ async fn command(store: &Store, command: KeysCommand) -> Result<(), String> {
             let key = store.revoke_key(&id).await.map_err(|e| e.to_string())?;
             println!("revoked {} (team {})", key.id, key.team);
         }
+        KeysCommand::Quota {
+            team,
+            tokens,
+            clear,
+        } => quota(store, team, tokens, clear).await?,
     }
     Ok(())
+}
+
+async fn quota(
+    store: &Store,
+    team: Option<String>,
+    tokens: Option<u64>,
+    clear: bool,
+) -> Result<(), String> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    match (team, tokens, clear) {
+        (Some(team), Some(tokens), _) => {
+            store
+                .set_quota(&team, Some(tokens))
+                .await
+                .map_err(|e| e.to_string())?;
+            println!("team {team}: {tokens} tokens a month (UTC)");
+        }
+        (Some(team), None, true) => {
+            let had = store
+                .set_quota(&team, None)
+                .await
+                .map_err(|e| e.to_string())?;
+            match had {
+                true => println!("team {team}: quota removed"),
+                false => println!("team {team} had no quota"),
+            }
+        }
+        (team, _, _) => {
+            let quotas = match team {
+                Some(team) => store
+                    .quota(&team, now)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .into_iter()
+                    .collect(),
+                None => store.list_quotas(now).await.map_err(|e| e.to_string())?,
+            };
+            print!("{}", quota_table(&quotas, now));
+        }
+    }
+    Ok(())
+}
+
+fn quota_table(quotas: &[Quota], now: i64) -> String {
+    let (year, month, _) = temper_store::utc_date(now);
+    let mut rows = vec![[
+        "TEAM".to_owned(),
+        "MONTHLY TOKENS".to_owned(),
+        format!("USED {year:04}-{month:02}"),
+        "REMAINING".to_owned(),
+    ]];
+    for q in quotas {
+        rows.push([
+            q.team.clone(),
+            q.monthly_tokens.to_string(),
+            q.used_tokens.to_string(),
+            q.monthly_tokens.saturating_sub(q.used_tokens).to_string(),
+        ]);
+    }
+    aligned(&rows)
 }
 
 fn table(keys: &[KeyInfo]) -> String {
@@ -125,14 +207,19 @@ fn table(keys: &[KeyInfo]) -> String {
             if k.revoked { "revoked" } else { "active" }.to_owned(),
         ]);
     }
-    let mut widths = [0usize; 5];
-    for row in &rows {
+    aligned(&rows)
+}
+
+/// Rows as left-aligned columns two spaces apart.
+fn aligned<const N: usize>(rows: &[[String; N]]) -> String {
+    let mut widths = [0usize; N];
+    for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.len());
         }
     }
     let mut out = String::new();
-    for row in &rows {
+    for row in rows {
         let line: Vec<String> = row
             .iter()
             .zip(widths)
@@ -146,17 +233,8 @@ fn table(keys: &[KeyInfo]) -> String {
 
 /// Unix seconds as `YYYY-MM-DD HH:MM:SS` (UTC), without a date library for one column.
 fn utc(secs: i64) -> String {
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Howard Hinnant's days-to-civil algorithm.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = temper_store::utc_date(secs);
+    let rem = secs.rem_euclid(86_400);
     format!(
         "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
         rem / 3600,
@@ -189,6 +267,22 @@ mod tests {
             table(&keys),
             "ID     TEAM  PREFIX     CREATED (UTC)        STATUS\n\
              key_1  a     tp-abcdef  1970-01-01 00:00:00  revoked\n"
+        );
+    }
+
+    #[test]
+    fn quota_table_shows_what_is_left() {
+        let quotas = [Quota {
+            team: "acme".into(),
+            monthly_tokens: 1000,
+            used_tokens: 1200,
+            period_start: 0,
+            period_end: 2_678_400,
+        }];
+        assert_eq!(
+            quota_table(&quotas, 5),
+            "TEAM  MONTHLY TOKENS  USED 1970-01  REMAINING\n\
+             acme  1000            1200          0\n"
         );
     }
 }

@@ -8,10 +8,14 @@ mod keys;
 use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use temper_http::{AppState, ModelSpec, ServedModel, ServerOptions, Training, TrainingOptions};
+use temper_http::{
+    AppState, ModelSpec, ServedModel, ServerOptions, TrainingOptions, TrainingService,
+};
 use temper_store::StoreLocation;
+use temper_train::service::BaseModel;
 
 use config::{Config, ServeArgs};
 
@@ -83,35 +87,18 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     // One server per data directory, locked before the store is touched: with the SQLite store
     // in it, a second server must neither migrate the store nor re-queue (as crashed) the first
     // one's running job; with a PostgreSQL store, servers share the database but each keeps
-    // its own data directory (its adapter files). Held until the process exits (declared before the runtime, so dropped after it and its
-    // blocking threads, the trainer's included); the OS releases it however the process ends.
+    // its own data directory (its adapter files). Held until the process exits (declared
+    // before the runtime, so dropped after it and its blocking threads, the trainer's
+    // included); the OS releases it however the process ends.
     let _lock = temper_store::DataDirLock::acquire(&cfg.data_dir).map_err(|e| e.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("starting the runtime: {e}"))?;
-    let training = runtime
-        .block_on(Training::open(TrainingOptions {
-            data_dir: cfg.data_dir.clone(),
-            store: cfg.store.clone(),
-            job_lease: cfg.job_lease,
-            worker_id: cfg.worker_id.clone(),
-            max_body_bytes: cfg.max_training_body_bytes,
-            adapter_cache_bytes: cfg.adapter_cache_bytes,
-            lora_rank: cfg.lora_rank,
-            lora_alpha: cfg.lora_alpha,
-            max_seq_len: cfg.max_train_seq_len,
-            max_job_attempts: cfg.max_job_attempts,
-            max_queued_jobs_per_team: cfg.max_queued_jobs_per_team,
-            trainer_threads: cfg.trainer_threads,
-        }))
-        .map_err(|e| e.to_string())?;
-    let store_keys = runtime
-        .block_on(training.store.has_active_keys())
-        .map_err(|e| format!("reading the store's keys: {e}"))?;
-    let addrs = bind_addresses(&cfg, store_keys)?;
 
-    let mut models = Vec::new();
+    // An API process serves each model with an engine; a worker only trains on their weights.
+    let mut served = Vec::new();
+    let mut base_models = Vec::new();
     for (name, path) in &cfg.models {
         if !path.exists() {
             return Err(format!(
@@ -120,50 +107,77 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 path.display()
             ));
         }
-        let mut spec = ModelSpec::new(name.clone(), path.clone());
-        spec.chat_template = cfg.chat_template.clone();
-        spec.max_model_len = cfg.max_model_len;
-        if let Some(n) = cfg.max_running {
-            spec.max_running = n;
-        }
-        if let Some(n) = cfg.max_batch_tokens {
-            spec.max_batch_tokens = n;
-        }
-        if let Some(n) = cfg.max_waiting {
-            spec.max_waiting = n;
-        }
-        spec.scheduling = cfg.scheduling;
-        spec.prompt_lookup_tokens = cfg.prompt_lookup_tokens;
-        spec.kv_cache_bytes = cfg.kv_cache_bytes;
         tracing::info!(model = %name, path = %path.display(), "loading");
-        let model = ServedModel::load(&spec).map_err(|e| e.to_string())?;
-        tracing::info!(
-            model = %name,
-            max_model_len = model.max_model_len,
-            kv_cache_mb = cfg.kv_cache_bytes >> 20,
-            "loaded"
-        );
-        models.push(model);
+        if cfg.role.serves_api() {
+            let model =
+                ServedModel::load(&model_spec(&cfg, name, path)).map_err(|e| e.to_string())?;
+            tracing::info!(
+                model = %name,
+                max_model_len = model.max_model_len,
+                kv_cache_mb = cfg.kv_cache_bytes >> 20,
+                "loaded"
+            );
+            base_models.push(model.base.clone());
+            served.push(model);
+        } else {
+            let base = BaseModel::load(name, path, cfg.chat_template.as_deref())
+                .map_err(|e| e.to_string())?;
+            tracing::info!(model = %name, "loaded for training");
+            base_models.push(Arc::new(base));
+        }
     }
-    let names: Vec<String> = models.iter().map(|m| m.name.clone()).collect();
-    let state = AppState::with_training(
-        models,
-        ServerOptions {
-            api_keys: cfg.api_keys.clone(),
-            // Once reachable from the network, never open: not even after the last store key
-            // is revoked.
-            require_key: addrs.iter().any(|a| !a.ip().is_loopback()),
-            trust_request_chat_template: cfg.trust_request_chat_template,
-            enable_tool_calls: cfg.enable_tool_calls,
-            max_body_bytes: cfg.max_body_bytes,
-            max_logprobs: cfg.max_logprobs,
-            max_n: cfg.max_n,
-            max_requests_per_team: cfg.max_requests_per_team,
-            ..ServerOptions::default()
-        },
-        training,
-    )
-    .map_err(|e| e.to_string())?;
+    let training = runtime
+        .block_on(TrainingService::open(
+            TrainingOptions {
+                data_dir: cfg.data_dir.clone(),
+                store: cfg.store.clone(),
+                job_lease: cfg.job_lease,
+                worker_id: cfg.worker_id.clone(),
+                max_body_bytes: cfg.max_training_body_bytes,
+                adapter_cache_bytes: cfg.adapter_cache_bytes,
+                lora_rank: cfg.lora_rank,
+                lora_alpha: cfg.lora_alpha,
+                max_seq_len: cfg.max_train_seq_len,
+                max_job_attempts: cfg.max_job_attempts,
+                max_queued_jobs_per_team: cfg.max_queued_jobs_per_team,
+                trainer_threads: cfg.trainer_threads,
+            },
+            base_models,
+        ))
+        .map_err(|e| e.to_string())?;
+    let training = Arc::new(training);
+    let store_keys = runtime
+        .block_on(training.store.has_active_keys())
+        .map_err(|e| format!("reading the store's keys: {e}"))?;
+    // A worker's HTTP answers /health only: nothing to protect with a key.
+    let addrs = bind_addresses(&cfg, store_keys || !cfg.role.serves_api())?;
+    let names: Vec<String> = cfg.models.iter().map(|(name, _)| name.clone()).collect();
+    let state = if cfg.role.serves_api() {
+        let state = AppState::with_training(
+            served,
+            ServerOptions {
+                api_keys: cfg.api_keys.clone(),
+                // Once reachable from the network, never open: not even after the last store key
+                // is revoked.
+                require_key: addrs.iter().any(|a| !a.ip().is_loopback()),
+                trust_request_chat_template: cfg.trust_request_chat_template,
+                enable_tool_calls: cfg.enable_tool_calls,
+                max_body_bytes: cfg.max_body_bytes,
+                max_logprobs: cfg.max_logprobs,
+                max_n: cfg.max_n,
+                max_requests_per_team: cfg.max_requests_per_team,
+                ..ServerOptions::default()
+            },
+            training.clone(),
+        )
+        .map_err(|e| e.to_string())?;
+        Some(state)
+    } else {
+        None
+    };
+    let app = state
+        .clone()
+        .map_or_else(temper_http::worker_router, temper_http::router);
 
     let shutdown_timeout = cfg.shutdown_timeout;
     let ended = runtime.block_on(async move {
@@ -176,9 +190,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         // Before the banner: from then on a signal is a graceful shutdown.
         let mut signals = ShutdownSignals::listen()?;
         print_banner(&cfg, local, &names, store_keys);
-        let worker = temper_http::training::worker::spawn(state.clone());
+        let worker = cfg.role.runs_jobs().then(|| training.spawn_worker());
         let (stop_accepting, accepting_stopped) = tokio::sync::oneshot::channel::<()>();
-        let mut server = tokio::spawn(temper_http::serve(listener, state.clone(), async {
+        let mut server = tokio::spawn(temper_http::serve_router(listener, app, async {
             let _ = accepting_stopped.await;
         }));
         let signal = tokio::select! {
@@ -198,18 +212,18 @@ fn serve(args: ServeArgs) -> Result<(), String> {
              stops at its next step; a second signal exits at once"
         );
         let _ = stop_accepting.send(());
-        let training = state.training().cloned();
-        if let Some(training) = &training {
+        // Only a process that runs jobs has any of its own to stop and put back.
+        let worker_training = worker.is_some().then_some(&training);
+        if let Some(training) = worker_training {
             training.begin_shutdown();
         }
         let stop_training = async {
+            let Some(worker) = worker else { return };
             if let Err(e) = worker.await {
                 tracing::error!(error = %e, "the training worker failed");
             }
             // At once, not after the streams: a second signal then finds the job queued.
-            if let Some(training) = &training {
-                training.requeue_at_shutdown().await;
-            }
+            training.requeue_at_shutdown().await;
         };
         let drain = async {
             let drained = tokio::time::timeout(shutdown_timeout, async {
@@ -223,8 +237,14 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .is_ok();
             if !drained {
                 // A trainer still in its step: its job is re-queued all the same.
-                if let Some(training) = &training {
+                if let Some(training) = worker_training {
                     training.requeue_at_shutdown().await;
+                }
+            }
+            // The usage of the requests that ended, not yet written.
+            if let Some(meter) = state.as_ref().and_then(|s| s.usage_meter()) {
+                if let Err(e) = meter.flush().await {
+                    tracing::error!(error = %e, "writing usage at shutdown");
                 }
             }
             drained
@@ -253,6 +273,26 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             std::process::exit(signal.exit_code)
         }
     }
+}
+
+/// How to load a served model: the file's path and the engine's settings from the config.
+fn model_spec(cfg: &Config, name: &str, path: &std::path::Path) -> ModelSpec {
+    let mut spec = ModelSpec::new(name, path);
+    spec.chat_template = cfg.chat_template.clone();
+    spec.max_model_len = cfg.max_model_len;
+    if let Some(n) = cfg.max_running {
+        spec.max_running = n;
+    }
+    if let Some(n) = cfg.max_batch_tokens {
+        spec.max_batch_tokens = n;
+    }
+    if let Some(n) = cfg.max_waiting {
+        spec.max_waiting = n;
+    }
+    spec.scheduling = cfg.scheduling;
+    spec.prompt_lookup_tokens = cfg.prompt_lookup_tokens;
+    spec.kv_cache_bytes = cfg.kv_cache_bytes;
+    spec
 }
 
 /// How the graceful shutdown after the first signal ended.
@@ -338,19 +378,37 @@ fn bind_addresses(cfg: &Config, store_keys: bool) -> Result<Vec<SocketAddr>, Str
     Ok(addrs)
 }
 
+/// Where the state is, for the banner: the data directory, or the PostgreSQL store (its
+/// password hidden) and the data directory of the adapters.
+fn state_location(cfg: &Config) -> String {
+    match &cfg.store {
+        StoreLocation::Sqlite(_) => cfg.data_dir.display().to_string(),
+        StoreLocation::Postgres(_) => {
+            format!("{}, adapters in {}", cfg.store, cfg.data_dir.display())
+        }
+    }
+}
+
 fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String], store_keys: bool) {
     let url = format!("http://{addr}");
+    if !cfg.role.serves_api() {
+        println!(
+            "temper worker running the training jobs of {} (health at {url}/health)",
+            names.join(", ")
+        );
+        println!(
+            "  state (models, checkpoints, jobs) in {}",
+            state_location(cfg)
+        );
+        return;
+    }
     println!("temper serving {} at {url}/v1", names.join(", "));
-    match &cfg.store {
-        StoreLocation::Sqlite(_) => println!(
-            "  state (models, checkpoints, jobs, keys) in {}",
-            cfg.data_dir.display()
-        ),
-        StoreLocation::Postgres(_) => println!(
-            "  state (models, checkpoints, jobs, keys) in {}, adapters in {}",
-            cfg.store,
-            cfg.data_dir.display()
-        ),
+    println!(
+        "  state (models, checkpoints, jobs, keys) in {}",
+        state_location(cfg)
+    );
+    if !cfg.role.runs_jobs() {
+        println!("  role api: training jobs are queued for the workers that share the store");
     }
     if cfg.api_keys.is_empty() && !store_keys {
         println!("  no API key configured: open to clients on this machine only");

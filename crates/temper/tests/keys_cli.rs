@@ -153,3 +153,66 @@ fn default_data_dir_is_the_servers() {
     .to_owned();
     assert_eq!(authenticate(&from_file, &secret).as_deref(), Some("f"));
 }
+
+fn stored_quota(data_dir: &Path, team: &str) -> Option<u64> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = temper_store::Store::open(data_dir).await.unwrap();
+        let quota = store
+            .quota(team, 0)
+            .await
+            .unwrap()
+            .map(|q| q.monthly_tokens);
+        store.close().await;
+        quota
+    })
+}
+
+#[test]
+fn quota_set_show_clear() {
+    let home = tempfile::tempdir().unwrap();
+    let dir = home.path().join("state");
+    let d = dir.to_str().unwrap();
+    let run = |args: &[&str]| {
+        temper(
+            home.path(),
+            &[&["keys", "quota", "--data-dir", d], args].concat(),
+        )
+    };
+
+    let set = stdout(&run(&["--team", "acme", "--tokens", "5000"]));
+    assert!(set.contains("acme") && set.contains("5000"), "{set}");
+    assert_eq!(stored_quota(&dir, "acme"), Some(5000));
+    stdout(&run(&["--team", "globex", "--tokens", "7"]));
+    stdout(&run(&["--team", "acme", "--tokens", "6000"]));
+    assert_eq!(stored_quota(&dir, "acme"), Some(6000));
+
+    let all = stdout(&run(&[]));
+    let lines: Vec<Vec<&str>> = all
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(lines.len(), 3, "{all}");
+    assert_eq!(lines[0][..2], ["TEAM", "MONTHLY"]);
+    assert_eq!(lines[1], ["acme", "6000", "0", "6000"]);
+    assert_eq!(lines[2], ["globex", "7", "0", "7"]);
+    let one = stdout(&run(&["--team", "globex"]));
+    assert_eq!(one.lines().count(), 2, "{one}");
+
+    assert!(stdout(&run(&["--team", "acme", "--clear"])).contains("removed"));
+    assert_eq!(stored_quota(&dir, "acme"), None);
+    assert!(stdout(&run(&["--team", "acme", "--clear"])).contains("no quota"));
+    for bad in [
+        &["--tokens", "5"][..],
+        &["--clear"],
+        &["--team", "acme", "--tokens", "5", "--clear"],
+        &["--team", "acme", "--tokens", "-1"],
+        &["--team", "a b", "--tokens", "1"],
+    ] {
+        assert!(!run(bad).status.success(), "{bad:?}");
+    }
+    assert_eq!(stored_quota(&dir, "globex"), Some(7));
+}

@@ -89,6 +89,25 @@ async fn sigterm_finishes_the_stream_requeues_the_job_and_exits() {
         .wait_for_exit(Duration::from_secs(30))
         .expect("exits within the timeout");
     assert_eq!(status.code(), Some(0), "{status}");
+    // The stream's usage (the only request to the base model by name) was stored before the
+    // process ended.
+    let store = temper_store::Store::open(&data).await.unwrap();
+    let base: Vec<_> = store
+        .usage_rows("default", 0, i64::MAX)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.model == "tiny")
+        .collect();
+    store.close().await;
+    assert_eq!(base.len(), 1, "{base:?}");
+    assert_eq!(
+        (
+            base[0].counts.num_model_requests,
+            base[0].counts.output_tokens
+        ),
+        (1, max_tokens as u64)
+    );
 
     // Re-queued with its event and run again from its start; the shutdown was no attempt, so the
     // crash of the second run leaves it one attempt short of the limit: re-queued again.

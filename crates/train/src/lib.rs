@@ -1,10 +1,12 @@
 //! temper-train: trajectories → tokens, advantages, the RL loss and the LoRA optimisation loop
 //! (training.md). The HTTP layer parses bodies into [`TrainingRequest`] and calls
 //! [`tokenize_job`] at the edge; the job worker calls [`run_job`]. SFT jobs go the same way:
-//! [`SftRequest`], [`tokenize_sft_job`], [`run_sft_job`].
+//! [`SftRequest`], [`tokenize_sft_job`], [`run_sft_job`]. [`service`] is the training service
+//! around them: the job life cycle over the store, the worker, trained names and adapters.
 
 mod pool;
 mod request;
+pub mod service;
 mod summary;
 mod tokenize;
 mod trainer;
@@ -12,9 +14,9 @@ mod trainer;
 pub use pool::{TrainerPool, TrainerThreads, DEFAULT_TRAIN_NICE};
 pub use request::{
     Choice, ChoiceLogprobs, ExperimentalConfig, History, ImportanceSamplingLevel, LearningRate,
-    LossConfig, MessageOrChoice, SftConfig, SftRequest, SftSchedule, SftTrajectory, TokenLogprob,
-    TrainingRequest, Trajectory, TrajectoryGroup, SFT_DEFAULT_BATCH_SIZE, SFT_DEFAULT_EPOCHS,
-    SFT_DEFAULT_LEARNING_RATE,
+    LogGroup, LogTrajectory, LossConfig, MessageOrChoice, SftConfig, SftRequest, SftSchedule,
+    SftTrajectory, TokenLogprob, TrainingRequest, Trajectory, TrajectoryGroup,
+    SFT_DEFAULT_BATCH_SIZE, SFT_DEFAULT_EPOCHS, SFT_DEFAULT_LEARNING_RATE,
 };
 pub use summary::mean_trajectory_metrics;
 pub use tokenize::{

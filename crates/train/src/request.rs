@@ -302,3 +302,17 @@ impl SftConfig {
         })
     }
 }
+
+/// A group of `/log` (training.md): only the rewards and metrics of its trajectories are read.
+#[derive(Debug, Deserialize)]
+pub struct LogGroup {
+    pub trajectories: Vec<LogTrajectory>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct LogTrajectory {
+    #[serde(default)]
+    pub reward: f64,
+    #[serde(default)]
+    pub metrics: Map<String, Value>,
+}

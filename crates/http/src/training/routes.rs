@@ -5,8 +5,7 @@
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::{Extension, Json};
-use temper_store::JobKind;
-use temper_text::{ChatTemplate, Tokenizer};
+use temper_train::service::JobSpec;
 use uuid::Uuid;
 
 use crate::auth::RequestContext;
@@ -17,7 +16,7 @@ use crate::training::idempotency::ClaimedKey;
 use crate::training::wire::{
     CheckpointJson, CheckpointQuery, CreateJobRequest, CreateModelRequest, CreateSftJobRequest,
     CursorPage, DeleteCheckpointsRequest, DeletedCheckpointsJson, DeletedModelJson, EventJson,
-    EventListJson, EventQuery, JobCreatedJson, JobJson, JobQuery, LogGroup, LogRequest, ModelJson,
+    EventListJson, EventQuery, JobCreatedJson, JobJson, JobQuery, LogRequest, ModelJson,
     ModelListJson,
 };
 
@@ -92,47 +91,15 @@ pub async fn create_model(
     ValidJson(req): ValidJson<CreateModelRequest>,
 ) -> Result<Json<ModelJson>, ApiError> {
     let training = state.require_training()?;
-    if let Some(entity) = req.entity.as_deref().filter(|e| *e != ctx.team) {
-        // Another team's entity is as absent as another team's model.
-        return Err(ApiError::NotFound(format!(
-            "The entity `{entity}` does not exist."
-        )));
-    }
-    if state.model(Some(&req.base_model)).is_err() {
-        return Err(ApiError::bad(
-            "base_model",
-            format!(
-                "`{}` is not a base model this server serves (GET /v1/models lists them).",
-                req.base_model
-            ),
-        ));
-    }
     let new = temper_store::NewModel {
         team: &ctx.team,
         project: &req.project,
         name: &req.name,
         base_model: &req.base_model,
     };
-    let model = match training.store.create_model(&new).await {
-        Err(temper_store::Error::ModelExists { .. }) if req.return_existing => {
-            let existing = training
-                .store
-                .get_model_by_name(&ctx.team, &req.project, &req.name)
-                .await?;
-            if existing.base_model != req.base_model {
-                return Err(ApiError::Conflict(format!(
-                    "The model {}/{}/{} exists with base model `{}`, not `{}`.",
-                    existing.team,
-                    existing.project,
-                    existing.name,
-                    existing.base_model,
-                    req.base_model
-                )));
-            }
-            existing
-        }
-        other => other?,
-    };
+    let model = training
+        .create_model(&ctx.team, req.entity.as_deref(), &new, req.return_existing)
+        .await?;
     Ok(Json(ModelJson::from(&model)))
 }
 
@@ -165,16 +132,7 @@ pub async fn delete_model(
     ModelId(id): ModelId,
 ) -> Result<Json<DeletedModelJson>, ApiError> {
     let training = state.require_training()?;
-    let deleted = training.store.delete_model(&ctx.team, id).await?;
-    for job in &deleted.failed_jobs {
-        training.stop_job(*job);
-    }
-    let dir = training.model_dir(id);
-    if let Err(e) = std::fs::remove_dir_all(&dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!(dir = %dir.display(), error = %e, "removing a deleted model's adapters");
-        }
-    }
+    let deleted = training.delete_model(&ctx.team, id).await?;
     Ok(Json(DeletedModelJson {
         model_id: id.to_string(),
         deleted_checkpoints: deleted.deleted_checkpoints,
@@ -213,21 +171,8 @@ pub async fn delete_checkpoints(
 ) -> Result<Json<DeletedCheckpointsJson>, ApiError> {
     let training = state.require_training()?;
     let deleted = training
-        .store
         .delete_checkpoints(&ctx.team, model_id, &req.steps)
         .await?;
-    for step in req
-        .steps
-        .iter()
-        .filter(|s| !deleted.not_found_steps.contains(s))
-    {
-        let path = training.adapter_path(model_id, *step);
-        if let Err(e) = std::fs::remove_file(&path) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(path = %path.display(), error = %e, "removing a deleted checkpoint");
-            }
-        }
-    }
     Ok(Json(DeletedCheckpointsJson {
         deleted_count: deleted.deleted_count,
         not_found_steps: deleted.not_found_steps,
@@ -249,69 +194,13 @@ pub async fn log_metrics(
             "`model_id` must be the model of the path.",
         ));
     }
-    let split = &req.split;
-    let valid_split = !split.is_empty()
-        && split.len() <= 64
-        && split
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if !valid_split {
-        return Err(ApiError::bad(
-            "split",
-            "`split` must be 1-64 of A-Z a-z 0-9 - _ . (e.g. `val`).",
-        ));
-    }
-    let metrics = split_metrics(split, &req.trajectory_groups)?;
     training
-        .store
-        .log_metrics(&ctx.team, model_id, metrics)
+        .log_metrics(&ctx.team, model_id, &req.split, &req.trajectory_groups)
         .await?;
     Ok(Json(serde_json::Map::new()))
 }
 
-/// `<split>/reward` (mean), `<split>/reward_std_dev` (population), `<split>/num_trajectories`,
-/// `<split>/num_groups`, and the mean of each numeric trajectory metric as `<split>/<name>`.
-fn split_metrics(
-    split: &str,
-    groups: &[LogGroup],
-) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
-    use serde_json::json;
-    if groups.is_empty() {
-        return Err(ApiError::bad(
-            "trajectory_groups",
-            "`trajectory_groups` must not be empty.",
-        ));
-    }
-    if let Some(i) = groups.iter().position(|g| g.trajectories.is_empty()) {
-        return Err(ApiError::bad(
-            format!("trajectory_groups[{i}].trajectories"),
-            "A group must have at least one trajectory.",
-        ));
-    }
-    let trajectories: Vec<_> = groups.iter().flat_map(|g| &g.trajectories).collect();
-    let n = trajectories.len() as f64;
-    let mean = trajectories.iter().map(|t| t.reward).sum::<f64>() / n;
-    let var = trajectories
-        .iter()
-        .map(|t| (t.reward - mean).powi(2))
-        .sum::<f64>()
-        / n;
-    let mut out = serde_json::Map::new();
-    out.insert(format!("{split}/reward"), json!(mean));
-    out.insert(format!("{split}/reward_std_dev"), json!(var.sqrt()));
-    out.insert(
-        format!("{split}/num_trajectories"),
-        json!(trajectories.len()),
-    );
-    out.insert(format!("{split}/num_groups"), json!(groups.len()));
-    out.extend(temper_train::mean_trajectory_metrics(
-        trajectories.iter().map(|t| &t.metrics),
-        &format!("{split}/"),
-    ));
-    Ok(out)
-}
-
-/// `POST /v1/preview/training-jobs`: an RL job (see [`enqueue_validated`]).
+/// `POST /v1/preview/training-jobs`: an RL job (see [`enqueue`]).
 pub async fn create_job(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
@@ -319,26 +208,15 @@ pub async fn create_job(
     JsonBody(body): JsonBody,
 ) -> Result<Json<JobCreatedJson>, ApiError> {
     let req: CreateJobRequest = parse_json(&body)?;
-    let request = temper_train::TrainingRequest {
+    let spec = JobSpec::Rl(temper_train::TrainingRequest {
         trajectory_groups: req.trajectory_groups,
         experimental_config: req.experimental_config,
-    };
-    let job = Queued {
-        model_id: &req.model_id,
-        kind: JobKind::Rl,
-        body: &body,
-        claimed: claimed.as_ref().map(|c| &c.0),
-    };
-    enqueue_validated(&state, &ctx, job, {
-        move |tokenizer, template, max_seq_len| {
-            temper_train::tokenize_job(&request, tokenizer, template)?.check_lengths(max_seq_len)
-        }
-    })
-    .await
+    });
+    enqueue(&state, &ctx, &req.model_id, spec, &body, claimed).await
 }
 
 /// `POST /v1/preview/sft-training-jobs`: a supervised fine-tuning job on inline trajectories
-/// (see [`enqueue_validated`]).
+/// (see [`enqueue`]).
 pub async fn create_sft_job(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
@@ -353,87 +231,31 @@ pub async fn create_sft_job(
              `trajectories` (each `{\"messages\": [...], \"tools\": [...]}`).",
         ));
     }
-    let request = temper_train::SftRequest {
+    let spec = JobSpec::Sft(temper_train::SftRequest {
         trajectories: req.trajectories.unwrap_or_default(),
         config: req.config,
-    };
-    let job = Queued {
-        model_id: &req.model_id,
-        kind: JobKind::Sft,
-        body: &body,
-        claimed: claimed.as_ref().map(|c| &c.0),
-    };
-    enqueue_validated(&state, &ctx, job, {
-        move |tokenizer, template, max_seq_len| {
-            temper_train::tokenize_sft_job(&request, tokenizer, template)?
-                .check_lengths(max_seq_len)
-        }
-    })
-    .await
+    });
+    enqueue(&state, &ctx, &req.model_id, spec, &body, claimed).await
 }
 
-/// A job to queue, as posted.
-struct Queued<'a> {
-    model_id: &'a str,
-    kind: JobKind,
-    body: &'a [u8],
-    /// The request's `Idempotency-Key`, answered in the job's own transaction.
-    claimed: Option<&'a ClaimedKey>,
-}
-
-/// Validates a job's whole body (`validate` tokenizes it with the base model's template, so a
-/// job that could not train is a 400 now, not a failed job later), then stores it as posted and
-/// answers once it is on disk.
-async fn enqueue_validated(
+/// Queues a job (the service validates it whole first) with the body as posted.
+async fn enqueue(
     state: &AppState,
     ctx: &RequestContext,
-    queued: Queued<'_>,
-    validate: impl FnOnce(&Tokenizer, &ChatTemplate, usize) -> Result<(), temper_train::TrainError>
-        + Send
-        + 'static,
+    model_id: &str,
+    spec: JobSpec,
+    body: &[u8],
+    claimed: Option<Extension<ClaimedKey>>,
 ) -> Result<Json<JobCreatedJson>, ApiError> {
     let training = state.require_training()?;
-    let Queued {
-        model_id,
-        kind,
-        body,
-        claimed,
-    } = queued;
+    crate::usage::check_quota(state, &ctx.team).await?;
     let model_id = parse_id("model_id", model_id)?;
-    let model = training.store.get_model(&ctx.team, model_id).await?;
-    let base = state.model(Some(&model.base_model)).map_err(|_| {
-        ApiError::ServiceUnavailable(format!(
-            "The base model `{}` is not served by this server.",
-            model.base_model
-        ))
-    })?;
-    let template = base.chat_template.clone().ok_or_else(|| {
-        ApiError::bad(
-            "model_id",
-            format!(
-                "The base model `{}` has no chat template.",
-                model.base_model
-            ),
-        )
-    })?;
-    let tokenizer = base.tokenizer.clone();
-    let max_seq_len = training.options.max_seq_len;
-    tokio::task::spawn_blocking(move || validate(&tokenizer, &template, max_seq_len))
-        .await
-        .map_err(|e| ApiError::Internal(format!("validating trajectories panicked: {e}")))??;
     // parse_json has read it as JSON, so it is UTF-8.
     let text = String::from_utf8_lossy(body);
-    let store = &training.store;
-    let job = match claimed {
-        Some(key) => {
-            store
-                .enqueue_job_idempotent(&ctx.team, model_id, kind, &text, key.as_key())
-                .await?
-        }
-        None => store.enqueue_job(&ctx.team, model_id, kind, &text).await?,
-    };
-    training.wake.notify_one();
-    tracing::info!(job_id = %job.id, model_id = %model_id, kind = kind.as_str(), "training job queued");
+    let key = claimed.as_ref().map(|c| c.0.as_key());
+    let job = training
+        .enqueue_job(&ctx.team, model_id, spec, &text, key)
+        .await?;
     Ok(Json(JobCreatedJson {
         id: job.id.to_string(),
     }))
@@ -513,7 +335,6 @@ pub async fn cancel_job(
     JobId(id): JobId,
 ) -> Result<Json<JobJson>, ApiError> {
     let training = state.require_training()?;
-    let job = training.store.cancel_job(&ctx.team, id).await?;
-    training.stop_job(job.id);
+    let job = training.cancel_job(&ctx.team, id).await?;
     Ok(Json(job.into()))
 }

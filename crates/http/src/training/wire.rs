@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use temper_store::{Checkpoint, Event, Job, Model};
+use temper_train::LogGroup;
 
 /// `POST /v1/preview/models`.
 #[derive(Debug, Deserialize)]
@@ -228,17 +229,4 @@ pub struct LogRequest {
     pub model_id: String,
     pub trajectory_groups: Vec<LogGroup>,
     pub split: String,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct LogGroup {
-    pub trajectories: Vec<LogTrajectory>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct LogTrajectory {
-    #[serde(default)]
-    pub reward: f64,
-    #[serde(default)]
-    pub metrics: serde_json::Map<String, Value>,
 }

@@ -6,7 +6,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use temper_http::{AppState, ModelSpec, ServedModel, ServerOptions, Training, TrainingOptions};
+use std::sync::Arc;
+
+use temper_http::{
+    AppState, ModelSpec, ServedModel, ServerOptions, TrainingOptions, TrainingService,
+};
 
 pub const KEY: &str = "test-key";
 
@@ -46,7 +50,10 @@ impl TestServer {
         let mut spec = ModelSpec::new("tiny", &path);
         spec.max_model_len = max_model_len;
         let model = ServedModel::load(&spec).unwrap();
-        let training = Training::open(training).await.unwrap();
+        let training = TrainingService::open(training, vec![model.base.clone()])
+            .await
+            .unwrap();
+        let training = Arc::new(training);
         let state = AppState::with_training(vec![model], options, training).unwrap();
         let mut server = Self::serve(state).await;
         server._dir = Some(dir);

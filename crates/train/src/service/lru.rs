@@ -52,15 +52,18 @@ impl<K: Hash + Eq + Clone, V: Clone> ByteLru<K, V> {
         }
     }
 
-    pub fn used_bytes(&self) -> usize {
+    #[cfg(test)]
+    fn used_bytes(&self) -> usize {
         self.used
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.entries.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 }

@@ -14,13 +14,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 use temper_model::{LoraAdapter, LoraConfig};
-use temper_store::{event, Job, JobKind, Recovery};
-use temper_train::{SftRequest, TrainEvent, TrainerConfig, TrainingRequest};
+use temper_store::{event, Job, Recovery};
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::state::AppState;
-use crate::training::Training;
+use super::{JobSpec, TrainingService};
+use crate::{TrainEvent, TrainerConfig};
 
 /// How often an idle worker looks at the queue even without a wake-up (jobs queued by another
 /// process sharing the store).
@@ -29,19 +28,11 @@ const IDLE_POLL: Duration = Duration::from_secs(2);
 /// whose server died (a request holds its claim for as long as its handler runs).
 const STALE_IDEMPOTENCY_CLAIM: Duration = Duration::from_secs(600);
 
-/// Starts the worker on the current runtime (a server with training runs exactly one).
-pub fn spawn(state: AppState) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(run(state))
-}
-
-/// Runs queued jobs until the server begins shutting down ([`Training::begin_shutdown`]), and
-/// returns once its job has stopped. Returns at once on a server without training.
-async fn run(state: AppState) {
-    let Some(training) = state.training().cloned() else {
-        return;
-    };
+/// Runs queued jobs until the process begins shutting down
+/// ([`TrainingService::begin_shutdown`]), and returns once its job has stopped.
+pub(super) async fn run(training: Arc<TrainingService>) {
     let lease = training.options.job_lease;
-    // `Training::open` just swept.
+    // `TrainingService::open` just swept.
     let mut swept = Instant::now();
     while !training.is_shutting_down() {
         match training
@@ -51,7 +42,7 @@ async fn run(state: AppState) {
         {
             Ok(Some(job)) => {
                 let id = job.id;
-                if let Err(message) = run_job(&state, &training, job).await {
+                if let Err(message) = run_job(&training, job).await {
                     record_failure(&training, id, &message).await;
                 }
                 release_freed_memory();
@@ -75,7 +66,7 @@ async fn run(state: AppState) {
 
 /// Re-queues the jobs whose worker's lease expired (or fails them at the attempt limit) and
 /// releases stale idempotency claims. Returns whether a job was re-queued.
-async fn sweep(training: &Training) -> bool {
+async fn sweep(training: &TrainingService) -> bool {
     let max_attempts = training.options.max_job_attempts.max(1);
     let requeued = match training.store.requeue_expired_leases(max_attempts).await {
         Ok(recovery) => {
@@ -129,7 +120,7 @@ fn release_freed_memory() {
 }
 
 /// Marks a job failed, unless it already ended (cancelled, its model deleted).
-async fn record_failure(training: &Training, id: Uuid, message: &str) {
+async fn record_failure(training: &TrainingService, id: Uuid, message: &str) {
     tracing::warn!(job_id = %id, error = message, "training job failed");
     match training
         .store
@@ -150,12 +141,12 @@ fn adapter_seed(model_id: Uuid) -> u64 {
 
 /// Runs one claimed job to its end, renewing its lease meanwhile. `Err` is the message of a
 /// failure still to be recorded.
-async fn run_job(state: &AppState, training: &Arc<Training>, job: Job) -> Result<(), String> {
+async fn run_job(training: &Arc<TrainingService>, job: Job) -> Result<(), String> {
     let span = tracing::info_span!("training_job", job_id = %job.id, model_id = %job.model_id);
     let _renewal = Renewal(tokio::spawn(
         keep_lease(training.clone(), job.id).instrument(span.clone()),
     ));
-    run_claimed(state, training, job).instrument(span).await
+    run_claimed(training, job).instrument(span).await
 }
 
 /// The lease renewal of the job being run, stopped when its run ends, however it ends.
@@ -170,7 +161,7 @@ impl Drop for Renewal {
 /// Renews this worker's lease on a job every third of the lease, so a failed renewal is retried
 /// twice before the lease lapses. A job no longer this worker's (cancelled, its model deleted,
 /// or re-queued once the lease lapsed) is stopped before its next step, recording nothing.
-async fn keep_lease(training: Arc<Training>, job_id: Uuid) {
+async fn keep_lease(training: Arc<TrainingService>, job_id: Uuid) {
     let lease = training.options.job_lease;
     let mut ticks = tokio::time::interval((lease / 3).max(Duration::from_secs(1)));
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -196,9 +187,9 @@ async fn keep_lease(training: Arc<Training>, job_id: Uuid) {
     }
 }
 
-async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Result<(), String> {
+async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), String> {
     let store = &training.store;
-    let request = JobRequest::parse(
+    let request = JobSpec::parse(
         job.kind,
         &store.job_request(job.id).await.map_err(|e| e.to_string())?,
     )?;
@@ -206,9 +197,9 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
         .get_model(&job.team, job.model_id)
         .await
         .map_err(|e| e.to_string())?;
-    let base = state
-        .model(Some(&model.base_model))
-        .map_err(|_| format!("the base model `{}` is not served", model.base_model))?;
+    let base = training
+        .base_model(&model.base_model)
+        .ok_or_else(|| format!("the base model `{}` is not served", model.base_model))?;
     let template = base
         .chat_template
         .clone()
@@ -230,8 +221,8 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
     };
     // Echoed in every gradient step (and so in the checkpoint's metrics).
     let bookkeeping = match &request {
-        JobRequest::Rl(r) => r.bookkeeping_metrics(latest_step),
-        JobRequest::Sft(_) => Map::new(),
+        JobSpec::Rl(r) => r.bookkeeping_metrics(latest_step),
+        JobSpec::Sft(_) => Map::new(),
     };
 
     let cancel = training.register(job.id);
@@ -255,18 +246,16 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
                 let _ = events_tx.send(e);
             };
             match request {
-                JobRequest::Rl(request) => {
-                    let tokenized = temper_train::tokenize_job(&request, &tokenizer, &template)
+                JobSpec::Rl(request) => {
+                    let tokenized = crate::tokenize_job(&request, &tokenizer, &template)
                         .map_err(|e| e.to_string())?;
-                    temper_train::run_job(&weights, &start, &tokenized, &trainer, &flag, &mut send)
+                    crate::run_job(&weights, &start, &tokenized, &trainer, &flag, &mut send)
                 }
-                JobRequest::Sft(request) => {
-                    let tokenized = temper_train::tokenize_sft_job(&request, &tokenizer, &template)
+                JobSpec::Sft(request) => {
+                    let tokenized = crate::tokenize_sft_job(&request, &tokenizer, &template)
                         .map_err(|e| e.to_string())?;
-                    temper_train::run_sft_job(
-                        &weights, &start, &tokenized, &trainer, &flag, &mut send,
-                    )
-                    .map(Some)
+                    crate::run_sft_job(&weights, &start, &tokenized, &trainer, &flag, &mut send)
+                        .map(Some)
                 }
             }
             .map_err(|e| e.to_string())
@@ -324,12 +313,10 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
             let path = training.adapter_path(job.model_id, step);
             let saved = path.clone();
             // On disk (file and directory entry fsynced) before the checkpoint row commits.
-            tokio::task::spawn_blocking(move || {
-                crate::training::files::save_adapter(&adapter, &saved)
-            })
-            .await
-            .map_err(|e| format!("saving the adapter panicked: {e}"))?
-            .map_err(|e| format!("saving the adapter: {e}"))?;
+            tokio::task::spawn_blocking(move || super::files::save_adapter(&adapter, &saved))
+                .await
+                .map_err(|e| format!("saving the adapter panicked: {e}"))?
+                .map_err(|e| format!("saving the adapter: {e}"))?;
             let metrics = mean_metrics(&step_metrics);
             match store
                 .succeed_job(
@@ -373,22 +360,6 @@ async fn run_claimed(state: &AppState, training: &Arc<Training>, job: Job) -> Re
                 Err(e) => Err(e.to_string()),
             }
         }
-    }
-}
-
-/// A job's request as stored, read as its kind says.
-enum JobRequest {
-    Rl(TrainingRequest),
-    Sft(SftRequest),
-}
-
-impl JobRequest {
-    fn parse(kind: JobKind, text: &str) -> Result<JobRequest, String> {
-        let parsed = match kind {
-            JobKind::Rl => serde_json::from_str(text).map(JobRequest::Rl),
-            JobKind::Sft => serde_json::from_str(text).map(JobRequest::Sft),
-        };
-        parsed.map_err(|e| format!("the stored request does not parse: {e}"))
     }
 }
 

@@ -1,0 +1,568 @@
+//! The training service below HTTP: models, checkpoints and jobs in the store (training.md's
+//! life cycle), the worker that runs queued jobs, inference names of trained checkpoints and the
+//! cache of their adapters. The HTTP layer routes to it and converts wire types; a worker node
+//! (`temper serve --role worker`) runs only its worker.
+
+mod base;
+mod files;
+mod lru;
+pub mod names;
+mod worker;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Map, Value};
+use temper_model::LoraAdapter;
+use temper_store::{
+    Backend, Checkpoint, DeletedCheckpoints, DeletedModel, IdempotencyKey, Job, JobKind, Model,
+    NewModel, Store, StoreLocation,
+};
+use uuid::Uuid;
+
+pub use base::{BaseModel, LoadError};
+
+use crate::{LogGroup, SftRequest, TrainError, TrainerPool, TrainerThreads, TrainingRequest};
+use lru::ByteLru;
+use names::StepSelector;
+
+/// Settings of the training service.
+#[derive(Debug, Clone)]
+pub struct TrainingOptions {
+    /// The adapter files live here, and by default the store.
+    pub data_dir: PathBuf,
+    /// The store: the SQLite file in `data_dir` (the default), or a PostgreSQL database that
+    /// several servers share.
+    pub store: StoreLocation,
+    /// How long the worker's claim on a running job lasts unless renewed (it renews it every
+    /// third of that); a server that dies loses its job to another worker this long after.
+    pub job_lease: Duration,
+    /// This server's worker name in job leases and events (`None`: a generated one, see
+    /// [`temper_store::new_worker_id`]); unique among the servers sharing a store.
+    pub worker_id: Option<String>,
+    /// Largest accepted body of the training routes (trajectory groups are large).
+    pub max_body_bytes: usize,
+    /// Memory the cache of loaded adapters may use before it evicts the least recently used.
+    pub adapter_cache_bytes: usize,
+    pub lora_rank: usize,
+    pub lora_alpha: f32,
+    /// Longest packed training sequence, in tokens.
+    pub max_seq_len: usize,
+    /// A job found running at start-up after this many starts in a row (each ended by a crash
+    /// or a kill) is failed instead of re-queued (at least 1).
+    pub max_job_attempts: u32,
+    /// Most queued jobs per team (`None`: no bound); past it a post is a 429.
+    pub max_queued_jobs_per_team: Option<u32>,
+    /// The trainer's own threads and their priority (below serving's).
+    pub trainer_threads: TrainerThreads,
+}
+
+impl TrainingOptions {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        let data_dir = data_dir.into();
+        TrainingOptions {
+            store: StoreLocation::Sqlite(data_dir.clone()),
+            data_dir,
+            job_lease: Duration::from_secs(30),
+            worker_id: None,
+            max_body_bytes: 64 << 20,
+            adapter_cache_bytes: 256 << 20,
+            lora_rank: 8,
+            lora_alpha: 16.0,
+            max_seq_len: 2048,
+            max_job_attempts: 3,
+            max_queued_jobs_per_team: Some(64),
+            trainer_threads: TrainerThreads::default(),
+        }
+    }
+}
+
+/// What a call of the service can fail with; the HTTP layer maps each to its status.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Store(#[from] temper_store::Error),
+    /// The trajectories cannot be trained on (a field of the request is named).
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    /// A bad value of a request field other than the trajectories.
+    #[error("{message}")]
+    Invalid { param: String, message: String },
+    /// Another team's entity is as absent as a missing one.
+    #[error("The entity `{0}` does not exist.")]
+    EntityNotFound(String),
+    #[error("`{0}` is not a base model this server serves (GET /v1/models lists them).")]
+    UnknownBaseModel(String),
+    /// The model exists, but its base model is not loaded by this process.
+    #[error("The base model `{0}` is not served by this server.")]
+    BaseModelNotServed(String),
+    #[error("The base model `{0}` has no chat template.")]
+    NoChatTemplate(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("opening the store {location}: {source}")]
+    Store {
+        location: StoreLocation,
+        source: temper_store::Error,
+    },
+    #[error("{0}")]
+    TrainerPool(String),
+}
+
+/// A job's request: posted to the API, stored as posted, read back by the worker.
+pub enum JobSpec {
+    Rl(TrainingRequest),
+    Sft(SftRequest),
+}
+
+impl JobSpec {
+    pub fn kind(&self) -> JobKind {
+        match self {
+            JobSpec::Rl(_) => JobKind::Rl,
+            JobSpec::Sft(_) => JobKind::Sft,
+        }
+    }
+
+    fn parse(kind: JobKind, text: &str) -> Result<JobSpec, String> {
+        let parsed = match kind {
+            JobKind::Rl => serde_json::from_str(text).map(JobSpec::Rl),
+            JobKind::Sft => serde_json::from_str(text).map(JobSpec::Sft),
+        };
+        parsed.map_err(|e| format!("the stored request does not parse: {e}"))
+    }
+}
+
+/// A trained model's checkpoint a request names (see [`TrainingService::resolve`]).
+pub struct TrainedCheckpoint {
+    pub model: Model,
+    pub checkpoint: Checkpoint,
+}
+
+/// The store plus what the API calls and the worker share.
+pub struct TrainingService {
+    pub store: Store,
+    /// This server's worker, as its job leases and `training_started` events name it.
+    pub worker_id: String,
+    pub options: TrainingOptions,
+    /// What jobs train: the base models this process loaded.
+    base_models: Vec<Arc<BaseModel>>,
+    /// Wakes the worker when a job is queued.
+    wake: tokio::sync::Notify,
+    /// The cancel flag of each job the worker is running.
+    running: Mutex<HashMap<Uuid, Arc<AtomicBool>>>,
+    /// Set (under the `running` lock) by [`TrainingService::begin_shutdown`]: the worker claims
+    /// no more jobs.
+    shutting_down: AtomicBool,
+    /// Loaded adapters by checkpoint id (a deleted and re-made step gets a new id).
+    adapters: Mutex<ByteLru<Uuid, Arc<LoraAdapter>>>,
+    /// Where the worker runs jobs, so that they do not take the engine's threads.
+    trainer_pool: TrainerPool,
+}
+
+impl TrainingService {
+    /// Opens the store (`options.store`), removes the temporary files of adapter saves a crash
+    /// cut short, and puts back in the queue the jobs whose worker is gone (the worker then
+    /// re-runs them from their start), or fails those interrupted `options.max_job_attempts`
+    /// times in a row. Starts the trainer's threads.
+    ///
+    /// On SQLite every running job was this server's: the caller holds the data directory's
+    /// [`temper_store::DataDirLock`] (`temper serve` takes it before this), so no other server
+    /// uses the store. On PostgreSQL other servers' jobs are alive: only expired leases count.
+    pub async fn open(
+        options: TrainingOptions,
+        base_models: Vec<Arc<BaseModel>>,
+    ) -> Result<TrainingService, OpenError> {
+        let trainer_pool =
+            TrainerPool::new(options.trainer_threads).map_err(OpenError::TrainerPool)?;
+        let store_error = |source| OpenError::Store {
+            location: options.store.clone(),
+            source,
+        };
+        let mut store = Store::connect(&options.store).await.map_err(store_error)?;
+        if let Some(limit) = options.max_queued_jobs_per_team {
+            store = store.with_max_queued_jobs_per_team(limit);
+        }
+        for path in files::remove_stray_temp_files(&options.data_dir) {
+            tracing::warn!(
+                path = %path.display(),
+                "removed the temporary file of an interrupted adapter save"
+            );
+        }
+        let max_attempts = options.max_job_attempts.max(1);
+        let recovery = match store.backend() {
+            Backend::Sqlite => store.recover_after_crash(max_attempts).await,
+            Backend::Postgres => store.requeue_expired_leases(max_attempts).await,
+        }
+        .map_err(store_error)?;
+        worker::log_recovery(&recovery, max_attempts);
+        let worker_id = match &options.worker_id {
+            Some(id) => id.clone(),
+            None => temper_store::new_worker_id().map_err(store_error)?,
+        };
+        Ok(TrainingService {
+            store,
+            worker_id,
+            base_models,
+            wake: tokio::sync::Notify::new(),
+            running: Mutex::new(HashMap::new()),
+            shutting_down: AtomicBool::new(false),
+            adapters: Mutex::new(ByteLru::new(options.adapter_cache_bytes)),
+            trainer_pool,
+            options,
+        })
+    }
+
+    /// Starts the job worker on the current runtime (a process runs at most one).
+    pub fn spawn_worker(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(worker::run(self.clone()))
+    }
+
+    pub fn base_model(&self, name: &str) -> Option<&Arc<BaseModel>> {
+        self.base_models.iter().find(|m| m.name == name)
+    }
+
+    fn served_base(&self, model: &Model) -> Result<&Arc<BaseModel>, ServiceError> {
+        self.base_model(&model.base_model)
+            .ok_or_else(|| ServiceError::BaseModelNotServed(model.base_model.clone()))
+    }
+
+    /// Registers a trainable model of `team` on a served base model. `entity` other than the
+    /// team is a 404; with `return_existing`, an existing model of that name on the same base
+    /// is returned instead of a conflict.
+    pub async fn create_model(
+        &self,
+        team: &str,
+        entity: Option<&str>,
+        new: &NewModel<'_>,
+        return_existing: bool,
+    ) -> Result<Model, ServiceError> {
+        if let Some(entity) = entity.filter(|e| *e != team) {
+            return Err(ServiceError::EntityNotFound(entity.to_owned()));
+        }
+        if self.base_model(new.base_model).is_none() {
+            return Err(ServiceError::UnknownBaseModel(new.base_model.to_owned()));
+        }
+        match self.store.create_model(new).await {
+            Err(temper_store::Error::ModelExists { .. }) if return_existing => {
+                let existing = self
+                    .store
+                    .get_model_by_name(team, new.project, new.name)
+                    .await?;
+                if existing.base_model != new.base_model {
+                    return Err(ServiceError::Conflict(format!(
+                        "The model {}/{}/{} exists with base model `{}`, not `{}`.",
+                        existing.team,
+                        existing.project,
+                        existing.name,
+                        existing.base_model,
+                        new.base_model
+                    )));
+                }
+                Ok(existing)
+            }
+            other => Ok(other?),
+        }
+    }
+
+    /// Deletes the model, its checkpoints and their adapter files; its queued and running jobs
+    /// fail (a running one stops before its next step).
+    pub async fn delete_model(&self, team: &str, id: Uuid) -> Result<DeletedModel, ServiceError> {
+        let deleted = self.store.delete_model(team, id).await?;
+        for job in &deleted.failed_jobs {
+            self.stop_job(*job);
+        }
+        let dir = self.model_dir(id);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %dir.display(), error = %e, "removing a deleted model's adapters");
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// Deletes checkpoints by step, with their adapter files.
+    pub async fn delete_checkpoints(
+        &self,
+        team: &str,
+        model_id: Uuid,
+        steps: &[i64],
+    ) -> Result<DeletedCheckpoints, ServiceError> {
+        let deleted = self.store.delete_checkpoints(team, model_id, steps).await?;
+        for step in steps
+            .iter()
+            .filter(|s| !deleted.not_found_steps.contains(s))
+        {
+            let path = self.adapter_path(model_id, *step);
+            if let Err(e) = std::fs::remove_file(&path) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %path.display(), error = %e, "removing a deleted checkpoint");
+                }
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// `/log`: reward statistics and the trajectories' own metrics of one split (e.g. `val`),
+    /// merged into the latest checkpoint's metrics as `<split>/<name>`.
+    pub async fn log_metrics(
+        &self,
+        team: &str,
+        model_id: Uuid,
+        split: &str,
+        groups: &[LogGroup],
+    ) -> Result<Checkpoint, ServiceError> {
+        let metrics = split_metrics(split, groups)?;
+        Ok(self.store.log_metrics(team, model_id, metrics).await?)
+    }
+
+    /// Validates a job's whole request (it is tokenized with the base model's template, so a
+    /// job that could not train is refused now, not failed later), then stores `body` (the
+    /// request as posted) and answers once it is committed, with the `Idempotency-Key`'s answer
+    /// in the same transaction when there is one.
+    pub async fn enqueue_job(
+        &self,
+        team: &str,
+        model_id: Uuid,
+        spec: JobSpec,
+        body: &str,
+        idempotency: Option<IdempotencyKey<'_>>,
+    ) -> Result<Job, ServiceError> {
+        let model = self.store.get_model(team, model_id).await?;
+        let base = self.served_base(&model)?;
+        let template = base
+            .chat_template
+            .clone()
+            .ok_or_else(|| ServiceError::NoChatTemplate(model.base_model.clone()))?;
+        let tokenizer = base.tokenizer.clone();
+        let max_seq_len = self.options.max_seq_len;
+        let kind = spec.kind();
+        tokio::task::spawn_blocking(move || match spec {
+            JobSpec::Rl(request) => {
+                crate::tokenize_job(&request, &tokenizer, &template)?.check_lengths(max_seq_len)
+            }
+            JobSpec::Sft(request) => {
+                crate::tokenize_sft_job(&request, &tokenizer, &template)?.check_lengths(max_seq_len)
+            }
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(format!("validating trajectories panicked: {e}")))??;
+        let job = match idempotency {
+            Some(key) => {
+                self.store
+                    .enqueue_job_idempotent(team, model_id, kind, body, key)
+                    .await?
+            }
+            None => self.store.enqueue_job(team, model_id, kind, body).await?,
+        };
+        self.wake.notify_one();
+        tracing::info!(job_id = %job.id, model_id = %model_id, kind = kind.as_str(), "training job queued");
+        Ok(job)
+    }
+
+    /// Cancels a queued or running job; a running one stops before its next gradient step and
+    /// makes no checkpoint.
+    pub async fn cancel_job(&self, team: &str, id: Uuid) -> Result<Job, ServiceError> {
+        let job = self.store.cancel_job(team, id).await?;
+        self.stop_job(job.id);
+        Ok(job)
+    }
+
+    /// The checkpoint a request's `model` names when it is a trained name of `team`
+    /// (`<team>/<project>/<name>[:step<N>|:latest]`); `None` when it is not such a name, or
+    /// names no model or step of the team.
+    pub async fn resolve(
+        &self,
+        team: &str,
+        requested: &str,
+    ) -> Result<Option<TrainedCheckpoint>, ServiceError> {
+        let Some(parsed) = names::parse(requested).filter(|n| n.entity == team) else {
+            return Ok(None);
+        };
+        let found = async {
+            let model = self
+                .store
+                .get_model_by_name(team, parsed.project, parsed.name)
+                .await?;
+            let checkpoint = match parsed.step {
+                StepSelector::Latest => self.store.latest_checkpoint(team, model.id).await?,
+                StepSelector::Step(step) => {
+                    Some(self.store.get_checkpoint(team, model.id, step).await?)
+                }
+            };
+            Ok(checkpoint.map(|checkpoint| TrainedCheckpoint { model, checkpoint }))
+        };
+        match found.await {
+            Err(temper_store::Error::NotFound(_)) => Ok(None),
+            other => Ok(other?),
+        }
+    }
+
+    /// The adapter a checkpoint is served with: none for step 0 (the base weights), else its
+    /// file, loaded once into the LRU cache.
+    pub async fn adapter(
+        &self,
+        base: &BaseModel,
+        checkpoint: &Checkpoint,
+    ) -> Result<Option<Arc<LoraAdapter>>, ServiceError> {
+        if checkpoint.step == 0 {
+            return Ok(None);
+        }
+        if let Some(adapter) = self.lock_adapters().get(&checkpoint.id) {
+            return Ok(Some(adapter));
+        }
+        let path = self.adapter_path(checkpoint.model_id, checkpoint.step);
+        let weights = base.model.clone();
+        let loaded =
+            tokio::task::spawn_blocking(move || LoraAdapter::load(&path, weights.config()))
+                .await
+                .map_err(|e| ServiceError::Internal(format!("loading an adapter panicked: {e}")))?
+                .map_err(|e| {
+                    ServiceError::Internal(format!(
+                        "The adapter of checkpoint step {} cannot be loaded: {e}",
+                        checkpoint.step
+                    ))
+                })?;
+        let adapter = Arc::new(loaded);
+        let bytes = adapter.memory_bytes();
+        self.lock_adapters()
+            .insert(checkpoint.id, adapter.clone(), bytes);
+        Ok(Some(adapter))
+    }
+
+    /// Asks the worker to stop a job it is running (cancelled, or its model deleted) before its
+    /// next gradient step. A job not running is left alone.
+    pub fn stop_job(&self, id: Uuid) {
+        if let Some(flag) = self.lock_running().get(&id) {
+            flag.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// The first step of a graceful shutdown: the worker claims no more jobs and stops the one
+    /// it runs before its next gradient step, writing no checkpoint; the job stays `running`
+    /// until [`TrainingService::requeue_at_shutdown`].
+    pub fn begin_shutdown(&self) {
+        let running = self.lock_running();
+        // Under the lock: a job registered after this starts stopped.
+        self.shutting_down.store(true, Ordering::Relaxed);
+        for flag in running.values() {
+            flag.store(true, Ordering::Relaxed);
+        }
+        drop(running);
+        self.wake.notify_one();
+    }
+
+    fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Relaxed)
+    }
+
+    /// The last step of a graceful shutdown, once the worker has stopped (or the time is up):
+    /// puts this worker's running job back in the queue, its attempt given back. Errors are
+    /// logged: the job is re-queued as after a crash instead (at the next start on SQLite, once
+    /// its lease expires on PostgreSQL).
+    pub async fn requeue_at_shutdown(&self) {
+        match self.store.requeue_at_shutdown(&self.worker_id).await {
+            Ok(ids) => {
+                for id in ids {
+                    tracing::info!(job_id = %id, "re-queued the running training job for the next start");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "re-queuing the running training job at shutdown")
+            }
+        }
+    }
+
+    /// The cancel flag of a job the worker starts running.
+    fn register(&self, id: Uuid) -> Arc<AtomicBool> {
+        let mut running = self.lock_running();
+        // A job claimed while the shutdown begins stops before its first step.
+        let flag = Arc::new(AtomicBool::new(self.is_shutting_down()));
+        running.insert(id, flag.clone());
+        flag
+    }
+
+    fn unregister(&self, id: Uuid) {
+        self.lock_running().remove(&id);
+    }
+
+    fn lock_running(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<AtomicBool>>> {
+        // The map stays consistent even if a holder panicked: every update is one insert/remove.
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_adapters(&self) -> std::sync::MutexGuard<'_, ByteLru<Uuid, Arc<LoraAdapter>>> {
+        // Each cache operation leaves it consistent, so a panic elsewhere cannot corrupt it.
+        self.adapters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where the adapter of a model's checkpoint is kept.
+    pub fn adapter_path(&self, model_id: Uuid, step: i64) -> PathBuf {
+        self.model_dir(model_id)
+            .join(format!("step-{step}.safetensors"))
+    }
+
+    pub fn model_dir(&self, model_id: Uuid) -> PathBuf {
+        self.options
+            .data_dir
+            .join("adapters")
+            .join(model_id.to_string())
+    }
+}
+
+/// `<split>/reward` (mean), `<split>/reward_std_dev` (population), `<split>/num_trajectories`,
+/// `<split>/num_groups`, and the mean of each numeric trajectory metric as `<split>/<name>`.
+fn split_metrics(split: &str, groups: &[LogGroup]) -> Result<Map<String, Value>, ServiceError> {
+    let valid_split = !split.is_empty()
+        && split.len() <= 64
+        && split
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if !valid_split {
+        return Err(ServiceError::Invalid {
+            param: "split".to_owned(),
+            message: "`split` must be 1-64 of A-Z a-z 0-9 - _ . (e.g. `val`).".to_owned(),
+        });
+    }
+    if groups.is_empty() {
+        return Err(ServiceError::Invalid {
+            param: "trajectory_groups".to_owned(),
+            message: "`trajectory_groups` must not be empty.".to_owned(),
+        });
+    }
+    if let Some(i) = groups.iter().position(|g| g.trajectories.is_empty()) {
+        return Err(ServiceError::Invalid {
+            param: format!("trajectory_groups[{i}].trajectories"),
+            message: "A group must have at least one trajectory.".to_owned(),
+        });
+    }
+    let trajectories: Vec<_> = groups.iter().flat_map(|g| &g.trajectories).collect();
+    let n = trajectories.len() as f64;
+    let mean = trajectories.iter().map(|t| t.reward).sum::<f64>() / n;
+    let var = trajectories
+        .iter()
+        .map(|t| (t.reward - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let mut out = Map::new();
+    out.insert(format!("{split}/reward"), json!(mean));
+    out.insert(format!("{split}/reward_std_dev"), json!(var.sqrt()));
+    out.insert(
+        format!("{split}/num_trajectories"),
+        json!(trajectories.len()),
+    );
+    out.insert(format!("{split}/num_groups"), json!(groups.len()));
+    out.extend(crate::mean_trajectory_metrics(
+        trajectories.iter().map(|t| &t.metrics),
+        &format!("{split}/"),
+    ));
+    Ok(out)
+}
