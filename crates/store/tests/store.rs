@@ -13,9 +13,7 @@ mod common;
 use common::{on_both_backends, Db};
 use serde_json::json;
 use sqlx::Connection;
-use temper_store::{
-    event, Error, JobStatus, Model, NewModel, Order, Store, StoreLocation, DB_FILE,
-};
+use temper_store::{event, Error, JobStatus, Model, NewModel, Order, Store, StoreLocation};
 use uuid::Uuid;
 
 /// The worker of the tests that need one.

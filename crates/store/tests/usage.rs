@@ -8,7 +8,7 @@ use common::{on_both_backends, Db};
 
 use serde_json::json;
 use temper_store::{
-    event, usage_bucket, utc_month, Error, JobKind, NewModel, Quota, Store, TokenCounts, UsageKey,
+    event, usage_bucket, utc_month, Error, JobKind, NewModel, Quota, TokenCounts, UsageKey,
     UsageRow,
 };
 
