@@ -16,15 +16,17 @@ build:
 serve: fetch-model build
 	./target/release/temper serve $(ARGS)
 
-# Tests that need the default model, or an S3 server (moto, started by scripts/with-s3.sh for the
-# `--artifacts s3://` tests), fail (not skip) without it. Then the OpenAPI document's check
-# against the OpenAPI 3.1 schema, and the client suites against the built server: the openai SDK,
-# the openpipe-art RL library, and the dashboard in headless Chromium (required here: it fails,
-# not skips, without chromium). The last line sums every test binary's result (cargo prints one
-# line per binary; each Python suite prints one in the same shape).
+# Tests that need the default model fail (not skip) without it; so do the PostgreSQL store's and
+# the S3 artifacts' tests, run against throwaway servers (scripts/with-postgres.sh, and
+# scripts/with-s3.sh's moto). Then the OpenAPI document's check against the OpenAPI 3.1 schema,
+# and the client suites against the built server: the openai SDK, the openpipe-art RL library,
+# and the dashboard in headless Chromium (required here: it fails, not skips, without chromium).
+# The last line sums every test binary's result (cargo prints one line per binary; each Python
+# suite prints one in the same shape).
 test: fetch-model build
 	mkdir -p target
-	TEMPER_REQUIRE_MODEL=1 TEMPER_REQUIRE_S3=1 scripts/with-s3.sh \
+	TEMPER_REQUIRE_MODEL=1 TEMPER_REQUIRE_POSTGRES=1 TEMPER_REQUIRE_S3=1 \
+		scripts/with-postgres.sh scripts/with-s3.sh \
 		cargo test --release --workspace --lib --bins --tests 2>&1 | tee target/test.log
 	status=0; \
 	scripts/openapi-tests.sh 2>&1 | tee -a target/test.log || status=1; \

@@ -202,15 +202,17 @@ impl From<temper_store::Error> for ApiError {
             E::Invalid { field, reason } => {
                 ApiError::bad(field, format!("Invalid `{field}`: {reason}."))
             }
-            E::ModelExists { .. } | E::CheckpointExists { .. } | E::JobState { .. } => {
-                ApiError::Conflict(format!("{e}."))
-            }
+            E::ModelExists { .. }
+            | E::CheckpointExists { .. }
+            | E::JobState { .. }
+            | E::LeaseLost { .. } => ApiError::Conflict(format!("{e}.")),
             E::TeamQueueFull { .. } => ApiError::TooManyRequests(format!(
                 "Too many queued training jobs: {e}. Post again once one has started."
             )),
             E::DataDir { .. }
             | E::Locked { .. }
             | E::LockFile { .. }
+            | E::Location(_)
             | E::Db(_)
             | E::Migrate(_)
             | E::Random(_)

@@ -686,7 +686,10 @@ async fn a_team_past_its_request_limit_gets_a_429() {
             break;
         }
         assert_eq!(status, 429, "{v}");
-        assert!(std::time::Instant::now() < deadline, "the team's place never came back");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the team's place never came back"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

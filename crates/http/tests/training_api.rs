@@ -7,6 +7,10 @@ use common::{options, TestServer, KEY};
 use serde_json::{json, Value};
 use temper_http::{ServerOptions, TrainingOptions};
 
+/// The worker these tests play, writing jobs' results straight into the store.
+const WORKER: &str = "test-worker";
+const LEASE: std::time::Duration = std::time::Duration::from_secs(600);
+
 struct Api {
     server: TestServer,
     _data: tempfile::TempDir,
@@ -408,11 +412,12 @@ async fn add_checkpoints_from(api: &Api, model_id: uuid::Uuid, first: i64, last:
             .enqueue_job("default", model_id, temper_store::JobKind::Rl, "{}")
             .await
             .unwrap();
-        let claimed = store.claim_next_job().await.unwrap().unwrap();
+        let claimed = store.claim_next_job(WORKER, LEASE).await.unwrap().unwrap();
         assert_eq!(claimed.id, job.id);
         store
             .succeed_job(
                 job.id,
+                WORKER,
                 step,
                 Some(json!({"loss": step})),
                 &json!({"step": step}),
@@ -558,10 +563,10 @@ async fn job_reads_events_and_cancel() {
     assert_eq!((status, param(&err)), (400, Some("model_id")));
 
     // Events: the same `after` twice gives the same events.
-    store.claim_next_job().await.unwrap();
+    store.claim_next_job(WORKER, LEASE).await.unwrap();
     for i in 0..3 {
         store
-            .append_event(first.id, "gradient_step", &json!({"step": i}))
+            .append_event(first.id, WORKER, "gradient_step", &json!({"step": i}))
             .await
             .unwrap();
     }

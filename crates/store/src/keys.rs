@@ -32,7 +32,7 @@ fn hash(secret: &str) -> Vec<u8> {
     Sha256::digest(secret.as_bytes()).to_vec()
 }
 
-fn key_info(row: &sqlx::sqlite::SqliteRow) -> Result<KeyInfo> {
+fn key_info(row: &sqlx::any::AnyRow) -> Result<KeyInfo> {
     Ok(KeyInfo {
         id: row.try_get("id")?,
         team: row.try_get("team")?,
@@ -58,7 +58,7 @@ impl Store {
         ensure_team(&mut tx, team, info.created_at).await?;
         sqlx::query(
             "INSERT INTO api_keys (id, team, prefix, secret_hash, created_at) \
-             VALUES (?, ?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4, $5)",
         )
         .bind(&info.id)
         .bind(team)
@@ -75,7 +75,7 @@ impl Store {
     /// timing reveals nothing about the secret itself.
     pub async fn authenticate(&self, secret: &str) -> Result<Option<Team>> {
         let team: Option<String> = sqlx::query_scalar(
-            "SELECT team FROM api_keys WHERE secret_hash = ? AND revoked_at IS NULL",
+            "SELECT team FROM api_keys WHERE secret_hash = $1 AND revoked_at IS NULL",
         )
         .bind(hash(secret))
         .fetch_optional(&self.pool)
@@ -96,7 +96,7 @@ impl Store {
     pub async fn list_keys(&self, team: Option<&str>) -> Result<Vec<KeyInfo>> {
         let rows = sqlx::query(
             "SELECT id, team, prefix, created_at, revoked_at FROM api_keys \
-             WHERE ?1 IS NULL OR team = ?1 ORDER BY created_at, rowid",
+             WHERE $1 IS NULL OR team = $1 ORDER BY created_at, rowid",
         )
         .bind(team)
         .fetch_all(&self.pool)
@@ -107,7 +107,7 @@ impl Store {
     /// Revokes a key (again is a no-op). Its secret stops authenticating at once.
     pub async fn revoke_key(&self, id: &str) -> Result<KeyInfo> {
         let row = sqlx::query(
-            "UPDATE api_keys SET revoked_at = coalesce(revoked_at, ?) WHERE id = ? \
+            "UPDATE api_keys SET revoked_at = coalesce(revoked_at, $1) WHERE id = $2 \
              RETURNING id, team, prefix, created_at, revoked_at",
         )
         .bind(now())

@@ -1,12 +1,12 @@
 //! Trainable models (one per team/project/name) and their checkpoints.
 
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 use uuid::Uuid;
 
 use crate::jobs::{event, insert_event};
 use crate::{
-    check_limit, check_name, ensure_team, hex, invalid, now, page, parse_json, parse_uuid,
+    check_limit, check_name, ensure_team, hex, invalid, locking, now, page, parse_json, parse_uuid,
     random_bytes, Error, Order, Page, Result, Store,
 };
 
@@ -67,7 +67,7 @@ macro_rules! checkpoint_columns {
     };
 }
 
-fn model(row: &SqliteRow) -> Result<Model> {
+fn model(row: &AnyRow) -> Result<Model> {
     Ok(Model {
         id: parse_uuid(row.try_get("id")?)?,
         team: row.try_get("team")?,
@@ -79,7 +79,7 @@ fn model(row: &SqliteRow) -> Result<Model> {
     })
 }
 
-pub(crate) fn checkpoint(row: &SqliteRow) -> Result<Checkpoint> {
+pub(crate) fn checkpoint(row: &AnyRow) -> Result<Checkpoint> {
     Ok(Checkpoint {
         id: parse_uuid(row.try_get("id")?)?,
         model_id: parse_uuid(row.try_get("model_id")?)?,
@@ -91,7 +91,7 @@ pub(crate) fn checkpoint(row: &SqliteRow) -> Result<Checkpoint> {
 
 /// Inserts a checkpoint row; a taken step is `CheckpointExists`.
 pub(crate) async fn insert_checkpoint(
-    conn: &mut sqlx::SqliteConnection,
+    conn: &mut sqlx::AnyConnection,
     model_id: Uuid,
     step: i64,
     metrics: &serde_json::Value,
@@ -102,7 +102,8 @@ pub(crate) async fn insert_checkpoint(
     }
     let id = Uuid::new_v4();
     let inserted = sqlx::query(
-        "INSERT INTO checkpoints (id, model_id, step, metrics, created_at) VALUES (?, ?, ?, ?, ?)",
+        "INSERT INTO checkpoints (id, model_id, step, metrics, created_at) \
+         VALUES ($1, $2, $3, $4, $5)",
     )
     .bind(id.to_string())
     .bind(model_id.to_string())
@@ -151,7 +152,7 @@ impl Store {
         ensure_team(&mut tx, new.team, model.created_at).await?;
         let inserted = sqlx::query(
             "INSERT INTO models (id, team, project, name, base_model, run_id, created_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
         )
         .bind(model.id.to_string())
         .bind(&model.team)
@@ -189,7 +190,7 @@ impl Store {
         let row = sqlx::query(concat!(
             "SELECT ",
             model_columns!(),
-            " FROM models WHERE id = ? AND team = ?"
+            " FROM models WHERE id = $1 AND team = $2"
         ))
         .bind(id.to_string())
         .bind(team)
@@ -205,7 +206,7 @@ impl Store {
         let row = sqlx::query(concat!(
             "SELECT ",
             model_columns!(),
-            " FROM models WHERE team = ? AND project = ? AND name = ?"
+            " FROM models WHERE team = $1 AND project = $2 AND name = $3"
         ))
         .bind(team)
         .bind(project)
@@ -222,7 +223,7 @@ impl Store {
         let rows = sqlx::query(concat!(
             "SELECT ",
             model_columns!(),
-            " FROM models WHERE team = ? ORDER BY created_at, rowid"
+            " FROM models WHERE team = $1 ORDER BY created_at, rowid"
         ))
         .bind(team)
         .fetch_all(&self.pool)
@@ -235,19 +236,25 @@ impl Store {
     pub async fn delete_model(&self, team: &str, id: Uuid) -> Result<DeletedModel> {
         let at = now();
         let mut tx = self.write_tx().await?;
-        let exists: Option<i64> =
-            sqlx::query_scalar("SELECT 1 FROM models WHERE id = ? AND team = ?")
-                .bind(id.to_string())
-                .bind(team)
-                .fetch_optional(&mut *tx)
-                .await?;
+        // On PostgreSQL the model's row is locked first: a job being queued for it (which holds
+        // the row shared) commits before this fails the model's jobs, and none is queued after.
+        // Everything that locks a model and a job locks the model first, so none deadlocks.
+        let exists: Option<i64> = sqlx::query_scalar(self.sql(locking!(
+            "SELECT 1 FROM models WHERE id = $1 AND team = $2",
+            "FOR UPDATE"
+        )))
+        .bind(id.to_string())
+        .bind(team)
+        .fetch_optional(&mut *tx)
+        .await?;
         if exists.is_none() {
             return Err(Error::NotFound("model"));
         }
         let message = "the model was deleted";
         let failed: Vec<String> = sqlx::query_scalar(
-            "UPDATE training_jobs SET status = 'failed', error = ?, finished_at = ? \
-             WHERE model_id = ? AND status IN ('queued', 'running') RETURNING id",
+            "UPDATE training_jobs SET status = 'failed', error = $1, finished_at = $2, \
+             lease_owner = NULL, lease_expires_at = NULL \
+             WHERE model_id = $3 AND status IN ('queued', 'running') RETURNING id",
         )
         .bind(message)
         .bind(at)
@@ -260,12 +267,12 @@ impl Store {
             insert_event(&mut tx, job, event::TRAINING_FAILED, &data, at).await?;
             failed_jobs.push(parse_uuid(job)?);
         }
-        let deleted_checkpoints = sqlx::query("DELETE FROM checkpoints WHERE model_id = ?")
+        let deleted_checkpoints = sqlx::query("DELETE FROM checkpoints WHERE model_id = $1")
             .bind(id.to_string())
             .execute(&mut *tx)
             .await?
             .rows_affected();
-        sqlx::query("DELETE FROM models WHERE id = ?")
+        sqlx::query("DELETE FROM models WHERE id = $1")
             .bind(id.to_string())
             .execute(&mut *tx)
             .await?;
@@ -293,7 +300,7 @@ impl Store {
             None => None,
             Some(after) => {
                 let step: Option<i64> = sqlx::query_scalar(
-                    "SELECT step FROM checkpoints WHERE model_id = ? AND id = ?",
+                    "SELECT step FROM checkpoints WHERE model_id = $1 AND id = $2",
                 )
                 .bind(model_id.to_string())
                 .bind(after.to_string())
@@ -306,14 +313,14 @@ impl Store {
             Order::Asc => concat!(
                 "SELECT ",
                 checkpoint_columns!(),
-                " FROM checkpoints WHERE model_id = ? AND step > ? \
-                 ORDER BY step ASC LIMIT ?"
+                " FROM checkpoints WHERE model_id = $1 AND step > $2 \
+                 ORDER BY step ASC LIMIT $3"
             ),
             Order::Desc => concat!(
                 "SELECT ",
                 checkpoint_columns!(),
-                " FROM checkpoints WHERE model_id = ? AND step < ? \
-                 ORDER BY step DESC LIMIT ?"
+                " FROM checkpoints WHERE model_id = $1 AND step < $2 \
+                 ORDER BY step DESC LIMIT $3"
             ),
         };
         let start = cursor.unwrap_or(match order {
@@ -341,7 +348,7 @@ impl Store {
         let row = sqlx::query(concat!(
             "SELECT ",
             checkpoint_columns!(),
-            " FROM checkpoints WHERE model_id = ? AND step = ?"
+            " FROM checkpoints WHERE model_id = $1 AND step = $2"
         ))
         .bind(model_id.to_string())
         .bind(step)
@@ -362,7 +369,7 @@ impl Store {
         let row = sqlx::query(concat!(
             "SELECT ",
             checkpoint_columns!(),
-            " FROM checkpoints WHERE model_id = ? \
+            " FROM checkpoints WHERE model_id = $1 \
              ORDER BY step DESC LIMIT 1"
         ))
         .bind(model_id.to_string())
@@ -379,12 +386,16 @@ impl Store {
         metrics: serde_json::Map<String, serde_json::Value>,
     ) -> Result<Checkpoint> {
         let mut tx = self.write_tx().await?;
-        let row = sqlx::query(concat!(
-            "SELECT ",
-            checkpoint_columns!(),
-            " FROM checkpoints WHERE model_id = \
-             (SELECT id FROM models WHERE id = ? AND team = ?) ORDER BY step DESC LIMIT 1"
-        ))
+        // Locked on PostgreSQL, so concurrent merges into one checkpoint never lose a key.
+        let row = sqlx::query(self.sql(locking!(
+            concat!(
+                "SELECT ",
+                checkpoint_columns!(),
+                " FROM checkpoints WHERE model_id = \
+                 (SELECT id FROM models WHERE id = $1 AND team = $2) ORDER BY step DESC LIMIT 1"
+            ),
+            "FOR UPDATE"
+        )))
         .bind(model_id.to_string())
         .bind(team)
         .fetch_optional(&mut *tx)
@@ -392,7 +403,7 @@ impl Store {
         let Some(row) = row else {
             // Checked on this transaction: a second pool connection could wait on this one.
             let exists: Option<i64> =
-                sqlx::query_scalar("SELECT 1 FROM models WHERE id = ? AND team = ?")
+                sqlx::query_scalar("SELECT 1 FROM models WHERE id = $1 AND team = $2")
                     .bind(model_id.to_string())
                     .bind(team)
                     .fetch_optional(&mut *tx)
@@ -409,7 +420,7 @@ impl Store {
         } else {
             latest.metrics = serde_json::Value::Object(metrics);
         }
-        sqlx::query("UPDATE checkpoints SET metrics = ? WHERE id = ?")
+        sqlx::query("UPDATE checkpoints SET metrics = $1 WHERE id = $2")
             .bind(latest.metrics.to_string())
             .bind(latest.id.to_string())
             .execute(&mut *tx)
@@ -427,7 +438,7 @@ impl Store {
     ) -> Result<DeletedCheckpoints> {
         let mut tx = self.write_tx().await?;
         let exists: Option<i64> =
-            sqlx::query_scalar("SELECT 1 FROM models WHERE id = ? AND team = ?")
+            sqlx::query_scalar("SELECT 1 FROM models WHERE id = $1 AND team = $2")
                 .bind(model_id.to_string())
                 .bind(team)
                 .fetch_optional(&mut *tx)
@@ -440,7 +451,7 @@ impl Store {
             not_found_steps: Vec::new(),
         };
         for &step in steps {
-            let n = sqlx::query("DELETE FROM checkpoints WHERE model_id = ? AND step = ?")
+            let n = sqlx::query("DELETE FROM checkpoints WHERE model_id = $1 AND step = $2")
                 .bind(model_id.to_string())
                 .bind(step)
                 .execute(&mut *tx)

@@ -7,7 +7,7 @@
 
 use std::ops::AddAssign;
 
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::{ensure_team, invalid, now, Result, Store};
@@ -149,7 +149,7 @@ macro_rules! add_on_conflict {
 /// (team, project, `<team>/<project>/<name>`) in the caller's transaction, the one that appends
 /// the event: the event and its count commit together.
 pub(crate) async fn add_trained_tokens(
-    conn: &mut sqlx::SqliteConnection,
+    conn: &mut sqlx::AnyConnection,
     job_id: &str,
     data: &serde_json::Value,
     at: i64,
@@ -161,8 +161,8 @@ pub(crate) async fn add_trained_tokens(
     sqlx::query(concat!(
         "INSERT INTO token_usage (team, project, model, bucket_start, trained_tokens, \
          num_gradient_steps) \
-         SELECT m.team, m.project, m.team || '/' || m.project || '/' || m.name, ?, ?, 1 \
-         FROM training_jobs j JOIN models m ON m.id = j.model_id WHERE j.id = ?",
+         SELECT m.team, m.project, m.team || '/' || m.project || '/' || m.name, $1, $2, 1 \
+         FROM training_jobs j JOIN models m ON m.id = j.model_id WHERE j.id = $3",
         add_on_conflict!()
     ))
     .bind(usage_bucket(at))
@@ -173,7 +173,7 @@ pub(crate) async fn add_trained_tokens(
     Ok(())
 }
 
-fn quota_row(row: &SqliteRow, period: (i64, i64)) -> Result<Quota> {
+fn quota_row(row: &AnyRow, period: (i64, i64)) -> Result<Quota> {
     Ok(Quota {
         team: row.try_get("team")?,
         monthly_tokens: from_db(row.try_get("monthly_tokens")?),
@@ -183,24 +183,27 @@ fn quota_row(row: &SqliteRow, period: (i64, i64)) -> Result<Quota> {
     })
 }
 
-/// Quotas with their use in the month `?, ?` (bound first).
+/// Quotas with their use in the month `$1, $2` (bound first).
 macro_rules! quota_query {
     () => {
         "SELECT q.team, q.monthly_tokens, COALESCE((SELECT CAST(SUM(u.input_tokens + \
          u.output_tokens + u.trained_tokens) AS BIGINT) FROM token_usage u WHERE u.team = q.team \
-         AND u.bucket_start >= ? AND u.bucket_start < ?), 0) AS used_tokens FROM team_quotas q"
+         AND u.bucket_start >= $1 AND u.bucket_start < $2), 0) AS used_tokens FROM team_quotas q"
     };
 }
 
 impl Store {
-    /// Adds each key's counts to its row, all in one transaction.
+    /// Adds each key's counts to its row, all in one transaction. Rows are written in key
+    /// order, so concurrent writers on PostgreSQL lock them in one order and never deadlock.
     pub async fn add_usage(&self, usage: &[(UsageKey, TokenCounts)]) -> Result<()> {
+        let mut sorted: Vec<&(UsageKey, TokenCounts)> = usage.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
         let mut tx = self.write_tx().await?;
-        for (key, c) in usage {
+        for (key, c) in sorted {
             sqlx::query(concat!(
                 "INSERT INTO token_usage (team, project, model, bucket_start, input_tokens, \
                  cached_input_tokens, output_tokens, num_model_requests, trained_tokens, \
-                 num_gradient_steps) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                 num_gradient_steps) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
                 add_on_conflict!()
             ))
             .bind(&key.team)
@@ -225,7 +228,7 @@ impl Store {
         let rows = sqlx::query(
             "SELECT bucket_start, project, model, input_tokens, cached_input_tokens, \
              output_tokens, num_model_requests, trained_tokens, num_gradient_steps \
-             FROM token_usage WHERE team = ? AND bucket_start >= ? AND bucket_start < ? \
+             FROM token_usage WHERE team = $1 AND bucket_start >= $2 AND bucket_start < $3 \
              ORDER BY bucket_start, project, model",
         )
         .bind(team)
@@ -258,7 +261,7 @@ impl Store {
     pub async fn set_quota(&self, team: &str, monthly_tokens: Option<u64>) -> Result<bool> {
         let at = now();
         let mut tx = self.write_tx().await?;
-        let had: Option<i64> = sqlx::query_scalar("SELECT 1 FROM team_quotas WHERE team = ?")
+        let had: Option<i64> = sqlx::query_scalar("SELECT 1 FROM team_quotas WHERE team = $1")
             .bind(team)
             .fetch_optional(&mut *tx)
             .await?;
@@ -268,7 +271,7 @@ impl Store {
                     .map_err(|_| invalid("tokens", format!("{tokens} is too large")))?;
                 ensure_team(&mut tx, team, at).await?;
                 sqlx::query(
-                    "INSERT INTO team_quotas (team, monthly_tokens, updated_at) VALUES (?, ?, ?) \
+                    "INSERT INTO team_quotas (team, monthly_tokens, updated_at) VALUES ($1, $2, $3) \
                      ON CONFLICT (team) DO UPDATE SET monthly_tokens = excluded.monthly_tokens, \
                      updated_at = excluded.updated_at",
                 )
@@ -279,7 +282,7 @@ impl Store {
                 .await?;
             }
             None => {
-                sqlx::query("DELETE FROM team_quotas WHERE team = ?")
+                sqlx::query("DELETE FROM team_quotas WHERE team = $1")
                     .bind(team)
                     .execute(&mut *tx)
                     .await?;
@@ -292,7 +295,7 @@ impl Store {
     /// A team's quota and its use in the UTC month holding unix time `at`; `None` without one.
     pub async fn quota(&self, team: &str, at: i64) -> Result<Option<Quota>> {
         let period = utc_month(at);
-        let row = sqlx::query(concat!(quota_query!(), " WHERE q.team = ?"))
+        let row = sqlx::query(concat!(quota_query!(), " WHERE q.team = $3"))
             .bind(period.0)
             .bind(period.1)
             .bind(team)

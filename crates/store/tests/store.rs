@@ -1,12 +1,53 @@
-//! The store against real SQLite files in temporary directories.
+//! The store on both backends: each test runs on a real SQLite file in a temporary directory
+//! (`<test>::sqlite`) and on a fresh database of the PostgreSQL server at
+//! `TEMPER_TEST_POSTGRES_URL` (`<test>::postgres`; `scripts/with-postgres.sh` starts one). Without
+//! that variable the PostgreSQL variants print why they skip, unless `TEMPER_REQUIRE_POSTGRES=1`
+//! (`make test`): then they fail.
 
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+mod common;
+
+use common::{on_both_backends, Db};
 use serde_json::json;
-use temper_store::{event, Error, JobStatus, Model, NewModel, Order, Store, DB_FILE};
+use sqlx::Connection;
+use temper_store::{event, Error, JobStatus, Model, NewModel, Order, Store, StoreLocation};
 use uuid::Uuid;
 
-async fn open(dir: &tempfile::TempDir) -> Store {
-    Store::open(dir.path()).await.expect("open store")
-}
+/// The worker of the tests that need one.
+const W: &str = "worker-1";
+/// A lease no test outlives.
+const LEASE: Duration = Duration::from_secs(600);
+
+on_both_backends!(
+    keys_create_authenticate_revoke,
+    another_teams_rows_are_not_found,
+    model_names_are_unique_per_team,
+    checkpoint_pagination,
+    delete_checkpoints_reports_missing_steps,
+    jobs_run_in_order_per_model,
+    events_after_is_idempotent,
+    accepted_jobs_survive_a_crash_and_running_ones_are_requeued,
+    claims_count_attempts_and_a_job_running_at_max_attempts_crashes_fails,
+    a_job_requeued_at_shutdown_gets_its_attempt_back,
+    concurrent_claims_take_one_job_per_model,
+    a_killed_process_loses_no_accepted_job,
+    jobs_keep_their_kind_and_request_across_a_reopen,
+    idempotency_keys_claim_replay_mismatch_and_release,
+    a_job_and_its_idempotent_answer_commit_together,
+    a_team_past_its_queued_job_limit_is_refused_and_others_are_not,
+    concurrent_posts_never_pass_the_team_queue_limit,
+    workers_on_separate_connections_never_share_a_job_nor_a_model,
+    an_expired_lease_requeues_the_job_with_an_event_and_another_worker_finishes_it,
+    a_renewed_lease_keeps_its_job,
+    jobs_whose_worker_is_lost_at_max_attempts_fail,
+    shutdown_requeues_only_the_workers_own_jobs,
+    stale_idempotency_claims_are_released,
+    training_totals_count_jobs_steps_and_tokens,
+    a_model_deleted_amid_posts_and_a_finishing_job_leaves_none_pending,
+);
 
 async fn model(store: &Store, team: &str, name: &str) -> Model {
     store
@@ -31,11 +72,16 @@ async fn train(store: &Store, model: &Model, step: i64) -> Uuid {
         )
         .await
         .unwrap();
-    let claimed = store.claim_next_job().await.unwrap().expect("a queued job");
+    let claimed = store
+        .claim_next_job(W, LEASE)
+        .await
+        .unwrap()
+        .expect("a queued job");
     assert_eq!(claimed.id, job.id);
     store
         .succeed_job(
             job.id,
+            W,
             step,
             Some(json!({ "reward": step })),
             &json!({ "step": step }),
@@ -45,25 +91,12 @@ async fn train(store: &Store, model: &Model, step: i64) -> Uuid {
     job.id
 }
 
-fn db_bytes(dir: &tempfile::TempDir) -> Vec<u8> {
-    // The WAL holds recent commits until a checkpoint copies them into the main file.
-    let mut bytes = Vec::new();
-    for name in [DB_FILE.to_owned(), format!("{DB_FILE}-wal")] {
-        if let Ok(b) = std::fs::read(dir.path().join(name)) {
-            bytes.extend(b);
-        }
-    }
-    bytes
-}
-
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
-#[tokio::test]
-async fn keys_create_authenticate_revoke() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn keys_create_authenticate_revoke(db: Db) {
+    let store = db.open().await;
     assert!(!store.has_active_keys().await.unwrap());
     let (key, secret) = store.create_key("acme").await.unwrap();
     assert!(store.has_active_keys().await.unwrap());
@@ -102,7 +135,7 @@ async fn keys_create_authenticate_revoke() {
     assert_eq!(acme, vec![key.clone()]);
 
     // Only the hash is stored: the secret's bytes are nowhere in the database files.
-    let bytes = db_bytes(&dir);
+    let bytes = db.stored_key_bytes().await;
     assert!(
         contains(&bytes, key.prefix.as_bytes()),
         "the grep must see the rows"
@@ -130,10 +163,8 @@ async fn keys_create_authenticate_revoke() {
     ));
 }
 
-#[tokio::test]
-async fn another_teams_rows_are_not_found() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn another_teams_rows_are_not_found(db: Db) {
+    let store = db.open().await;
     let m = model(&store, "acme", "agent").await;
     let job = store
         .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
@@ -217,10 +248,8 @@ async fn another_teams_rows_are_not_found() {
     );
 }
 
-#[tokio::test]
-async fn model_names_are_unique_per_team() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn model_names_are_unique_per_team(db: Db) {
+    let store = db.open().await;
     let m = model(&store, "acme", "agent").await;
     assert_eq!(m.team, "acme");
     assert_eq!(m.base_model, "gemma-3-270m");
@@ -268,10 +297,8 @@ async fn model_names_are_unique_per_team() {
     ));
 }
 
-#[tokio::test]
-async fn checkpoint_pagination() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn checkpoint_pagination(db: Db) {
+    let store = db.open().await;
     let m = model(&store, "acme", "agent").await;
     for step in 1..=5 {
         train(&store, &m, step).await;
@@ -355,10 +382,8 @@ async fn checkpoint_pagination() {
     );
 }
 
-#[tokio::test]
-async fn delete_checkpoints_reports_missing_steps() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn delete_checkpoints_reports_missing_steps(db: Db) {
+    let store = db.open().await;
     let m = model(&store, "acme", "agent").await;
     for step in 1..=3 {
         train(&store, &m, step).await;
@@ -401,13 +426,11 @@ async fn delete_checkpoints_reports_missing_steps() {
         store.get_model("acme", m.id).await,
         Err(Error::NotFound("model"))
     ));
-    assert_eq!(store.claim_next_job().await.unwrap(), None);
+    assert_eq!(store.claim_next_job(W, LEASE).await.unwrap(), None);
 }
 
-#[tokio::test]
-async fn jobs_run_in_order_per_model() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn jobs_run_in_order_per_model(db: Db) {
+    let store = db.open().await;
     let a = model(&store, "acme", "a").await;
     let b = model(&store, "acme", "b").await;
     let a1 = store
@@ -424,28 +447,34 @@ async fn jobs_run_in_order_per_model() {
         .unwrap();
     assert_eq!(a1.status, JobStatus::Queued);
 
-    let first = store.claim_next_job().await.unwrap().unwrap();
+    let first = store.claim_next_job(W, LEASE).await.unwrap().unwrap();
     assert_eq!(first.id, a1.id);
     assert_eq!(first.status, JobStatus::Running);
     assert!(first.started_at.is_some());
     // a2 waits for a1; b1 (another model) may run meanwhile.
-    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, b1.id);
-    assert_eq!(store.claim_next_job().await.unwrap(), None);
+    assert_eq!(
+        store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+        b1.id
+    );
+    assert_eq!(store.claim_next_job(W, LEASE).await.unwrap(), None);
     let (done, ckpt) = store
-        .succeed_job(a1.id, 1, Some(json!({})), &json!({ "step": 1 }))
+        .succeed_job(a1.id, W, 1, Some(json!({})), &json!({ "step": 1 }))
         .await
         .unwrap();
     assert_eq!(done.status, JobStatus::Succeeded);
     assert_eq!(done.step, Some(1));
     assert!(done.finished_at.is_some());
     assert_eq!(ckpt.unwrap().step, 1);
-    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, a2.id);
+    assert_eq!(
+        store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+        a2.id
+    );
     assert_eq!(store.job_request(a2.id).await.unwrap(), "{\"n\": 2}");
 
     // A step that already has a checkpoint is refused, and the job stays running.
     assert!(matches!(
         store
-            .succeed_job(a2.id, 1, Some(json!({})), &json!({}))
+            .succeed_job(a2.id, W, 1, Some(json!({})), &json!({}))
             .await,
         Err(Error::CheckpointExists { step: 1, .. })
     ));
@@ -453,7 +482,7 @@ async fn jobs_run_in_order_per_model() {
         store.get_job("acme", a2.id).await.unwrap().status,
         JobStatus::Running
     );
-    let failed = store.fail_job(a2.id, "out of memory").await.unwrap();
+    let failed = store.fail_job(a2.id, W, "out of memory").await.unwrap();
     assert_eq!(failed.status, JobStatus::Failed);
     assert_eq!(failed.error.as_deref(), Some("out of memory"));
 
@@ -462,7 +491,7 @@ async fn jobs_run_in_order_per_model() {
     assert_eq!(cancelled.status, JobStatus::Cancelled);
     assert!(matches!(
         store
-            .append_event(b1.id, event::GRADIENT_STEP, &json!({}))
+            .append_event(b1.id, W, event::GRADIENT_STEP, &json!({}))
             .await,
         Err(Error::JobState {
             status: JobStatus::Cancelled,
@@ -470,7 +499,7 @@ async fn jobs_run_in_order_per_model() {
         })
     ));
     assert!(matches!(
-        store.succeed_job(b1.id, 1, None, &json!({})).await,
+        store.succeed_job(b1.id, W, 1, None, &json!({})).await,
         Err(Error::JobState {
             status: JobStatus::Cancelled,
             ..
@@ -512,10 +541,8 @@ async fn jobs_run_in_order_per_model() {
     );
 }
 
-#[tokio::test]
-async fn events_after_is_idempotent() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn events_after_is_idempotent(db: Db) {
+    let store = db.open().await;
     let m = model(&store, "acme", "agent").await;
     let job = store
         .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
@@ -524,17 +551,18 @@ async fn events_after_is_idempotent() {
     // Not running yet: no events can be appended.
     assert!(matches!(
         store
-            .append_event(job.id, event::TRAINING_STARTED, &json!({}))
+            .append_event(job.id, W, event::TRAINING_STARTED, &json!({}))
             .await,
         Err(Error::JobState {
             status: JobStatus::Queued,
             ..
         })
     ));
-    store.claim_next_job().await.unwrap().unwrap();
+    store.claim_next_job(W, LEASE).await.unwrap().unwrap();
     let started = store
         .append_event(
             job.id,
+            W,
             event::TRAINING_STARTED,
             &json!({ "num_sequences": 2 }),
         )
@@ -543,6 +571,7 @@ async fn events_after_is_idempotent() {
     let s1 = store
         .append_event(
             job.id,
+            W,
             event::GRADIENT_STEP,
             &json!({ "step": 1, "loss": 0.5 }),
         )
@@ -550,7 +579,7 @@ async fn events_after_is_idempotent() {
         .unwrap();
     assert!(s1.id > started.id);
     store
-        .succeed_job(job.id, 1, Some(json!({})), &json!({ "step": 1 }))
+        .succeed_job(job.id, W, 1, Some(json!({})), &json!({ "step": 1 }))
         .await
         .unwrap();
 
@@ -594,11 +623,9 @@ async fn events_after_is_idempotent() {
     );
 }
 
-#[tokio::test]
-async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
-    let dir = tempfile::tempdir().unwrap();
+async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued(db: Db) {
     let (model_id, running, queued) = {
-        let store = open(&dir).await;
+        let store = db.open().await;
         let m = model(&store, "acme", "agent").await;
         let running = store
             .enqueue_job("acme", m.id, temper_store::JobKind::Rl, r#"{"n": 1}"#)
@@ -608,10 +635,11 @@ async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
             .enqueue_job("acme", m.id, temper_store::JobKind::Rl, r#"{"n": 2}"#)
             .await
             .unwrap();
-        store.claim_next_job().await.unwrap().unwrap();
+        store.claim_next_job(W, LEASE).await.unwrap().unwrap();
         store
             .append_event(
                 running.id,
+                W,
                 event::TRAINING_STARTED,
                 &json!({ "num_sequences": 1 }),
             )
@@ -622,7 +650,7 @@ async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
         (m.id, running.id, queued.id)
     };
 
-    let store = open(&dir).await;
+    let store = db.open().await;
     assert_eq!(
         store.get_job("acme", queued).await.unwrap().status,
         JobStatus::Queued
@@ -653,12 +681,18 @@ async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
         store.recover_after_crash(3).await.unwrap(),
         temper_store::Recovery::default()
     );
-    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, running);
+    assert_eq!(
+        store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+        running
+    );
     store
-        .succeed_job(running, 1, Some(json!({})), &json!({ "step": 1 }))
+        .succeed_job(running, W, 1, Some(json!({})), &json!({ "step": 1 }))
         .await
         .unwrap();
-    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, queued);
+    assert_eq!(
+        store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+        queued
+    );
     assert_eq!(
         store.get_model("acme", model_id).await.unwrap().id,
         model_id
@@ -666,11 +700,9 @@ async fn accepted_jobs_survive_a_crash_and_running_ones_are_requeued() {
     store.close().await;
 }
 
-#[tokio::test]
-async fn claims_count_attempts_and_a_job_running_at_max_attempts_crashes_fails() {
-    let dir = tempfile::tempdir().unwrap();
+async fn claims_count_attempts_and_a_job_running_at_max_attempts_crashes_fails(db: Db) {
     let (m, stuck, other) = {
-        let store = open(&dir).await;
+        let store = db.open().await;
         let m = model(&store, "acme", "agent").await;
         let stuck = store
             .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
@@ -687,7 +719,7 @@ async fn claims_count_attempts_and_a_job_running_at_max_attempts_crashes_fails()
     };
     // Three runs, each claiming the job and then crashing with it running.
     for attempt in 1..=3u32 {
-        let store = open(&dir).await;
+        let store = db.open().await;
         let recovery = store.recover_after_crash(3).await.unwrap();
         if attempt == 1 {
             assert_eq!(recovery, temper_store::Recovery::default());
@@ -695,7 +727,7 @@ async fn claims_count_attempts_and_a_job_running_at_max_attempts_crashes_fails()
             assert_eq!(recovery.requeued, vec![stuck], "start {attempt}");
             assert!(recovery.failed.is_empty());
         }
-        let claimed = store.claim_next_job().await.unwrap().unwrap();
+        let claimed = store.claim_next_job(W, LEASE).await.unwrap().unwrap();
         assert_eq!((claimed.id, claimed.attempts), (stuck, attempt));
         assert_eq!(
             store.get_job("acme", stuck).await.unwrap().attempts,
@@ -703,7 +735,7 @@ async fn claims_count_attempts_and_a_job_running_at_max_attempts_crashes_fails()
         );
         std::mem::forget(store); // a crash
     }
-    let store = open(&dir).await;
+    let store = db.open().await;
     let recovery = store.recover_after_crash(3).await.unwrap();
     assert_eq!(recovery.failed, vec![stuck]);
     assert!(recovery.requeued.is_empty());
@@ -730,21 +762,25 @@ async fn claims_count_attempts_and_a_job_running_at_max_attempts_crashes_fails()
     assert_eq!(events.items[1].data["attempts"], 2);
     assert_eq!(events.items[2].data["error_message"], error.as_str());
     // Not re-queued: the next claim is another model's job, never the failed one.
-    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, other);
-    assert!(store.claim_next_job().await.unwrap().is_none());
+    assert_eq!(
+        store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+        other
+    );
+    assert!(store.claim_next_job(W, LEASE).await.unwrap().is_none());
     // A new job of the same model runs (the failed one no longer blocks its model).
     let next = store
         .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
         .await
         .unwrap();
-    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, next.id);
+    assert_eq!(
+        store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+        next.id
+    );
     store.close().await;
 }
 
-#[tokio::test]
-async fn a_job_requeued_at_shutdown_gets_its_attempt_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn a_job_requeued_at_shutdown_gets_its_attempt_back(db: Db) {
+    let store = db.open().await;
     let m = model(&store, "acme", "agent").await;
     let job = store
         .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
@@ -756,8 +792,16 @@ async fn a_job_requeued_at_shutdown_gets_its_attempt_back() {
         .unwrap();
     // Two graceful shutdowns in a row, then a crash: one crash attempt, so not failed at 2.
     for _ in 0..2 {
-        assert_eq!(store.claim_next_job().await.unwrap().unwrap().attempts, 1);
-        assert_eq!(store.requeue_at_shutdown().await.unwrap(), vec![job.id]);
+        assert_eq!(
+            store
+                .claim_next_job(W, LEASE)
+                .await
+                .unwrap()
+                .unwrap()
+                .attempts,
+            1
+        );
+        assert_eq!(store.requeue_at_shutdown(W).await.unwrap(), vec![job.id]);
         let requeued = store.get_job("acme", job.id).await.unwrap();
         assert_eq!(
             (requeued.status, requeued.attempts, requeued.started_at),
@@ -765,12 +809,15 @@ async fn a_job_requeued_at_shutdown_gets_its_attempt_back() {
         );
     }
     // Nothing running: nothing to re-queue, the queued job untouched.
-    assert!(store.requeue_at_shutdown().await.unwrap().is_empty());
+    assert!(store.requeue_at_shutdown(W).await.unwrap().is_empty());
     assert_eq!(
         store.get_job("acme", queued.id).await.unwrap().status,
         JobStatus::Queued
     );
-    assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, job.id);
+    assert_eq!(
+        store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+        job.id
+    );
     let recovery = store.recover_after_crash(2).await.unwrap();
     assert_eq!(recovery.requeued, vec![job.id]);
     let events = store.list_events("acme", job.id, None, 20).await.unwrap();
@@ -787,10 +834,8 @@ async fn a_job_requeued_at_shutdown_gets_its_attempt_back() {
     store.close().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_claims_take_one_job_per_model() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn concurrent_claims_take_one_job_per_model(db: Db) {
+    let store = db.open().await;
     let mut models = Vec::new();
     for name in ["a", "b", "c"] {
         let m = model(&store, "acme", name).await;
@@ -805,7 +850,7 @@ async fn concurrent_claims_take_one_job_per_model() {
     let claims: Vec<_> = (0..6)
         .map(|_| {
             let store = store.clone();
-            tokio::spawn(async move { store.claim_next_job().await.unwrap() })
+            tokio::spawn(async move { store.claim_next_job(W, LEASE).await.unwrap() })
         })
         .collect();
     let mut claimed = Vec::new();
@@ -820,17 +865,19 @@ async fn concurrent_claims_take_one_job_per_model() {
     assert_eq!(claimed, models);
 }
 
-/// Set in the child process of `a_killed_process_loses_no_accepted_job`.
-const CHILD_DIR: &str = "TEMPER_STORE_TEST_CHILD_DIR";
+/// Set in the child process of `a_killed_process_loses_no_accepted_job`: its store's location.
+const CHILD_STORE: &str = "TEMPER_STORE_TEST_CHILD_STORE";
 
 /// The child: accepts two jobs, starts one, reports their ids and waits to be killed.
 #[tokio::test]
 #[ignore = "run by a_killed_process_loses_no_accepted_job"]
 async fn crash_child() {
-    let Some(dir) = std::env::var_os(CHILD_DIR) else {
+    let Ok(store) = std::env::var(CHILD_STORE) else {
         return;
     };
-    let store = Store::open(std::path::Path::new(&dir)).await.unwrap();
+    let location =
+        StoreLocation::parse_url(&store).unwrap_or_else(|_| StoreLocation::Sqlite(store.into()));
+    let store = Store::connect(&location).await.unwrap();
     let m = model(&store, "acme", "agent").await;
     let running = store
         .enqueue_job("acme", m.id, temper_store::JobKind::Rl, r#"{"n": 1}"#)
@@ -840,57 +887,54 @@ async fn crash_child() {
         .enqueue_job("acme", m.id, temper_store::JobKind::Rl, r#"{"n": 2}"#)
         .await
         .unwrap();
-    store.claim_next_job().await.unwrap().unwrap();
+    store.claim_next_job(W, LEASE).await.unwrap().unwrap();
     println!("JOBS {} {}", running.id, queued.id);
     tokio::time::sleep(std::time::Duration::from_secs(60)).await;
 }
 
-#[test]
-fn a_killed_process_loses_no_accepted_job() {
+async fn a_killed_process_loses_no_accepted_job(db: Db) {
     use std::io::{BufRead, BufReader};
-    let dir = tempfile::tempdir().unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["crash_child", "--exact", "--ignored", "--nocapture"])
-        .env(CHILD_DIR, dir.path())
+        .env(CHILD_STORE, db.child_arg())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
-    let line = BufReader::new(stdout)
-        .lines()
-        .map_while(Result::ok)
-        .find(|l| l.starts_with("JOBS "))
-        .expect("the child reports its jobs");
+    let line = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find(|l| l.starts_with("JOBS "))
+            .expect("the child reports its jobs")
+    })
+    .await
+    .unwrap();
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     let ids: Vec<Uuid> = line[5..].split(' ').map(|s| s.parse().unwrap()).collect();
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let store = open(&dir).await;
+    let store = db.open().await;
+    assert_eq!(
+        store.recover_after_crash(3).await.unwrap().requeued,
+        vec![ids[0]]
+    );
+    for id in &ids {
         assert_eq!(
-            store.recover_after_crash(3).await.unwrap().requeued,
-            vec![ids[0]]
+            store.get_job("acme", *id).await.unwrap().status,
+            JobStatus::Queued
         );
-        for id in &ids {
-            assert_eq!(
-                store.get_job("acme", *id).await.unwrap().status,
-                JobStatus::Queued
-            );
-        }
-        assert_eq!(store.job_request(ids[1]).await.unwrap(), r#"{"n": 2}"#);
-        assert_eq!(store.claim_next_job().await.unwrap().unwrap().id, ids[0]);
-        store.close().await;
-    });
+    }
+    assert_eq!(store.job_request(ids[1]).await.unwrap(), r#"{"n": 2}"#);
+    assert_eq!(
+        store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+        ids[0]
+    );
+    store.close().await;
 }
 
-#[tokio::test]
-async fn jobs_keep_their_kind_and_request_across_a_reopen() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn jobs_keep_their_kind_and_request_across_a_reopen(db: Db) {
+    let store = db.open().await;
     let m = model(&store, "acme", "m").await;
     let request = r#"{"trajectories": [{"messages": [], "metadata": {"scenario_id": "s1"}}]}"#;
     let sft = store
@@ -899,17 +943,15 @@ async fn jobs_keep_their_kind_and_request_across_a_reopen() {
         .unwrap();
     assert_eq!(sft.kind, temper_store::JobKind::Sft);
     store.close().await;
-    let store = open(&dir).await;
+    let store = db.open().await;
     let job = store.get_job("acme", sft.id).await.unwrap();
     assert_eq!(job.kind, temper_store::JobKind::Sft);
     assert_eq!(store.job_request(sft.id).await.unwrap(), request);
 }
 
-#[tokio::test]
-async fn idempotency_keys_claim_replay_mismatch_and_release() {
+async fn idempotency_keys_claim_replay_mismatch_and_release(db: Db) {
     use temper_store::{Claim, IdempotencyKey};
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+    let store = db.open().await;
     let key = IdempotencyKey {
         team: "acme",
         key: "k1",
@@ -960,7 +1002,7 @@ async fn idempotency_keys_claim_replay_mismatch_and_release() {
         Claim::Claimed
     );
     store.close().await;
-    let store = open(&dir).await;
+    let store = db.open().await;
     store.recover_after_crash(3).await.unwrap();
     assert_eq!(store.claim_idempotency(key, b"body").await.unwrap(), replay);
     assert_eq!(
@@ -975,11 +1017,9 @@ async fn idempotency_keys_claim_replay_mismatch_and_release() {
     );
 }
 
-#[tokio::test]
-async fn a_job_and_its_idempotent_answer_commit_together() {
+async fn a_job_and_its_idempotent_answer_commit_together(db: Db) {
     use temper_store::{Claim, IdempotencyKey};
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+    let store = db.open().await;
     let m = model(&store, "acme", "m").await;
     let key = IdempotencyKey {
         team: "acme",
@@ -1008,10 +1048,8 @@ async fn a_job_and_its_idempotent_answer_commit_together() {
     );
 }
 
-#[tokio::test]
-async fn a_team_past_its_queued_job_limit_is_refused_and_others_are_not() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await.with_max_queued_jobs_per_team(2);
+async fn a_team_past_its_queued_job_limit_is_refused_and_others_are_not(db: Db) {
+    let store = db.open().await.with_max_queued_jobs_per_team(2);
     let a = model(&store, "a", "m").await;
     let b = model(&store, "b", "m").await;
     let post = |m: &Model| {
@@ -1038,6 +1076,599 @@ async fn a_team_past_its_queued_job_limit_is_refused_and_others_are_not() {
         "{missing:?}"
     );
     // A started job leaves the queue: the team may post again.
-    store.claim_next_job().await.unwrap().expect("a queued job");
+    store
+        .claim_next_job(W, LEASE)
+        .await
+        .unwrap()
+        .expect("a queued job");
     post(&a).await.unwrap();
+}
+
+async fn concurrent_posts_never_pass_the_team_queue_limit(db: Db) {
+    let store = db.open().await.with_max_queued_jobs_per_team(3);
+    let m = model(&store, "acme", "m").await;
+    let posts: Vec<_> = (0..12)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+                    .await
+            })
+        })
+        .collect();
+    let mut accepted = 0;
+    for post in posts {
+        match post.await.unwrap() {
+            Ok(_) => accepted += 1,
+            Err(Error::TeamQueueFull { limit: 3, .. }) => {}
+            Err(e) => panic!("expected TeamQueueFull, got {e}"),
+        }
+    }
+    assert_eq!(accepted, 3);
+    let queued = store.list_jobs("acme", None, None, 100).await.unwrap();
+    assert_eq!(queued.items.len(), 3);
+}
+
+/// Eight workers on two stores (two servers' pools) drain a queue of six models' jobs, all
+/// claiming at once: no job is claimed twice, no model ever has two jobs running, and each
+/// model's jobs run in the order they were queued.
+async fn workers_on_separate_connections_never_share_a_job_nor_a_model(db: Db) {
+    let stores = [db.open().await, db.open().await];
+    let mut models = Vec::new();
+    for name in ["a", "b", "c", "d", "e", "f"] {
+        models.push(model(&stores[0], "acme", name).await);
+    }
+    let mut queued: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+    for _ in 0..5 {
+        for m in &models {
+            let job = stores[1]
+                .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+                .await
+                .unwrap();
+            queued.entry(m.id).or_default().push(job.id);
+        }
+    }
+    let total = queued.values().map(Vec::len).sum::<usize>();
+    let running_models = Arc::new(Mutex::new(HashSet::new()));
+    let claimed: Arc<Mutex<HashMap<Uuid, Vec<Uuid>>>> = Arc::default();
+    let start = Arc::new(tokio::sync::Barrier::new(8));
+    let workers: Vec<_> = (0..8)
+        .map(|i| {
+            let store = stores[i % 2].clone();
+            let (running_models, claimed, start) =
+                (running_models.clone(), claimed.clone(), start.clone());
+            tokio::spawn(async move {
+                let worker = format!("worker-{i}");
+                start.wait().await;
+                loop {
+                    let Some(job) = store.claim_next_job(&worker, LEASE).await.unwrap() else {
+                        let done = claimed
+                            .lock()
+                            .unwrap()
+                            .values()
+                            .map(Vec::len)
+                            .sum::<usize>();
+                        if done >= total {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        continue;
+                    };
+                    assert_eq!(job.lease_owner.as_deref(), Some(worker.as_str()));
+                    assert!(
+                        running_models.lock().unwrap().insert(job.model_id),
+                        "two running jobs of model {}",
+                        job.model_id
+                    );
+                    claimed
+                        .lock()
+                        .unwrap()
+                        .entry(job.model_id)
+                        .or_default()
+                        .push(job.id);
+                    store
+                        .append_event(job.id, &worker, event::TRAINING_STARTED, &json!({}))
+                        .await
+                        .unwrap();
+                    // Out of the set before the job ends: the next one may start right after.
+                    running_models.lock().unwrap().remove(&job.model_id);
+                    store
+                        .succeed_job(job.id, &worker, 0, None, &json!({ "step": 0 }))
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    let drained = tokio::time::timeout(Duration::from_secs(60), async {
+        for worker in workers {
+            worker.await.unwrap();
+        }
+    })
+    .await;
+    assert!(drained.is_ok(), "the workers did not drain the queue");
+    let claimed = claimed.lock().unwrap().clone();
+    assert_eq!(claimed, queued, "each model's jobs, once each, in order");
+    for id in queued.values().flatten() {
+        let job = stores[0].get_job("acme", *id).await.unwrap();
+        assert_eq!((job.status, job.attempts), (JobStatus::Succeeded, 1));
+    }
+}
+
+async fn an_expired_lease_requeues_the_job_with_an_event_and_another_worker_finishes_it(db: Db) {
+    let (a, b) = (db.open().await, db.open().await);
+    let m = model(&a, "acme", "agent").await;
+    let job = a
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    // A lease of zero has ended by the time anyone looks.
+    let claimed = a
+        .claim_next_job("worker-a", Duration::ZERO)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.id, job.id);
+    assert_eq!(claimed.lease_owner.as_deref(), Some("worker-a"));
+    assert!(claimed.lease_expires_at.is_some());
+    // Until another worker re-queues it, it is still worker-a's.
+    a.append_event(job.id, "worker-a", event::TRAINING_STARTED, &json!({}))
+        .await
+        .unwrap();
+
+    let recovery = b.requeue_expired_leases(3).await.unwrap();
+    assert_eq!(recovery.requeued, vec![job.id]);
+    assert!(recovery.failed.is_empty());
+    assert_eq!(
+        b.requeue_expired_leases(3).await.unwrap(),
+        temper_store::Recovery::default()
+    );
+    let requeued = b.get_job("acme", job.id).await.unwrap();
+    assert_eq!(
+        (
+            requeued.status,
+            requeued.attempts,
+            requeued.started_at,
+            requeued.lease_owner.clone(),
+            requeued.lease_expires_at
+        ),
+        (JobStatus::Queued, 1, None, None, None)
+    );
+    let events = b.list_events("acme", job.id, None, 20).await.unwrap();
+    assert_eq!(events.items.len(), 2);
+    let event = &events.items[1];
+    assert_eq!(event.kind, event::TRAINING_REQUEUED);
+    assert_eq!(event.data["worker"], "worker-a");
+    assert_eq!(event.data["attempts"], 1);
+    let message = event.data["message"].as_str().unwrap();
+    assert!(message.contains("lease of worker worker-a"), "{message}");
+
+    // worker-a lost it: while it is queued every write of worker-a is refused...
+    let queued = |r: Result<(), Error>| match r {
+        Err(Error::JobState {
+            status: JobStatus::Queued,
+            ..
+        }) => {}
+        other => panic!("expected JobState queued, got {other:?}"),
+    };
+    queued(
+        a.append_event(job.id, "worker-a", event::GRADIENT_STEP, &json!({}))
+            .await
+            .map(drop),
+    );
+    queued(
+        a.succeed_job(job.id, "worker-a", 1, Some(json!({})), &json!({}))
+            .await
+            .map(drop),
+    );
+    queued(a.fail_job(job.id, "worker-a", "x").await.map(drop));
+    queued(a.renew_lease(job.id, "worker-a", LEASE).await);
+
+    // ... and while worker-b runs it, too.
+    let rerun = b.claim_next_job("worker-b", LEASE).await.unwrap().unwrap();
+    assert_eq!((rerun.id, rerun.attempts), (job.id, 2));
+    assert_eq!(rerun.lease_owner.as_deref(), Some("worker-b"));
+    let lost = |r: Result<(), Error>| match r {
+        Err(Error::LeaseLost { id, worker }) => {
+            assert_eq!((id, worker.as_str()), (job.id, "worker-a"))
+        }
+        other => panic!("expected LeaseLost, got {other:?}"),
+    };
+    lost(
+        a.append_event(job.id, "worker-a", event::GRADIENT_STEP, &json!({}))
+            .await
+            .map(drop),
+    );
+    lost(
+        a.succeed_job(job.id, "worker-a", 1, Some(json!({})), &json!({}))
+            .await
+            .map(drop),
+    );
+    lost(a.fail_job(job.id, "worker-a", "x").await.map(drop));
+    lost(a.renew_lease(job.id, "worker-a", LEASE).await);
+    assert!(a.requeue_at_shutdown("worker-a").await.unwrap().is_empty());
+    assert!(a
+        .requeue_expired_leases(3)
+        .await
+        .unwrap()
+        .requeued
+        .is_empty());
+
+    b.append_event(job.id, "worker-b", event::TRAINING_STARTED, &json!({}))
+        .await
+        .unwrap();
+    let (done, checkpoint) = b
+        .succeed_job(
+            job.id,
+            "worker-b",
+            1,
+            Some(json!({})),
+            &json!({ "step": 1 }),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done.status, JobStatus::Succeeded);
+    assert_eq!(checkpoint.unwrap().step, 1);
+    assert!(matches!(
+        a.fail_job(job.id, "worker-a", "late").await,
+        Err(Error::JobState {
+            status: JobStatus::Succeeded,
+            ..
+        })
+    ));
+    let kinds: Vec<String> = a
+        .list_events("acme", job.id, None, 20)
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            event::TRAINING_STARTED,
+            event::TRAINING_REQUEUED,
+            event::TRAINING_STARTED,
+            event::TRAINING_ENDED
+        ]
+    );
+    let job = a.get_job("acme", job.id).await.unwrap();
+    assert_eq!((job.lease_owner, job.lease_expires_at), (None, None));
+}
+
+async fn a_renewed_lease_keeps_its_job(db: Db) {
+    let store = db.open().await;
+    let m = model(&store, "acme", "agent").await;
+    let job = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.renew_lease(job.id, W, LEASE).await,
+        Err(Error::JobState {
+            status: JobStatus::Queued,
+            ..
+        })
+    ));
+    store.claim_next_job(W, Duration::ZERO).await.unwrap();
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    store.renew_lease(job.id, W, LEASE).await.unwrap();
+    assert!(store
+        .requeue_expired_leases(3)
+        .await
+        .unwrap()
+        .requeued
+        .is_empty());
+    let running = store.get_job("acme", job.id).await.unwrap();
+    assert_eq!(running.status, JobStatus::Running);
+    assert!(running.lease_expires_at.unwrap() >= before + LEASE.as_secs() as i64);
+    // Only the holder renews.
+    assert!(matches!(
+        store.renew_lease(job.id, "worker-2", LEASE).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    // A cancelled job's worker learns it at its next renewal.
+    store.cancel_job("acme", job.id).await.unwrap();
+    assert!(matches!(
+        store.renew_lease(job.id, W, LEASE).await,
+        Err(Error::JobState {
+            status: JobStatus::Cancelled,
+            ..
+        })
+    ));
+    assert!(matches!(
+        store.renew_lease(Uuid::new_v4(), W, LEASE).await,
+        Err(Error::NotFound("training job"))
+    ));
+}
+
+async fn jobs_whose_worker_is_lost_at_max_attempts_fail(db: Db) {
+    let store = db.open().await;
+    let m = model(&store, "acme", "agent").await;
+    let job = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    for attempt in 1..=3u32 {
+        let worker = format!("worker-{attempt}");
+        let claimed = store
+            .claim_next_job(&worker, Duration::ZERO)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((claimed.id, claimed.attempts), (job.id, attempt));
+        let recovery = store.requeue_expired_leases(3).await.unwrap();
+        if attempt < 3 {
+            assert_eq!(recovery.requeued, vec![job.id]);
+        } else {
+            assert_eq!(recovery.failed, vec![job.id]);
+            assert!(recovery.requeued.is_empty());
+        }
+    }
+    let failed = store.get_job("acme", job.id).await.unwrap();
+    assert_eq!(failed.status, JobStatus::Failed);
+    assert_eq!(failed.attempts, 3);
+    assert!(failed.finished_at.is_some());
+    assert_eq!(failed.lease_owner, None);
+    let error = failed.error.unwrap();
+    assert!(
+        error.contains("3 times in a row") && error.contains("lease of worker worker-3"),
+        "{error}"
+    );
+    let events = store.list_events("acme", job.id, None, 20).await.unwrap();
+    let kinds: Vec<&str> = events.items.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            event::TRAINING_REQUEUED,
+            event::TRAINING_REQUEUED,
+            event::TRAINING_FAILED
+        ]
+    );
+    assert_eq!(events.items[1].data["worker"], "worker-2");
+    assert_eq!(events.items[2].data["error_message"], error.as_str());
+    assert_eq!(store.claim_next_job(W, LEASE).await.unwrap(), None);
+}
+
+async fn shutdown_requeues_only_the_workers_own_jobs(db: Db) {
+    let store = db.open().await;
+    let a = model(&store, "acme", "a").await;
+    let b = model(&store, "acme", "b").await;
+    let a1 = store
+        .enqueue_job("acme", a.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    let b1 = store
+        .enqueue_job("acme", b.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .claim_next_job("worker-a", LEASE)
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        a1.id
+    );
+    assert_eq!(
+        store
+            .claim_next_job("worker-b", LEASE)
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        b1.id
+    );
+    assert_eq!(
+        store.requeue_at_shutdown("worker-a").await.unwrap(),
+        vec![a1.id]
+    );
+    let a1 = store.get_job("acme", a1.id).await.unwrap();
+    assert_eq!((a1.status, a1.attempts), (JobStatus::Queued, 0));
+    let b1 = store.get_job("acme", b1.id).await.unwrap();
+    assert_eq!(b1.status, JobStatus::Running);
+    assert_eq!(b1.lease_owner.as_deref(), Some("worker-b"));
+    store
+        .append_event(b1.id, "worker-b", event::TRAINING_STARTED, &json!({}))
+        .await
+        .unwrap();
+}
+
+async fn stale_idempotency_claims_are_released(db: Db) {
+    use temper_store::{Claim, IdempotencyKey};
+    let store = db.open().await;
+    let key = IdempotencyKey {
+        team: "acme",
+        key: "k",
+        route: "POST /v1/preview/training-jobs",
+    };
+    let answered = IdempotencyKey { key: "done", ..key };
+    for k in [key, answered] {
+        assert_eq!(
+            store.claim_idempotency(k, b"{}").await.unwrap(),
+            Claim::Claimed
+        );
+    }
+    store
+        .complete_idempotency(answered, 200, b"answer")
+        .await
+        .unwrap();
+    let hour = Duration::from_secs(3600);
+    assert_eq!(
+        store.release_stale_idempotency_claims(hour).await.unwrap(),
+        0
+    );
+    assert_eq!(
+        store.claim_idempotency(key, b"{}").await.unwrap(),
+        Claim::InProgress
+    );
+    // Only the unanswered claim goes; the answer stays for retries.
+    assert_eq!(
+        store
+            .release_stale_idempotency_claims(Duration::ZERO)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        store.claim_idempotency(key, b"{}").await.unwrap(),
+        Claim::Claimed
+    );
+    assert_eq!(
+        store.claim_idempotency(answered, b"{}").await.unwrap(),
+        Claim::Replay {
+            status: 200,
+            body: b"answer".to_vec()
+        }
+    );
+}
+
+async fn training_totals_count_jobs_steps_and_tokens(db: Db) {
+    let store = db.open().await;
+    assert_eq!(
+        store.training_totals().await.unwrap(),
+        temper_store::TrainingTotals::default()
+    );
+    let m = model(&store, "acme", "agent").await;
+    let job = store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    store
+        .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+        .await
+        .unwrap();
+    store.claim_next_job(W, LEASE).await.unwrap().unwrap();
+    for tokens in [10, 15] {
+        store
+            .append_event(
+                job.id,
+                W,
+                event::GRADIENT_STEP,
+                &json!({ "loss": 0.5, "num_trainable_tokens": tokens }),
+            )
+            .await
+            .unwrap();
+    }
+    store
+        .succeed_job(job.id, W, 1, Some(json!({})), &json!({ "step": 1 }))
+        .await
+        .unwrap();
+    let totals = store.training_totals().await.unwrap();
+    assert_eq!(
+        totals.jobs_by_status,
+        vec![("queued".to_owned(), 1), ("succeeded".to_owned(), 1)]
+    );
+    assert_eq!(totals.succeeded_jobs, 1);
+    assert!(totals.succeeded_job_seconds <= 5, "{totals:?}");
+    assert_eq!((totals.gradient_steps, totals.trained_tokens), (2, 25));
+}
+
+/// PostgreSQL only (SQLite has no row locks: its claims take turns). A job another worker is
+/// claiming (its row locked) is skipped without waiting, and its model's later jobs stay behind
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_skips_a_job_being_claimed_but_not_to_its_later_jobs() {
+    let Some(db) = Db::postgres().await else {
+        return;
+    };
+    let store = db.open().await;
+    let a = model(&store, "acme", "a").await;
+    let b = model(&store, "acme", "b").await;
+    let mut jobs = Vec::new();
+    for m in [&a, &a, &b] {
+        jobs.push(
+            store
+                .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    let StoreLocation::Postgres(url) = &db.location else {
+        unreachable!()
+    };
+    let mut other = sqlx::PgConnection::connect(url).await.unwrap();
+    let mut claiming = other.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM training_jobs WHERE id = $1 FOR UPDATE")
+        .bind(jobs[0].to_string())
+        .execute(&mut *claiming)
+        .await
+        .unwrap();
+    let claim = || tokio::time::timeout(Duration::from_secs(10), store.claim_next_job(W, LEASE));
+    let first = claim().await.expect("a claim never waits").unwrap();
+    assert_eq!(first.map(|j| j.id), Some(jobs[2]));
+    assert_eq!(claim().await.expect("a claim never waits").unwrap(), None);
+    claiming.rollback().await.unwrap();
+    assert_eq!(claim().await.unwrap().unwrap().map(|j| j.id), Some(jobs[0]));
+}
+
+/// A model deleted while jobs are posted for it and its running job ends: every job of it ends
+/// failed or succeeded (none left queued or running), and nothing deadlocks.
+async fn a_model_deleted_amid_posts_and_a_finishing_job_leaves_none_pending(db: Db) {
+    let store = db.open().await;
+    for round in 0..6 {
+        let m = model(&store, "acme", &format!("m{round}")).await;
+        let running = store
+            .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+            .await
+            .unwrap();
+        assert_eq!(
+            store.claim_next_job(W, LEASE).await.unwrap().unwrap().id,
+            running.id
+        );
+        let mut tasks = Vec::new();
+        for _ in 0..6 {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                match store
+                    .enqueue_job("acme", m.id, temper_store::JobKind::Rl, "{}")
+                    .await
+                {
+                    Ok(_) | Err(Error::NotFound("model")) => {}
+                    Err(e) => panic!("posting: {e}"),
+                }
+            }));
+        }
+        let finishing = store.clone();
+        tasks.push(tokio::spawn(async move {
+            match finishing
+                .succeed_job(running.id, W, 1, Some(json!({})), &json!({ "step": 1 }))
+                .await
+            {
+                Ok(_)
+                | Err(Error::JobState {
+                    status: JobStatus::Failed,
+                    ..
+                })
+                | Err(Error::NotFound("model")) => {}
+                Err(e) => panic!("finishing: {e}"),
+            }
+        }));
+        let deleting = store.clone();
+        tasks.push(tokio::spawn(async move {
+            deleting.delete_model("acme", m.id).await.unwrap();
+        }));
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let jobs = store
+            .list_jobs("acme", Some(m.id), None, 100)
+            .await
+            .unwrap();
+        for job in &jobs.items {
+            assert!(
+                matches!(job.status, JobStatus::Failed | JobStatus::Succeeded),
+                "round {round}: job {} is {}",
+                job.id,
+                job.status
+            );
+        }
+    }
 }

@@ -1,14 +1,27 @@
-//! Token usage and quotas against real SQLite files in temporary directories.
+//! Token usage and quotas on both backends (see `common`: `<test>::sqlite`, `<test>::postgres`).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{on_both_backends, Db};
 
 use serde_json::json;
 use temper_store::{
-    event, usage_bucket, utc_month, Error, JobKind, NewModel, Quota, Store, TokenCounts, UsageKey,
+    event, usage_bucket, utc_month, Error, JobKind, NewModel, Quota, TokenCounts, UsageKey,
     UsageRow,
 };
 
-async fn open(dir: &tempfile::TempDir) -> Store {
-    Store::open(dir.path()).await.expect("open store")
-}
+/// The worker of the tests that run jobs.
+const W: &str = "worker-1";
+const LEASE: Duration = Duration::from_secs(600);
+
+on_both_backends!(
+    concurrent_adds_are_all_counted_once,
+    rows_are_the_teams_own_in_the_range,
+    gradient_steps_count_their_trainable_tokens_for_the_models_project,
+    quotas_count_this_months_prompt_completion_and_trained_tokens
+);
 
 fn key(team: &str, project: &str, model: &str, bucket_start: i64) -> UsageKey {
     UsageKey {
@@ -29,10 +42,8 @@ fn chat(input: u64, output: u64) -> TokenCounts {
     }
 }
 
-#[tokio::test]
-async fn concurrent_adds_are_all_counted_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn concurrent_adds_are_all_counted_once(db: Db) {
+    let store = db.open().await;
     let hour = usage_bucket(1_700_000_000);
     let tasks: Vec<_> = (0..8)
         .map(|_| {
@@ -78,10 +89,8 @@ async fn concurrent_adds_are_all_counted_once() {
     );
 }
 
-#[tokio::test]
-async fn rows_are_the_teams_own_in_the_range() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn rows_are_the_teams_own_in_the_range(db: Db) {
+    let store = db.open().await;
     let h = usage_bucket(1_700_000_000);
     store
         .add_usage(&[
@@ -101,10 +110,8 @@ async fn rows_are_the_teams_own_in_the_range() {
     assert!(store.usage_rows("c", 0, i64::MAX).await.unwrap().is_empty());
 }
 
-#[tokio::test]
-async fn gradient_steps_count_their_trainable_tokens_for_the_models_project() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn gradient_steps_count_their_trainable_tokens_for_the_models_project(db: Db) {
+    let store = db.open().await;
     let model = store
         .create_model(&NewModel {
             team: "a",
@@ -118,11 +125,12 @@ async fn gradient_steps_count_their_trainable_tokens_for_the_models_project() {
         .enqueue_job("a", model.id, JobKind::Rl, "{}")
         .await
         .unwrap();
-    store.claim_next_job().await.unwrap().unwrap();
+    store.claim_next_job(W, LEASE).await.unwrap().unwrap();
     for tokens in [7, 5] {
         store
             .append_event(
                 job.id,
+                W,
                 event::GRADIENT_STEP,
                 &json!({"step": 1, "loss": 0.5, "num_trainable_tokens": tokens}),
             )
@@ -133,6 +141,7 @@ async fn gradient_steps_count_their_trainable_tokens_for_the_models_project() {
     store
         .append_event(
             job.id,
+            W,
             event::TRAINING_STARTED,
             &json!({"num_sequences": 2}),
         )
@@ -143,6 +152,7 @@ async fn gradient_steps_count_their_trainable_tokens_for_the_models_project() {
     let refused = store
         .append_event(
             job.id,
+            W,
             event::GRADIENT_STEP,
             &json!({"num_trainable_tokens": 100}),
         )
@@ -163,10 +173,8 @@ async fn gradient_steps_count_their_trainable_tokens_for_the_models_project() {
     );
 }
 
-#[tokio::test]
-async fn quotas_count_this_months_prompt_completion_and_trained_tokens() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir).await;
+async fn quotas_count_this_months_prompt_completion_and_trained_tokens(db: Db) {
+    let store = db.open().await;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -217,7 +225,7 @@ async fn quotas_count_this_months_prompt_completion_and_trained_tokens() {
     assert!(!store.set_quota("a", None).await.unwrap());
     // Quotas are kept across a reopen, and bad team names are refused.
     drop(store);
-    let store = open(&dir).await;
+    let store = db.open().await;
     assert_eq!(store.list_quotas(now).await.unwrap().len(), 1);
     let bad = store.set_quota("no spaces", Some(1)).await.unwrap_err();
     assert!(matches!(bad, Error::Invalid { field: "team", .. }), "{bad}");

@@ -9,6 +9,7 @@ use clap::{Args, ValueEnum};
 use serde::Deserialize;
 use temper_engine::Scheduling;
 use temper_store::ArtifactsLocation;
+use temper_store::StoreLocation;
 use temper_train::TrainerThreads;
 
 pub const DEFAULT_MODEL_NAME: &str = "gemma-3-270m";
@@ -55,6 +56,11 @@ pub struct ServeArgs {
     /// every server on the same store [default: DATA_DIR/adapters].
     #[arg(long, env = "TEMPER_ARTIFACTS", value_name = "URL")]
     pub artifacts: Option<String>,
+    /// The store (keys, models, checkpoints, jobs) in a PostgreSQL database that several servers
+    /// share, as a postgres:// URL, instead of the SQLite file in the data directory (adapters
+    /// are stored where --artifacts says) [default: DIR/temper.db].
+    #[arg(long, env = "TEMPER_STORE", value_name = "URL", hide_env_values = true)]
+    pub store: Option<String>,
     /// Jinja chat template file for every served model, instead of the model's own.
     #[arg(long, env = "TEMPER_CHAT_TEMPLATE", value_name = "PATH")]
     pub chat_template: Option<PathBuf>,
@@ -147,6 +153,15 @@ pub struct ServeArgs {
     /// 0-19 (Linux): a running job then takes the cores decoding leaves idle [default: 19].
     #[arg(long, env = "TEMPER_TRAIN_NICE", value_name = "N")]
     pub train_nice: Option<u8>,
+    /// How long a server's claim on the training job it runs lasts unless renewed (it renews
+    /// it every third of that): another server re-queues the job of one that died this long
+    /// after its last renewal; at least 3 [default: 30].
+    #[arg(long, env = "TEMPER_JOB_LEASE_SECS", value_name = "SECONDS")]
+    pub job_lease_secs: Option<u64>,
+    /// This server's worker name in job leases and `training_started` events; unique among
+    /// the servers sharing a store [default: <host>-<pid>-<random hex>].
+    #[arg(long, env = "TEMPER_WORKER_ID", value_name = "NAME")]
+    pub worker_id: Option<String>,
     /// After SIGINT or SIGTERM, the longest wait for in-flight requests to finish and the
     /// training job to stop before the process exits anyway [default: 30].
     #[arg(long, env = "TEMPER_SHUTDOWN_TIMEOUT", value_name = "SECONDS")]
@@ -163,6 +178,7 @@ pub struct FileConfig {
     pub api_keys: Option<Vec<String>>,
     pub data_dir: Option<PathBuf>,
     pub artifacts: Option<String>,
+    pub store: Option<String>,
     pub chat_template: Option<PathBuf>,
     pub trust_request_chat_template: Option<bool>,
     pub enable_tool_calls: Option<bool>,
@@ -187,6 +203,8 @@ pub struct FileConfig {
     pub max_queued_jobs_per_team: Option<u32>,
     pub train_threads: Option<usize>,
     pub train_nice: Option<u8>,
+    pub job_lease_secs: Option<u64>,
+    pub worker_id: Option<String>,
     pub shutdown_timeout: Option<u64>,
 }
 
@@ -199,6 +217,8 @@ pub struct Config {
     pub api_keys: Vec<String>,
     pub data_dir: PathBuf,
     pub artifacts: ArtifactsLocation,
+    /// The SQLite file in `data_dir`, or `--store`'s PostgreSQL database.
+    pub store: StoreLocation,
     pub chat_template: Option<PathBuf>,
     pub trust_request_chat_template: bool,
     pub enable_tool_calls: bool,
@@ -226,6 +246,9 @@ pub struct Config {
     /// `None` = no bound.
     pub max_queued_jobs_per_team: Option<u32>,
     pub trainer_threads: TrainerThreads,
+    pub job_lease: Duration,
+    /// `None`: a generated one.
+    pub worker_id: Option<String>,
     pub shutdown_timeout: Duration,
 }
 
@@ -253,6 +276,14 @@ pub enum ConfigError {
     TrainNice(u8),
     #[error("{0}")]
     Artifacts(#[from] temper_store::ArtifactError),
+    #[error("--store: {0}")]
+    Store(temper_store::Error),
+    #[error(
+        "--job-lease-secs must be at least 3 (the lease is renewed every third of it), got {0}"
+    )]
+    JobLease(u64),
+    #[error("--worker-id {0:?}: expected 1 to 128 of A-Z a-z 0-9 - _ . :")]
+    WorkerId(String),
 }
 
 pub use temper_model::paths::temper_home;
@@ -398,6 +429,28 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
     if train_nice > 19 {
         return Err(ConfigError::TrainNice(train_nice));
     }
+    let data_dir = args
+        .data_dir
+        .or(file.data_dir)
+        .unwrap_or_else(|| home.join("data"));
+    let store = match args.store.or(file.store) {
+        Some(url) => StoreLocation::parse_url(&url).map_err(ConfigError::Store)?,
+        None => StoreLocation::Sqlite(data_dir.clone()),
+    };
+    let job_lease = args.job_lease_secs.or(file.job_lease_secs).unwrap_or(30);
+    if job_lease < 3 {
+        return Err(ConfigError::JobLease(job_lease));
+    }
+    let worker_id = args.worker_id.or(file.worker_id);
+    if let Some(id) = &worker_id {
+        let ok = (1..=128).contains(&id.len())
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'));
+        if !ok {
+            return Err(ConfigError::WorkerId(id.clone()));
+        }
+    }
     let artifacts = match args.artifacts.or(file.artifacts) {
         Some(url) => url.parse()?,
         None => ArtifactsLocation::DataDir,
@@ -418,10 +471,8 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
             .into_iter()
             .filter(|k| !k.trim().is_empty())
             .collect(),
-        data_dir: args
-            .data_dir
-            .or(file.data_dir)
-            .unwrap_or_else(|| home.join("data")),
+        data_dir,
+        store,
         artifacts,
         chat_template: args.chat_template.or(file.chat_template),
         trust_request_chat_template: args
@@ -471,6 +522,8 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
             threads: NonZeroUsize::new(train_threads).unwrap_or(NonZeroUsize::MIN),
             nice: train_nice,
         },
+        job_lease: Duration::from_secs(job_lease),
+        worker_id,
         shutdown_timeout: Duration::from_secs(
             args.shutdown_timeout
                 .or(file.shutdown_timeout)
@@ -528,6 +581,9 @@ mod tests {
         assert!(c.api_keys.is_empty());
         assert_eq!(c.data_dir, PathBuf::from("/h/data"));
         assert_eq!(c.artifacts, ArtifactsLocation::DataDir);
+        assert_eq!(c.store, StoreLocation::Sqlite(PathBuf::from("/h/data")));
+        assert_eq!(c.job_lease, Duration::from_secs(30));
+        assert_eq!(c.worker_id, None);
         assert!(!c.trust_request_chat_template);
         assert!(!c.enable_tool_calls);
         assert_eq!(c.max_logprobs, Some(20));
@@ -587,6 +643,61 @@ mod tests {
             &["--max-job-attempts", "0"],
             &["--train-threads", "0"],
             &["--train-nice", "20"],
+        ] {
+            assert!(
+                resolve(args(bad), FileConfig::default(), &home()).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn store_job_lease_and_worker_id() {
+        let file: FileConfig = toml::from_str(
+            r#"
+            data_dir = "/srv/temper"
+            store = "postgres://temper@db/temper"
+            job_lease_secs = 12
+            worker_id = "node-1"
+            "#,
+        )
+        .unwrap();
+        let c = resolve(ServeArgs::default(), file, &home()).unwrap();
+        assert_eq!(
+            c.store,
+            StoreLocation::Postgres("postgres://temper@db/temper".to_owned())
+        );
+        // Adapters stay in the data directory.
+        assert_eq!(c.data_dir, PathBuf::from("/srv/temper"));
+        assert_eq!(c.job_lease, Duration::from_secs(12));
+        assert_eq!(c.worker_id.as_deref(), Some("node-1"));
+        let c = resolve(
+            args(&[
+                "--store",
+                "postgresql://a@b/c",
+                "--job-lease-secs",
+                "3",
+                "--worker-id",
+                "w2",
+            ]),
+            FileConfig::default(),
+            &home(),
+        )
+        .unwrap();
+        assert_eq!(
+            c.store,
+            StoreLocation::Postgres("postgresql://a@b/c".to_owned())
+        );
+        assert_eq!(c.job_lease, Duration::from_secs(3));
+        assert_eq!(c.worker_id.as_deref(), Some("w2"));
+        // Without --store, the SQLite file follows --data-dir.
+        let c = resolve(args(&["--data-dir", "/d"]), FileConfig::default(), &home()).unwrap();
+        assert_eq!(c.store, StoreLocation::Sqlite(PathBuf::from("/d")));
+        for bad in [
+            &["--store", "/var/lib/temper.db"][..],
+            &["--job-lease-secs", "2"],
+            &["--worker-id", ""],
+            &["--worker-id", "a b"],
         ] {
             assert!(
                 resolve(args(bad), FileConfig::default(), &home()).is_err(),

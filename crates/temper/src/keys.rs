@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use temper_store::{KeyInfo, Quota, Store};
+use temper_store::{KeyInfo, Quota, Store, StoreLocation};
 
 use crate::config;
 
@@ -15,7 +15,17 @@ pub struct KeysArgs {
     /// else $TEMPER_HOME/data].
     #[arg(long, env = "TEMPER_DATA_DIR", value_name = "DIR", global = true)]
     data_dir: Option<PathBuf>,
-    /// `temper serve`'s TOML file, read for its `data_dir`.
+    /// The server's PostgreSQL store (a postgres:// URL), as `temper serve --store` [default:
+    /// the config file's `store`, else the SQLite file in the data directory].
+    #[arg(
+        long,
+        env = "TEMPER_STORE",
+        value_name = "URL",
+        global = true,
+        hide_env_values = true
+    )]
+    store: Option<String>,
+    /// `temper serve`'s TOML file, read for its `data_dir` and `store`.
     #[arg(long, env = "TEMPER_CONFIG", value_name = "FILE", global = true)]
     config: Option<PathBuf>,
 }
@@ -58,25 +68,29 @@ enum KeysCommand {
 
 pub fn run(args: KeysArgs) -> Result<(), String> {
     // The same precedence as `temper serve`: flag/env, then the config file, then the default.
-    let data_dir = match (args.data_dir, &args.config) {
-        (Some(dir), _) => dir,
-        (None, Some(file)) => config::read_file(file)
-            .map_err(|e| e.to_string())?
-            .data_dir
-            .unwrap_or_else(|| config::temper_home().join("data")),
-        (None, None) => config::temper_home().join("data"),
+    let file = match &args.config {
+        Some(path) => config::read_file(path).map_err(|e| e.to_string())?,
+        None => config::FileConfig::default(),
+    };
+    let location = match args.store.or(file.store) {
+        Some(url) => StoreLocation::parse_url(&url).map_err(|e| format!("--store: {e}"))?,
+        None => StoreLocation::Sqlite(
+            args.data_dir
+                .or(file.data_dir)
+                .unwrap_or_else(|| config::temper_home().join("data")),
+        ),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("starting the runtime: {e}"))?;
     // No data-directory lock (`temper serve` holds it for its whole life): keys are managed
-    // while the server runs, SQLite orders the two processes' writes, and opening the store
-    // here runs no crash recovery, so nothing of the server's jobs is touched.
+    // while the server runs, the database orders the two processes' writes, and opening the
+    // store here runs no crash recovery, so nothing of the server's jobs is touched.
     runtime.block_on(async {
-        let store = Store::open(&data_dir)
+        let store = Store::connect(&location)
             .await
-            .map_err(|e| format!("opening the store in {}: {e}", data_dir.display()))?;
+            .map_err(|e| format!("opening the store {location}: {e}"))?;
         let result = command(&store, args.command).await;
         store.close().await;
         result

@@ -14,6 +14,7 @@ use clap::{Parser, Subcommand};
 use temper_http::{
     AppState, ModelSpec, ServedModel, ServerOptions, TrainingOptions, TrainingService,
 };
+use temper_store::StoreLocation;
 use temper_train::service::BaseModel;
 
 use config::{Config, ServeArgs};
@@ -83,10 +84,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         None => config::FileConfig::default(),
     };
     let cfg = config::resolve(args, file, &config::temper_home()).map_err(|e| e.to_string())?;
-    // One server per data directory, locked before the store is touched: a second server
-    // must neither migrate the store nor re-queue (as crashed) the first one's running job.
-    // Held until the process exits (declared before the runtime, so dropped after it and its
-    // blocking threads, the trainer's included); the OS releases it however the process ends.
+    // One server per data directory, locked before the store is touched: with the SQLite store
+    // in it, a second server must neither migrate the store nor re-queue (as crashed) the first
+    // one's running job; with a PostgreSQL store, servers share the database but each keeps
+    // its own data directory (its adapter files). Held until the process exits (declared
+    // before the runtime, so dropped after it and its blocking threads, the trainer's
+    // included); the OS releases it however the process ends.
     let _lock = temper_store::DataDirLock::acquire(&cfg.data_dir).map_err(|e| e.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -128,6 +131,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             TrainingOptions {
                 data_dir: cfg.data_dir.clone(),
                 artifacts: cfg.artifacts.clone(),
+                store: cfg.store.clone(),
+                job_lease: cfg.job_lease,
+                worker_id: cfg.worker_id.clone(),
                 max_body_bytes: cfg.max_training_body_bytes,
                 adapter_cache_bytes: cfg.adapter_cache_bytes,
                 lora_rank: cfg.lora_rank,
@@ -373,6 +379,17 @@ fn bind_addresses(cfg: &Config, store_keys: bool) -> Result<Vec<SocketAddr>, Str
     Ok(addrs)
 }
 
+/// Where the state is, for the banner: the data directory, or the PostgreSQL store (its
+/// password hidden) and the data directory of the adapters.
+fn state_location(cfg: &Config) -> String {
+    match &cfg.store {
+        StoreLocation::Sqlite(_) => cfg.data_dir.display().to_string(),
+        StoreLocation::Postgres(_) => {
+            format!("{}, adapters in {}", cfg.store, cfg.data_dir.display())
+        }
+    }
+}
+
 fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String], store_keys: bool) {
     let url = format!("http://{addr}");
     if !cfg.role.serves_api() {
@@ -382,14 +399,14 @@ fn print_banner(cfg: &Config, addr: SocketAddr, names: &[String], store_keys: bo
         );
         println!(
             "  state (models, checkpoints, jobs) in {}",
-            cfg.data_dir.display()
+            state_location(cfg)
         );
         return;
     }
     println!("temper serving {} at {url}/v1", names.join(", "));
     println!(
         "  state (models, checkpoints, jobs, keys) in {}",
-        cfg.data_dir.display()
+        state_location(cfg)
     );
     if !cfg.role.runs_jobs() {
         println!("  role api: training jobs are queued for the workers that share the store");

@@ -10,6 +10,7 @@ fn temper(home: &Path, args: &[&str]) -> Output {
         .env("TEMPER_HOME", home)
         .env_remove("TEMPER_DATA_DIR")
         .env_remove("TEMPER_CONFIG")
+        .env_remove("TEMPER_STORE")
         .output()
         .expect("run temper")
 }

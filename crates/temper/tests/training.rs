@@ -437,6 +437,7 @@ async fn a_second_server_on_the_same_data_dir_refuses_to_start_and_changes_nothi
         .arg(&data)
         .args(args)
         .env_remove("TEMPER_CONFIG")
+        .env_remove("TEMPER_STORE")
         .env("RUST_LOG", "warn")
         .output()
         .expect("run a second temper serve");
@@ -488,6 +489,7 @@ async fn a_second_server_on_the_same_data_dir_refuses_to_start_and_changes_nothi
         .args(["keys", "create", "--team", "acme", "--data-dir"])
         .arg(&data)
         .env_remove("TEMPER_CONFIG")
+        .env_remove("TEMPER_STORE")
         .output()
         .unwrap();
     assert!(created.status.success(), "{created:?}");

@@ -33,6 +33,7 @@ impl Server {
             .arg(data_dir)
             .args(extra)
             .env_remove("TEMPER_CONFIG")
+            .env_remove("TEMPER_STORE")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -12,12 +12,13 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde_json::{json, Map, Value};
 use temper_model::LoraAdapter;
 use temper_store::{
-    Artifacts, ArtifactsLocation, Checkpoint, DeletedCheckpoints, DeletedModel, IdempotencyKey,
-    Job, JobKind, Model, NewModel, Store,
+    Artifacts, ArtifactsLocation, Backend, Checkpoint, DeletedCheckpoints, DeletedModel,
+    IdempotencyKey, Job, JobKind, Model, NewModel, Store, StoreLocation,
 };
 use uuid::Uuid;
 
@@ -30,8 +31,17 @@ use names::StepSelector;
 /// Settings of the training service.
 #[derive(Debug, Clone)]
 pub struct TrainingOptions {
-    /// The store lives here, and the adapter files unless `artifacts` says otherwise.
+    /// By default the store and the adapter files live here.
     pub data_dir: PathBuf,
+    /// The store: the SQLite file in `data_dir` (the default), or a PostgreSQL database that
+    /// several servers share.
+    pub store: StoreLocation,
+    /// How long the worker's claim on a running job lasts unless renewed (it renews it every
+    /// third of that); a server that dies loses its job to another worker this long after.
+    pub job_lease: Duration,
+    /// This server's worker name in job leases and events (`None`: a generated one, see
+    /// [`temper_store::new_worker_id`]); unique among the servers sharing a store.
+    pub worker_id: Option<String>,
     /// Where checkpoints' adapters are stored (`--artifacts`).
     pub artifacts: ArtifactsLocation,
     /// Largest accepted body of the training routes (trajectory groups are large).
@@ -53,8 +63,12 @@ pub struct TrainingOptions {
 
 impl TrainingOptions {
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        let data_dir = data_dir.into();
         TrainingOptions {
-            data_dir: data_dir.into(),
+            store: StoreLocation::Sqlite(data_dir.clone()),
+            data_dir,
+            job_lease: Duration::from_secs(30),
+            worker_id: None,
             artifacts: ArtifactsLocation::DataDir,
             max_body_bytes: 64 << 20,
             adapter_cache_bytes: 256 << 20,
@@ -97,9 +111,9 @@ pub enum ServiceError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    #[error("opening the store in {}: {source}", data_dir.display())]
+    #[error("opening the store {location}: {source}")]
     Store {
-        data_dir: PathBuf,
+        location: StoreLocation,
         source: temper_store::Error,
     },
     #[error("{0}")]
@@ -142,6 +156,8 @@ pub struct TrainingService {
     pub store: Store,
     /// The checkpoints' adapters.
     pub artifacts: Artifacts,
+    /// This server's worker, as its job leases and `training_started` events name it.
+    pub worker_id: String,
     pub options: TrainingOptions,
     /// What jobs train: the base models this process loaded.
     base_models: Vec<Arc<BaseModel>>,
@@ -159,14 +175,15 @@ pub struct TrainingService {
 }
 
 impl TrainingService {
-    /// Opens the store under `options.data_dir` and the adapters' storage (an S3 bucket is
-    /// reached once, so that wrong settings fail here), removes the temporary files of adapter
-    /// saves a crash cut short, and puts back in the queue any job a crash left running (the worker
-    /// then re-runs it from its start), or fails it when it was running at
-    /// `options.max_job_attempts` crashes in a row. Starts the trainer's threads.
+    /// Opens the store (`options.store`) and the adapters' storage (an S3 bucket is reached
+    /// once, so that wrong settings fail here), removes the temporary files of adapter saves a
+    /// crash cut short, and puts back in the queue the jobs whose worker is gone (the worker then
+    /// re-runs them from their start), or fails those interrupted `options.max_job_attempts`
+    /// times in a row. Starts the trainer's threads.
     ///
-    /// The caller holds the data directory's [`temper_store::DataDirLock`] (`temper serve`
-    /// takes it before this), so that this recovery never touches another server's jobs.
+    /// On SQLite every running job was this server's: the caller holds the data directory's
+    /// [`temper_store::DataDirLock`] (`temper serve` takes it before this), so no other server
+    /// uses the store. On PostgreSQL other servers' jobs are alive: only expired leases count.
     pub async fn open(
         options: TrainingOptions,
         base_models: Vec<Arc<BaseModel>>,
@@ -174,10 +191,10 @@ impl TrainingService {
         let trainer_pool =
             TrainerPool::new(options.trainer_threads).map_err(OpenError::TrainerPool)?;
         let store_error = |source| OpenError::Store {
-            data_dir: options.data_dir.clone(),
+            location: options.store.clone(),
             source,
         };
-        let mut store = Store::open(&options.data_dir).await.map_err(store_error)?;
+        let mut store = Store::connect(&options.store).await.map_err(store_error)?;
         if let Some(limit) = options.max_queued_jobs_per_team {
             store = store.with_max_queued_jobs_per_team(limit);
         }
@@ -188,23 +205,21 @@ impl TrainingService {
                 "removed the temporary file of an interrupted adapter save"
             );
         }
-        let recovery = store
-            .recover_after_crash(options.max_job_attempts.max(1))
-            .await
-            .map_err(store_error)?;
-        for id in &recovery.requeued {
-            tracing::warn!(job_id = %id, "re-queued a training job the last run left running");
+        let max_attempts = options.max_job_attempts.max(1);
+        let recovery = match store.backend() {
+            Backend::Sqlite => store.recover_after_crash(max_attempts).await,
+            Backend::Postgres => store.requeue_expired_leases(max_attempts).await,
         }
-        for id in &recovery.failed {
-            tracing::error!(
-                job_id = %id,
-                max_attempts = options.max_job_attempts,
-                "failed a training job that was running at its attempt limit of crashes in a row"
-            );
-        }
+        .map_err(store_error)?;
+        worker::log_recovery(&recovery, max_attempts);
+        let worker_id = match &options.worker_id {
+            Some(id) => id.clone(),
+            None => temper_store::new_worker_id().map_err(store_error)?,
+        };
         Ok(TrainingService {
             store,
             artifacts,
+            worker_id,
             base_models,
             wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
@@ -462,10 +477,11 @@ impl TrainingService {
     }
 
     /// The last step of a graceful shutdown, once the worker has stopped (or the time is up):
-    /// puts the running job back in the queue, its attempt given back. Errors are logged: the
-    /// next start's recovery re-queues the job instead (as after a crash).
+    /// puts this worker's running job back in the queue, its attempt given back. Errors are
+    /// logged: the job is re-queued as after a crash instead (at the next start on SQLite, once
+    /// its lease expires on PostgreSQL).
     pub async fn requeue_at_shutdown(&self) {
-        match self.store.requeue_at_shutdown().await {
+        match self.store.requeue_at_shutdown(&self.worker_id).await {
             Ok(ids) => {
                 for id in ids {
                     tracing::info!(job_id = %id, "re-queued the running training job for the next start");

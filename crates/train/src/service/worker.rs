@@ -3,14 +3,18 @@
 //! keeps them busy), trains from the model's latest checkpoint on a blocking thread, streams the
 //! trainer's events into the store as they come, saves the new adapter and records the
 //! checkpoint in one transaction with the job's success.
+//!
+//! The worker holds the job it runs by a lease in the store, renewed every third of
+//! `job_lease` while the job runs; when idle it re-queues the jobs of workers whose lease
+//! expired (other servers sharing a PostgreSQL store, dead or cut off).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 use temper_model::{LoraAdapter, LoraConfig};
-use temper_store::{event, Job};
+use temper_store::{event, Job, Recovery};
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -20,12 +24,22 @@ use crate::{TrainEvent, TrainerConfig};
 /// How often an idle worker looks at the queue even without a wake-up (jobs queued by another
 /// process sharing the store).
 const IDLE_POLL: Duration = Duration::from_secs(2);
+/// An `Idempotency-Key` claim still unanswered this long after it was made belongs to a request
+/// whose server died (a request holds its claim for as long as its handler runs).
+const STALE_IDEMPOTENCY_CLAIM: Duration = Duration::from_secs(600);
 
 /// Runs queued jobs until the process begins shutting down
 /// ([`TrainingService::begin_shutdown`]), and returns once its job has stopped.
 pub(super) async fn run(training: Arc<TrainingService>) {
+    let lease = training.options.job_lease;
+    // `TrainingService::open` just swept.
+    let mut swept = Instant::now();
     while !training.is_shutting_down() {
-        match training.store.claim_next_job().await {
+        match training
+            .store
+            .claim_next_job(&training.worker_id, lease)
+            .await
+        {
             Ok(Some(job)) => {
                 let id = job.id;
                 if let Err(message) = run_job(&training, job).await {
@@ -34,6 +48,12 @@ pub(super) async fn run(training: Arc<TrainingService>) {
                 release_freed_memory();
             }
             Ok(None) => {
+                if swept.elapsed() >= lease {
+                    swept = Instant::now();
+                    if sweep(&training).await {
+                        continue;
+                    }
+                }
                 let _ = tokio::time::timeout(IDLE_POLL, training.wake.notified()).await;
             }
             Err(e) => {
@@ -41,6 +61,49 @@ pub(super) async fn run(training: Arc<TrainingService>) {
                 tokio::time::sleep(IDLE_POLL).await;
             }
         }
+    }
+}
+
+/// Re-queues the jobs whose worker's lease expired (or fails them at the attempt limit) and
+/// releases stale idempotency claims. Returns whether a job was re-queued.
+async fn sweep(training: &TrainingService) -> bool {
+    let max_attempts = training.options.max_job_attempts.max(1);
+    let requeued = match training.store.requeue_expired_leases(max_attempts).await {
+        Ok(recovery) => {
+            log_recovery(&recovery, max_attempts);
+            !recovery.requeued.is_empty()
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "re-queuing training jobs whose lease expired");
+            false
+        }
+    };
+    match training
+        .store
+        .release_stale_idempotency_claims(STALE_IDEMPOTENCY_CLAIM)
+        .await
+    {
+        Ok(0) => {}
+        Ok(n) => tracing::warn!(
+            claims = n,
+            "released idempotency keys a dead server left claimed"
+        ),
+        Err(e) => tracing::error!(error = %e, "releasing stale idempotency claims"),
+    }
+    requeued
+}
+
+/// Logs what a recovery did with the jobs whose worker was gone.
+pub(crate) fn log_recovery(recovery: &Recovery, max_attempts: u32) {
+    for id in &recovery.requeued {
+        tracing::warn!(job_id = %id, "re-queued a training job whose worker is gone");
+    }
+    for id in &recovery.failed {
+        tracing::error!(
+            job_id = %id,
+            max_attempts,
+            "failed a training job that lost its worker at its attempt limit"
+        );
     }
 }
 
@@ -59,8 +122,13 @@ fn release_freed_memory() {
 /// Marks a job failed, unless it already ended (cancelled, its model deleted).
 async fn record_failure(training: &TrainingService, id: Uuid, message: &str) {
     tracing::warn!(job_id = %id, error = message, "training job failed");
-    match training.store.fail_job(id, message).await {
-        Ok(_) | Err(temper_store::Error::JobState { .. }) => {}
+    match training
+        .store
+        .fail_job(id, &training.worker_id, message)
+        .await
+    {
+        Ok(_)
+        | Err(temper_store::Error::JobState { .. } | temper_store::Error::LeaseLost { .. }) => {}
         Err(e) => tracing::error!(job_id = %id, error = %e, "recording a failed training job"),
     }
 }
@@ -71,10 +139,52 @@ fn adapter_seed(model_id: Uuid) -> u64 {
     u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
 }
 
-/// Runs one claimed job to its end. `Err` is the message of a failure still to be recorded.
+/// Runs one claimed job to its end, renewing its lease meanwhile. `Err` is the message of a
+/// failure still to be recorded.
 async fn run_job(training: &Arc<TrainingService>, job: Job) -> Result<(), String> {
     let span = tracing::info_span!("training_job", job_id = %job.id, model_id = %job.model_id);
+    let _renewal = Renewal(tokio::spawn(
+        keep_lease(training.clone(), job.id).instrument(span.clone()),
+    ));
     run_claimed(training, job).instrument(span).await
+}
+
+/// The lease renewal of the job being run, stopped when its run ends, however it ends.
+struct Renewal(tokio::task::JoinHandle<()>);
+
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Renews this worker's lease on a job every third of the lease, so a failed renewal is retried
+/// twice before the lease lapses. A job no longer this worker's (cancelled, its model deleted,
+/// or re-queued once the lease lapsed) is stopped before its next step, recording nothing.
+async fn keep_lease(training: Arc<TrainingService>, job_id: Uuid) {
+    let lease = training.options.job_lease;
+    let mut ticks = tokio::time::interval((lease / 3).max(Duration::from_secs(1)));
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is at once: the claim has just set the lease.
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        match training
+            .store
+            .renew_lease(job_id, &training.worker_id, lease)
+            .await
+        {
+            Ok(()) => {}
+            Err(
+                e @ (temper_store::Error::JobState { .. } | temper_store::Error::LeaseLost { .. }),
+            ) => {
+                tracing::warn!(error = %e, "the training job is no longer this worker's: stopping it");
+                training.stop_job(job_id);
+                return;
+            }
+            Err(e) => tracing::error!(error = %e, "renewing the training job's lease"),
+        }
+    }
 }
 
 async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), String> {
@@ -168,7 +278,7 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
         let (kind, data) = match e {
             TrainEvent::Started { num_sequences } => (
                 event::TRAINING_STARTED,
-                json!({ "num_sequences": num_sequences }),
+                json!({ "num_sequences": num_sequences, "worker": training.worker_id }),
             ),
             TrainEvent::GradientStep(metrics) => step_data(
                 serde_json::to_value(&metrics),
@@ -186,10 +296,15 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
                 continue;
             }
         };
-        match store.append_event(job.id, kind, &data).await {
+        match store
+            .append_event(job.id, &training.worker_id, kind, &data)
+            .await
+        {
             Ok(_) => {}
-            // Cancelled or its model deleted: stop before the next step.
-            Err(temper_store::Error::JobState { .. }) => cancel.store(true, Ordering::Relaxed),
+            // Cancelled, its model deleted, or its lease lost: stop before the next step.
+            Err(temper_store::Error::JobState { .. } | temper_store::Error::LeaseLost { .. }) => {
+                cancel.store(true, Ordering::Relaxed)
+            }
             Err(e) => tracing::error!(error = %e, "writing a training event"),
         }
     }
@@ -218,7 +333,13 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
                 .map_err(|e| format!("storing the adapter: {e}"))?;
             let metrics = mean_metrics(&step_metrics);
             match store
-                .succeed_job(job.id, step, Some(metrics), &json!({ "step": step }))
+                .succeed_job(
+                    job.id,
+                    &training.worker_id,
+                    step,
+                    Some(metrics),
+                    &json!({ "step": step }),
+                )
                 .await
             {
                 Ok(_) => {
@@ -231,7 +352,8 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
                         tracing::warn!(error = %e, "removing the adapter of an uncommitted step");
                     }
                     match e {
-                        temper_store::Error::JobState { .. } => Ok(()),
+                        temper_store::Error::JobState { .. }
+                        | temper_store::Error::LeaseLost { .. } => Ok(()),
                         e => Err(e.to_string()),
                     }
                 }
@@ -243,8 +365,14 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
                     .to_owned()
             });
             let data = json!({ "step": latest_step, "message": message });
-            match store.succeed_job(job.id, latest_step, None, &data).await {
-                Ok(_) | Err(temper_store::Error::JobState { .. }) => Ok(()),
+            match store
+                .succeed_job(job.id, &training.worker_id, latest_step, None, &data)
+                .await
+            {
+                Ok(_)
+                | Err(
+                    temper_store::Error::JobState { .. } | temper_store::Error::LeaseLost { .. },
+                ) => Ok(()),
                 Err(e) => Err(e.to_string()),
             }
         }
