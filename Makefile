@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test test-dashboard fuzz bench bench-compare bench-train-compare fetch-model build demo-rl soak
+.PHONY: serve test test-cluster test-dashboard fuzz bench bench-compare bench-train-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -19,10 +19,10 @@ serve: fetch-model build
 # Tests that need the default model fail (not skip) without it; so do the PostgreSQL store's and
 # the S3 artifacts' tests, run against throwaway servers (scripts/with-postgres.sh, and
 # scripts/with-s3.sh's moto). Then the OpenAPI document's check against the OpenAPI 3.1 schema,
-# and the client suites against the built server: the openai SDK, the openpipe-art RL library,
-# and the dashboard in headless Chromium (required here: it fails, not skips, without chromium).
-# The last line sums every test binary's result (cargo prints one line per binary; each Python
-# suite prints one in the same shape).
+# the cluster test (as `make test-cluster`), and the client suites against the built server: the
+# openai SDK, the openpipe-art RL library, and the dashboard in headless Chromium (required here:
+# it fails, not skips, without chromium). The last line sums every test binary's result (cargo
+# prints one line per binary; each Python suite prints one in the same shape).
 test: fetch-model build
 	mkdir -p target
 	TEMPER_REQUIRE_MODEL=1 TEMPER_REQUIRE_POSTGRES=1 TEMPER_REQUIRE_S3=1 \
@@ -30,11 +30,19 @@ test: fetch-model build
 		cargo test --release --workspace --lib --bins --tests 2>&1 | tee target/test.log
 	status=0; \
 	scripts/openapi-tests.sh 2>&1 | tee -a target/test.log || status=1; \
+	scripts/with-postgres.sh scripts/with-s3.sh python3 scripts/test_cluster.py 2>&1 \
+		| tee -a target/test.log || status=1; \
 	scripts/python-sdk-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	scripts/art-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	TEMPER_REQUIRE_CHROMIUM=1 scripts/dashboard-test.sh 2>&1 | tee -a target/test.log || status=1; \
 	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
 	exit $$status
+
+# Two API nodes and two workers on one machine, sharing a throwaway PostgreSQL store and a moto S3
+# bucket (README, Scale-out): jobs run once, a killed worker's job finishes on the other, any
+# API node serves any checkpoint.
+test-cluster: fetch-model build
+	scripts/with-postgres.sh scripts/with-s3.sh python3 scripts/test_cluster.py
 
 # GET /dashboard in Debian's headless chromium against a fresh server with trained checkpoints
 # (skipped with the reason when chromium is missing); ARGS="--screenshot docs/dashboard.png"

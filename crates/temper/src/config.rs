@@ -284,6 +284,12 @@ pub enum ConfigError {
     JobLease(u64),
     #[error("--worker-id {0:?}: expected 1 to 128 of A-Z a-z 0-9 - _ . :")]
     WorkerId(String),
+    #[error(
+        "--role {0} needs a store and adapters that other servers share: --store postgres://… \
+         and --artifacts s3://… (with the SQLite file and adapters in the data directory, which \
+         one server locks, no other server could run its jobs or serve its checkpoints)"
+    )]
+    RoleNeedsSharedState(&'static str),
 }
 
 pub use temper_model::paths::temper_home;
@@ -302,6 +308,14 @@ pub enum Role {
 }
 
 impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::All => "all",
+            Role::Api => "api",
+            Role::Worker => "worker",
+        }
+    }
+
     pub fn serves_api(self) -> bool {
         self != Role::Worker
     }
@@ -455,6 +469,12 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
         Some(url) => url.parse()?,
         None => ArtifactsLocation::DataDir,
     };
+    let role = args.role.or(file.role).unwrap_or_default();
+    let shared = matches!(store, StoreLocation::Postgres(_))
+        && matches!(artifacts, ArtifactsLocation::S3 { .. });
+    if role != Role::All && !shared {
+        return Err(ConfigError::RoleNeedsSharedState(role.as_str()));
+    }
     let kv_cache_mb = args.kv_cache_mb.or(file.kv_cache_mb);
     if kv_cache_mb == Some(0) {
         return Err(ConfigError::Zero("--kv-cache-mb"));
@@ -496,7 +516,7 @@ pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config,
                 .unwrap_or(128),
         )
         .filter(|&n| n > 0),
-        role: args.role.or(file.role).unwrap_or_default(),
+        role,
         scheduling: args
             .scheduling
             .or(file.scheduling)
@@ -711,13 +731,40 @@ mod tests {
         let c = resolve(ServeArgs::default(), FileConfig::default(), &home()).unwrap();
         assert_eq!(c.role, Role::All);
         assert!(c.role.serves_api() && c.role.runs_jobs());
+        let shared = [
+            "--store",
+            "postgres://u@db/temper",
+            "--artifacts",
+            "s3://bucket/p",
+        ];
         let file: FileConfig = toml::from_str(r#"role = "worker""#).unwrap();
-        let c = resolve(ServeArgs::default(), file, &home()).unwrap();
+        let c = resolve(args(&shared), file, &home()).unwrap();
         assert!(!c.role.serves_api() && c.role.runs_jobs());
         let file: FileConfig = toml::from_str(r#"role = "worker""#).unwrap();
-        let c = resolve(args(&["--role", "api"]), file, &home()).unwrap();
+        let c = resolve(
+            args(&[&shared[..], &["--role", "api"]].concat()),
+            file,
+            &home(),
+        )
+        .unwrap();
         assert!(c.role.serves_api() && !c.role.runs_jobs());
         assert!(Cli::try_parse_from(["temper", "--role", "trainer"]).is_err());
+    }
+
+    #[test]
+    fn a_split_role_needs_a_shared_store_and_shared_adapters() {
+        for argv in [
+            &["--role", "api"][..],
+            &["--role", "worker", "--store", "postgres://u@db/temper"],
+            &["--role", "api", "--artifacts", "s3://bucket"],
+        ] {
+            let e = resolve(args(argv), FileConfig::default(), &home()).unwrap_err();
+            assert!(
+                matches!(e, ConfigError::RoleNeedsSharedState(_)),
+                "{argv:?}: {e}"
+            );
+            assert!(e.to_string().contains("--store postgres://"), "{e}");
+        }
     }
 
     #[test]
