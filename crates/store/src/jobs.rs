@@ -421,22 +421,15 @@ impl Store {
 /// Why a worker's write to a job was refused: the job ended or went back to the queue
 /// ([`Error::JobState`]), or runs under another worker now ([`Error::LeaseLost`]).
 async fn not_held_error(conn: &mut sqlx::AnyConnection, id: Uuid, worker: &str) -> Error {
-    let status: std::result::Result<Option<String>, _> =
-        sqlx::query_scalar("SELECT status FROM training_jobs WHERE id = $1")
-            .bind(id.to_string())
-            .fetch_optional(conn)
-            .await;
-    match status {
-        Ok(Some(s)) => match s.parse() {
-            Ok(JobStatus::Running) => Error::LeaseLost {
-                id,
-                worker: worker.to_owned(),
-            },
-            Ok(status) => Error::JobState { id, status },
-            Err(e) => e,
+    match state_error(conn, id).await {
+        Error::JobState {
+            status: JobStatus::Running,
+            ..
+        } => Error::LeaseLost {
+            id,
+            worker: worker.to_owned(),
         },
-        Ok(None) => Error::NotFound("training job"),
-        Err(e) => e.into(),
+        e => e,
     }
 }
 
