@@ -182,7 +182,11 @@ impl Gemma3 {
                 return Err(e);
             }
         }
-        match self.forward_reserved(batch) {
+        // On one of the pool's threads: called from outside the pool (the engine's scheduler
+        // thread), each of the step's ~300 parallel loops would be handed to the pool and
+        // waited for across threads (two wake-ups each, milliseconds per decode step); inside
+        // it, they are split among threads that are already awake.
+        match rayon::scope(|_| self.forward_reserved(batch)) {
             Ok(logits) => {
                 for s in batch.iter_mut() {
                     s.cache.commit(s.tokens);
