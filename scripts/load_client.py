@@ -103,15 +103,23 @@ class Client:
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500].decode(errors='replace')}")
+            # Each event line is only timestamped while the stream runs and parsed after it
+            # ends: on a 2-core host the client shares the cores with the server, and parsing
+            # JSON per token would take them from the server being measured.
+            lines = []
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
+                lines.append((time.perf_counter(), line))
+                if line.startswith(b"data: [DONE]"):
+                    break
             first = None
             last = None
             chunks = 0
             usage = None
             text = []
-            while True:
-                line = resp.readline()
-                if not line:
-                    break
+            for now, line in lines:
                 line = line.strip()
                 if not line.startswith(b"data:"):
                     continue
@@ -127,7 +135,6 @@ class Client:
                     delta = ch.get("delta") or {}
                     piece = delta.get("content") or delta.get("reasoning_content") or ""
                     if piece:
-                        now = time.perf_counter()
                         if first is None:
                             first = now
                         last = now
