@@ -3,7 +3,6 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
-use half::f16;
 use rayon::prelude::*;
 
 use crate::kernels::{self, Isa, WeightFormat};
@@ -66,15 +65,9 @@ impl Linear {
             in_dim,
             bytes,
         } = weight;
-        // Our kernels have no Q5_0 path; its values fit Q8_0 exactly (same scale, integers
-        // -16..15), which has one, and both pair with Q8_0 activations: the same integer block
-        // sums as ggml's Q5_0 dot product.
-        let (dtype, bytes) = match dtype {
-            GgmlDType::Q5_0 => (GgmlDType::Q8_0, q5_0_as_q8_0(&bytes)),
-            _ => (dtype, bytes),
-        };
         let format = match dtype {
             GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+            GgmlDType::Q5_0 => Some(WeightFormat::Q5_0),
             GgmlDType::Q4K => Some(WeightFormat::Q4K),
             GgmlDType::Q6K => Some(WeightFormat::Q6K),
             _ => None,
@@ -249,57 +242,9 @@ impl Linear {
     }
 }
 
-/// Block layouts (ggml): Q5_0 = f16 d, u32 high bits, 16 bytes of nibbles (32 weights);
-/// Q8_0 = f16 d, 32 i8.
-const Q5_0_BYTES: usize = 22;
-const Q8_0_BYTES: usize = 34;
-
-fn q5_0_as_q8_0(src: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(src.len() / Q5_0_BYTES * Q8_0_BYTES);
-    for b in src.chunks_exact(Q5_0_BYTES) {
-        let d = f16::from_le_bytes([b[0], b[1]]);
-        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        let qs = &b[6..];
-        let mut q = [0i8; 32];
-        for j in 0..16 {
-            let hi0 = (((qh >> j) << 4) & 0x10) as u8;
-            let hi1 = ((qh >> (j + 12)) & 0x10) as u8;
-            q[j] = ((qs[j] & 0x0f) | hi0) as i8 - 16;
-            q[j + 16] = ((qs[j] >> 4) | hi1) as i8 - 16;
-        }
-        out.extend_from_slice(&d.to_le_bytes());
-        out.extend(q.iter().map(|&v| v as u8));
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn q5_0_converts_to_q8_0_without_loss() {
-        let data: Vec<f32> = (0..4 * 64)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
-            .collect();
-        let t = Tensor::from_vec(data, (4, 64), &Device::Cpu).expect("tensor");
-        let q5 = QTensor::quantize(&t, GgmlDType::Q5_0).expect("quantize");
-        let bytes = q5_0_as_q8_0(&q5.data().expect("bytes"));
-        let storage =
-            QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, GgmlDType::Q8_0).expect("storage");
-        let q8 = QTensor::new(storage, (4, 64)).expect("tensor");
-        let a = q5
-            .dequantize(&Device::Cpu)
-            .expect("deq")
-            .to_vec2::<f32>()
-            .expect("vec");
-        let b = q8
-            .dequantize(&Device::Cpu)
-            .expect("deq")
-            .to_vec2::<f32>()
-            .expect("vec");
-        assert_eq!(a, b);
-    }
 
     /// The int8 input gradient against `dy · W` in f32 over the same (dequantized) weight, for
     /// each format our kernels cover: only the two 8-bit roundings (W down its columns, dy per
@@ -315,7 +260,12 @@ mod tests {
         let dy: Vec<f32> = (0..rows * out_dim)
             .map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 300.0)
             .collect();
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+        for dtype in [
+            GgmlDType::Q8_0,
+            GgmlDType::Q5_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
             let q = QTensor::quantize(&w, dtype).expect("quantize");
             let linear = Linear::new(GgufWeight {
                 dtype,

@@ -1,12 +1,13 @@
-//! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks (Q8_0 and Q4_K interleaved at
-//! load).
+//! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks (Q8_0, Q5_0 and Q4_K interleaved
+//! at load).
 //!
 //! Activation rows are quantized as ggml does on x86 (Q8_0 blocks of 32 for Q8_0 weights, Q8_K
 //! blocks of 256 for K-quants); dot products are exact integers per block, and each format has
 //! one order of its f32 steps, whatever the number of rows:
 //!
-//! - Q8_0 (and Q5_0, widened to Q8_0): one f32 accumulator per row and column, each block's
-//!   integer dot product taken in by one fused multiply-add with `dw·da` (see `q8_0`);
+//! - Q8_0 and Q5_0: one f32 accumulator per row and column, each block's integer dot product
+//!   taken in by one fused multiply-add with `dw·da` (see `q8_0`; a Q5_0 weight gives the bits
+//!   of its values stored as Q8_0);
 //! - Q4_K: ggml's repacked `q4_K_8x8` gemv, an integer per row for the scaled quants and one for
 //!   the mins, each into its own f32 accumulator once per block (see `q4_k`);
 //! - Q6_K: ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`, eight f32 lanes, one fused multiply-add per
@@ -25,6 +26,7 @@
 
 mod activations;
 mod q4_k;
+mod q5_0;
 mod q6_k;
 mod q8_0;
 #[cfg(test)]
@@ -85,6 +87,7 @@ impl Isa {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum WeightFormat {
     Q8_0,
+    Q5_0,
     Q4K,
     Q6K,
 }
@@ -93,7 +96,7 @@ impl WeightFormat {
     /// Elements per weight block.
     pub(crate) fn block_elems(self) -> usize {
         match self {
-            WeightFormat::Q8_0 => q8_0::BLOCK_ELEMS,
+            WeightFormat::Q8_0 | WeightFormat::Q5_0 => q8_0::BLOCK_ELEMS,
             WeightFormat::Q4K => q4_k::BLOCK_ELEMS,
             WeightFormat::Q6K => q6_k::BLOCK_ELEMS,
         }
@@ -192,7 +195,8 @@ pub(crate) fn matmul(
 ) -> Vec<f32> {
     let dims = (in_dim, out_dim);
     match format {
-        WeightFormat::Q8_0 => matmul_with::<q8_0::Q8_0>(isa, w, dims, x),
+        WeightFormat::Q8_0 => matmul_with::<q8_0::WithQ8_0Acts<q8_0::Q8_0>>(isa, w, dims, x),
+        WeightFormat::Q5_0 => matmul_with::<q8_0::WithQ8_0Acts<q5_0::Q5_0>>(isa, w, dims, x),
         WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, dims, x),
         WeightFormat::Q6K => matmul_with::<q6_k::Q6K>(isa, w, dims, x),
     }
@@ -201,7 +205,8 @@ pub(crate) fn matmul(
 /// The weight bytes the kernels read, from GGUF blocks (`[out_dim, in_dim]`, row-major).
 pub(crate) fn prepare(format: WeightFormat, gguf: Vec<u8>, out_dim: usize) -> Vec<u8> {
     match format {
-        WeightFormat::Q8_0 => q8_0::interleave_owned(gguf, out_dim),
+        WeightFormat::Q8_0 => q8_0::interleave_owned::<q8_0::Q8_0>(gguf, out_dim),
+        WeightFormat::Q5_0 => q8_0::interleave_owned::<q5_0::Q5_0>(gguf, out_dim),
         WeightFormat::Q4K => q4_k::interleave(&gguf, out_dim),
         WeightFormat::Q6K => gguf,
     }
@@ -220,7 +225,8 @@ pub(crate) fn dequantize_rows(
         candle_core::bail!("row {bad} of a weight with {out_dim} rows");
     }
     match format {
-        WeightFormat::Q8_0 => Ok(q8_0::dequantize_rows(w, in_dim, rows)),
+        WeightFormat::Q8_0 => Ok(q8_0::dequantize_rows::<q8_0::Q8_0>(w, in_dim, rows)),
+        WeightFormat::Q5_0 => Ok(q8_0::dequantize_rows::<q5_0::Q5_0>(w, in_dim, rows)),
         WeightFormat::Q4K | WeightFormat::Q6K => {
             // GGUF blocks (Q4_K's taken back out of the interleaved layout): candle reads them.
             let (dtype, bytes) = match format {
@@ -297,7 +303,7 @@ pub(crate) fn transposed_q8_0(
             }
         }
     }
-    Ok(q8_0::interleave_owned(gguf, in_dim))
+    Ok(q8_0::interleave_owned::<q8_0::Q8_0>(gguf, in_dim))
 }
 
 fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -> Vec<f32> {
@@ -458,6 +464,7 @@ mod tests {
     fn random_gguf(format: WeightFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
         let (bytes, scales): (usize, &[usize]) = match format {
             WeightFormat::Q8_0 => (q8_0::BLOCK_BYTES, &[0]),
+            WeightFormat::Q5_0 => (q5_0::BLOCK_BYTES, &[0]),
             WeightFormat::Q4K => (q4_k::GGUF_BLOCK_BYTES, &[0, 2]),
             WeightFormat::Q6K => (q6_k::BLOCK_BYTES, &[208]),
         };
@@ -500,6 +507,8 @@ mod tests {
             (WeightFormat::Q8_0, 2048, 640, 1, 400),
             (WeightFormat::Q8_0, 2048, 640, 128, 10),
             (WeightFormat::Q8_0, 640, 262_144, 32, 1),
+            (WeightFormat::Q5_0, 640, 2048, 1, 400),
+            (WeightFormat::Q5_0, 640, 2048, 128, 10),
             (WeightFormat::Q4K, 2048, 640, 1, 400),
             (WeightFormat::Q4K, 2048, 640, 128, 10),
             (WeightFormat::Q6K, 2048, 640, 1, 400),

@@ -1,17 +1,21 @@
-//! Q8_0 weights (f16 scale + 32 i8 per block; Q5_0 arrives converted to it) against Q8_0
-//! activations: one f32 accumulator per (row, column), taking each block's exact integer dot
-//! product `Σ w_i a_i` (32 values) by one fused multiply-add, `acc = fma(dw·da, Σ w a, acc)`,
-//! blocks in order. (Until issue 11 this kernel kept ggml's order, eight f32 lanes per row and
-//! `hsum_float_8`, which took eight conversions and multiply-adds per block where this takes
-//! one: batched matmuls ran about 1.4x slower.)
+//! Weights whose blocks of 32 values pair with Q8_0 activations: Q8_0 (f16 scale + 32 i8) and
+//! Q5_0 (f16 scale + 32 five-bit values, see `q5_0`): one f32 accumulator per (row, column),
+//! taking each block's exact integer dot product `Σ w_i a_i` (32 values) by one fused
+//! multiply-add, `acc = fma(dw·da, Σ w a, acc)`, blocks in order. (Until issue 11 this kernel
+//! kept ggml's order, eight f32 lanes per row and `hsum_float_8`, which took eight conversions
+//! and multiply-adds per block where this takes one: batched matmuls ran about 1.4x slower.)
 //!
 //! The weight is interleaved at load: sixteen rows per group, each block stored as the sixteen
-//! f16 scales, then eight steps of sixteen rows × four quants, made unsigned (`w + 128`). One
-//! step multiplies four quants of every row of a register by the same four activation values,
-//! so each row's integer sum ends in its own lane, with no horizontal adds: AVX-512 VNNI takes
+//! f16 scales, then the quants in the format's own packing ([`Format`]), which the kernels
+//! unpack into eight steps of sixteen rows × four quants, made unsigned (`w + 128`). One step
+//! multiplies four quants of every row of a register by the same four activation values, so
+//! each row's integer sum ends in its own lane, with no horizontal adds: AVX-512 VNNI takes
 //! sixteen rows per instruction, from a starting value that takes `128 Σ a` back out; AVX2
 //! eight, through ggml's sign trick. The integer sum of a block is exact whatever the order of
-//! its steps, so every path gives the scalar reference's bits.
+//! its steps, so every path gives the scalar reference's bits, and a Q5_0 weight gives the
+//! bits its values would give as Q8_0.
+
+use std::marker::PhantomData;
 
 use half::f16;
 use rayon::prelude::*;
@@ -22,18 +26,90 @@ use super::with_act_rows;
 use super::{Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 32;
-/// GGUF block: f16 scale, 32 quants; the interleaved layout keeps 34 bytes per row and block.
+/// GGUF Q8_0 block: f16 scale, 32 quants; the interleaved layout keeps 34 bytes per row and block.
 pub(crate) const BLOCK_BYTES: usize = 34;
 const GROUP: usize = 16;
-const GROUP_BLOCK: usize = GROUP * BLOCK_BYTES;
-const QUANTS: usize = 2 * GROUP;
+/// Bytes of the sixteen f16 scales that open every group block.
+const SCALES: usize = 2 * GROUP;
 
+/// A weight format these kernels read: how its GGUF blocks are interleaved, sixteen rows per
+/// group block (the scales first, then the quants), and how the kernels get the quants back.
+pub(crate) trait Format: Send + Sync + 'static {
+    /// Bytes of one GGUF block, which the interleaved layout keeps per row and block.
+    const BLOCK_BYTES: usize;
+    /// Bytes of one group block: sixteen rows' blocks.
+    const GROUP_BLOCK: usize = GROUP * Self::BLOCK_BYTES;
+    /// Quant `i` (of 32) of a GGUF block.
+    fn gguf_quant(block: &[u8], i: usize) -> i8;
+    /// Stores quant `i` of row `j` into a group block whose quant bytes start zeroed.
+    fn put_quant(gb: &mut [u8], j: usize, i: usize, q: i8);
+    /// Quant `i` of row `j` of a group block.
+    fn quant(gb: &[u8], j: usize, i: usize) -> i8;
+    /// Step `s` of half `h` (rows `8h..8h + 8`) of the group block at `p`: four quants of each
+    /// row, signed.
+    ///
+    /// # Safety
+    /// `p` points to a whole group block; the CPU has AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i;
+    /// The group block's eight steps, every row's four quants made unsigned (`w + 128`).
+    ///
+    /// # Safety
+    /// `p` points to a whole group block; the CPU has AVX-512 (F, BW).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn unsigned_steps(p: *const u8) -> [std::arch::x86_64::__m512i; 8];
+}
+
+/// Q8_0: after the scales, eight steps of sixteen rows × four quants, stored unsigned.
 pub(crate) struct Q8_0;
 
-impl Kernel for Q8_0 {
+impl Format for Q8_0 {
+    const BLOCK_BYTES: usize = BLOCK_BYTES;
+
+    fn gguf_quant(block: &[u8], i: usize) -> i8 {
+        block[2 + i] as i8
+    }
+
+    fn put_quant(gb: &mut [u8], j: usize, i: usize, q: i8) {
+        gb[q8_0_at(j, i)] = q as u8 ^ 0x80;
+    }
+
+    fn quant(gb: &[u8], j: usize, i: usize) -> i8 {
+        (gb[q8_0_at(j, i)] ^ 0x80) as i8
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
+        let q = unsafe { _mm256_loadu_si256(p.add(SCALES + 64 * s + 32 * h) as *const __m256i) };
+        _mm256_xor_si256(q, _mm256_set1_epi8(-128))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn unsigned_steps(p: *const u8) -> [std::arch::x86_64::__m512i; 8] {
+        use std::arch::x86_64::*;
+        // SAFETY: eight steps of 64 bytes follow the scales.
+        std::array::from_fn(|s| unsafe {
+            _mm512_loadu_si512(p.add(SCALES + 64 * s) as *const __m512i)
+        })
+    }
+}
+
+/// Where quant `i` of row `j` sits in a Q8_0 group block.
+fn q8_0_at(j: usize, i: usize) -> usize {
+    SCALES + (i / 4) * 4 * GROUP + 4 * j + i % 4
+}
+
+/// The kernel of a [`Format`] against Q8_0 activations.
+pub(crate) struct WithQ8_0Acts<F>(PhantomData<F>);
+
+impl<F: Format> Kernel for WithQ8_0Acts<F> {
     type Act = Q8_0Block;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
-    const BLOCK_BYTES: usize = BLOCK_BYTES;
+    const BLOCK_BYTES: usize = F::BLOCK_BYTES;
     const ROW_GROUP: usize = GROUP;
 
     fn quantize(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
@@ -41,7 +117,7 @@ impl Kernel for Q8_0 {
     }
 
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
-        scalar(w, acts, nb, out, stride);
+        scalar::<F>(w, acts, nb, out, stride);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -57,57 +133,60 @@ impl Kernel for Q8_0 {
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
             match isa {
-                Isa::Avx512 => with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride)),
-                _ => with_act_rows!(na, x86::avx2_rows(w, acts, nb, out, stride)),
+                Isa::Avx512 => with_act_rows!(na, x86::avx512_rows[F](w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::avx2_rows[F](w, acts, nb, out, stride)),
             }
         }
     }
 }
 
-/// GGUF Q8_0 rows (`out_dim` of them) in the interleaved layout, padded with zero rows to a
-/// whole group.
-pub(crate) fn interleave(gguf: &[u8], out_dim: usize) -> Vec<u8> {
-    let nb = gguf.len() / (out_dim * BLOCK_BYTES);
-    let row_bytes = nb * BLOCK_BYTES;
-    let mut packed = vec![0u8; out_dim.div_ceil(GROUP) * nb * GROUP_BLOCK];
+/// GGUF rows (`out_dim` of them) in the interleaved layout, padded with zero rows to a whole
+/// group.
+pub(crate) fn interleave<F: Format>(gguf: &[u8], out_dim: usize) -> Vec<u8> {
+    let nb = gguf.len() / (out_dim * F::BLOCK_BYTES);
+    let row_bytes = nb * F::BLOCK_BYTES;
+    let mut packed = vec![0u8; out_dim.div_ceil(GROUP) * nb * F::GROUP_BLOCK];
     for (rows, dst) in gguf
         .chunks(GROUP * row_bytes)
-        .zip(packed.chunks_exact_mut(nb * GROUP_BLOCK))
+        .zip(packed.chunks_exact_mut(nb * F::GROUP_BLOCK))
     {
-        interleave_group(rows, nb, dst);
+        interleave_group::<F>(rows, nb, dst);
     }
     packed
 }
 
 /// [`interleave`] in the GGUF bytes' own memory when the rows fill whole groups (a group takes
 /// the bytes its rows took), so loading the 170 MB LM head never holds two copies of it.
-pub(crate) fn interleave_owned(mut gguf: Vec<u8>, out_dim: usize) -> Vec<u8> {
+pub(crate) fn interleave_owned<F: Format>(mut gguf: Vec<u8>, out_dim: usize) -> Vec<u8> {
     if out_dim == 0 || !out_dim.is_multiple_of(GROUP) {
-        return interleave(&gguf, out_dim);
+        return interleave::<F>(&gguf, out_dim);
     }
-    let nb = gguf.len() / (out_dim * BLOCK_BYTES);
-    let mut rows = vec![0u8; nb * GROUP_BLOCK];
-    for group in gguf.chunks_exact_mut(nb * GROUP_BLOCK) {
+    let nb = gguf.len() / (out_dim * F::BLOCK_BYTES);
+    let mut rows = vec![0u8; nb * F::GROUP_BLOCK];
+    for group in gguf.chunks_exact_mut(nb * F::GROUP_BLOCK) {
         rows.copy_from_slice(group);
-        interleave_group(&rows, nb, group);
+        interleave_group::<F>(&rows, nb, group);
     }
     gguf
 }
 
 /// Up to `GROUP` GGUF rows of `nb` blocks into one interleaved group (`dst`, `nb` group blocks);
 /// missing rows are zero rows.
-fn interleave_group(rows: &[u8], nb: usize, dst: &mut [u8]) {
-    const ZERO_BLOCK: [u8; BLOCK_BYTES] = [0; BLOCK_BYTES];
-    let row_bytes = nb * BLOCK_BYTES;
-    for (b, dst) in dst.chunks_exact_mut(GROUP_BLOCK).enumerate() {
+fn interleave_group<F: Format>(rows: &[u8], nb: usize, dst: &mut [u8]) {
+    let row_bytes = nb * F::BLOCK_BYTES;
+    dst.fill(0);
+    for (b, dst) in dst.chunks_exact_mut(F::GROUP_BLOCK).enumerate() {
         for j in 0..GROUP {
-            let src = match rows.get(j * row_bytes..(j + 1) * row_bytes) {
-                Some(row) => &row[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES],
-                None => &ZERO_BLOCK[..],
+            let Some(row) = rows.get(j * row_bytes..(j + 1) * row_bytes) else {
+                for i in 0..BLOCK_ELEMS {
+                    F::put_quant(dst, j, i, 0);
+                }
+                continue;
             };
+            let src = &row[b * F::BLOCK_BYTES..(b + 1) * F::BLOCK_BYTES];
             dst[2 * j..2 * j + 2].copy_from_slice(&src[..2]);
-            for (i, &q) in src[2..].iter().enumerate() {
-                dst[QUANTS + (i / 4) * 4 * GROUP + 4 * j + i % 4] = q ^ 0x80;
+            for i in 0..BLOCK_ELEMS {
+                F::put_quant(dst, j, i, F::gguf_quant(src, i));
             }
         }
     }
@@ -125,7 +204,7 @@ pub(crate) fn quantize_block(values: &[f32; BLOCK_ELEMS], out: &mut [u8]) {
 }
 
 /// Rows of the interleaved weight in f32: `d * q` per value, as GGUF dequantization does.
-pub(crate) fn dequantize_rows(w: &[u8], in_dim: usize, rows: &[usize]) -> Vec<f32> {
+pub(crate) fn dequantize_rows<F: Format>(w: &[u8], in_dim: usize, rows: &[usize]) -> Vec<f32> {
     let nb = in_dim / BLOCK_ELEMS;
     let mut out = vec![0f32; rows.len() * in_dim];
     // The whole LM head (training's backward) is 168M values: split it across threads.
@@ -134,17 +213,14 @@ pub(crate) fn dequantize_rows(w: &[u8], in_dim: usize, rows: &[usize]) -> Vec<f3
         .with_min_len(64)
         .for_each(|(dst, &row)| {
             let (g, j) = (row / GROUP, row % GROUP);
-            let group = &w[g * nb * GROUP_BLOCK..(g + 1) * nb * GROUP_BLOCK];
+            let group = &w[g * nb * F::GROUP_BLOCK..(g + 1) * nb * F::GROUP_BLOCK];
             for (gb, dst) in group
-                .chunks_exact(GROUP_BLOCK)
-                .zip(dst.chunks_exact_mut(32))
+                .chunks_exact(F::GROUP_BLOCK)
+                .zip(dst.chunks_exact_mut(BLOCK_ELEMS))
             {
                 let d = f16::from_le_bytes([gb[2 * j], gb[2 * j + 1]]).to_f32();
-                for (step, dst) in dst.chunks_exact_mut(4).enumerate() {
-                    let q = &gb[QUANTS + step * 4 * GROUP + 4 * j..][..4];
-                    for (v, &q) in dst.iter_mut().zip(q) {
-                        *v = (q ^ 0x80) as i8 as f32 * d;
-                    }
+                for (i, v) in dst.iter_mut().enumerate() {
+                    *v = F::quant(gb, j, i) as f32 * d;
                 }
             }
         });
@@ -153,18 +229,15 @@ pub(crate) fn dequantize_rows(w: &[u8], in_dim: usize, rows: &[usize]) -> Vec<f3
 
 /// The reference: per row and column, each block's integer dot product into one f32 by a fused
 /// multiply-add.
-fn scalar(w: &[u8], acts: &[Q8_0Block], nb: usize, out: &mut [f32], stride: usize) {
-    for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+fn scalar<F: Format>(w: &[u8], acts: &[Q8_0Block], nb: usize, out: &mut [f32], stride: usize) {
+    for (g, group) in w.chunks_exact(nb * F::GROUP_BLOCK).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for j in 0..GROUP {
                 let mut acc = 0f32;
-                for (wb, ab) in group.chunks_exact(GROUP_BLOCK).zip(arow) {
+                for (wb, ab) in group.chunks_exact(F::GROUP_BLOCK).zip(arow) {
                     let d = f16::from_le_bytes([wb[2 * j], wb[2 * j + 1]]).to_f32() * ab.d;
-                    let isum: i32 = (0..32)
-                        .map(|i| {
-                            let q = wb[QUANTS + (i / 4) * 4 * GROUP + 4 * j + i % 4];
-                            (q ^ 0x80) as i8 as i32 * ab.qs[i] as i32
-                        })
+                    let isum: i32 = (0..BLOCK_ELEMS)
+                        .map(|i| F::quant(wb, j, i) as i32 * ab.qs[i] as i32)
                         .sum();
                     acc = d.mul_add(isum as f32, acc);
                 }
@@ -179,7 +252,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::activations::VNNI_BIAS;
-    use super::{Q8_0Block, GROUP, GROUP_BLOCK, QUANTS};
+    use super::{Format, Q8_0Block, GROUP};
 
     /// Group blocks between the one computed and the one prefetched (into L2).
     const PREFETCH_AHEAD: usize = 32;
@@ -202,7 +275,7 @@ mod x86 {
     /// register made once for all `NA` activation rows; a block's integer sums go into the
     /// accumulators by one conversion and one fused multiply-add per activation row.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2_rows<const NA: usize>(
+    pub(super) unsafe fn avx2_rows<const NA: usize, F: Format>(
         w: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
@@ -210,17 +283,16 @@ mod x86 {
         stride: usize,
     ) {
         let ones = _mm256_set1_epi16(1);
-        let flip = _mm256_set1_epi8(-128);
         // (One activation row has no weights to share: unrolled, it has nothing to spill.)
         let steps = if NA == 1 {
             8
         } else {
             std::hint::black_box(8usize)
         };
-        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+        for (g, group) in w.chunks_exact(nb * F::GROUP_BLOCK).enumerate() {
             for h in 0..2 {
                 let mut acc = [_mm256_setzero_ps(); NA];
-                for (b, wb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+                for (b, wb) in group.chunks_exact(F::GROUP_BLOCK).enumerate() {
                     let p = wb.as_ptr();
                     let ab: [&Q8_0Block; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
                     let mut isum = [_mm256_setzero_si256(); NA];
@@ -228,11 +300,8 @@ mod x86 {
                     // ahead of their uses and spills them.
                     for s in 0..steps {
                         let s = s & 7;
-                        // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
-                        let q = unsafe {
-                            _mm256_loadu_si256(p.add(QUANTS + 64 * s + 32 * h) as *const __m256i)
-                        };
-                        let q = _mm256_xor_si256(q, flip);
+                        // SAFETY: `p` is a whole group block.
+                        let q = unsafe { F::signed_step(p, s, h) };
                         let qa = _mm256_abs_epi8(q);
                         for (isum, ab) in isum.iter_mut().zip(ab) {
                             let x = _mm256_set1_epi32(four(ab, s));
@@ -261,14 +330,14 @@ mod x86 {
     /// (the even steps from the activation's `vnni_init`, the odd ones from zero), added as
     /// integers.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512_rows<const NA: usize>(
+    pub(super) unsafe fn avx512_rows<const NA: usize, F: Format>(
         w: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
         out: &mut [f32],
         stride: usize,
     ) {
-        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+        for (g, group) in w.chunks_exact(nb * F::GROUP_BLOCK).enumerate() {
             for a0 in (0..NA).step_by(AVX512_ROWS) {
                 let out = &mut out[a0 * stride + g * GROUP..];
                 let acts = &acts[a0 * nb..];
@@ -278,10 +347,10 @@ mod x86 {
                             $(
                                 // SAFETY: passed on; `$n` rows from `a0`.
                                 ($n, true) => unsafe {
-                                    avx512_group::<$n, true>(group, acts, nb, out, stride)
+                                    avx512_group::<$n, true, F>(group, acts, nb, out, stride)
                                 },
                                 ($n, false) => unsafe {
-                                    avx512_group::<$n, false>(group, acts, nb, out, stride)
+                                    avx512_group::<$n, false, F>(group, acts, nb, out, stride)
                                 },
                             )*
                             _ => unreachable!(),
@@ -296,7 +365,7 @@ mod x86 {
     /// One group's sixteen rows for `NA` activation rows (`out` at the group's first column),
     /// prefetching the weight ahead on the first pass over the group.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn avx512_group<const NA: usize, const PREFETCH: bool>(
+    unsafe fn avx512_group<const NA: usize, const PREFETCH: bool, F: Format>(
         group: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
@@ -305,24 +374,22 @@ mod x86 {
     ) {
         let bias = _mm512_set1_ps(f32::from_bits(VNNI_BIAS as u32));
         let mut acc = [_mm512_setzero_ps(); NA];
-        for (b, wb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+        for (b, wb) in group.chunks_exact(F::GROUP_BLOCK).enumerate() {
             let p = wb.as_ptr();
             // One row of activations streams the weight from memory (the LM head): ask for
             // the group block 32 ahead into L2 (~40% faster than the hardware prefetcher
             // alone; eight ahead into L1 was slower). Later passes find the slice in L1.
             if PREFETCH {
-                for line in 0..GROUP_BLOCK.div_ceil(64) {
-                    let ahead = p.wrapping_add(PREFETCH_AHEAD * GROUP_BLOCK + 64 * line);
+                for line in 0..F::GROUP_BLOCK.div_ceil(64) {
+                    let ahead = p.wrapping_add(PREFETCH_AHEAD * F::GROUP_BLOCK + 64 * line);
                     _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
                 }
             }
-            // SAFETY: the group block is 544 bytes: 32 of scales, then eight steps of 64.
+            // SAFETY: `p` is a whole group block, its first 32 bytes the scales.
             let (dw, q) = unsafe {
                 (
                     _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
-                    std::array::from_fn::<_, 8, _>(|s| {
-                        _mm512_loadu_si512(p.add(QUANTS + 64 * s) as *const __m512i)
-                    }),
+                    F::unsigned_steps(p),
                 )
             };
             for (a, acc) in acc.iter_mut().enumerate() {
@@ -394,10 +461,10 @@ mod tests {
             .collect();
         let mut acts = vec![Q8_0Block::default(); na * nb];
         quantize_q8_0(Isa::Scalar, &x, &mut acts);
-        let packed = interleave(&w, rows);
+        let packed = interleave::<Q8_0>(&w, rows);
         let stride = packed.len() / (nb * BLOCK_BYTES);
         let mut out = vec![0f32; na * stride];
-        scalar(&packed, &acts, nb, &mut out, stride);
+        scalar::<Q8_0>(&packed, &acts, nb, &mut out, stride);
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
                 let want = straightforward(wrow, arow);
@@ -429,9 +496,9 @@ mod tests {
             .expect("dequantize")
             .to_vec2::<f32>()
             .expect("rows");
-        let packed = interleave(&w, rows);
+        let packed = interleave::<Q8_0>(&w, rows);
         let picked = [20, 0, 5, 16, 5];
-        let ours = dequantize_rows(&packed, nb * BLOCK_ELEMS, &picked);
+        let ours = dequantize_rows::<Q8_0>(&packed, nb * BLOCK_ELEMS, &picked);
         for (i, &r) in picked.iter().enumerate() {
             assert_eq!(
                 ours[i * nb * BLOCK_ELEMS..(i + 1) * nb * BLOCK_ELEMS],
@@ -445,21 +512,20 @@ mod tests {
         let mut rng = Rng::new(2);
         let (rows, nb) = (19, 3);
         let w = random_weights(&mut rng, rows, nb);
-        let packed = interleave(&w, rows);
+        let packed = interleave::<Q8_0>(&w, rows);
         assert_eq!(packed.len(), 2 * GROUP * nb * BLOCK_BYTES);
         // Whole groups are interleaved in the bytes' own memory, to the same layout.
         let whole = &w[..GROUP * nb * BLOCK_BYTES];
         assert_eq!(
-            interleave_owned(whole.to_vec(), GROUP),
+            interleave_owned::<Q8_0>(whole.to_vec(), GROUP),
             &packed[..GROUP * nb * BLOCK_BYTES]
         );
         for row in 0..2 * GROUP {
             for b in 0..nb {
-                let gb = &packed[((row / GROUP) * nb + b) * GROUP_BLOCK..][..GROUP_BLOCK];
+                let gb =
+                    &packed[((row / GROUP) * nb + b) * Q8_0::GROUP_BLOCK..][..Q8_0::GROUP_BLOCK];
                 let j = row % GROUP;
-                let q: Vec<u8> = (0..32)
-                    .map(|i| gb[QUANTS + (i / 4) * 4 * GROUP + 4 * j + i % 4] ^ 0x80)
-                    .collect();
+                let q: Vec<u8> = (0..32).map(|i| gb[q8_0_at(j, i)] ^ 0x80).collect();
                 let (scale, quants) = if row < rows {
                     let src = &w[(row * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
                     (src[..2].to_vec(), src[2..].to_vec())

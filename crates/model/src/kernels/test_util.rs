@@ -35,7 +35,7 @@ impl Rng {
 /// The activations as the kernels see them, dequantized.
 fn dequantized_activations(format: WeightFormat, x: &[f32]) -> Vec<f64> {
     match format {
-        WeightFormat::Q8_0 => {
+        WeightFormat::Q8_0 | WeightFormat::Q5_0 => {
             let mut q = vec![Q8_0Block::default(); x.len() / 32];
             quantize_q8_0(Isa::Scalar, x, &mut q);
             q.iter()
@@ -55,6 +55,7 @@ fn dequantized_activations(format: WeightFormat, x: &[f32]) -> Vec<f64> {
 fn dequantized_weight(format: WeightFormat, w: &[u8], in_dim: usize, out_dim: usize) -> Vec<f32> {
     let dtype = match format {
         WeightFormat::Q8_0 => GgmlDType::Q8_0,
+        WeightFormat::Q5_0 => GgmlDType::Q5_0,
         WeightFormat::Q4K => GgmlDType::Q4K,
         WeightFormat::Q6K => GgmlDType::Q6K,
     };
