@@ -111,6 +111,16 @@ trait Kernel {
     const BLOCK_BYTES: usize;
     /// Rows stored together (interleaved); the weight is padded to a whole number of groups.
     const ROW_GROUP: usize;
+    /// The kernel a batch of more than `ACT_TILE` activation rows runs on, over slices of the
+    /// weight that [`Kernel::widen`] copies into its layout (`Self`, where the weight is
+    /// read as stored).
+    type Batched: Kernel<Act = Self::Act>;
+    /// Copies a slice of whole row groups into `Batched`'s layout (`out`), or returns false
+    /// when `Batched` reads the weight as stored. A packing that takes work to unpack is
+    /// unpacked once per slice instead of once per tile of activation rows.
+    fn widen(_isa: Isa, _w: &[u8], _out: &mut Vec<u8>) -> bool {
+        false
+    }
     /// Quantizes one activation row (`x.len()` a multiple of `BLOCK_ELEMS`).
     fn quantize(isa: Isa, x: &[f32], out: &mut [Self::Act]);
     /// `out[a * stride + r] = dot(acts row a, w row r)` for the (at most four) activation rows
@@ -331,8 +341,9 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
 
     // Slices of weight rows small enough to stay in L1 while every activation group passes
     // (whole row groups); tasks of whole slices, a few per thread so uneven progress evens out.
+    let widened_row_bytes = nb * K::Batched::BLOCK_BYTES.max(K::BLOCK_BYTES);
     let group = K::ROW_GROUP.max(4);
-    let slice_rows = (WEIGHT_SLICE_BYTES / row_bytes / group).max(1) * group;
+    let slice_rows = (WEIGHT_SLICE_BYTES / widened_row_bytes / group).max(1) * group;
     let slices = out_dim.div_ceil(slice_rows);
     let tasks = (rayon::current_num_threads() * 4).min(slices);
     let task_rows = slices.div_ceil(tasks) * slice_rows;
@@ -346,14 +357,21 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
         .into_par_iter()
         .for_each(|t| {
             let mut buf = vec![0f32; ACT_TILE * slice_rows];
+            let mut wide = Vec::new();
             let end = ((t + 1) * task_rows).min(out_dim);
             for s0 in (t * task_rows..end).step_by(slice_rows) {
                 let s1 = (s0 + slice_rows).min(end);
                 let stored = (s1 - s0).next_multiple_of(K::ROW_GROUP);
                 let ws = &w[s0 * row_bytes..(s0 + stored) * row_bytes];
+                let widened = rows > ACT_TILE && K::widen(isa, ws, &mut wide);
                 for a0 in (0..rows).step_by(ACT_TILE) {
                     let a1 = (a0 + ACT_TILE).min(rows);
-                    tile::<K>(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, stored);
+                    let acts = &acts[a0 * nb..a1 * nb];
+                    if widened {
+                        tile::<K::Batched>(isa, &wide, acts, nb, &mut buf, stored);
+                    } else {
+                        tile::<K>(isa, ws, acts, nb, &mut buf, stored);
+                    }
                     for a in a0..a1 {
                         let at = (a - a0) * stored;
                         out.write(a, s0, &buf[at..at + s1 - s0]);

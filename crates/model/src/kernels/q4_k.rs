@@ -39,6 +39,7 @@ const QS: usize = MINS + 8 * GROUP;
 pub(crate) struct Q4K;
 
 impl Kernel for Q4K {
+    type Batched = Self;
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;

@@ -34,6 +34,9 @@ fn place(j: usize, i: usize) -> (usize, usize, usize, usize) {
 
 impl Format for Q5_0 {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
+    // Unpacking costs a decode step (one activation row) nothing, as it waits for memory; a
+    // batch would unpack once per tile of four rows.
+    const WIDENS: bool = true;
 
     fn gguf_quant(block: &[u8], i: usize) -> i8 {
         let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);

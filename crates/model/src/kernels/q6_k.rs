@@ -23,6 +23,7 @@ const D: usize = 208;
 pub(crate) struct Q6K;
 
 impl Kernel for Q6K {
+    type Batched = Self;
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;

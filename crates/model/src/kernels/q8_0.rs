@@ -37,6 +37,8 @@ const SCALES: usize = 2 * GROUP;
 pub(crate) trait Format: Send + Sync + 'static {
     /// Bytes of one GGUF block, which the interleaved layout keeps per row and block.
     const BLOCK_BYTES: usize;
+    /// Whether batches run on the weight widened to Q8_0 (see [`Kernel::widen`]).
+    const WIDENS: bool;
     /// Bytes of one group block: sixteen rows' blocks.
     const GROUP_BLOCK: usize = GROUP * Self::BLOCK_BYTES;
     /// Quant `i` (of 32) of a GGUF block.
@@ -65,6 +67,7 @@ pub(crate) struct Q8_0;
 
 impl Format for Q8_0 {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
+    const WIDENS: bool = false;
 
     fn gguf_quant(block: &[u8], i: usize) -> i8 {
         block[2 + i] as i8
@@ -111,6 +114,35 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = F::BLOCK_BYTES;
     const ROW_GROUP: usize = GROUP;
+    type Batched = WithQ8_0Acts<Q8_0>;
+
+    fn widen(isa: Isa, w: &[u8], out: &mut Vec<u8>) -> bool {
+        if !F::WIDENS {
+            return false;
+        }
+        out.resize(w.len() / F::GROUP_BLOCK * Q8_0::GROUP_BLOCK, 0);
+        for (src, dst) in w
+            .chunks_exact(F::GROUP_BLOCK)
+            .zip(out.chunks_exact_mut(Q8_0::GROUP_BLOCK))
+        {
+            dst[..SCALES].copy_from_slice(&src[..SCALES]);
+            match isa {
+                // SAFETY: whole group blocks; the CPU has the instruction set `isa` names.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { x86::widen_avx512::<F>(src, dst) },
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { x86::widen_avx2::<F>(src, dst) },
+                _ => {
+                    for j in 0..GROUP {
+                        for i in 0..BLOCK_ELEMS {
+                            Q8_0::put_quant(dst, j, i, F::quant(src, j, i));
+                        }
+                    }
+                }
+            }
+        }
+        true
+    }
 
     fn quantize(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
         quantize_q8_0(isa, x, out);
@@ -252,7 +284,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::activations::VNNI_BIAS;
-    use super::{Format, Q8_0Block, GROUP};
+    use super::{Format, Q8_0Block, GROUP, SCALES};
 
     /// Group blocks between the one computed and the one prefetched (into L2).
     const PREFETCH_AHEAD: usize = 32;
@@ -268,6 +300,37 @@ mod x86 {
             ab.qs[4 * step + 2] as u8,
             ab.qs[4 * step + 3] as u8,
         ])
+    }
+
+    /// A group block's quants as Q8_0 stores them (after the scales, copied by the caller).
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    pub(super) unsafe fn widen_avx512<F: Format>(src: &[u8], dst: &mut [u8]) {
+        assert!(src.len() == F::GROUP_BLOCK && dst.len() == super::Q8_0::GROUP_BLOCK);
+        // SAFETY: whole group blocks (checked above).
+        unsafe {
+            for (s, step) in F::unsigned_steps(src.as_ptr()).into_iter().enumerate() {
+                _mm512_storeu_si512(dst.as_mut_ptr().add(SCALES + 64 * s) as *mut __m512i, step);
+            }
+        }
+    }
+
+    /// [`widen_avx512`] with AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn widen_avx2<F: Format>(src: &[u8], dst: &mut [u8]) {
+        assert!(src.len() == F::GROUP_BLOCK && dst.len() == super::Q8_0::GROUP_BLOCK);
+        for s in 0..8 {
+            for h in 0..2 {
+                // SAFETY: whole group blocks (checked above).
+                unsafe {
+                    let q = _mm256_xor_si256(
+                        F::signed_step(src.as_ptr(), s, h),
+                        _mm256_set1_epi8(-128),
+                    );
+                    let at = dst.as_mut_ptr().add(SCALES + 64 * s + 32 * h);
+                    _mm256_storeu_si256(at as *mut __m256i, q);
+                }
+            }
+        }
     }
 
     /// No VNNI: half a group (eight rows) per register, the products through ggml's sign trick
