@@ -473,27 +473,8 @@ mod x86 {
 mod tests {
     use std::time::Instant;
 
-    use half::f16;
-
-    use super::test_util::Rng;
+    use super::test_util::{random_gguf, Rng};
     use super::*;
-
-    /// Random GGUF blocks of `format` (small f16 scales, any bits elsewhere).
-    fn random_gguf(format: WeightFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
-        let (bytes, scales): (usize, &[usize]) = match format {
-            WeightFormat::Q8_0 => (q8_0::BLOCK_BYTES, &[0]),
-            WeightFormat::Q5_0 => (q5_0::BLOCK_BYTES, &[0]),
-            WeightFormat::Q4K => (q4_k::GGUF_BLOCK_BYTES, &[0, 2]),
-            WeightFormat::Q6K => (q6_k::BLOCK_BYTES, &[208]),
-        };
-        let mut w: Vec<u8> = (0..blocks * bytes).map(|_| rng.next() as u8).collect();
-        for b in w.chunks_exact_mut(bytes) {
-            for &at in scales {
-                b[at..at + 2].copy_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
-            }
-        }
-        w
-    }
 
     /// CPU time of every thread of this process so far (Linux; 0 elsewhere). On a shared
     /// machine the CPU time a call takes, times the threads, is steadier than its wall time.

@@ -115,21 +115,10 @@ impl Format for Q5_0 {
 
 #[cfg(test)]
 mod tests {
-    use half::f16;
-
     use super::super::q8_0::{self, Q8_0};
-    use super::super::test_util::{check_paths_agree, Rng};
+    use super::super::test_util::{check_paths_agree, random_gguf, Rng};
     use super::super::{matmul, prepare, Isa, WeightFormat};
     use super::*;
-
-    fn random_weights(rng: &mut Rng, rows: usize, nb: usize) -> Vec<u8> {
-        let mut w = Vec::with_capacity(rows * nb * BLOCK_BYTES);
-        for _ in 0..rows * nb {
-            w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.02).to_le_bytes());
-            w.extend((0..20).map(|_| rng.next() as u8));
-        }
-        w
-    }
 
     /// The same values as GGUF Q8_0 blocks.
     fn as_q8_0(w: &[u8]) -> Vec<u8> {
@@ -145,7 +134,7 @@ mod tests {
     fn simd_paths_equal_scalar_reference_bit_for_bit() {
         let mut rng = Rng::new(4);
         for (rows, nb) in [(1, 1), (5, 3), (16, 20), (37, 2)] {
-            let w = random_weights(&mut rng, rows, nb);
+            let w = random_gguf(WeightFormat::Q5_0, rows * nb, &mut rng);
             check_paths_agree(WeightFormat::Q5_0, &w, nb * 32, rows, &mut rng);
         }
     }
@@ -154,7 +143,7 @@ mod tests {
     fn gives_the_bits_of_its_values_as_q8_0() {
         let mut rng = Rng::new(5);
         let (rows, nb) = (40, 4);
-        let w = random_weights(&mut rng, rows, nb);
+        let w = random_gguf(WeightFormat::Q5_0, rows * nb, &mut rng);
         let q5 = prepare(WeightFormat::Q5_0, w.clone(), rows);
         let q8 = prepare(WeightFormat::Q8_0, as_q8_0(&w), rows);
         let x: Vec<f32> = (0..6 * nb * 32).map(|_| rng.uniform()).collect();
@@ -178,7 +167,7 @@ mod tests {
         use candle_core::Device;
         let mut rng = Rng::new(6);
         let (rows, nb) = (3, 2);
-        let w = random_weights(&mut rng, rows, nb);
+        let w = random_gguf(WeightFormat::Q5_0, rows * nb, &mut rng);
         let storage = QStorage::from_data(
             std::borrow::Cow::Borrowed(&w[..]),
             &Device::Cpu,

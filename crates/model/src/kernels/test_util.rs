@@ -9,7 +9,9 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
 use super::activations::{quantize_q8_0, quantize_q8_k, Q8KBlock, Q8_0Block};
-use super::{matmul, prepare, Isa, WeightFormat};
+use half::f16;
+
+use super::{matmul, prepare, q4_k, q5_0, q6_k, q8_0, Isa, WeightFormat};
 
 /// xorshift64*: deterministic test data without a dependency.
 pub(crate) struct Rng(u64);
@@ -30,6 +32,23 @@ impl Rng {
     pub(crate) fn uniform(&mut self) -> f32 {
         (self.next() % 2_000_001) as f32 / 1_000_000.0 - 1.0
     }
+}
+
+/// Random GGUF blocks of `format` (small f16 scales, any bits elsewhere).
+pub(crate) fn random_gguf(format: WeightFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+    let (bytes, scales): (usize, &[usize]) = match format {
+        WeightFormat::Q8_0 => (q8_0::BLOCK_BYTES, &[0]),
+        WeightFormat::Q5_0 => (q5_0::BLOCK_BYTES, &[0]),
+        WeightFormat::Q4K => (q4_k::GGUF_BLOCK_BYTES, &[0, 2]),
+        WeightFormat::Q6K => (q6_k::BLOCK_BYTES, &[208]),
+    };
+    let mut w: Vec<u8> = (0..blocks * bytes).map(|_| rng.next() as u8).collect();
+    for b in w.chunks_exact_mut(bytes) {
+        for &at in scales {
+            b[at..at + 2].copy_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
+        }
+    }
+    w
 }
 
 /// The activations as the kernels see them, dequantized.
