@@ -22,6 +22,7 @@ use candle_core::quantized::gguf_file;
 
 pub use cache::{KvPool, KvPoolStats, PrefixKey, SeqCache, BLOCK_TOKENS};
 pub use config::ModelConfig;
+pub use kernels::selected_isa;
 pub use loader::load_gguf;
 pub use lora::{LoraAdapter, LoraConfig, LoraGrads, LoraTarget};
 pub use model::{Gemma3, Logits, SeqInput};

@@ -122,12 +122,14 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     }
 
     println!(
-        "model: {} ({} layers, width {}), loaded in {:.2} s; {} thread(s); best of {repeat}",
+        "model: {} ({} layers, width {}), loaded in {:.2} s; {} thread(s), {} kernels; best of \
+         {repeat}",
         path.display(),
         model.config().num_layers,
         model.config().hidden_size,
         load_time.as_secs_f64(),
         rayon::current_num_threads(),
+        temper_model::selected_isa()?,
     );
     if let Some(stats) = engine_stats {
         println!(

@@ -51,8 +51,9 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let result = match Cli::parse().command {
-        Command::Serve(args) => serve(*args),
-        Command::Bench(args) => bench::run(args, temper_model::paths::default_model_path()),
+        Command::Serve(args) => temper_model::selected_isa().and_then(|_| serve(*args)),
+        Command::Bench(args) => temper_model::selected_isa()
+            .and_then(|_| bench::run(args, temper_model::paths::default_model_path())),
         Command::Keys(args) => keys::run(args),
     };
     match result {
@@ -115,6 +116,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 model = %name,
                 max_model_len = model.max_model_len,
                 kv_cache_mb = cfg.kv_cache_bytes >> 20,
+                kernels = temper_model::selected_isa().unwrap_or("?"),
                 "loaded"
             );
             base_models.push(model.base.clone());

@@ -127,15 +127,27 @@ fn nearest_int(v: f32) -> i32 {
     (biased.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
-pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [Q8KBlock]) {
-    for (xb, o) in x.chunks_exact(256).zip(out.iter_mut()) {
-        let (mut amax, mut max) = (0f32, 0f32);
-        for &v in xb {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
+/// The first value of the largest magnitude, as ggml's scan (`|v| > amax` keeps the earlier of
+/// equal magnitudes; NaN never wins), and that magnitude. Each of sixteen lanes keeps its own
+/// largest magnitude first: a scan that updates one running maximum does not vectorize.
+fn first_of_largest_magnitude(x: &[f32]) -> (f32, f32) {
+    let mut lanes = [0f32; 16];
+    for chunk in x.chunks_exact(16) {
+        for (lane, v) in lanes.iter_mut().zip(chunk) {
+            let a = v.abs();
+            if a > *lane {
+                *lane = a;
             }
         }
+    }
+    let amax = lanes.iter().fold(0f32, |m, &a| if a > m { a } else { m });
+    let max = x.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0);
+    (amax, max)
+}
+
+pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [Q8KBlock]) {
+    for (xb, o) in x.chunks_exact(256).zip(out.iter_mut()) {
+        let (amax, max) = first_of_largest_magnitude(xb);
         if amax == 0.0 {
             *o = Q8KBlock::default();
             continue;
@@ -158,6 +170,36 @@ pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [Q8KBlock]) {
 mod tests {
     use super::super::test_util::Rng;
     use super::*;
+
+    #[test]
+    fn largest_magnitude_is_the_first_as_a_running_scan_finds_it() {
+        let mut rng = Rng::new(5);
+        for case in 0..200 {
+            // Few distinct magnitudes, both signs: ties are the rule, not the exception.
+            let x: Vec<f32> = (0..256)
+                .map(|_| {
+                    let v = (rng.uniform() * 2.5).round();
+                    if case % 7 == 0 {
+                        0.0
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            let (mut amax, mut max) = (0f32, 0f32);
+            for &v in &x {
+                if v.abs() > amax {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            let got = first_of_largest_magnitude(&x);
+            assert_eq!(
+                (got.0.to_bits(), got.1.to_bits()),
+                (amax.to_bits(), max.to_bits())
+            );
+        }
+    }
 
     #[test]
     fn nearest_int_rounds_ties_to_even() {

@@ -10,8 +10,8 @@
 //!   of its values stored as Q8_0);
 //! - Q4_K: ggml's repacked `q4_K_8x8` gemv, an integer per row for the scaled quants and one for
 //!   the mins, each into its own f32 accumulator once per block (see `q4_k`);
-//! - Q6_K: ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`, eight f32 lanes, one fused multiply-add per
-//!   block, `hsum_float_8` (see `q6_k`).
+//! - Q6_K: one f32 accumulator per row and column, each block's exact integer (its sixteen runs
+//!   times their scales) taken in by one fused multiply-add (see `q6_k`).
 //!
 //! Each scalar reference computes exactly what its SIMD paths compute, so all paths give the same
 //! bits, and a row's result never depends on the other rows or on how the work is tiled (batch
@@ -36,8 +36,8 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-/// The instruction set a kernel runs with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The instruction set a kernel runs with, ordered from least to best.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Isa {
     /// Lane-emulating reference (any CPU).
     Scalar,
@@ -48,10 +48,52 @@ pub(crate) enum Isa {
 }
 
 impl Isa {
-    /// The best instruction set this CPU has (detected once).
+    /// The instruction set the kernels run with (decided once): the best this CPU has, or a
+    /// lesser one named by `TEMPER_ISA` (see [`selected_isa`]).
     pub(crate) fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
+            let best = Isa::best();
+            Isa::from_env(best).unwrap_or(best)
+        })
+    }
+
+    /// `TEMPER_ISA` (`scalar`, `avx2` or `avx512`), when set: an error when it names an
+    /// instruction set this CPU lacks or none at all.
+    fn from_env(best: Isa) -> Result<Isa, String> {
+        let Ok(name) = std::env::var("TEMPER_ISA") else {
+            return Ok(best);
+        };
+        let isa = match name.as_str() {
+            "scalar" => Isa::Scalar,
+            "avx2" => Isa::Avx2,
+            "avx512" => Isa::Avx512,
+            _ => {
+                return Err(format!(
+                    "TEMPER_ISA={name}: expected scalar, avx2 or avx512"
+                ))
+            }
+        };
+        if isa > best {
+            return Err(format!(
+                "TEMPER_ISA={name}: this CPU's best instruction set is {}",
+                best.name()
+            ));
+        }
+        Ok(isa)
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// The best instruction set this CPU has.
+    fn best() -> Isa {
+        {
             #[cfg(target_arch = "x86_64")]
             {
                 let base = is_x86_feature_detected!("avx2")
@@ -69,18 +111,26 @@ impl Isa {
                 }
             }
             Isa::Scalar
-        })
+        }
     }
 
     /// The instruction sets usable here, for tests comparing them.
     #[cfg(test)]
     pub(crate) fn available() -> Vec<Isa> {
-        match Isa::detect() {
+        match Isa::best() {
             Isa::Avx512 => vec![Isa::Scalar, Isa::Avx2, Isa::Avx512],
             Isa::Avx2 => vec![Isa::Scalar, Isa::Avx2],
             Isa::Scalar => vec![Isa::Scalar],
         }
     }
+}
+
+/// The instruction set the kernels run with (`scalar`, `avx2` or `avx512`): the best this CPU
+/// has, or the lesser one `TEMPER_ISA` names (to measure the AVX2 path on an AVX-512 host). An
+/// error when `TEMPER_ISA` names none or one this CPU lacks: the commands check it at start.
+pub fn selected_isa() -> Result<&'static str, String> {
+    Isa::from_env(Isa::best())?;
+    Ok(Isa::detect().name())
 }
 
 /// The weight block formats our kernels compute on.
@@ -115,12 +165,16 @@ trait Kernel {
     /// weight that [`Kernel::widen`] copies into its layout (`Self`, where the weight is
     /// read as stored).
     type Batched: Kernel<Act = Self::Act>;
-    /// Copies a slice of whole row groups into `Batched`'s layout (`out`), or returns false
-    /// when `Batched` reads the weight as stored. A packing that takes work to unpack is
-    /// unpacked once per slice instead of once per tile of activation rows.
-    fn widen(_isa: Isa, _w: &[u8], _out: &mut Vec<u8>) -> bool {
+    /// Copies a slice of whole row groups (`nb` blocks per row) into `Batched`'s layout
+    /// (`out`; a last group of `Batched` short of rows is padded with rows of zeros), or
+    /// returns false when `Batched` reads the weight as stored. A packing that takes work to
+    /// unpack is unpacked once per slice instead of once per tile of activation rows.
+    fn widen(_isa: Isa, _w: &[u8], _nb: usize, _out: &mut Vec<u8>) -> bool {
         false
     }
+    /// Fewest activation rows for which a batch runs on the widened weight: below it, widening
+    /// a slice costs more than the tiles it would speed up.
+    const WIDEN_MIN_ROWS: usize = ACT_TILE + 1;
     /// Quantizes one activation row (`x.len()` a multiple of `BLOCK_ELEMS`).
     fn quantize(isa: Isa, x: &[f32], out: &mut [Self::Act]);
     /// `out[a * stride + r] = dot(acts row a, w row r)` for the (at most four) activation rows
@@ -328,7 +382,8 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
         "weight bytes for [{out_dim}, {in_dim}]"
     );
     let rows = x.len() / in_dim;
-    let mut y = vec![0f32; rows * out_dim];
+    // Not zeroed: the tasks below write every value (zeroing took ~5% of a prefill step).
+    let mut y = Vec::with_capacity(rows * out_dim);
     if rows == 0 || out_dim == 0 {
         return y;
     }
@@ -342,7 +397,7 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
     // Slices of weight rows small enough to stay in L1 while every activation group passes
     // (whole row groups); tasks of whole slices, a few per thread so uneven progress evens out.
     let widened_row_bytes = nb * K::Batched::BLOCK_BYTES.max(K::BLOCK_BYTES);
-    let group = K::ROW_GROUP.max(4);
+    let group = K::ROW_GROUP.max(K::Batched::ROW_GROUP).max(4);
     let slice_rows = (WEIGHT_SLICE_BYTES / widened_row_bytes / group).max(1) * group;
     let slices = out_dim.div_ceil(slice_rows);
     let tasks = (rayon::current_num_threads() * 4).min(slices);
@@ -350,7 +405,7 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
 
     let out = OutRows {
         ptr: y.as_mut_ptr(),
-        len: y.len(),
+        len: rows * out_dim,
         stride: out_dim,
     };
     (0..out_dim.div_ceil(task_rows))
@@ -363,7 +418,13 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
                 let s1 = (s0 + slice_rows).min(end);
                 let stored = (s1 - s0).next_multiple_of(K::ROW_GROUP);
                 let ws = &w[s0 * row_bytes..(s0 + stored) * row_bytes];
-                let widened = rows > ACT_TILE && K::widen(isa, ws, &mut wide);
+                let widened = rows >= K::WIDEN_MIN_ROWS && K::widen(isa, ws, nb, &mut wide);
+                // Rows a tile computes (and `buf`'s stride): whole groups of its layout.
+                let stored = if widened {
+                    (s1 - s0).next_multiple_of(K::Batched::ROW_GROUP)
+                } else {
+                    stored
+                };
                 for a0 in (0..rows).step_by(ACT_TILE) {
                     let a1 = (a0 + ACT_TILE).min(rows);
                     let acts = &acts[a0 * nb..a1 * nb];
@@ -379,10 +440,14 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
                 }
             }
         });
+    // SAFETY: the tasks' column ranges cover `0..out_dim` and each wrote them for every row,
+    // so all `rows * out_dim` values (within the capacity) are initialized.
+    unsafe { y.set_len(rows * out_dim) };
     y
 }
 
-/// The output matrix shared by the tasks; each writes only its own columns.
+/// The output matrix shared by the tasks (allocated, not yet initialized); each writes only its
+/// own columns.
 struct OutRows {
     ptr: *mut f32,
     len: usize,
@@ -432,40 +497,10 @@ pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// ggml's `hsum_float_8`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn hsum8(x: __m256) -> f32 {
-        let res = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
-        let res = _mm_add_ps(res, _mm_movehl_ps(res, res));
-        let res = _mm_add_ss(res, _mm_movehdup_ps(res));
-        _mm_cvtss_f32(res)
-    }
-
     /// Row `r0`'s eight lanes low, row `r1`'s high.
     #[target_feature(enable = "avx512f")]
     pub(super) fn pair(r0: __m256i, r1: __m256i) -> __m512i {
         _mm512_inserti64x4::<1>(_mm512_castsi256_si512(r0), r1)
-    }
-
-    /// Row `r0`'s eight f32 lanes low, row `r1`'s high.
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn pair_ps(r0: f32, r1: f32) -> __m512 {
-        let r0 = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(r0)));
-        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-            r0,
-            _mm256_castps_pd(_mm256_set1_ps(r1)),
-        ))
-    }
-
-    /// The eight lanes of half `h` of a pair register.
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn half(x: __m512, h: usize) -> __m256 {
-        let x = _mm512_castps_pd(x);
-        _mm256_castpd_ps(if h == 0 {
-            _mm512_castpd512_pd256(x)
-        } else {
-            _mm512_extractf64x4_pd::<1>(x)
-        })
     }
 }
 

@@ -1,40 +1,93 @@
 //! Q6_K weights (256 per block: 4 low bits, 2 high bits, sixteen i8 scales, f16 d) against Q8_K
-//! activations: ggml's `ggml_vec_dot_q6_K_q8_K` AVX2 arithmetic. Lane `k` of eight gathers
-//! `scale * q * a` (q unsigned, 0..63) over bytes `4k..4k+3` of every 32-value run in i32 and
-//! takes back the offset of 32 through the activation sums of values `32k..32k+31`
-//! (`32 * (bsum[2k]·scale[2k] + bsum[2k+1]·scale[2k+1])`), then `fma(d, sum, acc_k)` per block
-//! (`d = da·dw`); the row's result is `hsum_float_8` of the eight lanes. Every row is computed
-//! this way, whatever the number of rows.
+//! activations. A block's exact integer `Σ_j sc_j (Σ_{i∈j} q_i a_i - 32 bsum_j)` (sixteen runs
+//! of sixteen, `q` unsigned 0..63, the offset of 32 taken back through the activation sums)
+//! goes into one f32 accumulator per (row, column) by one fused multiply-add,
+//! `acc = fma(da·dw, sum as f32, acc)`, blocks in order. (Until the batched kernel below, this
+//! was ggml's AVX2 `ggml_vec_dot_q6_K_q8_K` order: eight f32 lanes per row and `hsum_float_8`,
+//! which only a row at a time computes cheaply.)
+//!
+//! Rows are stored as GGUF has them and computed one or two per register ([`Q6K`]); a batch
+//! of many activation rows runs on slices widened to [`Q6KWide`]: sixteen rows per group, the
+//! quants as bytes in steps of sixteen rows × four values, so one VNNI instruction (or AVX2's
+//! `maddubs`) multiplies four quants of every row by the same four activation values and each
+//! row's sum ends in its own lane. The integer sum of a block is exact in any order, so every
+//! path gives the scalar reference's bits.
 
 use half::f16;
 
 use super::activations::{quantize_q8_k, Q8KBlock};
 #[cfg(target_arch = "x86_64")]
 use super::with_act_rows;
-use super::{hsum8, Isa, Kernel};
+use super::{Isa, Kernel};
 
 pub(crate) const BLOCK_ELEMS: usize = 256;
 pub(crate) const BLOCK_BYTES: usize = 210;
 const QH: usize = 128;
 const SCALES: usize = 192;
 const D: usize = 208;
+/// Runs of sixteen values per block, each with its own scale.
+const RUNS: usize = 16;
 
-/// Q6_K rows with the arithmetic of ggml's AVX2 `ggml_vec_dot_q6_K_q8_K`.
+/// Q6_K rows as GGUF stores them.
 pub(crate) struct Q6K;
 
 impl Kernel for Q6K {
-    type Batched = Self;
+    type Batched = Q6KWide;
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = BLOCK_BYTES;
     const ROW_GROUP: usize = 1;
+    /// Widening unpacks and transposes every quant: worth it once a slice serves four tiles.
+    const WIDEN_MIN_ROWS: usize = 16;
+
+    fn widen(_isa: Isa, w: &[u8], nb: usize, out: &mut Vec<u8>) -> bool {
+        let rows = w.len() / (nb * BLOCK_BYTES);
+        let groups = rows.div_ceil(WIDE_GROUP);
+        out.clear();
+        out.resize(groups * nb * WIDE_GROUP_BLOCK, 0);
+        let mut quants = [[0u8; BLOCK_ELEMS]; WIDE_GROUP];
+        for (g, dst) in out.chunks_exact_mut(nb * WIDE_GROUP_BLOCK).enumerate() {
+            let group_rows = (g * WIDE_GROUP..rows.min((g + 1) * WIDE_GROUP)).enumerate();
+            for (b, gb) in dst.chunks_exact_mut(WIDE_GROUP_BLOCK).enumerate() {
+                for (j, r) in group_rows.clone() {
+                    let wb = &w[(r * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                    gb[WIDE_D + 4 * j..][..4].copy_from_slice(&scale(wb).to_le_bytes());
+                    for run in 0..RUNS {
+                        gb[WIDE_SCALES + WIDE_GROUP * run + j] = wb[SCALES + run];
+                    }
+                    unpack_quants(wb, &mut quants[j]);
+                }
+                // Step `s` holds values 4s..4s+4 of every row, row after row.
+                for (step, dst) in gb[WIDE_QUANTS..]
+                    .chunks_exact_mut(4 * WIDE_GROUP)
+                    .enumerate()
+                {
+                    for (d, q) in dst.chunks_exact_mut(4).zip(&quants) {
+                        d.copy_from_slice(&q[4 * step..4 * step + 4]);
+                    }
+                }
+            }
+        }
+        true
+    }
 
     fn quantize(_isa: Isa, x: &[f32], out: &mut [Q8KBlock]) {
         quantize_q8_k(x, out);
     }
 
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
-        scalar(w, acts, nb, out, stride);
+        for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
+            for (a, arow) in acts.chunks_exact(nb).enumerate() {
+                let mut acc = 0f32;
+                for (wb, ab) in wrow.chunks_exact(BLOCK_BYTES).zip(arow) {
+                    let mut q = [0u8; BLOCK_ELEMS];
+                    unpack_quants(wb, &mut q);
+                    let sum = block_sum(|i| q[i], |run| wb[SCALES + run] as i8, ab);
+                    acc = (ab.d * scale(wb)).mul_add(sum as f32, acc);
+                }
+                out[a * stride + r] = acc;
+            }
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -59,51 +112,99 @@ impl Kernel for Q6K {
     }
 }
 
+/// Rows per group of the widened layout.
+const WIDE_GROUP: usize = 16;
+/// A group block of the widened layout: the sixteen rows' f32 scales `dw`, their run scales
+/// (run after run, sixteen rows each), then 64 steps of sixteen rows × four quants (0..63).
+const WIDE_D: usize = 0;
+const WIDE_SCALES: usize = WIDE_D + 4 * WIDE_GROUP;
+const WIDE_QUANTS: usize = WIDE_SCALES + RUNS * WIDE_GROUP;
+const WIDE_GROUP_BLOCK: usize = WIDE_QUANTS + BLOCK_ELEMS * WIDE_GROUP;
+
+/// Q6_K widened for batches: sixteen rows per group, quants one per byte (see `Q6K::widen`).
+pub(crate) struct Q6KWide;
+
+impl Kernel for Q6KWide {
+    type Batched = Self;
+    type Act = Q8KBlock;
+    const BLOCK_ELEMS: usize = BLOCK_ELEMS;
+    const BLOCK_BYTES: usize = WIDE_GROUP_BLOCK / WIDE_GROUP;
+    const ROW_GROUP: usize = WIDE_GROUP;
+
+    fn quantize(_isa: Isa, x: &[f32], out: &mut [Q8KBlock]) {
+        quantize_q8_k(x, out);
+    }
+
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
+        for (g, group) in w.chunks_exact(nb * WIDE_GROUP_BLOCK).enumerate() {
+            for (a, arow) in acts.chunks_exact(nb).enumerate() {
+                for j in 0..WIDE_GROUP {
+                    let mut acc = 0f32;
+                    for (gb, ab) in group.chunks_exact(WIDE_GROUP_BLOCK).zip(arow) {
+                        let quant =
+                            |i: usize| gb[WIDE_QUANTS + (i / 4) * 4 * WIDE_GROUP + 4 * j + i % 4];
+                        let run_scale = |run: usize| gb[WIDE_SCALES + WIDE_GROUP * run + j] as i8;
+                        let sum = block_sum(quant, run_scale, ab);
+                        let dw = f32::from_le_bytes(gb[WIDE_D + 4 * j..][..4].try_into().unwrap());
+                        acc = (ab.d * dw).mul_add(sum as f32, acc);
+                    }
+                    out[a * stride + g * WIDE_GROUP + j] = acc;
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd(
+        isa: Isa,
+        w: &[u8],
+        acts: &[Self::Act],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let na = acts.len() / nb;
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe {
+            match isa {
+                Isa::Avx512 => with_act_rows!(na, x86::wide_avx512(w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::wide_avx2(w, acts, nb, out, stride)),
+            }
+        }
+    }
+}
+
 fn scale(b: &[u8]) -> f32 {
     f16::from_le_bytes([b[D], b[D + 1]]).to_f32()
 }
 
-/// The 6-bit quant at byte `b` (0..32) of run `c` (0..4) in half `j` (0..2) of the block, as
-/// ggml's AVX2 code assembles it.
-fn quant(wb: &[u8], j: usize, c: usize, b: usize) -> i32 {
-    let ql = wb[64 * j + 32 * (c % 2) + b];
-    let low = if c < 2 { ql & 0xf } else { ql >> 4 };
-    let high = (wb[QH + 32 * j + b] >> (2 * c)) & 3;
-    (low | high << 4) as i32
-}
-
-/// The reference: ggml's AVX2 lanes in scalar code.
-fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize) {
-    for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
-        for (a, arow) in acts.chunks_exact(nb).enumerate() {
-            let mut acc = [0f32; 8];
-            for (wb, ab) in wrow.chunks_exact(BLOCK_BYTES).zip(arow) {
-                let d = ab.d * scale(wb);
-                let mut sumi = [0i32; 8];
-                for j in 0..2 {
-                    for c in 0..4 {
-                        for (k, s) in sumi.iter_mut().enumerate() {
-                            let sc = wb[SCALES + 8 * j + 2 * c + k / 4] as i8 as i32;
-                            let run: i32 = (4 * k..4 * k + 4)
-                                .map(|b| quant(wb, j, c, b) * ab.qs[128 * j + 32 * c + b] as i32)
-                                .sum();
-                            *s += sc * run;
-                        }
-                    }
-                }
-                for (k, s) in sumi.iter_mut().enumerate() {
-                    let sc = |i: usize| wb[SCALES + i] as i8 as i32;
-                    let offset = ab.bsums[2 * k] as i32 * sc(2 * k)
-                        + ab.bsums[2 * k + 1] as i32 * sc(2 * k + 1);
-                    *s -= 32 * offset;
-                }
-                for (acc, s) in acc.iter_mut().zip(sumi) {
-                    *acc = d.mul_add(s as f32, *acc);
-                }
+/// A block's 256 quants (0..63) in order: value `128j + 32c + b` has the low four bits of
+/// `ql[64j + 32(c % 2) + b]` (the low nibble for `c < 2`) and bits `2c..2c+2` of `qh[32j + b]`.
+fn unpack_quants(wb: &[u8], out: &mut [u8; BLOCK_ELEMS]) {
+    for j in 0..2 {
+        let qh = &wb[QH + 32 * j..][..32];
+        for c in 0..4 {
+            let ql = &wb[64 * j + 32 * (c % 2)..][..32];
+            let run = &mut out[128 * j + 32 * c..][..32];
+            for ((q, &l), &h) in run.iter_mut().zip(ql).zip(qh) {
+                let low = if c < 2 { l & 0xf } else { l >> 4 };
+                *q = low | ((h >> (2 * c)) & 3) << 4;
             }
-            out[a * stride + r] = hsum8(&acc);
         }
     }
+}
+
+/// A block's exact integer `Σ_run sc_run (Σ_{i∈run} q_i a_i - 32 bsum_run)` (at most
+/// `16 · 128 · (16 · 63 · 127 + 32 · 16 · 127) < 2^31`).
+fn block_sum(quant: impl Fn(usize) -> u8, run_scale: impl Fn(usize) -> i8, ab: &Q8KBlock) -> i32 {
+    (0..RUNS)
+        .map(|run| {
+            let dot: i32 = (16 * run..16 * run + 16)
+                .map(|i| quant(i) as i32 * ab.qs[i] as i32)
+                .sum();
+            run_scale(run) as i32 * (dot - 32 * ab.bsums[run] as i32)
+        })
+        .sum()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -111,8 +212,11 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::row_pairs;
-    use super::super::x86::{half, hsum8, pair, pair_ps};
-    use super::{scale, Q8KBlock, BLOCK_BYTES, QH, SCALES};
+    use super::super::x86::pair;
+    use super::{
+        scale, Q8KBlock, BLOCK_BYTES, QH, RUNS, SCALES, WIDE_D, WIDE_GROUP, WIDE_GROUP_BLOCK,
+        WIDE_QUANTS, WIDE_SCALES,
+    };
 
     /// Run `c`'s two scales of half `j` (one per 16 values) as sixteen i16 lanes.
     #[target_feature(enable = "avx2")]
@@ -124,8 +228,29 @@ mod x86 {
         _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick))
     }
 
-    /// The AVX2 arithmetic with two weight rows per register (row `r` in the low eight lanes,
-    /// `r + 1` in the high eight), sharing each activation load.
+    /// The sum of the eight i32 lanes of `lo` and of `hi`, in lanes 0 and 1 (2 and 3 repeat
+    /// them).
+    #[target_feature(enable = "avx2")]
+    fn lane_sums(lo: __m256i, hi: __m256i) -> __m128i {
+        let t = _mm256_hadd_epi32(lo, hi);
+        let t = _mm256_hadd_epi32(t, t);
+        _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t))
+    }
+
+    /// Four activation values as one i32, broadcast.
+    #[inline(always)]
+    fn four(ab: &Q8KBlock, at: usize) -> i32 {
+        i32::from_le_bytes([
+            ab.qs[at] as u8,
+            ab.qs[at + 1] as u8,
+            ab.qs[at + 2] as u8,
+            ab.qs[at + 3] as u8,
+        ])
+    }
+
+    /// Two weight rows per register (row `r` in the low eight lanes, `r + 1` in the high
+    /// eight), sharing each activation load; each row's eight lane sums of a block are added
+    /// into its integer before the multiply-add.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn avx512_rows<const NA: usize>(
         w: &[u8],
@@ -138,7 +263,8 @@ mod x86 {
         let m2 = _mm512_set1_epi8(3);
         let rows = w.len() / (nb * BLOCK_BYTES);
         for (r, w0, w1) in row_pairs(w, nb * BLOCK_BYTES) {
-            let mut acc = [_mm512_setzero_ps(); NA];
+            // Lane 0: row r, lane 1: row r + 1.
+            let mut acc = [_mm_setzero_ps(); NA];
             for b in 0..nb {
                 let p = [
                     w0[b * BLOCK_BYTES..].as_ptr(),
@@ -201,30 +327,36 @@ mod x86 {
                         _mm256_cvtepi8_epi16(_mm_loadu_si128(p[1].add(SCALES) as *const __m128i)),
                     )
                 };
-                for (a, sumi) in sumi.iter_mut().enumerate() {
+                for a in 0..NA {
+                    let ab = &acts[a * nb + b];
                     // SAFETY: `bsums` is 32 bytes.
                     let bsums = _mm512_broadcast_i64x4(unsafe {
-                        _mm256_loadu_si256(acts[a * nb + b].bsums.as_ptr() as *const __m256i)
+                        _mm256_loadu_si256(ab.bsums.as_ptr() as *const __m256i)
                     });
                     let offset = _mm512_slli_epi32::<5>(_mm512_madd_epi16(bsums, all_scales));
-                    *sumi = _mm512_sub_epi32(*sumi, offset);
-                }
-                for a in 0..NA {
-                    let ad = acts[a * nb + b].d;
-                    let d = pair_ps(ad * dx.0, ad * dx.1);
-                    acc[a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi[a]), acc[a]);
+                    let sumi = _mm512_sub_epi32(sumi[a], offset);
+                    let sums = lane_sums(
+                        _mm512_castsi512_si256(sumi),
+                        _mm512_extracti64x4_epi64::<1>(sumi),
+                    );
+                    let d = _mm_setr_ps(ab.d * dx.0, ab.d * dx.1, 0.0, 0.0);
+                    acc[a] = _mm_fmadd_ps(d, _mm_cvtepi32_ps(sums), acc[a]);
                 }
             }
             for (a, acc) in acc.iter().enumerate() {
+                let mut lanes = [0f32; 4];
+                _mm_storeu_ps(lanes.as_mut_ptr(), *acc);
                 for h in 0..2 {
                     if r + h < rows {
-                        out[a * stride + r + h] = hsum8(half(*acc, h));
+                        out[a * stride + r + h] = lanes[h];
                     }
                 }
             }
         }
     }
 
+    /// One row per register (AVX2); each block's eight lane sums added into its integer
+    /// before the multiply-add.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn rows<const NA: usize>(
         w: &[u8],
@@ -243,7 +375,7 @@ mod x86 {
             std::hint::black_box(2usize)
         };
         for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
-            let mut acc = [_mm256_setzero_ps(); NA];
+            let mut acc = [0f32; NA];
             for b in 0..nb {
                 let wb = &wrow[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
                 let dx = scale(wb);
@@ -292,22 +424,126 @@ mod x86 {
                 let all_scales = _mm256_cvtepi8_epi16(unsafe {
                     _mm_loadu_si128(p.add(SCALES) as *const __m128i)
                 });
-                for (a, sumi) in sumi.iter_mut().enumerate() {
-                    // SAFETY: `bsums` is 32 bytes.
-                    let bsums = unsafe {
-                        _mm256_loadu_si256(acts[a * nb + b].bsums.as_ptr() as *const __m256i)
-                    };
-                    let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, all_scales));
-                    *sumi = _mm256_sub_epi32(*sumi, offset);
-                }
                 for a in 0..NA {
-                    let ad = acts[a * nb + b].d;
-                    let d = _mm256_set1_ps(ad * dx);
-                    acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[a]), acc[a]);
+                    let ab = &acts[a * nb + b];
+                    // SAFETY: `bsums` is 32 bytes.
+                    let bsums = unsafe { _mm256_loadu_si256(ab.bsums.as_ptr() as *const __m256i) };
+                    let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, all_scales));
+                    let sumi = _mm256_sub_epi32(sumi[a], offset);
+                    let sum = _mm_cvtsi128_si32(lane_sums(sumi, _mm256_setzero_si256()));
+                    acc[a] = (ab.d * dx).mul_add(sum as f32, acc[a]);
                 }
             }
             for (a, acc) in acc.iter().enumerate() {
-                out[a * stride + r] = hsum8(*acc);
+                out[a * stride + r] = *acc;
+            }
+        }
+    }
+
+    /// The widened layout, a group's sixteen rows per register: each run's four steps in one
+    /// VNNI chain per activation row, from `-32 bsum`, times the run's scales (one i32
+    /// multiply), added into the block's integers.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn wide_avx512<const NA: usize>(
+        w: &[u8],
+        acts: &[Q8KBlock],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        for (g, group) in w.chunks_exact(nb * WIDE_GROUP_BLOCK).enumerate() {
+            let mut acc = [_mm512_setzero_ps(); NA];
+            for (b, gb) in group.chunks_exact(WIDE_GROUP_BLOCK).enumerate() {
+                let p = gb.as_ptr();
+                let ab: [&Q8KBlock; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
+                let mut sums = [_mm512_setzero_si512(); NA];
+                for run in 0..RUNS {
+                    // SAFETY: the group block holds the run's scales and its four steps.
+                    let (sc, q) = unsafe {
+                        let sc = _mm_loadu_si128(
+                            p.add(WIDE_SCALES + WIDE_GROUP * run) as *const __m128i
+                        );
+                        let q: [__m512i; 4] = std::array::from_fn(|s| {
+                            _mm512_loadu_si512(
+                                p.add(WIDE_QUANTS + 64 * (4 * run + s)) as *const __m512i
+                            )
+                        });
+                        (_mm512_cvtepi8_epi32(sc), q)
+                    };
+                    for (sum, ab) in sums.iter_mut().zip(ab) {
+                        let mut dot = _mm512_set1_epi32(-32 * ab.bsums[run] as i32);
+                        for (s, q) in q.iter().enumerate() {
+                            let x = _mm512_set1_epi32(four(ab, 16 * run + 4 * s));
+                            dot = _mm512_dpbusd_epi32(dot, *q, x);
+                        }
+                        *sum = _mm512_add_epi32(*sum, _mm512_mullo_epi32(dot, sc));
+                    }
+                }
+                // SAFETY: the sixteen f32 scales open the group block.
+                let dw = unsafe { _mm512_loadu_ps(p.add(WIDE_D) as *const f32) };
+                for a in 0..NA {
+                    let d = _mm512_mul_ps(_mm512_set1_ps(ab[a].d), dw);
+                    acc[a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sums[a]), acc[a]);
+                }
+            }
+            for (a, acc) in acc.iter().enumerate() {
+                let at = a * stride + g * WIDE_GROUP;
+                _mm512_storeu_ps(out[at..at + WIDE_GROUP].as_mut_ptr(), *acc);
+            }
+        }
+    }
+
+    /// [`wide_avx512`] with AVX2: half a group (eight rows) per register, the products through
+    /// `maddubs` (quants unsigned, at most `2 · 63 · 127` per i16 pair) and `madd` by ones.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn wide_avx2<const NA: usize>(
+        w: &[u8],
+        acts: &[Q8KBlock],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        for (g, group) in w.chunks_exact(nb * WIDE_GROUP_BLOCK).enumerate() {
+            for h in 0..2 {
+                let mut acc = [_mm256_setzero_ps(); NA];
+                for (b, gb) in group.chunks_exact(WIDE_GROUP_BLOCK).enumerate() {
+                    let p = gb.as_ptr();
+                    let ab: [&Q8KBlock; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
+                    let mut sums = [_mm256_setzero_si256(); NA];
+                    for run in 0..RUNS {
+                        // SAFETY: the group block holds the run's scales and its four steps.
+                        let (sc, q) = unsafe {
+                            let sc = _mm_loadl_epi64(
+                                p.add(WIDE_SCALES + WIDE_GROUP * run + 8 * h) as *const __m128i
+                            );
+                            let q: [__m256i; 4] = std::array::from_fn(|s| {
+                                _mm256_loadu_si256(p.add(WIDE_QUANTS + 64 * (4 * run + s) + 32 * h)
+                                    as *const __m256i)
+                            });
+                            (_mm256_cvtepi8_epi32(sc), q)
+                        };
+                        for (sum, ab) in sums.iter_mut().zip(ab) {
+                            let mut dot = _mm256_set1_epi32(-32 * ab.bsums[run] as i32);
+                            for (s, q) in q.iter().enumerate() {
+                                let x = _mm256_set1_epi32(four(ab, 16 * run + 4 * s));
+                                let pairs = _mm256_maddubs_epi16(*q, x);
+                                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+                            }
+                            *sum = _mm256_add_epi32(*sum, _mm256_mullo_epi32(dot, sc));
+                        }
+                    }
+                    // SAFETY: the sixteen f32 scales open the group block.
+                    let dw = unsafe { _mm256_loadu_ps(p.add(WIDE_D + 32 * h) as *const f32) };
+                    for a in 0..NA {
+                        let d = _mm256_mul_ps(_mm256_set1_ps(ab[a].d), dw);
+                        acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums[a]), acc[a]);
+                    }
+                }
+                for (a, acc) in acc.iter().enumerate() {
+                    let at = a * stride + g * WIDE_GROUP + 8 * h;
+                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), *acc);
+                }
             }
         }
     }

@@ -116,7 +116,7 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
     const ROW_GROUP: usize = GROUP;
     type Batched = WithQ8_0Acts<Q8_0>;
 
-    fn widen(isa: Isa, w: &[u8], out: &mut Vec<u8>) -> bool {
+    fn widen(isa: Isa, w: &[u8], _nb: usize, out: &mut Vec<u8>) -> bool {
         if !F::WIDENS {
             return false;
         }
