@@ -51,6 +51,15 @@ pub struct EngineConfig {
     pub prompt_lookup_tokens: usize,
 }
 
+/// The default `max_batch_tokens`: 64 per thread of the compute pool (128 on two cores, within
+/// 128..=2048), a step of about 0.1 s of prompt work on a CPU core pair. Prefill per token is
+/// no faster in bigger steps, and smaller ones serve a burst of short prompts in turns: on two
+/// cores eight simultaneous ~50-token prompts got their first token at a median 0.23 s instead
+/// of 0.30 s with 512, and decoding streams wait at most one such step when a prompt arrives.
+pub fn default_max_batch_tokens() -> usize {
+    (64 * rayon::current_num_threads()).clamp(128, 2048)
+}
+
 /// Order of the waiting queue (vLLM's `--scheduling-policy`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Scheduling {
@@ -66,7 +75,7 @@ pub enum Scheduling {
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            max_batch_tokens: 512,
+            max_batch_tokens: default_max_batch_tokens(),
             max_running: 32,
             max_model_len: 32768,
             scheduling: Scheduling::Fcfs,

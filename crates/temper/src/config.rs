@@ -91,7 +91,8 @@ pub struct ServeArgs {
     /// Most sequences decoded together per model [default: the engine's].
     #[arg(long, env = "TEMPER_MAX_RUNNING", value_name = "N")]
     pub max_running: Option<usize>,
-    /// Most tokens per batched forward step [default: the engine's].
+    /// Most tokens per batched forward step: decode rows, then prompt chunks [default: 64 per
+    /// compute thread, within 128..=2048].
     #[arg(long, env = "TEMPER_MAX_BATCH_TOKENS", value_name = "N")]
     pub max_batch_tokens: Option<usize>,
     /// Most new requests waiting per model; past it a 429 with Retry-After [default: 256].
