@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test test-cluster test-dashboard fuzz bench bench-compare bench-train-compare fetch-model build demo-rl soak
+.PHONY: serve test test-cluster test-dashboard fuzz bench bench-compare bench-compare-avx2 bench-train-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -64,6 +64,11 @@ bench: fetch-model build
 # server at a time, same model and load client; ARGS=--quick for a run of a few minutes.
 bench-compare: fetch-model
 	scripts/bench-compare.sh $(ARGS)
+
+# The same with both on their AVX2 code paths (TEMPER_ISA=avx2, llama.cpp built AVX2 only into
+# bin-avx2/), to compare them there on an AVX-512 host.
+bench-compare-avx2: fetch-model
+	scripts/bench-compare.sh --isa avx2 $(ARGS)
 
 # temper's trainer step next to PyTorch + PEFT's (a venv in $TEMPER_HOME/train-ref-venv) in one run
 # on this host, after checking both give the same logprobs, loss and LoRA gradients on one batch;

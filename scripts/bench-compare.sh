@@ -3,9 +3,14 @@
 # host with the same model, 2 threads each, one server at a time, the same load client
 # (scripts/load_client.py). Prints a markdown table (README, Benchmarks).
 #
-# Usage: scripts/bench-compare.sh [--quick] [--no-build]
+# Usage: scripts/bench-compare.sh [--quick] [--no-build] [--isa native|avx2]
 #   --quick      fewer requests and tokens (a validation run of a few minutes)
 #   --no-build   use the binaries already built (target/release/temper, the llama.cpp cache)
+#   --isa avx2   both on their AVX2 code paths (`make bench-compare-avx2`), e.g. on an AVX-512
+#                host: llama.cpp from its AVX2-only build (LLAMA_ISA=avx2
+#                scripts/build-llama-cpp.sh, bin-avx2/), every temper command with
+#                TEMPER_ISA=avx2. Default native: each with the best code path for this CPU
+#                (TEMPER_ISA is unset).
 # Environment (optional): TEMPER_HOME (caches; default ~/.cache/temper), BENCH_MODEL (GGUF path;
 # default: scripts/fetch-model.sh), BENCH_MAX_TOKENS, BENCH_REPS, BENCH_ECHO_TOKENS,
 # BENCH_AGENT_WORDS, BENCH_THREADS (default 2), TEMPER_SPEC_ARGS (temper serve arguments that
@@ -18,14 +23,32 @@ ROOT=$PWD
 
 QUICK=0
 BUILD=1
-for a in "$@"; do
-    case $a in
+ISA=native
+while [[ $# -gt 0 ]]; do
+    case $1 in
         --quick) QUICK=1 ;;
         --no-build) BUILD=0 ;;
-        -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
-        *) echo "bench-compare: unknown argument $a (see --help)" >&2; exit 2 ;;
+        --isa) [[ $# -gt 1 ]] || { echo "bench-compare: --isa needs native or avx2" >&2; exit 2; }
+            ISA=$2; shift ;;
+        --isa=*) ISA=${1#--isa=} ;;
+        -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
+        *) echo "bench-compare: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
+    shift
 done
+case $ISA in
+    native)
+        unset TEMPER_ISA
+        LLAMA_BIN_DIR=bin
+        ISA_DESC="native"
+        ;;
+    avx2)
+        export TEMPER_ISA=avx2
+        LLAMA_BIN_DIR=bin-avx2
+        ISA_DESC="avx2 (forced: TEMPER_ISA=avx2 and llama.cpp built with GGML_NATIVE=OFF, AVX2 only)"
+        ;;
+    *) echo "bench-compare: --isa takes native or avx2, not '$ISA'" >&2; exit 2 ;;
+esac
 
 THREADS=${BENCH_THREADS:-2}
 SLOTS=8
@@ -136,18 +159,18 @@ FLAGS=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' \
     | { grep -E '^(avx2|avx512f|avx512_vnni|avx512_bf16|amx_[a-z0-9]+)$' || true; } | tr '\n' ' ' \
     | sed 's/ $//')
 CORES=$(nproc)
-log "host: $CPU, $CORES cores, flags: ${FLAGS:-none}"
+log "host: $CPU, $CORES cores, flags: ${FLAGS:-none}; ISA: $ISA_DESC"
 
 if [[ $BUILD == 1 ]]; then
-    LLAMA_BIN=$(scripts/build-llama-cpp.sh) || die "building llama.cpp failed"
+    LLAMA_BIN=$(LLAMA_ISA=$ISA scripts/build-llama-cpp.sh) || die "building llama.cpp failed"
     log "building temper (release)"
     cargo build --release -p temper >&2 || die "building temper failed"
 else
-    LLAMA_BIN=${TEMPER_HOME:-$HOME/.cache/temper}/llama.cpp-0.3.36/bin
+    LLAMA_BIN=${TEMPER_HOME:-$HOME/.cache/temper}/llama.cpp-0.3.36/$LLAMA_BIN_DIR
 fi
 TEMPER=$ROOT/target/release/temper
 [[ -x $LLAMA_BIN/llama-bench && -x $LLAMA_BIN/llama-server ]] \
-    || die "no llama.cpp binaries in $LLAMA_BIN (run scripts/build-llama-cpp.sh)"
+    || die "no llama.cpp binaries in $LLAMA_BIN (run LLAMA_ISA=$ISA scripts/build-llama-cpp.sh)"
 [[ -x $TEMPER ]] || die "no $TEMPER (cargo build --release -p temper)"
 MODEL=${BENCH_MODEL:-$(scripts/fetch-model.sh | tail -1)}
 [[ -f $MODEL ]] || die "model $MODEL not found"
@@ -175,7 +198,7 @@ json.dump({
     "llama_commit": "$(cat "$LLAMA_BIN/COMMIT" 2>/dev/null || echo 0c1e570)",
     "llama_ctx": $((SLOTS * SLOT_CTX)),
     "temper_commit": "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)",
-    "spec_flag": "$SPEC_FLAG", "spec_na": "$SPEC_NA",
+    "spec_flag": "$SPEC_FLAG", "spec_na": "$SPEC_NA", "isa": "$ISA_DESC",
 }, open(sys.argv[1], "w"))
 EOF
 
@@ -208,6 +231,10 @@ RAYON_NUM_THREADS=$THREADS "$TEMPER" bench --model "$MODEL" --prompt-lens 512 --
 pp=$(grep -E '^\| prompt processing, 512 tokens' "$TMP/temper-bench.txt" | cut -d'|' -f3 \
     | grep -oE '[0-9.]+' | head -1 || true)
 [[ -n $pp ]] || { cat "$TMP/temper-bench.txt" >&2; die "no 512-token prefill row in temper bench's table"; }
+if [[ $ISA == avx2 ]] && ! head -1 "$TMP/temper-bench.txt" | grep -q ', avx2 kernels;'; then
+    head -1 "$TMP/temper-bench.txt" >&2
+    die "temper bench did not run its avx2 kernels with TEMPER_ISA=avx2 (first line above)"
+fi
 echo "{\"tok_s\": $pp}" >"$RES/temper-pp512.json"
 
 start_temper() {

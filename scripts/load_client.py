@@ -457,7 +457,8 @@ def cmd_table(args):
     )
 
     print(f"host: {meta.get('cpu', '?')}; {meta.get('cores', '?')} cores; "
-          f"flags: {meta.get('flags') or 'none of avx2/avx512*/amx'}")
+          f"flags: {meta.get('flags') or 'none of avx2/avx512*/amx'}; "
+          f"ISA: {meta.get('isa', 'native')}")
     print(f"llama.cpp {meta.get('llama_commit', '?')} (`-t 2`, llama-server `-np 8 -c "
           f"{meta.get('llama_ctx', '?')}`); temper {meta.get('temper_commit', '?')} "
           f"(`temper serve`, RAYON_NUM_THREADS=2); mode: {meta.get('mode', '?')}; "
