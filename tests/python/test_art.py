@@ -203,6 +203,9 @@ class ToolAgent(unittest.IsolatedAsyncioTestCase):
                         continue
                     self.assertEqual(choice.finish_reason, "tool_calls")
                     call = choice.message.tool_calls[0]
+                    # Call ids are random (as OpenAI's) and the template renders them into the
+                    # trained tokens: fixed ones keep the run, and its outcome, reproducible.
+                    call.id = f"call_{round_}_{k}_{len(trajectories)}"
                     self.assertEqual(call.function.name, "add")
                     args = json.loads(call.function.arguments)
                     # The agent runs the tool and lets the model answer with its result.
