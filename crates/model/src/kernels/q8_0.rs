@@ -37,8 +37,13 @@ const SCALES: usize = 2 * GROUP;
 pub(crate) trait Format: Send + Sync + 'static {
     /// Bytes of one GGUF block, which the interleaved layout keeps per row and block.
     const BLOCK_BYTES: usize;
-    /// Whether batches run on the weight widened to Q8_0 (see [`Kernel::widen`]).
+    /// Whether batches run on the weight widened to [`Self::Widened`] (see [`Kernel::widen`]).
     const WIDENS: bool;
+    /// The layout batches run on: `Self`, or the bytes [`Kernel::widen`] unpacks it into.
+    type Widened: Format;
+    /// Whether every quant is five-bit and [`Format::unsigned_steps`] gives `w + 16` (0..=31)
+    /// instead of `w + 128`: small enough that AVX2 adds four steps' products in i16.
+    const FIVE_BIT: bool = false;
     /// Bytes of one group block: sixteen rows' blocks.
     const GROUP_BLOCK: usize = GROUP * Self::BLOCK_BYTES;
     /// Quant `i` (of 32) of a GGUF block.
@@ -54,7 +59,8 @@ pub(crate) trait Format: Send + Sync + 'static {
     /// `p` points to a whole group block; the CPU has AVX2.
     #[cfg(target_arch = "x86_64")]
     unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i;
-    /// The group block's eight steps, every row's four quants made unsigned (`w + 128`).
+    /// The group block's eight steps, every row's four quants made unsigned (`w + 128`, or
+    /// `w + 16` where [`Format::FIVE_BIT`]).
     ///
     /// # Safety
     /// `p` points to a whole group block; the CPU has AVX-512 (F, BW).
@@ -68,6 +74,7 @@ pub(crate) struct Q8_0;
 impl Format for Q8_0 {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
     const WIDENS: bool = false;
+    type Widened = Q8_0;
 
     fn gguf_quant(block: &[u8], i: usize) -> i8 {
         block[2 + i] as i8
@@ -101,6 +108,50 @@ impl Format for Q8_0 {
     }
 }
 
+/// Five-bit quants (Q5_0's, widened for batches) stored one per byte as `w + 16`, in Q8_0's
+/// layout: four steps' products `(w + 16)·a` add up in i16 (`4 · 2 · 31 · 127 < 2^15`) before
+/// one widening to i32, where Q8_0's bytes take ggml's sign trick and a widening every step.
+pub(crate) struct FiveBitBytes;
+
+impl Format for FiveBitBytes {
+    const BLOCK_BYTES: usize = BLOCK_BYTES;
+    const WIDENS: bool = false;
+    type Widened = FiveBitBytes;
+    const FIVE_BIT: bool = true;
+
+    fn gguf_quant(block: &[u8], i: usize) -> i8 {
+        block[2 + i] as i8
+    }
+
+    fn put_quant(gb: &mut [u8], j: usize, i: usize, q: i8) {
+        debug_assert!((-16..16).contains(&q));
+        gb[q8_0_at(j, i)] = (q + 16) as u8;
+    }
+
+    fn quant(gb: &[u8], j: usize, i: usize) -> i8 {
+        gb[q8_0_at(j, i)] as i8 - 16
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
+        let q = unsafe { _mm256_loadu_si256(p.add(SCALES + 64 * s + 32 * h) as *const __m256i) };
+        _mm256_sub_epi8(q, _mm256_set1_epi8(16))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn unsigned_steps(p: *const u8) -> [std::arch::x86_64::__m512i; 8] {
+        use std::arch::x86_64::*;
+        // SAFETY: eight steps of 64 bytes follow the scales.
+        std::array::from_fn(|s| unsafe {
+            _mm512_loadu_si512(p.add(SCALES + 64 * s) as *const __m512i)
+        })
+    }
+}
+
 /// Where quant `i` of row `j` sits in a Q8_0 group block.
 fn q8_0_at(j: usize, i: usize) -> usize {
     SCALES + (i / 4) * 4 * GROUP + 4 * j + i % 4
@@ -114,16 +165,16 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = F::BLOCK_BYTES;
     const ROW_GROUP: usize = GROUP;
-    type Batched = WithQ8_0Acts<Q8_0>;
+    type Batched = WithQ8_0Acts<F::Widened>;
 
     fn widen(isa: Isa, w: &[u8], _nb: usize, out: &mut Vec<u8>) -> bool {
         if !F::WIDENS {
             return false;
         }
-        out.resize(w.len() / F::GROUP_BLOCK * Q8_0::GROUP_BLOCK, 0);
+        out.resize(w.len() / F::GROUP_BLOCK * F::Widened::GROUP_BLOCK, 0);
         for (src, dst) in w
             .chunks_exact(F::GROUP_BLOCK)
-            .zip(out.chunks_exact_mut(Q8_0::GROUP_BLOCK))
+            .zip(out.chunks_exact_mut(F::Widened::GROUP_BLOCK))
         {
             dst[..SCALES].copy_from_slice(&src[..SCALES]);
             match isa {
@@ -133,9 +184,10 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => unsafe { x86::widen_avx2::<F>(src, dst) },
                 _ => {
+                    dst[SCALES..].fill(0);
                     for j in 0..GROUP {
                         for i in 0..BLOCK_ELEMS {
-                            Q8_0::put_quant(dst, j, i, F::quant(src, j, i));
+                            F::Widened::put_quant(dst, j, i, F::quant(src, j, i));
                         }
                     }
                 }
@@ -166,6 +218,9 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
         unsafe {
             match isa {
                 Isa::Avx512 => with_act_rows!(na, x86::avx512_rows[F](w, acts, nb, out, stride)),
+                _ if F::FIVE_BIT => {
+                    with_act_rows!(na, x86::avx2_rows_five_bit(w, acts, nb, out, stride))
+                }
                 _ => with_act_rows!(na, x86::avx2_rows[F](w, acts, nb, out, stride)),
             }
         }
@@ -302,14 +357,28 @@ mod x86 {
         ])
     }
 
-    /// A group block's quants as Q8_0 stores them (after the scales, copied by the caller).
+    /// What a signed quant adds to be stored in `F::Widened`'s bytes.
+    fn stored_offset<F: Format>() -> i8 {
+        if F::Widened::FIVE_BIT {
+            16
+        } else {
+            -128
+        }
+    }
+
+    /// A group block's quants as `F::Widened` stores them (after the scales, copied by the
+    /// caller).
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
     pub(super) unsafe fn widen_avx512<F: Format>(src: &[u8], dst: &mut [u8]) {
-        assert!(src.len() == F::GROUP_BLOCK && dst.len() == super::Q8_0::GROUP_BLOCK);
+        assert!(src.len() == F::GROUP_BLOCK && dst.len() == F::Widened::GROUP_BLOCK);
+        // `unsigned_steps` give `w + 128`.
+        assert!(!F::FIVE_BIT);
+        let shift = _mm512_set1_epi8(stored_offset::<F>().wrapping_add(-128));
         // SAFETY: whole group blocks (checked above).
         unsafe {
             for (s, step) in F::unsigned_steps(src.as_ptr()).into_iter().enumerate() {
-                _mm512_storeu_si512(dst.as_mut_ptr().add(SCALES + 64 * s) as *mut __m512i, step);
+                let q = _mm512_add_epi8(step, shift);
+                _mm512_storeu_si512(dst.as_mut_ptr().add(SCALES + 64 * s) as *mut __m512i, q);
             }
         }
     }
@@ -317,15 +386,13 @@ mod x86 {
     /// [`widen_avx512`] with AVX2.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn widen_avx2<F: Format>(src: &[u8], dst: &mut [u8]) {
-        assert!(src.len() == F::GROUP_BLOCK && dst.len() == super::Q8_0::GROUP_BLOCK);
+        assert!(src.len() == F::GROUP_BLOCK && dst.len() == F::Widened::GROUP_BLOCK);
+        let offset = _mm256_set1_epi8(stored_offset::<F>());
         for s in 0..8 {
             for h in 0..2 {
                 // SAFETY: whole group blocks (checked above).
                 unsafe {
-                    let q = _mm256_xor_si256(
-                        F::signed_step(src.as_ptr(), s, h),
-                        _mm256_set1_epi8(-128),
-                    );
+                    let q = _mm256_add_epi8(F::signed_step(src.as_ptr(), s, h), offset);
                     let at = dst.as_mut_ptr().add(SCALES + 64 * s + 32 * h);
                     _mm256_storeu_si256(at as *mut __m256i, q);
                 }
@@ -370,6 +437,84 @@ mod x86 {
                             let x = _mm256_set1_epi32(four(ab, s));
                             let dot = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(x, q));
                             *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(dot, ones));
+                        }
+                    }
+                    // SAFETY: the sixteen scales are the group block's first 32 bytes.
+                    let dw = _mm256_cvtph_ps(unsafe {
+                        _mm_loadu_si128(p.add(16 * h) as *const __m128i)
+                    });
+                    for a in 0..NA {
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(ab[a].d));
+                        acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[a]), acc[a]);
+                    }
+                }
+                for (a, acc) in acc.iter().enumerate() {
+                    let at = a * stride + g * GROUP + 8 * h;
+                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), *acc);
+                }
+            }
+        }
+    }
+
+    /// `Σ a` of an activation block: its `vnni_init` is `VNNI_BIAS - 128 Σ a`.
+    #[inline(always)]
+    fn act_sum(ab: &Q8_0Block) -> i32 {
+        (VNNI_BIAS - ab.vnni_init) >> 7
+    }
+
+    /// The VNNI starting value for `F`'s unsigned quants: `VNNI_BIAS` minus the offset times
+    /// `Σ a`.
+    #[inline(always)]
+    fn vnni_init<F: Format>(ab: &Q8_0Block) -> i32 {
+        if F::FIVE_BIT {
+            VNNI_BIAS - 16 * act_sum(ab)
+        } else {
+            ab.vnni_init
+        }
+    }
+
+    /// [`avx2_rows`] for five-bit bytes (`w + 16`, [`super::FiveBitBytes`]): no sign trick
+    /// (the bytes are the unsigned operand of `maddubs`), and four steps' products added in
+    /// i16 before one `madd` into i32, from `-16 Σ a`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn avx2_rows_five_bit<const NA: usize>(
+        w: &[u8],
+        acts: &[Q8_0Block],
+        nb: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let group_block = super::FiveBitBytes::GROUP_BLOCK;
+        let ones = _mm256_set1_epi16(1);
+        // (As in `avx2_rows`: a loop LLVM keeps rolled, so it does not spill the weights.)
+        let fours = if NA == 1 {
+            2
+        } else {
+            std::hint::black_box(2usize)
+        };
+        for (g, group) in w.chunks_exact(nb * group_block).enumerate() {
+            for h in 0..2 {
+                let mut acc = [_mm256_setzero_ps(); NA];
+                for (b, wb) in group.chunks_exact(group_block).enumerate() {
+                    let p = wb.as_ptr();
+                    let ab: [&Q8_0Block; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
+                    let mut isum: [__m256i; NA] =
+                        std::array::from_fn(|a| _mm256_set1_epi32(-16 * act_sum(ab[a])));
+                    for four_steps in 0..fours {
+                        let first = 4 * (four_steps & 1);
+                        let mut sum16 = [_mm256_setzero_si256(); NA];
+                        for s in first..first + 4 {
+                            // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
+                            let q = unsafe {
+                                _mm256_loadu_si256(p.add(SCALES + 64 * s + 32 * h) as *const __m256i)
+                            };
+                            for (sum16, ab) in sum16.iter_mut().zip(ab) {
+                                let x = _mm256_set1_epi32(four(ab, s));
+                                *sum16 = _mm256_add_epi16(*sum16, _mm256_maddubs_epi16(q, x));
+                            }
+                        }
+                        for (isum, sum16) in isum.iter_mut().zip(sum16) {
+                            *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(sum16, ones));
                         }
                     }
                     // SAFETY: the sixteen scales are the group block's first 32 bytes.
@@ -457,7 +602,7 @@ mod x86 {
             };
             for (a, acc) in acc.iter_mut().enumerate() {
                 let ab = &acts[a * nb + b];
-                let mut even = _mm512_set1_epi32(ab.vnni_init);
+                let mut even = _mm512_set1_epi32(vnni_init::<F>(ab));
                 let mut odd = _mm512_setzero_si512();
                 for s in (0..8).step_by(2) {
                     even = _mm512_dpbusd_epi32(even, q[s], _mm512_set1_epi32(four(ab, s)));
