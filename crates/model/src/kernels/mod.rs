@@ -29,6 +29,7 @@ mod q4_k;
 mod q5_0;
 mod q6_k;
 mod q8_0;
+mod q8_0_pairs;
 #[cfg(test)]
 mod test_util;
 
@@ -154,23 +155,27 @@ impl WeightFormat {
 }
 
 /// One weight format's kernel: the activation block it pairs with and the tile it computes.
-trait Kernel {
+pub(crate) trait Kernel {
     type Act: Copy + Default + Send + Sync;
     const BLOCK_ELEMS: usize;
     /// Weight bytes per block of one row.
     const BLOCK_BYTES: usize;
     /// Rows stored together (interleaved); the weight is padded to a whole number of groups.
     const ROW_GROUP: usize;
-    /// The kernel a batch of more than `ACT_TILE` activation rows runs on, over slices of the
-    /// weight that [`Kernel::widen`] copies into its layout (`Self`, where the weight is
-    /// read as stored).
-    type Batched: Kernel<Act = Self::Act>;
-    /// Copies a slice of whole row groups (`nb` blocks per row) into `Batched`'s layout
-    /// (`out`; a last group of `Batched` short of rows is padded with rows of zeros), or
-    /// returns false when `Batched` reads the weight as stored. A packing that takes work to
+    /// The kernel a batch of at least `WIDEN_MIN_ROWS` activation rows runs on where
+    /// [`Kernel::widens`], over slices of the weight that [`Kernel::widen`] copies into its
+    /// layout (it quantizes the activations its own way).
+    type Batched: Kernel;
+    /// Whether batches run on `Batched` with instruction set `isa`. A packing that takes work to
     /// unpack is unpacked once per slice instead of once per tile of activation rows.
-    fn widen(_isa: Isa, _w: &[u8], _nb: usize, _out: &mut Vec<u8>) -> bool {
+    fn widens(_isa: Isa) -> bool {
         false
+    }
+    /// Copies a slice of whole row groups (`nb` blocks per row) into `Batched`'s layout
+    /// (`out`; a last group of `Batched` short of rows is padded with rows of zeros). Called
+    /// only where [`Kernel::widens`].
+    fn widen(_isa: Isa, _w: &[u8], _nb: usize, _out: &mut Vec<u8>) {
+        unreachable!("a kernel that widens defines `widen`")
     }
     /// Fewest activation rows for which a batch runs on the widened weight: below it, widening
     /// a slice costs more than the tiles it would speed up.
@@ -381,6 +386,42 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
         row_bytes * padded_rows,
         "weight bytes for [{out_dim}, {in_dim}]"
     );
+    let stored = Stored {
+        w,
+        row_bytes,
+        group: K::ROW_GROUP,
+    };
+    if x.len() / in_dim >= K::WIDEN_MIN_ROWS && K::widens(isa) {
+        assert_eq!(K::Batched::BLOCK_ELEMS, K::BLOCK_ELEMS);
+        let widen = |ws: &[u8], out: &mut Vec<u8>| K::widen(isa, ws, nb, out);
+        matmul_slices::<K::Batched>(isa, stored, Some(&widen), dims, x)
+    } else {
+        matmul_slices::<K>(isa, stored, None, dims, x)
+    }
+}
+
+/// A weight as stored: its bytes, bytes per row, and rows per interleaved group.
+#[derive(Clone, Copy)]
+struct Stored<'a> {
+    w: &'a [u8],
+    row_bytes: usize,
+    group: usize,
+}
+
+/// Copies a slice of the stored weight into `K`'s layout (see [`Kernel::widen`]).
+type Widen<'a> = &'a (dyn Fn(&[u8], &mut Vec<u8>) + Sync);
+
+/// `matmul_with` on kernel `K`, reading the weight as stored (`widen` none) or slices of it
+/// widened into `K`'s layout.
+fn matmul_slices<K: Kernel>(
+    isa: Isa,
+    stored: Stored,
+    widen: Option<Widen>,
+    dims: (usize, usize),
+    x: &[f32],
+) -> Vec<f32> {
+    let (in_dim, out_dim) = dims;
+    let nb = in_dim / K::BLOCK_ELEMS;
     let rows = x.len() / in_dim;
     // Not zeroed: the tasks below write every value (zeroing took ~5% of a prefill step).
     let mut y = Vec::with_capacity(rows * out_dim);
@@ -396,8 +437,8 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
 
     // Slices of weight rows small enough to stay in L1 while every activation group passes
     // (whole row groups); tasks of whole slices, a few per thread so uneven progress evens out.
-    let widened_row_bytes = nb * K::Batched::BLOCK_BYTES.max(K::BLOCK_BYTES);
-    let group = K::ROW_GROUP.max(K::Batched::ROW_GROUP).max(4);
+    let widened_row_bytes = (nb * K::BLOCK_BYTES).max(stored.row_bytes);
+    let group = stored.group.max(K::ROW_GROUP).max(4);
     let slice_rows = (WEIGHT_SLICE_BYTES / widened_row_bytes / group).max(1) * group;
     let slices = out_dim.div_ceil(slice_rows);
     let tasks = (rayon::current_num_threads() * 4).min(slices);
@@ -416,25 +457,19 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
             let end = ((t + 1) * task_rows).min(out_dim);
             for s0 in (t * task_rows..end).step_by(slice_rows) {
                 let s1 = (s0 + slice_rows).min(end);
-                let stored = (s1 - s0).next_multiple_of(K::ROW_GROUP);
-                let ws = &w[s0 * row_bytes..(s0 + stored) * row_bytes];
-                let widened = rows >= K::WIDEN_MIN_ROWS && K::widen(isa, ws, nb, &mut wide);
-                // Rows a tile computes (and `buf`'s stride): whole groups of its layout.
-                let stored = if widened {
-                    (s1 - s0).next_multiple_of(K::Batched::ROW_GROUP)
-                } else {
-                    stored
-                };
+                let held = (s1 - s0).next_multiple_of(stored.group);
+                let mut ws = &stored.w[s0 * stored.row_bytes..(s0 + held) * stored.row_bytes];
+                if let Some(widen) = widen {
+                    widen(ws, &mut wide);
+                    ws = &wide;
+                }
+                // Rows a tile computes (and `buf`'s stride): whole groups of `K`'s layout.
+                let stride = (s1 - s0).next_multiple_of(K::ROW_GROUP);
                 for a0 in (0..rows).step_by(ACT_TILE) {
                     let a1 = (a0 + ACT_TILE).min(rows);
-                    let acts = &acts[a0 * nb..a1 * nb];
-                    if widened {
-                        tile::<K::Batched>(isa, &wide, acts, nb, &mut buf, stored);
-                    } else {
-                        tile::<K>(isa, ws, acts, nb, &mut buf, stored);
-                    }
+                    tile::<K>(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, stride);
                     for a in a0..a1 {
-                        let at = (a - a0) * stored;
+                        let at = (a - a0) * stride;
                         out.write(a, s0, &buf[at..at + s1 - s0]);
                     }
                 }
@@ -541,6 +576,8 @@ mod tests {
             (WeightFormat::Q8_0, 2048, 640, 1, 400),
             (WeightFormat::Q8_0, 2048, 640, 128, 10),
             (WeightFormat::Q8_0, 640, 262_144, 32, 1),
+            (WeightFormat::Q8_0, 640, 32_768, 16, 4),
+            (WeightFormat::Q8_0, 640, 32_768, 32, 2),
             (WeightFormat::Q5_0, 640, 2048, 1, 400),
             (WeightFormat::Q5_0, 640, 2048, 128, 10),
             (WeightFormat::Q4K, 2048, 640, 1, 400),

@@ -11,7 +11,8 @@
 //! `4j + i` holds in bit `s` the fifth bit of row `j`'s value `4s + i`. Step `s` is thus one
 //! register's nibbles and one bit of every byte of the last.
 
-use super::q8_0::Format;
+use super::q8_0::{widen_to_five_bit_bytes, FiveBitBytes, Format, WithQ8_0Acts};
+use super::Isa;
 
 /// GGUF block: f16 scale, u32 of fifth bits, 16 bytes of nibbles.
 pub(crate) const BLOCK_BYTES: usize = 22;
@@ -37,8 +38,15 @@ impl Format for Q5_0 {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
     // Unpacking costs a decode step (one activation row) nothing, as it waits for memory; a
     // batch would unpack once per tile of four rows.
-    const WIDENS: bool = true;
-    type Widened = super::q8_0::FiveBitBytes;
+    type Batched = WithQ8_0Acts<FiveBitBytes>;
+
+    fn widens(_isa: Isa) -> bool {
+        true
+    }
+
+    fn widen(isa: Isa, w: &[u8], _nb: usize, out: &mut Vec<u8>) {
+        widen_to_five_bit_bytes::<Self>(isa, w, out);
+    }
 
     fn gguf_quant(block: &[u8], i: usize) -> i8 {
         let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);

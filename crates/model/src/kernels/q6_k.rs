@@ -40,7 +40,11 @@ impl Kernel for Q6K {
     /// Widening unpacks and transposes every quant: worth it once a slice serves four tiles.
     const WIDEN_MIN_ROWS: usize = 16;
 
-    fn widen(_isa: Isa, w: &[u8], nb: usize, out: &mut Vec<u8>) -> bool {
+    fn widens(_isa: Isa) -> bool {
+        true
+    }
+
+    fn widen(_isa: Isa, w: &[u8], nb: usize, out: &mut Vec<u8>) {
         let rows = w.len() / (nb * BLOCK_BYTES);
         let groups = rows.div_ceil(WIDE_GROUP);
         out.clear();
@@ -68,7 +72,6 @@ impl Kernel for Q6K {
                 }
             }
         }
-        true
     }
 
     fn quantize(_isa: Isa, x: &[f32], out: &mut [Q8KBlock]) {
