@@ -419,10 +419,31 @@ mod x86 {
         }
     }
 
+    /// A block's integer sums of half `h` of the group block at `p` into the accumulators: one
+    /// conversion and one fused multiply-add per activation row.
+    ///
+    /// # Safety
+    /// `p` points to a whole group block; the CPU has AVX2, FMA and F16C.
+    #[inline(always)]
+    unsafe fn take_block<const NA: usize>(
+        p: *const u8,
+        h: usize,
+        ab: &[&Q8_0Block; NA],
+        isum: &[__m256i; NA],
+        acc: &mut [__m256; NA],
+    ) {
+        // SAFETY: the sixteen scales are the group block's first 32 bytes.
+        let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.add(16 * h) as *const __m128i) });
+        for a in 0..NA {
+            let d = _mm256_mul_ps(dw, _mm256_set1_ps(ab[a].d));
+            acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[a]), acc[a]);
+        }
+    }
+
     /// No VNNI: half a group (eight rows) per register, the products through ggml's sign trick
     /// (`|w|` unsigned times `a` with `w`'s sign, exact in i16 pairs), each step's weight
     /// register made once for all `NA` activation rows; a block's integer sums go into the
-    /// accumulators by one conversion and one fused multiply-add per activation row.
+    /// accumulators by [`take_block`].
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2_rows<const NA: usize, F: Format>(
         w: &[u8],
@@ -458,14 +479,8 @@ mod x86 {
                             *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(dot, ones));
                         }
                     }
-                    // SAFETY: the sixteen scales are the group block's first 32 bytes.
-                    let dw = _mm256_cvtph_ps(unsafe {
-                        _mm_loadu_si128(p.add(16 * h) as *const __m128i)
-                    });
-                    for a in 0..NA {
-                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(ab[a].d));
-                        acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[a]), acc[a]);
-                    }
+                    // SAFETY: `p` is a whole group block.
+                    unsafe { take_block(p, h, &ab, &isum, &mut acc) };
                 }
                 for (a, acc) in acc.iter().enumerate() {
                     let at = a * stride + g * GROUP + 8 * h;
@@ -536,14 +551,8 @@ mod x86 {
                             *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(sum16, ones));
                         }
                     }
-                    // SAFETY: the sixteen scales are the group block's first 32 bytes.
-                    let dw = _mm256_cvtph_ps(unsafe {
-                        _mm_loadu_si128(p.add(16 * h) as *const __m128i)
-                    });
-                    for a in 0..NA {
-                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(ab[a].d));
-                        acc[a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[a]), acc[a]);
-                    }
+                    // SAFETY: `p` is a whole group block.
+                    unsafe { take_block(p, h, &ab, &isum, &mut acc) };
                 }
                 for (a, acc) in acc.iter().enumerate() {
                     let at = a * stride + g * GROUP + 8 * h;
