@@ -12,7 +12,8 @@
 //! each row's integer sum ends in its own lane, with no horizontal adds: AVX-512 VNNI takes
 //! sixteen rows per instruction, from a starting value that takes `128 Σ a` back out; AVX2
 //! eight, through ggml's sign trick (batches of 24 rows or more widen each slice to 16-bit
-//! pairs instead, see `q8_0_pairs`; Q5_0 batches to bytes `w + 16`, [`FiveBitBytes`]). The integer sum of a block is exact whatever the order of
+//! pairs instead, see `q8_0_pairs`; Q5_0 batches to bytes `w + 16`, [`FiveBitBytes`]). The
+//! integer sum of a block is exact whatever the order of
 //! its steps, so every path gives the scalar reference's bits, and a Q5_0 weight gives the
 //! bits its values would give as Q8_0.
 
@@ -141,8 +142,8 @@ impl Format for FiveBitBytes {
     type Batched = WithQ8_0Acts<FiveBitBytes>;
     const FIVE_BIT: bool = true;
 
-    fn gguf_quant(block: &[u8], i: usize) -> i8 {
-        block[2 + i] as i8
+    fn gguf_quant(_block: &[u8], _i: usize) -> i8 {
+        unreachable!("five-bit bytes are widened into, never loaded from GGUF")
     }
 
     fn put_quant(gb: &mut [u8], j: usize, i: usize, q: i8) {
