@@ -7,8 +7,8 @@ openpipe-art client does), rewards 1 the answers that begin with a chosen word, 
 as a training job and follows its events to the end. p(word first) of every checkpoint is read
 exactly from `prompt_logprobs` of the word continuing the answer; p(any case) sums the 20 most
 likely first tokens that begin with the word in any case. Prints a table per job and draws the
-learning curve to a PNG. The first job's fresh LoRA is seeded by the model's id (a new UUID per
-run), so runs differ.
+learning curve to a PNG. The first job's fresh LoRA is seeded by the model's name and the rollouts
+by `--seed`, so a run repeats on one host.
 """
 
 import argparse

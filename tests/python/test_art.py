@@ -166,8 +166,10 @@ def ask_add(a, b):
     return ask(f"What is {a} + {b}? Use the add tool.")
 
 
-async def correct_call_logprob(model, step):
-    """Summed logprob of the greedy `add` call, which names the question's numbers."""
+async def argument_logprob(model, step):
+    """Logprob of the question's numbers in the greedy `add` call (its digit tokens): what the
+    reward tells apart. The call's other tokens are shared by right and wrong calls alike, so
+    training moves them by chance, and they would swamp the measure."""
     total = 0.0
     for a, b in QUESTIONS:
         r = await model.openai_client().chat.completions.create(
@@ -176,7 +178,7 @@ async def correct_call_logprob(model, step):
             logprobs=True)
         choice = r.choices[0]
         assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": a, "b": b}
-        total += sum(t.logprob for t in choice.logprobs.content)
+        total += sum(t.logprob for t in choice.logprobs.content if t.token.strip().isdigit())
     return total / len(QUESTIONS)
 
 
@@ -184,7 +186,7 @@ class ToolAgent(unittest.IsolatedAsyncioTestCase):
     async def test_tool_using_agent_trains(self):
         backend, model = await registered("tool-agent")
         client = model.openai_client()
-        before = await correct_call_logprob(model, 0)
+        before = await argument_logprob(model, 0)
         for round_ in range(2):
             groups = []
             for k, (a, b) in enumerate(QUESTIONS):
@@ -215,18 +217,19 @@ class ToolAgent(unittest.IsolatedAsyncioTestCase):
                         messages=[*messages, choice.message.model_dump(exclude_none=True), result],
                         tools=[ADD], tool_choice="none", max_tokens=8, temperature=1.0,
                         logprobs=True, seed=round_)
-                    # Right arguments earn 1; the answer's length breaks ties so that every
-                    # group has something to learn from.
-                    answer = final.choices[0].message.content or ""
+                    # Right arguments earn 1, wrong ones 0 (about a third of the samples at
+                    # temperature 1: every group has something to learn from).
                     trajectories.append(art.Trajectory(
                         messages_and_choices=[*messages, choice, result, final.choices[0]],
-                        tools=[ADD], reward=float(args == {"a": a, "b": b}) + len(answer) / 100))
+                        tools=[ADD], reward=float(args == {"a": a, "b": b})))
                 groups.append(art.TrajectoryGroup(trajectories))
             result = await backend.train(model, groups, learning_rate=1e-4)
             self.assertEqual(result.step, round_ + 1)
-        after = await correct_call_logprob(model, 2)
-        print(f"\nlogprob of the right call: step 0 {before:.2f} -> step 2 {after:.2f}", file=sys.stderr)
-        self.assertGreater(after, before)
+        after = await argument_logprob(model, 2)
+        print(f"\nlogprob of the right arguments: step 0 {before:.2f} -> step 2 {after:.2f}",
+              file=sys.stderr)
+        # Two steps take it from about -0.4 to about -0.02 (eight adapter seeds tried).
+        self.assertGreater(after, before / 2)
         await client.close()
         await backend.close()
 

@@ -133,10 +133,18 @@ async fn record_failure(training: &TrainingService, id: Uuid, message: &str) {
     }
 }
 
-/// A seed per model, so a re-run of its first job starts from the same fresh adapter.
-fn adapter_seed(model_id: Uuid) -> u64 {
-    let b = model_id.as_bytes();
-    u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+/// A seed per model name (team, project, name: FNV-1a), not per registration: the same run
+/// registered again, on this server or a fresh one, starts from the same fresh adapter, so its
+/// training is reproducible.
+fn adapter_seed(model: &temper_store::Model) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325_u64;
+    for part in [&model.team, &model.project, &model.name] {
+        // The separator keeps ("ab", "c") and ("a", "bc") apart.
+        for byte in part.bytes().chain([0]) {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash
 }
 
 /// Runs one claimed job to its end, renewing its lease meanwhile. `Err` is the message of a
@@ -240,7 +248,7 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
     let weights = base.model.clone();
     let tokenizer = base.tokenizer.clone();
     let flag = cancel.clone();
-    let seed = adapter_seed(job.model_id);
+    let seed = adapter_seed(&model);
     let pool_owner = training.clone();
     // The trainer is CPU-bound for seconds to minutes: it runs on its own pool (waited on by a
     // blocking thread) while this task writes its events.
@@ -436,5 +444,27 @@ mod tests {
             json!({"loss": 2.0, "reward": 0.5, "num_gradient_steps": 2})
         );
         assert_eq!(mean_metrics(&[]), json!({"num_gradient_steps": 0}));
+    }
+
+    #[test]
+    fn the_fresh_adapter_is_seeded_by_the_model_name_not_its_id() {
+        let model = |team: &str, project: &str, name: &str| temper_store::Model {
+            id: Uuid::new_v4(),
+            team: team.into(),
+            project: project.into(),
+            name: name.into(),
+            base_model: "base".into(),
+            run_id: Uuid::new_v4().to_string(),
+            created_at: 0,
+        };
+        let seed = adapter_seed(&model("t", "p", "agent"));
+        assert_eq!(seed, adapter_seed(&model("t", "p", "agent")));
+        for other in [
+            model("t", "p", "agent2"),
+            model("t", "pa", "gent"),
+            model("u", "p", "agent"),
+        ] {
+            assert_ne!(seed, adapter_seed(&other));
+        }
     }
 }
