@@ -5,12 +5,15 @@
 #
 # Usage: scripts/bench-compare.sh [--quick] [--no-build] [--isa native|avx2]
 #   --quick      fewer requests and tokens (a validation run of a few minutes)
-#   --no-build   use the binaries already built (target/release/temper, the llama.cpp cache)
+#   --no-build   use the binaries already built (target/release/temper or target/avx2/...,
+#                the llama.cpp cache)
 #   --isa avx2   both on their AVX2 code paths (`make bench-compare-avx2`), e.g. on an AVX-512
 #                host: llama.cpp from its AVX2-only build (LLAMA_ISA=avx2
-#                scripts/build-llama-cpp.sh, bin-avx2/), every temper command with
+#                scripts/build-llama-cpp.sh, bin-avx2/), temper built for an AVX2-only CPU
+#                (`-C target-cpu=x86-64-v3` into target/avx2/: the compiler may not use
+#                AVX-512 or VNNI encodings anywhere, as on a host without them) and run with
 #                TEMPER_ISA=avx2. Default native: each with the best code path for this CPU
-#                (TEMPER_ISA is unset).
+#                (TEMPER_ISA is unset, temper from target/release/).
 # Environment (optional): TEMPER_HOME (caches; default ~/.cache/temper), BENCH_MODEL (GGUF path;
 # default: scripts/fetch-model.sh), BENCH_MAX_TOKENS, BENCH_REPS, BENCH_ECHO_TOKENS,
 # BENCH_AGENT_WORDS, BENCH_THREADS (default 2), TEMPER_SPEC_ARGS (temper serve arguments that
@@ -31,7 +34,7 @@ while [[ $# -gt 0 ]]; do
         --isa) [[ $# -gt 1 ]] || { echo "bench-compare: --isa needs native or avx2" >&2; exit 2; }
             ISA=$2; shift ;;
         --isa=*) ISA=${1#--isa=} ;;
-        -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "bench-compare: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -40,12 +43,18 @@ case $ISA in
     native)
         unset TEMPER_ISA
         LLAMA_BIN_DIR=bin
+        TEMPER_TARGET=$ROOT/target
+        TEMPER_RUSTFLAGS=
         ISA_DESC="native"
         ;;
     avx2)
         export TEMPER_ISA=avx2
         LLAMA_BIN_DIR=bin-avx2
-        ISA_DESC="avx2 (forced: TEMPER_ISA=avx2 and llama.cpp built with GGML_NATIVE=OFF, AVX2 only)"
+        # target-cpu=native on an AVX-512 host lets the compiler use AVX-512/VNNI encodings
+        # inside the AVX2 kernels (it fuses madd + add into vpdpwssd): not the AVX2 path.
+        TEMPER_TARGET=$ROOT/target/avx2
+        TEMPER_RUSTFLAGS="-C target-cpu=x86-64-v3"
+        ISA_DESC="avx2 (forced: temper built for x86-64-v3 and run with TEMPER_ISA=avx2, llama.cpp built with GGML_NATIVE=OFF, AVX2 only)"
         ;;
     *) echo "bench-compare: --isa takes native or avx2, not '$ISA'" >&2; exit 2 ;;
 esac
@@ -163,15 +172,17 @@ log "host: $CPU, $CORES cores, flags: ${FLAGS:-none}; ISA: $ISA_DESC"
 
 if [[ $BUILD == 1 ]]; then
     LLAMA_BIN=$(LLAMA_ISA=$ISA scripts/build-llama-cpp.sh) || die "building llama.cpp failed"
-    log "building temper (release)"
-    cargo build --release -p temper >&2 || die "building temper failed"
+    log "building temper (release, into $TEMPER_TARGET)"
+    build_env=(CARGO_TARGET_DIR="$TEMPER_TARGET")
+    [[ -n $TEMPER_RUSTFLAGS ]] && build_env+=(RUSTFLAGS="$TEMPER_RUSTFLAGS")
+    env "${build_env[@]}" cargo build --release -p temper >&2 || die "building temper failed"
 else
     LLAMA_BIN=${TEMPER_HOME:-$HOME/.cache/temper}/llama.cpp-0.3.36/$LLAMA_BIN_DIR
 fi
-TEMPER=$ROOT/target/release/temper
+TEMPER=$TEMPER_TARGET/release/temper
 [[ -x $LLAMA_BIN/llama-bench && -x $LLAMA_BIN/llama-server ]] \
     || die "no llama.cpp binaries in $LLAMA_BIN (run LLAMA_ISA=$ISA scripts/build-llama-cpp.sh)"
-[[ -x $TEMPER ]] || die "no $TEMPER (cargo build --release -p temper)"
+[[ -x $TEMPER ]] || die "no $TEMPER (run without --no-build to build it)"
 MODEL=${BENCH_MODEL:-$(scripts/fetch-model.sh | tail -1)}
 [[ -f $MODEL ]] || die "model $MODEL not found"
 

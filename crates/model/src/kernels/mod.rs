@@ -465,8 +465,17 @@ fn matmul_slices<K: Kernel>(
                 }
                 // Rows a tile computes (and `buf`'s stride): whole groups of `K`'s layout.
                 let stride = (s1 - s0).next_multiple_of(K::ROW_GROUP);
-                for a0 in (0..rows).step_by(ACT_TILE) {
+                // The task's next slice, a share of it before each tile (see `prefetch_share`).
+                let next = (s1 < end).then(|| {
+                    let held = (end.min(s1 + slice_rows) - s1).next_multiple_of(stored.group);
+                    &stored.w[s1 * stored.row_bytes..(s1 + held) * stored.row_bytes]
+                });
+                let tiles = rows.div_ceil(ACT_TILE);
+                for (t, a0) in (0..rows).step_by(ACT_TILE).enumerate() {
                     let a1 = (a0 + ACT_TILE).min(rows);
+                    if let (Some(next), true) = (next, tiles > 1) {
+                        prefetch_share(next, t, tiles);
+                    }
                     tile::<K>(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, stride);
                     for a in a0..a1 {
                         let at = (a - a0) * stride;
@@ -479,6 +488,29 @@ fn matmul_slices<K: Kernel>(
     // so all `rows * out_dim` values (within the capacity) are initialized.
     unsafe { y.set_len(rows * out_dim) };
     y
+}
+
+/// Asks for share `t` of `tiles` of `bytes` (the next weight slice) to be brought into L2.
+///
+/// A batch computes for long on each slice (one tile of activation rows after another) but
+/// the first tile over a slice waited for it to come from memory (as did `widen`, for a batch
+/// that widens). Asking for the next slice a share per tile overlaps that wait with the
+/// compute: 32 rows of the LM head ~5% faster on AVX2 (`kernel_throughput`; one or two slices
+/// ahead, into L1 or L2, measured alike).
+/// A single tile (decode) streams the weight, which the hardware prefetcher already follows.
+fn prefetch_share(bytes: &[u8], t: usize, tiles: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let lines = bytes.len().div_ceil(64);
+        let (from, to) = (lines * t / tiles, lines * (t + 1) / tiles);
+        for line in from..to {
+            // SAFETY: a prefetch never faults, and the address lies inside `bytes`.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().add(64 * line).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (bytes, t, tiles);
 }
 
 /// The output matrix shared by the tasks (allocated, not yet initialized); each writes only its
@@ -573,6 +605,7 @@ mod tests {
             (WeightFormat::Q8_0, 640, 262_144, 1, 4),
             (WeightFormat::Q8_0, 640, 2048, 1, 400),
             (WeightFormat::Q8_0, 640, 2048, 128, 10),
+            (WeightFormat::Q8_0, 640, 2048, 32, 40),
             (WeightFormat::Q8_0, 2048, 640, 1, 400),
             (WeightFormat::Q8_0, 2048, 640, 128, 10),
             (WeightFormat::Q8_0, 640, 262_144, 32, 1),

@@ -11,7 +11,7 @@
 //! multiplies four quants of every row of a register by the same four activation values, so
 //! each row's integer sum ends in its own lane, with no horizontal adds: AVX-512 VNNI takes
 //! sixteen rows per instruction, from a starting value that takes `128 Σ a` back out; AVX2
-//! eight, through ggml's sign trick (batches of 24 rows or more widen each slice to 16-bit
+//! eight, through ggml's sign trick (batches of 16 rows or more widen each slice to 16-bit
 //! pairs instead, see `q8_0_pairs`; Q5_0 batches to bytes `w + 16`, [`FiveBitBytes`]). The
 //! integer sum of a block is exact whatever the order of
 //! its steps, so every path gives the scalar reference's bits, and a Q5_0 weight gives the
@@ -86,9 +86,9 @@ pub(crate) struct Q8_0;
 impl Format for Q8_0 {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
     type Batched = Q8_0Pairs;
-    /// Widening to 16 bits costs what 16 rows gain (`kernel_throughput`); 32 rows of the LM
-    /// head run 13% faster, 32 rows of 640 x 32,768 21%.
-    const WIDEN_MIN_ROWS: usize = 24;
+    /// From 16 rows the widened slices win (`kernel_throughput`, x86-64-v3 build, alternated
+    /// 3x): 16 rows of the LM head 9% faster, 16 rows of 640 x 32,768 the same.
+    const WIDEN_MIN_ROWS: usize = 16;
 
     /// AVX2 has no unsigned-by-signed byte dot product: its batches take 16-bit pairs (see
     /// `q8_0_pairs`). VNNI reads the bytes as stored.

@@ -4,14 +4,16 @@
 //! AVX2 has no byte dot product of two signed operands: the Q8_0 kernel's sign trick takes
 //! three instructions on the two multiply ports (`sign`, `maddubs`, `madd`) per 32 products,
 //! where two `madd`s do them here: 32 rows of the LM head 13% faster, 32 rows of 640 x 32,768
-//! 21% (`kernel_throughput`, both kernels alternated on one host); widening a slice costs what
-//! 16 rows gain, hence `Q8_0::WIDEN_MIN_ROWS`.
+//! 21%, 16 rows of the LM head 9% (`kernel_throughput`, both kernels alternated on one host);
+//! widening a slice costs what fewer rows would gain, hence `Q8_0::WIDEN_MIN_ROWS`.
 //! The integer sum of a block is the same exact number, so the results are the Q8_0 kernel's
 //! bits.
 //!
 //! Group block (sixteen rows, 1,056 bytes): the sixteen f16 scales, then sixteen pair steps of
-//! 64 bytes, step `k` holding values `2k` and `2k + 1` of rows 0-7 (32 bytes, a row's two i16
-//! side by side), then of rows 8-15.
+//! 64 bytes, step `k = 2s + p` (`p` 0 or 1) holding values `4s + p` and `4s + p + 2` of rows
+//! 0-7 (32 bytes, a row's two i16 side by side), then of rows 8-15. That order is what two
+//! 16-bit shifts make of a Q8_0 step (a row's four bytes `4s..4s + 4`): each 16-bit word's low
+//! byte sign-extended, then its high byte; the activations are stored in the same order.
 
 use half::f16;
 
@@ -31,12 +33,26 @@ const SCALES: usize = 2 * GROUP;
 /// A Q8_0 group block (the layout this one is widened from).
 const Q8_0_GROUP_BLOCK: usize = GROUP * super::q8_0::BLOCK_BYTES;
 
-/// Where value `i` of row `j` sits in a group block.
-fn at(j: usize, i: usize) -> usize {
-    SCALES + 64 * (i / 2) + 32 * (j / 8) + 4 * (j % 8) + 2 * (i % 2)
+/// The pair step of value `i` (`2s + p`, see the module's note) and its place in the pair.
+fn pair_of(i: usize) -> (usize, usize) {
+    let (s, q) = (i / 4, i % 4);
+    (2 * s + q % 2, q / 2)
 }
 
-/// A Q8_0 activation block with its quants as i16, for `madd`.
+/// Where value `i` of row `j` sits in a group block.
+fn at(j: usize, i: usize) -> usize {
+    let (k, slot) = pair_of(i);
+    SCALES + 64 * k + 32 * (j / 8) + 4 * (j % 8) + 2 * slot
+}
+
+/// Where value `i` of an activation block sits in its `qs`.
+fn act_at(i: usize) -> usize {
+    let (k, slot) = pair_of(i);
+    2 * k + slot
+}
+
+/// A Q8_0 activation block with its quants as i16 in pair-step order (value `i` at
+/// [`act_at`]), for `madd`.
 #[derive(Clone, Copy, Debug, Default)]
 #[repr(C)]
 pub(crate) struct PairsBlock {
@@ -61,7 +77,9 @@ impl Kernel for Q8_0Pairs {
             quantize_q8_0(isa, x, blocks);
             for (o, b) in out.iter_mut().zip(blocks.iter()) {
                 o.d = b.d;
-                o.qs = b.qs.map(i16::from);
+                for (i, &q) in b.qs.iter().enumerate() {
+                    o.qs[act_at(i)] = i16::from(q);
+                }
             }
         }
     }
@@ -74,7 +92,7 @@ impl Kernel for Q8_0Pairs {
                     for (wb, ab) in group.chunks_exact(GROUP_BLOCK).zip(arow) {
                         let d = f16::from_le_bytes([wb[2 * j], wb[2 * j + 1]]).to_f32() * ab.d;
                         let isum: i32 = (0..BLOCK_ELEMS)
-                            .map(|i| quant(wb, j, i) as i32 * ab.qs[i] as i32)
+                            .map(|i| quant(wb, j, i) as i32 * ab.qs[act_at(i)] as i32)
                             .sum();
                         acc = d.mul_add(isum as f32, acc);
                     }
@@ -136,24 +154,20 @@ mod x86 {
     use super::{PairsBlock, GROUP, GROUP_BLOCK, Q8_0_GROUP_BLOCK, SCALES};
 
     /// One Q8_0 group block widened: each step's 32 bytes (eight rows × four values) become
-    /// two pair steps of those eight rows.
+    /// two pair steps of those eight rows, by shifts within 16-bit words (no shuffles).
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn widen(src: &[u8], dst: &mut [u8]) {
         assert!(src.len() == Q8_0_GROUP_BLOCK && dst.len() == GROUP_BLOCK);
-        // Row r's first pair, then its second: [r0a r1a r2a r3a | r0b r1b r2b r3b].
-        let order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
         for s in 0..8 {
             for h in 0..2 {
                 // SAFETY: whole group blocks (checked above).
                 unsafe {
                     let q = _mm256_loadu_si256(src.as_ptr().add(SCALES + 64 * s + 32 * h).cast());
                     let q = _mm256_xor_si256(q, _mm256_set1_epi8(-128));
-                    let low = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
-                    let high = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(q));
-                    let low = _mm256_permutevar8x32_epi32(low, order);
-                    let high = _mm256_permutevar8x32_epi32(high, order);
-                    let first = _mm256_permute2x128_si256::<0x20>(low, high);
-                    let second = _mm256_permute2x128_si256::<0x31>(low, high);
+                    // Each word's low byte sign-extended (values 4s, 4s + 2), then its high
+                    // byte (4s + 1, 4s + 3).
+                    let first = _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(q));
+                    let second = _mm256_srai_epi16::<8>(q);
                     let p = dst.as_mut_ptr().add(SCALES + 32 * h);
                     _mm256_storeu_si256(p.add(128 * s).cast(), first);
                     _mm256_storeu_si256(p.add(128 * s + 64).cast(), second);

@@ -99,7 +99,7 @@ pub(crate) fn check_paths_agree(
     let wf = dequantized_weight(format, w, in_dim, out_dim);
     let w = &prepare(format, w.to_vec(), out_dim)[..];
     // 16, 17 and 25 rows: batches that run on widened weights whatever the format (Q8_0's
-    // AVX2 batches from 24 rows).
+    // AVX2 batches from 16 rows).
     for rows in [1, 2, 3, 4, 5, 7, 9, 16, 17, 25] {
         // Rows of different magnitudes, one of them all zero.
         let mut x: Vec<f32> = (0..rows * in_dim)
