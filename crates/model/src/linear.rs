@@ -221,6 +221,36 @@ impl Linear {
         }
     }
 
+    /// [`Linear::forward`] in consecutive parts of `counts[i]` rows (summing to the rows of
+    /// `x`), each written in place by the kernels (no copy out of one product).
+    pub(crate) fn forward_split(
+        &self,
+        x: &[f32],
+        counts: &[usize],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        match &self.weight {
+            Weight::Kernel { format, data } => Ok(kernels::matmul_split(
+                *format,
+                Isa::detect(),
+                data,
+                (self.in_dim, self.out_dim),
+                x,
+                counts,
+            )),
+            Weight::Candle(_) => {
+                let y = self.forward(x)?;
+                let mut at = 0;
+                Ok(counts
+                    .iter()
+                    .map(|&n| {
+                        at += n * self.out_dim;
+                        y[at - n * self.out_dim..at].to_vec()
+                    })
+                    .collect())
+            }
+        }
+    }
+
     /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major. A row's
     /// result depends on that row alone.
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {

@@ -277,20 +277,19 @@ impl Gemma3 {
             off += n;
         }
         ops::rms_norm(&mut rows, &self.final_norm, self.cfg.rms_eps);
-        let logits = self.lm_head.forward(&rows)?;
+        // Each sequence's logits are written in place: copied out of one product they took a
+        // serial ~2% of a 32-row step.
+        let counts: Vec<usize> = batch
+            .iter()
+            .map(|s| if s.all_logits { s.tokens.len() } else { 1 })
+            .collect();
         let vocab = self.lm_head.out_dim();
-        let mut out = Vec::with_capacity(batch.len());
-        let mut off = 0;
-        for s in batch.iter() {
-            let n = if s.all_logits { s.tokens.len() } else { 1 };
-            out.push(Logits {
-                rows: n,
-                vocab,
-                data: logits[off * vocab..(off + n) * vocab].to_vec(),
-            });
-            off += n;
-        }
-        Ok(out)
+        let parts = self.lm_head.forward_split(&rows, &counts)?;
+        Ok(parts
+            .into_iter()
+            .zip(counts)
+            .map(|(data, rows)| Logits { rows, vocab, data })
+            .collect())
     }
 
     /// Embedding rows (dequantized one row at a time) times sqrt(hidden), an f32 scale.

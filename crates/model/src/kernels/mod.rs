@@ -262,12 +262,31 @@ pub(crate) fn matmul(
     out_dim: usize,
     x: &[f32],
 ) -> Vec<f32> {
-    let dims = (in_dim, out_dim);
+    let rows = x.len() / in_dim.max(1);
+    let mut parts = matmul_split(format, isa, w, (in_dim, out_dim), x, &[rows]);
+    parts.pop().unwrap_or_default()
+}
+
+/// [`matmul`], its rows returned in consecutive parts of `counts[i]` rows each (summing to the
+/// rows of `x`): the kernels write each part in place, so a caller that hands each part on
+/// (the LM head's logits, one part per sequence) copies nothing.
+pub(crate) fn matmul_split(
+    format: WeightFormat,
+    isa: Isa,
+    w: &[u8],
+    dims: (usize, usize),
+    x: &[f32],
+    counts: &[usize],
+) -> Vec<Vec<f32>> {
     match format {
-        WeightFormat::Q8_0 => matmul_with::<q8_0::WithQ8_0Acts<q8_0::Q8_0>>(isa, w, dims, x),
-        WeightFormat::Q5_0 => matmul_with::<q8_0::WithQ8_0Acts<q5_0::Q5_0>>(isa, w, dims, x),
-        WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, dims, x),
-        WeightFormat::Q6K => matmul_with::<q6_k::Q6K>(isa, w, dims, x),
+        WeightFormat::Q8_0 => {
+            matmul_with::<q8_0::WithQ8_0Acts<q8_0::Q8_0>>(isa, w, dims, x, counts)
+        }
+        WeightFormat::Q5_0 => {
+            matmul_with::<q8_0::WithQ8_0Acts<q5_0::Q5_0>>(isa, w, dims, x, counts)
+        }
+        WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, dims, x, counts),
+        WeightFormat::Q6K => matmul_with::<q6_k::Q6K>(isa, w, dims, x, counts),
     }
 }
 
@@ -375,7 +394,13 @@ pub(crate) fn transposed_q8_0(
     Ok(q8_0::interleave_owned::<q8_0::Q8_0>(gguf, in_dim))
 }
 
-fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -> Vec<f32> {
+fn matmul_with<K: Kernel>(
+    isa: Isa,
+    w: &[u8],
+    dims: (usize, usize),
+    x: &[f32],
+    counts: &[usize],
+) -> Vec<Vec<f32>> {
     let (in_dim, out_dim) = dims;
     assert!(in_dim > 0 && in_dim.is_multiple_of(K::BLOCK_ELEMS));
     let nb = in_dim / K::BLOCK_ELEMS;
@@ -394,9 +419,9 @@ fn matmul_with<K: Kernel>(isa: Isa, w: &[u8], dims: (usize, usize), x: &[f32]) -
     if x.len() / in_dim >= K::WIDEN_MIN_ROWS && K::widens(isa) {
         assert_eq!(K::Batched::BLOCK_ELEMS, K::BLOCK_ELEMS);
         let widen = |ws: &[u8], out: &mut Vec<u8>| K::widen(isa, ws, nb, out);
-        matmul_slices::<K::Batched>(isa, stored, Some(&widen), dims, x)
+        matmul_slices::<K::Batched>(isa, stored, Some(&widen), dims, x, counts)
     } else {
-        matmul_slices::<K>(isa, stored, None, dims, x)
+        matmul_slices::<K>(isa, stored, None, dims, x, counts)
     }
 }
 
@@ -419,14 +444,23 @@ fn matmul_slices<K: Kernel>(
     widen: Option<Widen>,
     dims: (usize, usize),
     x: &[f32],
-) -> Vec<f32> {
+    counts: &[usize],
+) -> Vec<Vec<f32>> {
     let (in_dim, out_dim) = dims;
     let nb = in_dim / K::BLOCK_ELEMS;
     let rows = x.len() / in_dim;
+    assert_eq!(
+        counts.iter().sum::<usize>(),
+        rows,
+        "parts of the output's rows"
+    );
     // Not zeroed: the tasks below write every value (zeroing took ~5% of a prefill step).
-    let mut y = Vec::with_capacity(rows * out_dim);
+    let mut parts: Vec<Vec<f32>> = counts
+        .iter()
+        .map(|&n| Vec::with_capacity(n * out_dim))
+        .collect();
     if rows == 0 || out_dim == 0 {
-        return y;
+        return parts;
     }
 
     let mut acts = vec![K::Act::default(); rows * nb];
@@ -445,9 +479,13 @@ fn matmul_slices<K: Kernel>(
     let task_rows = slices.div_ceil(tasks) * slice_rows;
 
     let out = OutRows {
-        ptr: y.as_mut_ptr(),
-        len: rows * out_dim,
-        stride: out_dim,
+        rows: parts
+            .iter_mut()
+            .zip(counts)
+            // SAFETY: row `i` of a part of `n` rows starts within its capacity.
+            .flat_map(|(part, &n)| (0..n).map(|i| unsafe { part.as_mut_ptr().add(i * out_dim) }))
+            .collect(),
+        width: out_dim,
     };
     (0..out_dim.div_ceil(task_rows))
         .into_par_iter()
@@ -484,10 +522,12 @@ fn matmul_slices<K: Kernel>(
                 }
             }
         });
-    // SAFETY: the tasks' column ranges cover `0..out_dim` and each wrote them for every row,
-    // so all `rows * out_dim` values (within the capacity) are initialized.
-    unsafe { y.set_len(rows * out_dim) };
-    y
+    for (part, &n) in parts.iter_mut().zip(counts) {
+        // SAFETY: the tasks' column ranges cover `0..out_dim` and each wrote them for every
+        // row, so all `n * out_dim` values (within the capacity) are initialized.
+        unsafe { part.set_len(n * out_dim) };
+    }
+    parts
 }
 
 /// Asks for share `t` of `tiles` of `bytes` (the next weight slice) to be brought into L2.
@@ -513,25 +553,24 @@ fn prefetch_share(bytes: &[u8], t: usize, tiles: usize) {
     let _ = (bytes, t, tiles);
 }
 
-/// The output matrix shared by the tasks (allocated, not yet initialized); each writes only its
-/// own columns.
+/// The output rows shared by the tasks (allocated, not yet initialized; `width` values each);
+/// each task writes only its own columns.
 struct OutRows {
-    ptr: *mut f32,
-    len: usize,
-    stride: usize,
+    rows: Vec<*mut f32>,
+    width: usize,
 }
 
-// SAFETY: tasks write disjoint column ranges of the buffer (`write` checks the bounds), and the
-// buffer outlives the parallel loop that uses it.
+// SAFETY: tasks write disjoint column ranges of the rows (`write` checks the bounds), and the
+// rows outlive the parallel loop that uses them.
 unsafe impl Sync for OutRows {}
 
 impl OutRows {
     fn write(&self, row: usize, col: usize, values: &[f32]) {
-        let start = row * self.stride + col;
-        assert!(col + values.len() <= self.stride && start + values.len() <= self.len);
-        // SAFETY: in bounds (checked above); no other task writes these columns.
+        assert!(col + values.len() <= self.width);
+        // SAFETY: in bounds (checked above: `rows[row]` has `width` values of capacity); no
+        // other task writes these columns.
         unsafe {
-            std::ptr::copy_nonoverlapping(values.as_ptr(), self.ptr.add(start), values.len());
+            std::ptr::copy_nonoverlapping(values.as_ptr(), self.rows[row].add(col), values.len());
         }
     }
 }
@@ -577,6 +616,33 @@ mod tests {
 
     use super::test_util::{random_gguf, Rng};
     use super::*;
+
+    #[test]
+    fn split_parts_are_the_rows_of_the_whole_product() {
+        let mut rng = Rng::new(4);
+        let (in_dim, out_dim) = (64, 48);
+        let w = prepare(
+            WeightFormat::Q8_0,
+            random_gguf(WeightFormat::Q8_0, in_dim / 32 * out_dim, &mut rng),
+            out_dim,
+        );
+        let x: Vec<f32> = (0..5 * in_dim).map(|_| rng.uniform()).collect();
+        for isa in Isa::available() {
+            let whole = matmul(WeightFormat::Q8_0, isa, &w, in_dim, out_dim, &x);
+            let parts = matmul_split(
+                WeightFormat::Q8_0,
+                isa,
+                &w,
+                (in_dim, out_dim),
+                &x,
+                &[2, 0, 3],
+            );
+            assert_eq!(parts.len(), 3);
+            assert_eq!(parts[0], whole[..2 * out_dim], "{isa:?}");
+            assert!(parts[1].is_empty());
+            assert_eq!(parts[2], whole[2 * out_dim..], "{isa:?}");
+        }
+    }
 
     /// CPU time of every thread of this process so far (Linux; 0 elsewhere). On a shared
     /// machine the CPU time a call takes, times the threads, is steadier than its wall time.
