@@ -503,7 +503,8 @@ fn matmul_slices<K: Kernel>(
                 }
                 // Rows a tile computes (and `buf`'s stride): whole groups of `K`'s layout.
                 let stride = (s1 - s0).next_multiple_of(K::ROW_GROUP);
-                // The task's next slice, a share of it before each tile (see `prefetch_share`).
+                // The task's next slice, a share of it before each tile of a widening batch (see
+                // `prefetch_share`).
                 let next = (s1 < end).then(|| {
                     let held = (end.min(s1 + slice_rows) - s1).next_multiple_of(stored.group);
                     &stored.w[s1 * stored.row_bytes..(s1 + held) * stored.row_bytes]
@@ -511,7 +512,7 @@ fn matmul_slices<K: Kernel>(
                 let tiles = rows.div_ceil(ACT_TILE);
                 for (t, a0) in (0..rows).step_by(ACT_TILE).enumerate() {
                     let a1 = (a0 + ACT_TILE).min(rows);
-                    if let (Some(next), true) = (next, tiles > 1) {
+                    if let (Some(next), true) = (next, widen.is_some() && tiles > 1) {
                         prefetch_share(next, t, tiles);
                     }
                     tile::<K>(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, stride);
@@ -532,12 +533,13 @@ fn matmul_slices<K: Kernel>(
 
 /// Asks for share `t` of `tiles` of `bytes` (the next weight slice) to be brought into L2.
 ///
-/// A batch computes for long on each slice (one tile of activation rows after another) but
-/// the first tile over a slice waited for it to come from memory (as did `widen`, for a batch
-/// that widens). Asking for the next slice a share per tile overlaps that wait with the
-/// compute: 32 rows of the LM head ~5% faster on AVX2 (`kernel_throughput`; one or two slices
-/// ahead, into L1 or L2, measured alike).
-/// A single tile (decode) streams the weight, which the hardware prefetcher already follows.
+/// A batch that widens reads each slice in one go (`widen`) and waited for it to come from
+/// memory, then computes for long on the widened copy (one tile of activation rows after
+/// another). Asking for the next slice a share per tile overlaps that wait with the compute:
+/// 16 and 32 rows of the LM head 5-10% faster on AVX2 (`kernel_throughput`, alternated; one or
+/// two slices ahead, into L1 or L2, measured alike). Batches that read the stored weight
+/// stream it tile by tile, which the hardware prefetcher follows: there the same prefetches
+/// made 5-12 rows of the LM head 12-17% slower.
 fn prefetch_share(bytes: &[u8], t: usize, tiles: usize) {
     #[cfg(target_arch = "x86_64")]
     {
