@@ -505,14 +505,14 @@ fn matmul_slices<K: Kernel>(
                 let stride = (s1 - s0).next_multiple_of(K::ROW_GROUP);
                 // The task's next slice, a share of it before each tile of a widening batch (see
                 // `prefetch_share`).
-                let next = (s1 < end).then(|| {
+                let tiles = rows.div_ceil(ACT_TILE);
+                let next = (widen.is_some() && tiles > 1 && s1 < end).then(|| {
                     let held = (end.min(s1 + slice_rows) - s1).next_multiple_of(stored.group);
                     &stored.w[s1 * stored.row_bytes..(s1 + held) * stored.row_bytes]
                 });
-                let tiles = rows.div_ceil(ACT_TILE);
                 for (t, a0) in (0..rows).step_by(ACT_TILE).enumerate() {
                     let a1 = (a0 + ACT_TILE).min(rows);
-                    if let (Some(next), true) = (next, widen.is_some() && tiles > 1) {
+                    if let Some(next) = next {
                         prefetch_share(next, t, tiles);
                     }
                     tile::<K>(isa, ws, &acts[a0 * nb..a1 * nb], nb, &mut buf, stride);
