@@ -65,8 +65,9 @@ bench: fetch-model build
 bench-compare: fetch-model
 	scripts/bench-compare.sh $(ARGS)
 
-# The same with both on their AVX2 code paths (TEMPER_ISA=avx2, llama.cpp built AVX2 only into
-# bin-avx2/), to compare them there on an AVX-512 host.
+# The same with both on their AVX2 code paths (temper built for x86-64-v3 into target/avx2/ and
+# run with TEMPER_ISA=avx2, llama.cpp built AVX2 only into bin-avx2/), to compare them there on
+# an AVX-512 host.
 bench-compare-avx2: fetch-model
 	scripts/bench-compare.sh --isa avx2 $(ARGS)
 

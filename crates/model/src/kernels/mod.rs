@@ -418,6 +418,8 @@ fn matmul_with<K: Kernel>(
     };
     if x.len() / in_dim >= K::WIDEN_MIN_ROWS && K::widens(isa) {
         assert_eq!(K::Batched::BLOCK_ELEMS, K::BLOCK_ELEMS);
+        // A widening batch spans several tiles (its slices are prefetched tile by tile).
+        const { assert!(K::WIDEN_MIN_ROWS > ACT_TILE) };
         let widen = |ws: &[u8], out: &mut Vec<u8>| K::widen(isa, ws, nb, out);
         matmul_slices::<K::Batched>(isa, stored, Some(&widen), dims, x, counts)
     } else {
@@ -478,6 +480,12 @@ fn matmul_slices<K: Kernel>(
     let tasks = (rayon::current_num_threads() * 4).min(slices);
     let task_rows = slices.div_ceil(tasks) * slice_rows;
 
+    // Rows `s0..s1` of the stored weight, padded to its whole groups.
+    let stored_rows = |s0: usize, s1: usize| {
+        let held = (s1 - s0).next_multiple_of(stored.group);
+        &stored.w[s0 * stored.row_bytes..(s0 + held) * stored.row_bytes]
+    };
+    let tiles = rows.div_ceil(ACT_TILE);
     let out = OutRows {
         rows: parts
             .iter_mut()
@@ -495,8 +503,7 @@ fn matmul_slices<K: Kernel>(
             let end = ((t + 1) * task_rows).min(out_dim);
             for s0 in (t * task_rows..end).step_by(slice_rows) {
                 let s1 = (s0 + slice_rows).min(end);
-                let held = (s1 - s0).next_multiple_of(stored.group);
-                let mut ws = &stored.w[s0 * stored.row_bytes..(s0 + held) * stored.row_bytes];
+                let mut ws = stored_rows(s0, s1);
                 if let Some(widen) = widen {
                     widen(ws, &mut wide);
                     ws = &wide;
@@ -504,12 +511,9 @@ fn matmul_slices<K: Kernel>(
                 // Rows a tile computes (and `buf`'s stride): whole groups of `K`'s layout.
                 let stride = (s1 - s0).next_multiple_of(K::ROW_GROUP);
                 // The task's next slice, a share of it before each tile of a widening batch (see
-                // `prefetch_share`).
-                let tiles = rows.div_ceil(ACT_TILE);
-                let next = (widen.is_some() && tiles > 1 && s1 < end).then(|| {
-                    let held = (end.min(s1 + slice_rows) - s1).next_multiple_of(stored.group);
-                    &stored.w[s1 * stored.row_bytes..(s1 + held) * stored.row_bytes]
-                });
+                // `prefetch_share`; a batch widens from more than one tile of rows).
+                let next = (widen.is_some() && s1 < end)
+                    .then(|| stored_rows(s1, end.min(s1 + slice_rows)));
                 for (t, a0) in (0..rows).step_by(ACT_TILE).enumerate() {
                     let a1 = (a0 + ACT_TILE).min(rows);
                     if let Some(next) = next {
@@ -677,6 +681,7 @@ mod tests {
             (WeightFormat::Q8_0, 2048, 640, 1, 400),
             (WeightFormat::Q8_0, 2048, 640, 128, 10),
             (WeightFormat::Q8_0, 640, 262_144, 32, 1),
+            (WeightFormat::Q8_0, 640, 262_144, 16, 1),
             (WeightFormat::Q8_0, 640, 32_768, 16, 4),
             (WeightFormat::Q8_0, 640, 32_768, 32, 2),
             (WeightFormat::Q5_0, 640, 2048, 1, 400),

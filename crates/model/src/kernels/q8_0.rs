@@ -245,7 +245,6 @@ pub(crate) fn widen_to_five_bit_bytes<F: Format>(isa: Isa, w: &[u8], out: &mut V
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { x86::widen_avx2::<F>(src, dst) },
             _ => {
-                dst[SCALES..].fill(0);
                 for j in 0..GROUP {
                     for i in 0..BLOCK_ELEMS {
                         FiveBitBytes::put_quant(dst, j, i, F::quant(src, j, i));
