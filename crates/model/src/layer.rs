@@ -184,9 +184,16 @@ impl Gemma3 {
 
         let mut attn_normed = x.to_vec();
         ops::rms_norm(&mut attn_normed, &layer.attn_norm, eps);
-        let (q_pre, mut q) = keep(layer.project(li, LoraTarget::Q, &attn_normed, spans)?);
-        let (k_pre, mut k) = keep(layer.project(li, LoraTarget::K, &attn_normed, spans)?);
-        let v = layer.project(li, LoraTarget::V, &attn_normed, spans)?;
+        // Projections of one input run side by side: while one's last tasks finish, the other
+        // threads take the next one's instead of waiting at its join.
+        let project = |target| layer.project(li, target, &attn_normed, spans);
+        let ((q, k), v) = rayon::join(
+            || rayon::join(|| project(LoraTarget::Q), || project(LoraTarget::K)),
+            || project(LoraTarget::V),
+        );
+        let (q_pre, mut q) = keep(q?);
+        let (k_pre, mut k) = keep(k?);
+        let v = v?;
         ops::rms_norm(&mut q, &layer.q_norm, eps);
         ops::rms_norm(&mut k, &layer.k_norm, eps);
         let rope = ropes.get(global);
@@ -201,8 +208,10 @@ impl Gemma3 {
 
         let mut ffn_normed = x_mid.clone();
         ops::rms_norm(&mut ffn_normed, &layer.ffn_norm, eps);
-        let (gate, mut act) = keep(layer.project(li, LoraTarget::Gate, &ffn_normed, spans)?);
-        let up = layer.project(li, LoraTarget::Up, &ffn_normed, spans)?;
+        let project = |target| layer.project(li, target, &ffn_normed, spans);
+        let (gate, up) = rayon::join(|| project(LoraTarget::Gate), || project(LoraTarget::Up));
+        let (gate, mut act) = keep(gate?);
+        let up = up?;
         ops::gelu_mul(&mut act, &up, !self.smooth);
         let (down, mut down_normed) = keep(layer.project(li, LoraTarget::Down, &act, spans)?);
         ops::rms_norm(&mut down_normed, &layer.post_ffn_norm, eps);

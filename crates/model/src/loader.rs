@@ -75,6 +75,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
             Embedding::Tied,
         )
     };
+    let lm_head = lm_head.with_pair_bound_activations();
 
     let kv_pool = KvPool::new(cfg.num_layers, cfg.num_kv_heads * cfg.head_dim, 1);
     kv_pool.set_capacity_bytes(DEFAULT_KV_CACHE_BYTES);

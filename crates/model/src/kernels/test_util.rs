@@ -8,7 +8,9 @@ use std::borrow::Cow;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
-use super::activations::{quantize_q8_0, quantize_q8_k, Q8KBlock, Q8_0Block};
+use super::activations::{
+    quantize_q8_0, quantize_q8_0_pair_bound, quantize_q8_k, Q8KBlock, Q8_0Block,
+};
 use half::f16;
 
 use super::{matmul, prepare, q4_k, q5_0, q6_k, q8_0, Isa, WeightFormat};
@@ -37,7 +39,7 @@ impl Rng {
 /// Random GGUF blocks of `format` (small f16 scales, any bits elsewhere).
 pub(crate) fn random_gguf(format: WeightFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
     let (bytes, scales): (usize, &[usize]) = match format {
-        WeightFormat::Q8_0 => (q8_0::BLOCK_BYTES, &[0]),
+        WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound => (q8_0::BLOCK_BYTES, &[0]),
         WeightFormat::Q5_0 => (q5_0::BLOCK_BYTES, &[0]),
         WeightFormat::Q4K => (q4_k::GGUF_BLOCK_BYTES, &[0, 2]),
         WeightFormat::Q6K => (q6_k::BLOCK_BYTES, &[208]),
@@ -54,9 +56,13 @@ pub(crate) fn random_gguf(format: WeightFormat, blocks: usize, rng: &mut Rng) ->
 /// The activations as the kernels see them, dequantized.
 fn dequantized_activations(format: WeightFormat, x: &[f32]) -> Vec<f64> {
     match format {
-        WeightFormat::Q8_0 | WeightFormat::Q5_0 => {
+        WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound | WeightFormat::Q5_0 => {
             let mut q = vec![Q8_0Block::default(); x.len() / 32];
-            quantize_q8_0(Isa::Scalar, x, &mut q);
+            if format == WeightFormat::Q8_0PairBound {
+                quantize_q8_0_pair_bound(Isa::Scalar, x, &mut q);
+            } else {
+                quantize_q8_0(Isa::Scalar, x, &mut q);
+            }
             q.iter()
                 .flat_map(|b| b.qs.iter().map(move |&v| b.d as f64 * v as f64))
                 .collect()
@@ -73,7 +79,7 @@ fn dequantized_activations(format: WeightFormat, x: &[f32]) -> Vec<f64> {
 
 fn dequantized_weight(format: WeightFormat, w: &[u8], in_dim: usize, out_dim: usize) -> Vec<f32> {
     let dtype = match format {
-        WeightFormat::Q8_0 => GgmlDType::Q8_0,
+        WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound => GgmlDType::Q8_0,
         WeightFormat::Q5_0 => GgmlDType::Q5_0,
         WeightFormat::Q4K => GgmlDType::Q4K,
         WeightFormat::Q6K => GgmlDType::Q6K,
