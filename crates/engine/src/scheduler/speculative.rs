@@ -105,8 +105,7 @@ impl Scheduler {
                 &g.req,
                 &g.procs,
                 out.row(i),
-                &mut self.sampler,
-                &mut self.processed,
+                &mut self.scratch[0],
                 &self.tokenizer,
                 &self.end_tokens,
             ) {
