@@ -660,6 +660,54 @@ mod tests {
         }
     }
 
+    /// One tile (four activation rows) of the LM head's shape over one 32 KB weight slice,
+    /// repeated while the slice stays in L1, on one thread: the kernels' own speed, without
+    /// memory, threads or the output's copies (`cargo test --release -p temper-model --lib --
+    /// --ignored --nocapture tile_throughput`; `TEMPER_ISA=avx2` for the AVX2 kernels).
+    #[test]
+    #[ignore]
+    fn tile_throughput() {
+        fn run<K: Kernel>(name: &str, isa: Isa, w: &[u8], x: &[f32], nb: usize, rows: usize) {
+            let in_dim = nb * K::BLOCK_ELEMS;
+            let mut acts = vec![K::Act::default(); ACT_TILE * nb];
+            for (a, xr) in acts.chunks_mut(nb).zip(x.chunks(in_dim)) {
+                K::quantize(isa, xr, a);
+            }
+            let mut buf = vec![0f32; ACT_TILE * rows];
+            let mut best = f64::INFINITY;
+            for _ in 0..20 {
+                let t = Instant::now();
+                for _ in 0..2000 {
+                    tile::<K>(isa, w, &acts, nb, &mut buf, rows);
+                }
+                best = best.min(t.elapsed().as_secs_f64() / 2000.0);
+            }
+            let macs = (ACT_TILE * rows * in_dim) as f64;
+            println!(
+                "{name} {isa:?}: {:.0} ns a tile, {:.1} GMAC/s",
+                best * 1e9,
+                macs / best / 1e9
+            );
+        }
+        let isa = Isa::detect();
+        let mut rng = Rng::new(3);
+        // 48 rows of 640: the 32 KB slice `matmul_slices` cuts from the LM head.
+        let (nb, rows) = (20, 48);
+        let w = prepare(
+            WeightFormat::Q8_0,
+            random_gguf(WeightFormat::Q8_0, nb * rows, &mut rng),
+            rows,
+        );
+        let x: Vec<f32> = (0..ACT_TILE * nb * 32).map(|_| rng.uniform()).collect();
+        run::<q8_0::WithQ8_0Acts<q8_0::Q8_0>>("Q8_0", isa, &w, &x, nb, rows);
+        run::<q8_0::WithQ8_0Acts<q8_0::Q8_0PairBound>>("Q8_0PairBound", isa, &w, &x, nb, rows);
+        if isa == Isa::Avx2 {
+            let mut wide = Vec::new();
+            q8_0_pairs::widen(isa, &w, nb, &mut wide);
+            run::<q8_0_pairs::Q8_0Pairs>("Q8_0 widened to pairs", isa, &wide, &x, nb, rows);
+        }
+    }
+
     /// CPU time of every thread of this process so far (Linux; 0 elsewhere). On a shared
     /// machine the CPU time a call takes, times the threads, is steadier than its wall time.
     fn cpu_seconds() -> f64 {
