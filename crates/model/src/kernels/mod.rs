@@ -2,8 +2,9 @@
 //! at load).
 //!
 //! Activation rows are quantized as ggml does on x86 (Q8_0 blocks of 32 for Q8_0 weights, Q8_K
-//! blocks of 256 for K-quants); dot products are exact integers per block, and each format has
-//! one order of its f32 steps, whatever the number of rows:
+//! blocks of 256 for K-quants), but for the LM head's, whose Q8_0 blocks are pair-bound (see
+//! `q8_0::Q8_0PairBound`); dot products are exact integers per block, and each format has one
+//! order of its f32 steps, whatever the number of rows:
 //!
 //! - Q8_0 and Q5_0: one f32 accumulator per row and column, each block's integer dot product
 //!   taken in by one fused multiply-add with `dw·da` (see `q8_0`; a Q5_0 weight gives the bits

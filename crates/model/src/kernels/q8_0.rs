@@ -12,10 +12,10 @@
 //! each row's integer sum ends in its own lane, with no horizontal adds: AVX-512 VNNI takes
 //! sixteen rows per instruction, from a starting value that takes `128 Σ a` back out; AVX2
 //! eight, through ggml's sign trick (batches of 16 rows or more widen each slice to 16-bit
-//! pairs instead, see `q8_0_pairs`; Q5_0 batches to bytes `w + 16`, [`FiveBitBytes`]). The
-//! integer sum of a block is exact whatever the order of
-//! its steps, so every path gives the scalar reference's bits, and a Q5_0 weight gives the
-//! bits its values would give as Q8_0.
+//! pairs instead, see `q8_0_pairs`; Q5_0 batches to bytes `w + 16`, [`FiveBitBytes`]; against
+//! pair-bound activations the stored bytes serve as they are, [`Q8_0PairBound`]). The integer
+//! sum of a block is exact whatever the order of its steps, so every path gives the scalar
+//! reference's bits, and a Q5_0 weight gives the bits its values would give as Q8_0.
 
 use std::marker::PhantomData;
 

@@ -3,9 +3,11 @@
 //!
 //! AVX2 has no byte dot product of two signed operands: the Q8_0 kernel's sign trick takes
 //! three instructions on the two multiply ports (`sign`, `maddubs`, `madd`) per 32 products,
-//! where two `madd`s do them here: 32 rows of the LM head 13% faster, 32 rows of 640 x 32,768
-//! 21%, 16 rows of the LM head 9% (`kernel_throughput`, both kernels alternated on one host);
-//! widening a slice costs what fewer rows would gain, hence `Q8_0::WIDEN_MIN_ROWS`.
+//! where two `madd`s do them here: 32 rows of the LM head's shape 13% faster, 32 rows of
+//! 640 x 32,768 21%, 16 rows of the LM head's shape 9% (`kernel_throughput`, both kernels
+//! alternated on one host); widening a slice costs what fewer rows would gain, hence
+//! `Q8_0::WIDEN_MIN_ROWS`. (The LM head itself now runs on `q8_0::Q8_0PairBound`, which needs
+//! no widening.)
 //! The integer sum of a block is the same exact number, so the results are the Q8_0 kernel's
 //! bits.
 //!
