@@ -205,15 +205,15 @@ pub(super) struct SampleScratch {
     processed: Vec<f32>,
 }
 
-/// A decode row being sampled: its choice (borrowed out of its group), the group's request and
-/// processors, the row, and what sampling it gave.
+/// A decode row to sample: its group and choice (borrowed out of the group), the group's
+/// request and processors, and the row.
 struct SampleJob<'a> {
     group: usize,
+    seq_index: usize,
     seq: &'a mut Seq,
     req: &'a GenerationRequest,
     procs: &'a Processors,
     row: Vec<f32>,
-    emitted: Option<Result<Vec<GenerationEvent>, String>>,
 }
 
 /// Threads computing structured-output masks while the model runs.
@@ -535,55 +535,49 @@ impl Scheduler {
                 if let Some((_, _, row)) = ready.next_if(|r| (r.0, r.1) == (gi, si)) {
                     jobs.push(SampleJob {
                         group: gi,
+                        seq_index: si,
                         seq,
                         req,
                         procs,
                         row,
-                        emitted: None,
                     });
                 }
             }
         }
         let (tokenizer, end_tokens) = (&self.tokenizer, &self.end_tokens);
         let sample = |jobs: &mut [SampleJob<'_>], scratch: &mut SampleScratch| {
-            for j in jobs {
-                j.emitted = Some(emit_token(
-                    j.seq, j.req, j.procs, &j.row, scratch, tokenizer, end_tokens,
-                ));
-            }
+            jobs.iter_mut()
+                .map(|j| {
+                    let emitted = emit_token(
+                        j.seq, j.req, j.procs, &j.row, scratch, tokenizer, end_tokens,
+                    );
+                    (j.group, j.seq_index, emitted)
+                })
+                .collect::<Vec<_>>()
         };
-        if jobs.len() > 1 {
+        let sampled = if jobs.len() > 1 {
             let per_thread = jobs.len().div_ceil(self.scratch.len());
             jobs.par_chunks_mut(per_thread)
                 .zip(self.scratch.par_iter_mut())
-                .for_each(|(jobs, scratch)| sample(jobs, scratch));
+                .flat_map_iter(|(jobs, scratch)| sample(jobs, scratch))
+                .collect()
         } else {
             // One row: not worth handing to the pool.
-            sample(&mut jobs, &mut self.scratch[0]);
-        }
-        let sampled: Vec<_> = jobs
-            .into_iter()
-            .map(|j| (j.group, j.seq.choice, j.emitted))
-            .collect();
-        for (gi, choice, emitted) in sampled {
-            if let Some(emitted) = emitted {
-                self.after_token(gi, choice, emitted);
-            }
+            sample(&mut jobs, &mut self.scratch[0])
+        };
+        for (gi, si, emitted) in sampled {
+            self.after_token(gi, si, emitted);
         }
     }
 
-    /// Whether choice `si` of group `gi` takes a token from its row now: a live group's
-    /// choice that is no beam (beams wait for their siblings) and, when constrained, has its
-    /// mask.
+    /// Whether choice `si` of group `gi` takes a token from its row now (a live group's choice
+    /// that does not keep its row, see `Seq::keeps_row`).
     fn samples_now(&self, gi: usize, si: usize) -> bool {
         let g = &self.groups[gi];
         let Phase::Decode { seqs } = &g.phase else {
             return false;
         };
-        !g.dropped
-            && seqs.get(si).is_some_and(|seq| {
-                seq.beam.is_none() && seq.grammar.as_ref().is_none_or(|gr| gr.mask.is_some())
-            })
+        !g.dropped && seqs.get(si).is_some_and(|seq| !seq.keeps_row())
     }
 
     /// Samples choice `si` of group `gi` from `row` and sends its events; a beam, or a
@@ -600,9 +594,7 @@ impl Scheduler {
         let Some(seq) = seqs.get_mut(si) else {
             return;
         };
-        // A beam waits for its siblings' rows, then `expand_beams` takes them all; a
-        // constrained choice waits for its mask.
-        if seq.beam.is_some() || seq.grammar.as_ref().is_some_and(|gr| gr.mask.is_none()) {
+        if seq.keeps_row() {
             seq.waiting_row = Some(row.into_owned());
             return;
         }
@@ -615,23 +607,17 @@ impl Scheduler {
             &self.tokenizer,
             &self.end_tokens,
         );
-        let choice = seq.choice;
-        self.after_token(gi, choice, emitted);
+        self.after_token(gi, si, emitted);
     }
 
-    /// After choice `choice` of group `gi` took a token: starts its next mask, and sends the
+    /// After choice `si` of group `gi` took a token: starts its next mask, and sends the
     /// events (or fails the request).
-    fn after_token(
-        &mut self,
-        gi: usize,
-        choice: usize,
-        emitted: Result<Vec<GenerationEvent>, String>,
-    ) {
+    fn after_token(&mut self, gi: usize, si: usize, emitted: Result<Vec<GenerationEvent>, String>) {
         let g = &mut self.groups[gi];
         let Phase::Decode { seqs } = &mut g.phase else {
             return;
         };
-        let Some(seq) = seqs.iter_mut().find(|s| s.choice == choice) else {
+        let Some(seq) = seqs.get_mut(si) else {
             return;
         };
         // The next mask depends only on the tokens sampled so far: start it now, while the

@@ -28,6 +28,12 @@ pub(super) struct Seq {
 }
 
 impl Seq {
+    /// Whether this choice keeps its row instead of sampling from it now: a beam waits for its
+    /// siblings' rows (`expand_beams` takes them all), a constrained choice for its mask.
+    pub(super) fn keeps_row(&self) -> bool {
+        self.beam.is_some() || self.grammar.as_ref().is_some_and(|gr| gr.mask.is_none())
+    }
+
     /// A choice with nothing generated yet, continuing what `cache` holds.
     pub(super) fn new(
         choice: usize,

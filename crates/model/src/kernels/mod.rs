@@ -301,8 +301,9 @@ pub(crate) fn matmul_split(
 /// The weight bytes the kernels read, from GGUF blocks (`[out_dim, in_dim]`, row-major).
 pub(crate) fn prepare(format: WeightFormat, gguf: Vec<u8>, out_dim: usize) -> Vec<u8> {
     match format {
-        WeightFormat::Q8_0 => q8_0::interleave_owned::<q8_0::Q8_0>(gguf, out_dim),
-        WeightFormat::Q8_0PairBound => q8_0::interleave_owned::<q8_0::Q8_0PairBound>(gguf, out_dim),
+        WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound => {
+            q8_0::interleave_owned::<q8_0::Q8_0>(gguf, out_dim)
+        }
         WeightFormat::Q5_0 => q8_0::interleave_owned::<q5_0::Q5_0>(gguf, out_dim),
         WeightFormat::Q4K => q4_k::interleave(&gguf, out_dim),
         WeightFormat::Q6K => gguf,

@@ -83,20 +83,33 @@ pub(crate) trait Format: Send + Sync + 'static {
     unsafe fn unsigned_steps(p: *const u8) -> [std::arch::x86_64::__m512i; 8];
 }
 
-/// Q8_0: after the scales, eight steps of sixteen rows × four quants, stored unsigned.
-pub(crate) struct Q8_0;
+/// Q8_0: after the scales, eight steps of sixteen rows × four quants, stored unsigned; with
+/// `PAIR_BOUND`, against pair-bound activations ([`Q8_0PairBound`]).
+pub(crate) struct Q8_0<const PAIR_BOUND: bool = false>;
 
-impl Format for Q8_0 {
+/// Q8_0 weights against pair-bound activations (`quantize_q8_0_pair_bound`): the stored bytes
+/// `w + 128` are `maddubs`'s unsigned operand as they are, so AVX2 takes 32 products by one
+/// `maddubs` and one `madd` straight from the stored layout, where Q8_0 takes the sign trick or
+/// slices widened to 16-bit pairs (`tile_throughput`, x86-64-v3 build, one host: 1.36x the sign
+/// trick's speed, 1.10x the widened pairs' before their widening; the 32-client AVX2 LM head
+/// ~10% faster in the server). AVX-512 runs as for Q8_0. The loader gives it the LM head (see
+/// `Linear::with_pair_bound_activations`).
+pub(crate) type Q8_0PairBound = Q8_0<true>;
+
+impl<const PAIR_BOUND: bool> Format for Q8_0<PAIR_BOUND> {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
+    /// (Pair-bound activations never widen.)
     type Batched = Q8_0Pairs;
+    const PAIR_BOUND: bool = PAIR_BOUND;
     /// From 16 rows the widened slices win (`kernel_throughput`, x86-64-v3 build, alternated
     /// 3x): 16 rows of the LM head 9% faster, 16 rows of 640 x 32,768 the same.
     const WIDEN_MIN_ROWS: usize = 16;
 
-    /// AVX2 has no unsigned-by-signed byte dot product: its batches take 16-bit pairs (see
-    /// `q8_0_pairs`). VNNI reads the bytes as stored.
+    /// AVX2 has no signed-by-signed byte dot product: its batches take 16-bit pairs (see
+    /// `q8_0_pairs`), but against pair-bound activations, which `maddubs` multiplies by the
+    /// stored unsigned bytes. VNNI reads the bytes as stored.
     fn widens(isa: Isa) -> bool {
-        isa == Isa::Avx2
+        !PAIR_BOUND && isa == Isa::Avx2
     }
 
     fn widen(isa: Isa, w: &[u8], nb: usize, out: &mut Vec<u8>) {
@@ -132,48 +145,6 @@ impl Format for Q8_0 {
         std::array::from_fn(|s| unsafe {
             _mm512_loadu_si512(p.add(SCALES + 64 * s) as *const __m512i)
         })
-    }
-}
-
-/// Q8_0 weights against pair-bound activations (`quantize_q8_0_pair_bound`): the stored bytes
-/// `w + 128` are `maddubs`'s unsigned operand as they are, so AVX2 takes 32 products by one
-/// `maddubs` and one `madd` straight from the stored layout, where Q8_0 takes the sign trick or
-/// slices widened to 16-bit pairs: a tile of four rows over a 32 KB slice in L1 at 86 GMAC/s
-/// against 78 (pairs, before widening) and 63 (sign trick), one core of the x86-64-v3 build;
-/// in the server at 32 clients the AVX2 LM head took 44-45 ms a step instead of 48.5-50.
-/// AVX-512 runs as for Q8_0. The loader gives it the LM head (see
-/// `Linear::with_pair_bound_activations`).
-pub(crate) struct Q8_0PairBound;
-
-impl Format for Q8_0PairBound {
-    const BLOCK_BYTES: usize = BLOCK_BYTES;
-    type Batched = WithQ8_0Acts<Q8_0PairBound>;
-    const PAIR_BOUND: bool = true;
-
-    fn gguf_quant(block: &[u8], i: usize) -> i8 {
-        Q8_0::gguf_quant(block, i)
-    }
-
-    fn put_quant(gb: &mut [u8], j: usize, i: usize, q: i8) {
-        Q8_0::put_quant(gb, j, i, q);
-    }
-
-    fn quant(gb: &[u8], j: usize, i: usize) -> i8 {
-        Q8_0::quant(gb, j, i)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe { Q8_0::signed_step(p, s, h) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn unsigned_steps(p: *const u8) -> [std::arch::x86_64::__m512i; 8] {
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe { Q8_0::unsigned_steps(p) }
     }
 }
 
@@ -854,8 +825,8 @@ mod tests {
         );
         for row in 0..2 * GROUP {
             for b in 0..nb {
-                let gb =
-                    &packed[((row / GROUP) * nb + b) * Q8_0::GROUP_BLOCK..][..Q8_0::GROUP_BLOCK];
+                let gb = &packed[((row / GROUP) * nb + b) * <Q8_0>::GROUP_BLOCK..]
+                    [..<Q8_0>::GROUP_BLOCK];
                 let j = row % GROUP;
                 let q: Vec<u8> = (0..32).map(|i| gb[q8_0_at(j, i)] ^ 0x80).collect();
                 let (scale, quants) = if row < rows {
