@@ -11,6 +11,7 @@ mod loader;
 mod lora;
 mod model;
 mod ops;
+mod pages;
 pub mod paths;
 pub mod softmax;
 pub mod tiny;
