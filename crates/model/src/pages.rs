@@ -2,9 +2,9 @@
 //!
 //! The kernels stream every weight once per step, the LM head's 168 MB and the layers' 67 MB on
 //! the default model. With 4 KiB pages a decode step takes a TLB miss every 4 KiB of them: one
-//! decoding stream on an AVX2 host made 104-111 tok/s with 4 KiB pages, 112-120 with the LM
-//! head in 2 MiB pages and 126-152 with every weight in them (`temper bench`, alternated). Hosts
-//! set to `madvise` (a common default) give huge pages only to memory that asks.
+//! decoding stream on an AVX2 host made 93-122 tok/s with 4 KiB pages and 112-135 with the
+//! weights collapsed as here (`temper bench`, builds alternated, five runs each). Hosts set to
+//! `madvise` (a common default) give huge pages only to memory that asks.
 
 /// Bytes per transparent huge page on x86-64 (and the usual size elsewhere).
 const HUGE_PAGE: usize = 2 << 20;
