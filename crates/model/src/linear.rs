@@ -73,12 +73,10 @@ impl Linear {
             _ => None,
         };
         let weight = match format.filter(|f| in_dim.is_multiple_of(f.block_elems())) {
-            Some(format) => {
-                let data = kernels::prepare(format, bytes, out_dim);
-                // Streamed once a step: in huge pages a step takes no TLB miss per 4 KiB of it.
-                crate::pages::collapse_into_huge_pages(&data);
-                Weight::Kernel { format, data }
-            }
+            Some(format) => Weight::Kernel {
+                format,
+                data: kernels::prepare(format, bytes, out_dim),
+            },
             None => {
                 let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, dtype)?;
                 let tensor = QTensor::new(storage, (out_dim, in_dim))?;
@@ -170,10 +168,7 @@ impl Linear {
                         let span = k0..(k0 + INPUT_GRAD_SPAN).min(self.out_dim);
                         kernels::transposed_q8_0(*format, data, (self.in_dim, self.out_dim), span)
                     })
-                    .collect::<Result<Vec<_>, _>>()?;
-                for span in &spans {
-                    crate::pages::collapse_into_huge_pages(span);
-                }
+                    .collect::<Result<_, _>>()?;
                 InputGradWeight::TransposedQ8_0(spans)
             }
             Weight::Kernel { .. } => {

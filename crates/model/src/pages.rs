@@ -1,9 +1,11 @@
 //! Weights backed by transparent huge pages.
 //!
 //! The kernels stream every weight once per step, the LM head's 168 MB and the layers' 67 MB on
-//! the default model. With 4 KiB pages a decode step takes a TLB miss every 4 KiB of them: one
-//! decoding stream on an AVX2 host made 93-122 tok/s with 4 KiB pages and 112-135 with the
-//! weights collapsed as here (`temper bench`, builds alternated, five runs each). Hosts set to
+//! the default model. With 4 KiB pages a decode step takes a TLB miss every 4 KiB of them. On
+//! one host (AMD EPYC, avx2 avx512f avx512_vnni avx512_bf16; the x86-64-v3 build with
+//! `TEMPER_ISA=avx2`), the two builds alternated five times, one decoding stream made 112-135
+//! tok/s with the weights collapsed as here against 93-122 without (`temper bench`), and the
+//! one-row LM head took 0.76-0.80x the time (`kernel_throughput`, two threads). Hosts set to
 //! `madvise` (a common default) give huge pages only to memory that asks.
 
 /// Bytes per transparent huge page on x86-64 (and the usual size elsewhere).

@@ -298,16 +298,19 @@ pub(crate) fn matmul_split(
     }
 }
 
-/// The weight bytes the kernels read, from GGUF blocks (`[out_dim, in_dim]`, row-major).
+/// The weight bytes the kernels read, from GGUF blocks (`[out_dim, in_dim]`, row-major), in
+/// huge pages where the host gives them (streamed once a step, see `pages`).
 pub(crate) fn prepare(format: WeightFormat, gguf: Vec<u8>, out_dim: usize) -> Vec<u8> {
-    match format {
+    let prepared = match format {
         WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound => {
             q8_0::interleave_owned::<q8_0::Q8_0>(gguf, out_dim)
         }
         WeightFormat::Q5_0 => q8_0::interleave_owned::<q5_0::Q5_0>(gguf, out_dim),
         WeightFormat::Q4K => q4_k::interleave(&gguf, out_dim),
         WeightFormat::Q6K => gguf,
-    }
+    };
+    crate::pages::collapse_into_huge_pages(&prepared);
+    prepared
 }
 
 /// Rows `rows` of a prepared weight `[out_dim, in_dim]` (dims `(in_dim, out_dim)`) in f32, each
@@ -403,7 +406,9 @@ pub(crate) fn transposed_q8_0(
             }
         }
     }
-    Ok(q8_0::interleave_owned::<q8_0::Q8_0>(gguf, in_dim))
+    let transposed = q8_0::interleave_owned::<q8_0::Q8_0>(gguf, in_dim);
+    crate::pages::collapse_into_huge_pages(&transposed);
+    Ok(transposed)
 }
 
 fn matmul_with<K: Kernel>(
