@@ -17,7 +17,7 @@ use half::f16;
 use super::activations::{quantize_q8_k, Q8KBlock};
 #[cfg(target_arch = "x86_64")]
 use super::with_act_rows;
-use super::{Isa, Kernel};
+use super::{Isa, Kernel, TileOut};
 
 pub(crate) const BLOCK_ELEMS: usize = 256;
 /// A GGUF block.
@@ -49,28 +49,21 @@ impl Kernel for Q4K {
         quantize_q8_k(x, out);
     }
 
-    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
-        scalar(w, acts, nb, out, stride);
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
+        scalar(w, acts, nb, out);
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn simd(
-        isa: Isa,
-        w: &[u8],
-        acts: &[Self::Act],
-        nb: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
+    unsafe fn simd(isa: Isa, w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
         let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
             match isa {
                 Isa::Avx512 => {
-                    with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride))
+                    with_act_rows!(na, x86::avx512_rows(w, acts, nb, out))
                 }
-                _ if na == 1 => x86::avx2_rows_few::<1>(w, acts, nb, out, stride),
-                _ => with_act_rows!(na, x86::avx2_rows(w, acts, nb, out, stride)),
+                _ if na == 1 => x86::avx2_rows_few::<1>(w, acts, nb, out),
+                _ => with_act_rows!(na, x86::avx2_rows(w, acts, nb, out)),
             }
         }
     }
@@ -173,7 +166,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 }
 
 /// The reference: ggml's repacked Q4_K gemv arithmetic, row by row.
-fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize) {
+fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: TileOut<'_>) {
     for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for r in 0..GROUP {
@@ -202,7 +195,7 @@ fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize
                     acc = (isum as f32).mul_add(d, acc);
                     acc_min = (msum as f32).mul_add(dmin, acc_min);
                 }
-                out[a * stride + g * GROUP + r] = acc - acc_min;
+                out.set(a, g * GROUP + r, acc - acc_min);
             }
         }
     }
@@ -212,7 +205,7 @@ fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: &mut [f32], stride: usize
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Q8KBlock, D, DMIN, GROUP, GROUP_BLOCK, MINS, QS, SCALES};
+    use super::{Q8KBlock, TileOut, D, DMIN, GROUP, GROUP_BLOCK, MINS, QS, SCALES};
 
     /// Four activation values (from byte `at`) as one i32, broadcast.
     #[inline(always)]
@@ -275,8 +268,7 @@ mod x86 {
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         let m4 = _mm256_set1_epi8(0xf);
         // A loop LLVM does not unroll: unrolled, it hoists the steps' quants ahead of their
@@ -339,9 +331,8 @@ mod x86 {
                     }
                 }
                 for a in 0..NA {
-                    let at = a * stride + g * GROUP + 8 * h;
                     let y = _mm256_sub_ps(acc[a], acc_min[a]);
-                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), y);
+                    _mm256_storeu_ps(out.at(a, g * GROUP + 8 * h), y);
                 }
             }
         }
@@ -354,8 +345,7 @@ mod x86 {
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         let m4 = _mm256_set1_epi8(0xf);
         let ones = _mm256_set1_epi16(1);
@@ -428,9 +418,8 @@ mod x86 {
                     }
                 }
                 for a in 0..NA {
-                    let at = a * stride + g * GROUP + 8 * h;
                     let y = _mm256_sub_ps(acc[a], acc_min[a]);
-                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), y);
+                    _mm256_storeu_ps(out.at(a, g * GROUP + 8 * h), y);
                 }
             }
         }
@@ -443,8 +432,7 @@ mod x86 {
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         // Partial sums per sub-block and activation row: at least eight VNNI chains.
         let chains = match NA {
@@ -533,9 +521,8 @@ mod x86 {
                 }
             }
             for a in 0..NA {
-                let at = a * stride + g * GROUP;
                 let y = _mm512_sub_ps(acc[a], acc_min[a]);
-                _mm512_storeu_ps(out[at..at + GROUP].as_mut_ptr(), y);
+                _mm512_storeu_ps(out.at(a, g * GROUP), y);
             }
         }
     }
@@ -619,7 +606,7 @@ mod tests {
         let packed = interleave(&w, rows);
         let stride = packed.len() / (nb * BLOCK_BYTES);
         let mut out = vec![0f32; na * stride];
-        scalar(&packed, &acts, nb, &mut out, stride);
+        scalar(&packed, &acts, nb, TileOut::buffer(&mut out, na, stride));
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for (r, wrow) in w.chunks_exact(nb * GGUF_BLOCK_BYTES).enumerate() {
                 let want = straightforward(wrow, arow);

@@ -18,7 +18,7 @@ use half::f16;
 use super::activations::{quantize_q8_k, Q8KBlock};
 #[cfg(target_arch = "x86_64")]
 use super::with_act_rows;
-use super::{Isa, Kernel};
+use super::{Isa, Kernel, TileOut};
 
 pub(crate) const BLOCK_ELEMS: usize = 256;
 pub(crate) const BLOCK_BYTES: usize = 210;
@@ -78,7 +78,7 @@ impl Kernel for Q6K {
         quantize_q8_k(x, out);
     }
 
-    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
         for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
             for (a, arow) in acts.chunks_exact(nb).enumerate() {
                 let mut acc = 0f32;
@@ -88,28 +88,21 @@ impl Kernel for Q6K {
                     let sum = block_sum(|i| q[i], |run| wb[SCALES + run] as i8, ab);
                     acc = (ab.d * scale(wb)).mul_add(sum as f32, acc);
                 }
-                out[a * stride + r] = acc;
+                out.set(a, r, acc);
             }
         }
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn simd(
-        isa: Isa,
-        w: &[u8],
-        acts: &[Self::Act],
-        nb: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
+    unsafe fn simd(isa: Isa, w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
         let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
             match isa {
                 Isa::Avx512 => {
-                    with_act_rows!(na, x86::avx512_rows(w, acts, nb, out, stride))
+                    with_act_rows!(na, x86::avx512_rows(w, acts, nb, out))
                 }
-                _ => with_act_rows!(na, x86::rows(w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::rows(w, acts, nb, out)),
             }
         }
     }
@@ -138,7 +131,7 @@ impl Kernel for Q6KWide {
         quantize_q8_k(x, out);
     }
 
-    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
         for (g, group) in w.chunks_exact(nb * WIDE_GROUP_BLOCK).enumerate() {
             for (a, arow) in acts.chunks_exact(nb).enumerate() {
                 for j in 0..WIDE_GROUP {
@@ -151,27 +144,20 @@ impl Kernel for Q6KWide {
                         let dw = f32::from_le_bytes(gb[WIDE_D + 4 * j..][..4].try_into().unwrap());
                         acc = (ab.d * dw).mul_add(sum as f32, acc);
                     }
-                    out[a * stride + g * WIDE_GROUP + j] = acc;
+                    out.set(a, g * WIDE_GROUP + j, acc);
                 }
             }
         }
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn simd(
-        isa: Isa,
-        w: &[u8],
-        acts: &[Self::Act],
-        nb: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
+    unsafe fn simd(isa: Isa, w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
         let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
             match isa {
-                Isa::Avx512 => with_act_rows!(na, x86::wide_avx512(w, acts, nb, out, stride)),
-                _ => with_act_rows!(na, x86::wide_avx2(w, acts, nb, out, stride)),
+                Isa::Avx512 => with_act_rows!(na, x86::wide_avx512(w, acts, nb, out)),
+                _ => with_act_rows!(na, x86::wide_avx2(w, acts, nb, out)),
             }
         }
     }
@@ -217,8 +203,8 @@ mod x86 {
     use super::super::row_pairs;
     use super::super::x86::pair;
     use super::{
-        scale, Q8KBlock, BLOCK_BYTES, QH, RUNS, SCALES, WIDE_D, WIDE_GROUP, WIDE_GROUP_BLOCK,
-        WIDE_QUANTS, WIDE_SCALES,
+        scale, Q8KBlock, TileOut, BLOCK_BYTES, QH, RUNS, SCALES, WIDE_D, WIDE_GROUP,
+        WIDE_GROUP_BLOCK, WIDE_QUANTS, WIDE_SCALES,
     };
 
     /// Run `c`'s two scales of half `j` (one per 16 values) as sixteen i16 lanes.
@@ -259,8 +245,7 @@ mod x86 {
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         let m4 = _mm512_set1_epi8(0xf);
         let m2 = _mm512_set1_epi8(3);
@@ -349,9 +334,9 @@ mod x86 {
             for (a, acc) in acc.iter().enumerate() {
                 let mut lanes = [0f32; 4];
                 _mm_storeu_ps(lanes.as_mut_ptr(), *acc);
-                for h in 0..2 {
+                for (h, &value) in lanes[..2].iter().enumerate() {
                     if r + h < rows {
-                        out[a * stride + r + h] = lanes[h];
+                        out.set(a, r + h, value);
                     }
                 }
             }
@@ -365,8 +350,7 @@ mod x86 {
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         let m4 = _mm256_set1_epi8(0xf);
         let m2 = _mm256_set1_epi8(3);
@@ -438,7 +422,7 @@ mod x86 {
                 }
             }
             for (a, acc) in acc.iter().enumerate() {
-                out[a * stride + r] = *acc;
+                out.set(a, r, *acc);
             }
         }
     }
@@ -451,8 +435,7 @@ mod x86 {
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         for (g, group) in w.chunks_exact(nb * WIDE_GROUP_BLOCK).enumerate() {
             let mut acc = [_mm512_setzero_ps(); NA];
@@ -490,8 +473,7 @@ mod x86 {
                 }
             }
             for (a, acc) in acc.iter().enumerate() {
-                let at = a * stride + g * WIDE_GROUP;
-                _mm512_storeu_ps(out[at..at + WIDE_GROUP].as_mut_ptr(), *acc);
+                _mm512_storeu_ps(out.at(a, g * WIDE_GROUP), *acc);
             }
         }
     }
@@ -503,8 +485,7 @@ mod x86 {
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         let ones = _mm256_set1_epi16(1);
         for (g, group) in w.chunks_exact(nb * WIDE_GROUP_BLOCK).enumerate() {
@@ -544,8 +525,7 @@ mod x86 {
                     }
                 }
                 for (a, acc) in acc.iter().enumerate() {
-                    let at = a * stride + g * WIDE_GROUP + 8 * h;
-                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), *acc);
+                    _mm256_storeu_ps(out.at(a, g * WIDE_GROUP + 8 * h), *acc);
                 }
             }
         }

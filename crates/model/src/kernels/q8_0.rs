@@ -25,7 +25,7 @@ use rayon::prelude::*;
 use super::activations::{quantize_q8_0, quantize_q8_0_pair_bound, Q8_0Block};
 #[cfg(target_arch = "x86_64")]
 use super::with_act_rows;
-use super::{q8_0_pairs, Isa, Kernel};
+use super::{q8_0_pairs, Isa, Kernel, TileOut};
 use q8_0_pairs::Q8_0Pairs;
 
 pub(crate) const BLOCK_ELEMS: usize = 32;
@@ -223,28 +223,21 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
         }
     }
 
-    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: &mut [f32], stride: usize) {
-        scalar::<F>(w, acts, nb, out, stride);
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
+        scalar::<F>(w, acts, nb, out);
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn simd(
-        isa: Isa,
-        w: &[u8],
-        acts: &[Self::Act],
-        nb: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
+    unsafe fn simd(isa: Isa, w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
         let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
             match isa {
-                Isa::Avx512 => with_act_rows!(na, x86::avx512_rows[F](w, acts, nb, out, stride)),
+                Isa::Avx512 => with_act_rows!(na, x86::avx512_rows[F](w, acts, nb, out)),
                 _ if F::FIVE_BIT || F::PAIR_BOUND => {
-                    with_act_rows!(na, x86::avx2_rows_unsigned[F](w, acts, nb, out, stride))
+                    with_act_rows!(na, x86::avx2_rows_unsigned[F](w, acts, nb, out))
                 }
-                _ => with_act_rows!(na, x86::avx2_rows[F](w, acts, nb, out, stride)),
+                _ => with_act_rows!(na, x86::avx2_rows[F](w, acts, nb, out)),
             }
         }
     }
@@ -364,7 +357,7 @@ pub(crate) fn dequantize_rows<F: Format>(w: &[u8], in_dim: usize, rows: &[usize]
 
 /// The reference: per row and column, each block's integer dot product into one f32 by a fused
 /// multiply-add.
-fn scalar<F: Format>(w: &[u8], acts: &[Q8_0Block], nb: usize, out: &mut [f32], stride: usize) {
+fn scalar<F: Format>(w: &[u8], acts: &[Q8_0Block], nb: usize, out: TileOut<'_>) {
     for (g, group) in w.chunks_exact(nb * F::GROUP_BLOCK).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for j in 0..GROUP {
@@ -376,7 +369,7 @@ fn scalar<F: Format>(w: &[u8], acts: &[Q8_0Block], nb: usize, out: &mut [f32], s
                         .sum();
                     acc = d.mul_add(isum as f32, acc);
                 }
-                out[a * stride + g * GROUP + j] = acc;
+                out.set(a, g * GROUP + j, acc);
             }
         }
     }
@@ -387,7 +380,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::activations::VNNI_BIAS;
-    use super::{FiveBitBytes, Format, Q8_0Block, GROUP, SCALES};
+    use super::{FiveBitBytes, Format, Q8_0Block, TileOut, GROUP, SCALES};
 
     /// Group blocks between the one computed and the one prefetched (into L2).
     const PREFETCH_AHEAD: usize = 32;
@@ -469,8 +462,7 @@ mod x86 {
         w: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         let ones = _mm256_set1_epi16(1);
         // (One activation row has no weights to share: unrolled, it has nothing to spill.)
@@ -503,8 +495,7 @@ mod x86 {
                     unsafe { take_block(p, h, &ab, &isum, &mut acc) };
                 }
                 for (a, acc) in acc.iter().enumerate() {
-                    let at = a * stride + g * GROUP + 8 * h;
-                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), *acc);
+                    _mm256_storeu_ps(out.at(a, g * GROUP + 8 * h), *acc);
                 }
             }
         }
@@ -537,8 +528,7 @@ mod x86 {
         w: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         assert!(F::FIVE_BIT || F::PAIR_BOUND);
         let (offset, run) = if F::FIVE_BIT { (16, 4) } else { (128, 1) };
@@ -580,8 +570,7 @@ mod x86 {
                     unsafe { take_block(p, h, &ab, &isum, &mut acc) };
                 }
                 for (a, acc) in acc.iter().enumerate() {
-                    let at = a * stride + g * GROUP + 8 * h;
-                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), *acc);
+                    _mm256_storeu_ps(out.at(a, g * GROUP + 8 * h), *acc);
                 }
             }
         }
@@ -595,12 +584,11 @@ mod x86 {
         w: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         for (g, group) in w.chunks_exact(nb * F::GROUP_BLOCK).enumerate() {
             for a0 in (0..NA).step_by(AVX512_ROWS) {
-                let out = &mut out[a0 * stride + g * GROUP..];
+                let out = out.shifted(a0, g * GROUP);
                 let acts = &acts[a0 * nb..];
                 macro_rules! pass {
                     ($($n:literal)*) => {
@@ -608,10 +596,10 @@ mod x86 {
                             $(
                                 // SAFETY: passed on; `$n` rows from `a0`.
                                 ($n, true) => unsafe {
-                                    avx512_group::<$n, true, F>(group, acts, nb, out, stride)
+                                    avx512_group::<$n, true, F>(group, acts, nb, out)
                                 },
                                 ($n, false) => unsafe {
-                                    avx512_group::<$n, false, F>(group, acts, nb, out, stride)
+                                    avx512_group::<$n, false, F>(group, acts, nb, out)
                                 },
                             )*
                             _ => unreachable!(),
@@ -630,8 +618,7 @@ mod x86 {
         group: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         let bias = _mm512_set1_ps(f32::from_bits(VNNI_BIAS as u32));
         let mut acc = [_mm512_setzero_ps(); NA];
@@ -669,7 +656,7 @@ mod x86 {
             }
         }
         for (a, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out[a * stride..a * stride + GROUP].as_mut_ptr(), *acc);
+            _mm512_storeu_ps(out.at(a, 0), *acc);
         }
     }
 }
@@ -767,7 +754,7 @@ mod tests {
         let packed = interleave::<Q8_0>(&w, rows);
         let stride = packed.len() / (nb * BLOCK_BYTES);
         let mut out = vec![0f32; na * stride];
-        scalar::<Q8_0>(&packed, &acts, nb, &mut out, stride);
+        scalar::<Q8_0>(&packed, &acts, nb, TileOut::buffer(&mut out, na, stride));
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
                 let want = straightforward(wrow, arow);

@@ -23,7 +23,7 @@ use super::activations::{quantize_q8_0, Q8_0Block};
 use super::q8_0::{Format, Q8_0};
 #[cfg(target_arch = "x86_64")]
 use super::with_act_rows;
-use super::{Isa, Kernel};
+use super::{Isa, Kernel, TileOut};
 
 const BLOCK_ELEMS: usize = 32;
 /// One row's block: f16 scale and 32 i16.
@@ -86,7 +86,7 @@ impl Kernel for Q8_0Pairs {
         }
     }
 
-    fn scalar(w: &[u8], acts: &[PairsBlock], nb: usize, out: &mut [f32], stride: usize) {
+    fn scalar(w: &[u8], acts: &[PairsBlock], nb: usize, out: TileOut<'_>) {
         for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
             for (a, arow) in acts.chunks_exact(nb).enumerate() {
                 for j in 0..GROUP {
@@ -98,24 +98,17 @@ impl Kernel for Q8_0Pairs {
                             .sum();
                         acc = d.mul_add(isum as f32, acc);
                     }
-                    out[a * stride + g * GROUP + j] = acc;
+                    out.set(a, g * GROUP + j, acc);
                 }
             }
         }
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn simd(
-        _isa: Isa,
-        w: &[u8],
-        acts: &[PairsBlock],
-        nb: usize,
-        out: &mut [f32],
-        stride: usize,
-    ) {
+    unsafe fn simd(_isa: Isa, w: &[u8], acts: &[PairsBlock], nb: usize, out: TileOut<'_>) {
         let na = acts.len() / nb;
         // SAFETY: the caller's guarantees, passed on (AVX-512 CPUs have AVX2).
-        unsafe { with_act_rows!(na, x86::rows(w, acts, nb, out, stride)) }
+        unsafe { with_act_rows!(na, x86::rows(w, acts, nb, out)) }
     }
 }
 
@@ -153,7 +146,7 @@ pub(crate) fn widen(isa: Isa, w: &[u8], nb: usize, out: &mut Vec<u8>) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{PairsBlock, GROUP, GROUP_BLOCK, Q8_0_GROUP_BLOCK, SCALES};
+    use super::{PairsBlock, TileOut, GROUP, GROUP_BLOCK, Q8_0_GROUP_BLOCK, SCALES};
 
     /// One Q8_0 group block widened: each step's 32 bytes (eight rows × four values) become
     /// two pair steps of those eight rows, by shifts within 16-bit words (no shuffles).
@@ -186,8 +179,7 @@ mod x86 {
         w: &[u8],
         acts: &[PairsBlock],
         nb: usize,
-        out: &mut [f32],
-        stride: usize,
+        out: TileOut<'_>,
     ) {
         // A loop LLVM does not unroll (see `q8_0::x86::avx2_rows`).
         let steps = std::hint::black_box(16usize);
@@ -229,8 +221,7 @@ mod x86 {
             }
             for (a, acc) in acc.iter().enumerate() {
                 for (h, acc) in acc.iter().enumerate() {
-                    let at = a * stride + g * GROUP + 8 * h;
-                    _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), *acc);
+                    _mm256_storeu_ps(out.at(a, g * GROUP + 8 * h), *acc);
                 }
             }
         }
