@@ -71,16 +71,22 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
     scores.resize(heads * n, 0.0);
     let ops = Ops::<T>::new(isa);
 
-    // Scores, head-major: scores[h * n + j].
+    // Scores, head-major: scores[h * n + j]. The cache's blocks come from memory, one block
+    // apart: while a span's keys are scored, the next span's keys and this span's values (for
+    // the weighted sums below) are asked for, a share per key.
     let mut j = 0;
-    for (keys, _, rows) in view.spans(lo, hi, stride) {
+    let mut spans = view.spans(lo, hi, stride).peekable();
+    while let Some((keys, values, rows)) = spans.next() {
+        let next_keys = spans.peek().map_or(&[][..], |next| next.0);
         for r in 0..rows {
-            let key = &keys[r * stride + col..][..d];
-            for h in 0..heads {
-                scores[h * n + j] = (ops.dot)(key, &queries[h * d..(h + 1) * d]) * scale;
-            }
+            crate::kernels::prefetch_share(as_bytes(next_keys), r, rows);
+            crate::kernels::prefetch_share(as_bytes(values), r, rows);
+            (ops.dots)(&keys[r * stride + col..][..d], queries, scores, j, n);
             j += 1;
         }
+    }
+    for s in scores.iter_mut() {
+        *s *= scale;
     }
     // Softmax weights (unnormalised) and their sums.
     let mut inv = [0f32; 8];
@@ -104,13 +110,14 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
     out.fill(0.0);
     let mut j = 0;
     for (_, values, rows) in view.spans(lo, hi, stride) {
-        for r in 0..rows {
-            let value = &values[r * stride + col..][..d];
-            for h in 0..heads {
-                (ops.axpy)(scores[h * n + j], value, &mut out[h * d..(h + 1) * d]);
-            }
-            j += 1;
-        }
+        let span = ValueRows {
+            values,
+            rows,
+            stride,
+            col,
+        };
+        (ops.weighted)(span, scores, j, n, out);
+        j += rows;
     }
     for (h, o) in out.chunks_exact_mut(d).enumerate() {
         for x in o.iter_mut() {
@@ -119,10 +126,32 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
     }
 }
 
-/// The dot product and weighted add of one instruction set, for element type `T`.
+/// The bytes of a row of the cache (for prefetching).
+fn as_bytes<T: KvElem>(rows: &[T]) -> &[u8] {
+    // SAFETY: `KvElem`s (f16, f32) are plain values: every byte of them is initialized.
+    unsafe { std::slice::from_raw_parts(rows.as_ptr().cast(), std::mem::size_of_val(rows)) }
+}
+
+/// Consecutive value rows of one span of the cache: `rows` rows `stride` apart, the head's
+/// values from column `col`.
+#[derive(Clone, Copy)]
+struct ValueRows<'a, T> {
+    values: &'a [T],
+    rows: usize,
+    stride: usize,
+    col: usize,
+}
+
+/// The scores and weighted sums of one instruction set, for element type `T`. Each score is
+/// one head's [`dot_scalar`]; each output value takes the span's rows one fused multiply-add
+/// at a time, in row order: the bits of the scalar reference whatever the instruction set.
 struct Ops<T> {
-    dot: fn(&[T], &[f32]) -> f32,
-    axpy: fn(f32, &[T], &mut [f32]),
+    /// `scores[h * n + j] = key · queries[h * d..]` for every head `h` of `queries`
+    /// (`d = key.len()`).
+    dots: fn(&[T], &[f32], &mut [f32], usize, usize),
+    /// For each row `r` of the span, in order, and each head `h`: `out[h * d..] += scores[h * n
+    /// + j + r] · value_r` (`d = out.len() / heads`, the heads `scores.len() / n`).
+    weighted: fn(ValueRows<'_, T>, &[f32], usize, usize, &mut [f32]),
 }
 
 impl<T: KvElem + 'static> Ops<T> {
@@ -135,8 +164,32 @@ impl<T: KvElem + 'static> Ops<T> {
         }
         let _ = isa;
         Ops {
-            dot: dot_scalar::<T>,
-            axpy: axpy_scalar::<T>,
+            dots: dots_scalar::<T>,
+            weighted: weighted_scalar::<T>,
+        }
+    }
+}
+
+fn dots_scalar<T: KvElem>(key: &[T], queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
+    for (h, q) in queries.chunks_exact(key.len()).enumerate() {
+        scores[h * n + j] = dot_scalar(key, q);
+    }
+}
+
+fn weighted_scalar<T: KvElem>(
+    span: ValueRows<'_, T>,
+    scores: &[f32],
+    j: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let d = out.len() / (scores.len() / n);
+    for r in 0..span.rows {
+        let value = &span.values[r * span.stride + span.col..][..d];
+        for (h, o) in out.chunks_exact_mut(d).enumerate() {
+            for (o, v) in o.iter_mut().zip(value) {
+                *o = v.get().mul_add(scores[h * n + j + r], *o);
+            }
         }
     }
 }
@@ -164,13 +217,6 @@ fn dot_scalar<T: KvElem>(key: &[T], q: &[f32]) -> f32 {
     sum
 }
 
-/// `out += w · value`, one fused multiply-add per element.
-fn axpy_scalar<T: KvElem>(w: f32, value: &[T], out: &mut [f32]) {
-    for (o, v) in out.iter_mut().zip(value) {
-        *o = v.get().mul_add(w, *o);
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::any::TypeId;
@@ -178,20 +224,27 @@ mod x86 {
 
     use half::f16;
 
-    use super::{KvElem, Ops, LANES, STEP};
+    use super::{Ops, ValueRows, LANES, STEP};
+
+    /// Heads a call of the AVX2 loops takes together (their accumulators stay in registers).
+    const HEADS: usize = 4;
 
     /// The AVX2 operations for f16 rows (the serving cache); `None` for other element types.
-    pub(super) fn ops<T: KvElem + 'static>() -> Option<Ops<T>> {
+    pub(super) fn ops<T: 'static>() -> Option<Ops<T>> {
         if TypeId::of::<T>() != TypeId::of::<f16>() {
             return None;
         }
         // SAFETY: `T` is `f16` (checked above), so the function pointers' types are equal.
         Some(unsafe {
             Ops {
-                dot: std::mem::transmute::<fn(&[f16], &[f32]) -> f32, fn(&[T], &[f32]) -> f32>(dot),
-                axpy: std::mem::transmute::<fn(f32, &[f16], &mut [f32]), fn(f32, &[T], &mut [f32])>(
-                    axpy,
-                ),
+                dots: std::mem::transmute::<
+                    fn(&[f16], &[f32], &mut [f32], usize, usize),
+                    fn(&[T], &[f32], &mut [f32], usize, usize),
+                >(dots),
+                weighted: std::mem::transmute::<
+                    fn(ValueRows<'_, f16>, &[f32], usize, usize, &mut [f32]),
+                    fn(ValueRows<'_, T>, &[f32], usize, usize, &mut [f32]),
+                >(weighted),
             }
         })
     }
@@ -202,56 +255,150 @@ mod x86 {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
     }
 
-    fn dot(key: &[f16], q: &[f32]) -> f32 {
-        assert!(key.len() >= q.len());
-        // SAFETY: `Isa::detect` named AVX2 (with FMA and F16C) before these ops were chosen.
-        unsafe { dot_avx2(key, q) }
+    /// Calls `$f::<H>(args)` with `H`, the heads of a call (1 to `HEADS`), as a constant.
+    macro_rules! with_heads {
+        ($h:expr, $f:ident($($arg:expr),*)) => {
+            match $h {
+                1 => $f::<1>($($arg),*),
+                2 => $f::<2>($($arg),*),
+                3 => $f::<3>($($arg),*),
+                _ => $f::<4>($($arg),*),
+            }
+        };
     }
 
-    fn axpy(w: f32, value: &[f16], out: &mut [f32]) {
-        assert!(value.len() >= out.len());
-        // SAFETY: as for `dot`.
-        unsafe { axpy_avx2(w, value, out) }
+    fn dots(key: &[f16], queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
+        let d = key.len();
+        let heads = queries.len() / d;
+        assert!(d > 0 && heads * d == queries.len() && j < n && scores.len() >= heads * n);
+        for h0 in (0..heads).step_by(HEADS) {
+            let q = &queries[h0 * d..];
+            let sums = &mut scores[h0 * n + j..];
+            // SAFETY: `Isa::detect` named AVX2 (with FMA and F16C) before these ops were chosen;
+            // `q` holds the call's heads (`d` values each), `sums` has them `n` apart (above).
+            unsafe { with_heads!(heads - h0, dots_avx2(key, q, sums, n)) }
+        }
     }
 
+    /// [`super::dot_scalar`] for `H` heads at once: the key is read and converted once. Each
+    /// accumulator `a` takes the same fused multiply-adds in the same order as there (one pass
+    /// over the key per accumulator), so the bits are the reference's.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2(key: &[f16], q: &[f32]) -> f32 {
-        let whole = q.len() / STEP * STEP;
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let (kp, qp) = (key.as_ptr(), q.as_ptr());
-        for i in (0..whole).step_by(STEP) {
-            for (a, x) in acc.iter_mut().enumerate() {
-                let at = i + a * LANES;
-                // SAFETY: `at + 8 <= whole <= len` for both slices.
-                unsafe { *x = _mm256_fmadd_ps(load8(kp.add(at)), _mm256_loadu_ps(qp.add(at)), *x) };
+    unsafe fn dots_avx2<const H: usize>(key: &[f16], q: &[f32], sums: &mut [f32], n: usize) {
+        let d = key.len();
+        let whole = d / STEP * STEP;
+        let kp = key.as_ptr();
+        let qp: [*const f32; H] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
+        let mut parts = [[_mm256_setzero_ps(); 4]; H];
+        for a in 0..4 {
+            let mut acc = [_mm256_setzero_ps(); H];
+            for i in (a * LANES..whole).step_by(STEP) {
+                // SAFETY: `i + 8 <= whole <= d` for the key and each head's query.
+                unsafe {
+                    let k = load8(kp.add(i));
+                    for (acc, qp) in acc.iter_mut().zip(qp) {
+                        *acc = _mm256_fmadd_ps(k, _mm256_loadu_ps(qp.add(i)), *acc);
+                    }
+                }
+            }
+            for (part, acc) in parts.iter_mut().zip(acc) {
+                part[a] = acc;
             }
         }
-        let folded = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut lanes = [0f32; LANES];
-        // SAFETY: eight floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), folded) };
-        let mut sum = crate::kernels::hsum8(&lanes);
-        for at in whole..q.len() {
-            sum = key[at].to_f32().mul_add(q[at], sum);
+        for (h, p) in parts.iter().enumerate() {
+            let folded = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
+            let mut lanes = [0f32; LANES];
+            // SAFETY: eight floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), folded) };
+            let mut sum = crate::kernels::hsum8(&lanes);
+            let qh = &q[h * d..(h + 1) * d];
+            for at in whole..d {
+                sum = key[at].to_f32().mul_add(qh[at], sum);
+            }
+            sums[h * n] = sum;
         }
-        sum
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn axpy_avx2(w: f32, value: &[f16], out: &mut [f32]) {
-        let d = out.len();
-        let wv = _mm256_set1_ps(w);
-        let mut i = 0;
-        while i + 8 <= d {
-            // SAFETY: eight values of `out` and `value` from `i`.
+    fn weighted(span: ValueRows<'_, f16>, scores: &[f32], j: usize, n: usize, out: &mut [f32]) {
+        let heads = scores.len() / n;
+        let d = out.len() / heads;
+        let ValueRows {
+            values,
+            rows,
+            stride,
+            col,
+        } = span;
+        assert!(heads * d == out.len() && j + rows <= n && scores.len() == heads * n);
+        assert!(rows == 0 || values.len() >= (rows - 1) * stride + col + d);
+        for h0 in (0..heads).step_by(HEADS) {
+            let w = &scores[h0 * n + j..];
+            let o = &mut out[h0 * d..];
+            // SAFETY: as for `dots`; the rows' values lie in `values` (checked above), `w` and
+            // `o` hold the call's heads `n` and `d` apart.
             unsafe {
-                let o = _mm256_loadu_ps(out.as_ptr().add(i));
-                let v = load8(value.as_ptr().add(i));
-                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_fmadd_ps(v, wv, o));
+                with_heads!(
+                    heads - h0,
+                    weighted_avx2(values[col..].as_ptr(), rows, stride, d, w, n, o)
+                )
             }
-            i += 8;
         }
-        super::axpy_scalar(w, &value[i..], &mut out[i..]);
+    }
+
+    /// The weighted sum for `H` heads, eight or sixteen output values at a time: their
+    /// accumulators stay in registers while the span's rows go by in order (one fused
+    /// multiply-add per value and row, as in the reference), each value converted once.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weighted_avx2<const H: usize>(
+        values: *const f16,
+        rows: usize,
+        stride: usize,
+        d: usize,
+        w: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) {
+        assert!(w.len() > (H - 1) * n + rows.saturating_sub(1) && out.len() >= H * d);
+        let wp: [*const f32; H] = std::array::from_fn(|h| w[h * n..].as_ptr());
+        let op: [*mut f32; H] = std::array::from_fn(|h| out[h * d..].as_mut_ptr());
+        let mut c = 0;
+        while c + 16 <= d {
+            // SAFETY: columns `c..c + 16` of each head's output and of every row (the caller's
+            // bounds); weights `0..rows` of each head.
+            unsafe {
+                let mut acc: [[__m256; 2]; H] = std::array::from_fn(|h| {
+                    [
+                        _mm256_loadu_ps(op[h].add(c)),
+                        _mm256_loadu_ps(op[h].add(c + 8)),
+                    ]
+                });
+                for r in 0..rows {
+                    let v = values.add(r * stride + c);
+                    let (v0, v1) = (load8(v), load8(v.add(8)));
+                    for (acc, wp) in acc.iter_mut().zip(wp) {
+                        let wv = _mm256_broadcast_ss(&*wp.add(r));
+                        acc[0] = _mm256_fmadd_ps(v0, wv, acc[0]);
+                        acc[1] = _mm256_fmadd_ps(v1, wv, acc[1]);
+                    }
+                }
+                for (acc, op) in acc.iter().zip(op) {
+                    _mm256_storeu_ps(op.add(c), acc[0]);
+                    _mm256_storeu_ps(op.add(c + 8), acc[1]);
+                }
+            }
+            c += 16;
+        }
+        // The last columns (`d` not a multiple of 16) one at a time, in the same order.
+        for c in c..d {
+            for r in 0..rows {
+                // SAFETY: as above, column `c < d`.
+                unsafe {
+                    let v = (*values.add(r * stride + c)).to_f32();
+                    for (wp, op) in wp.iter().zip(op) {
+                        *op.add(c) = v.mul_add(*wp.add(r), *op.add(c));
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -296,14 +443,16 @@ mod tests {
     #[test]
     fn simd_equals_scalar_and_chunking_changes_nothing() {
         let mut seed = 0x1234_5678_9abc_def1u64;
-        // Head sizes with and without a tail past the 32-value steps; strides wider than a head
-        // (several kv heads, reading the second); groups of 1 to 4 heads; windows.
+        // Head sizes with and without a tail past the 32-value steps (and the 16 values the
+        // weighted sums take at a time); strides wider than a head (several kv heads, reading
+        // the second); groups of 1 to 6 heads (more than the AVX2 loops take at once); windows.
         for (d, kv_heads, heads, n, lo) in [
             (256, 1, 4, 1, 0),
             (256, 2, 4, 37, 3),
             (64, 1, 2, 300, 0),
             (80, 2, 1, 19, 7),
             (8, 1, 4, 5, 0),
+            (40, 1, 6, 23, 2),
         ] {
             let head = HeadColumns {
                 col: (kv_heads - 1) * d,

@@ -650,7 +650,7 @@ fn matmul_slices<K: Kernel>(
 /// two slices ahead, into L1 or L2, measured alike). Batches that read the stored weight
 /// stream it tile by tile, which the hardware prefetcher follows: there the same prefetches
 /// made 5-12 rows of the LM head 12-17% slower.
-fn prefetch_share(bytes: &[u8], t: usize, tiles: usize) {
+pub(crate) fn prefetch_share(bytes: &[u8], t: usize, tiles: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
