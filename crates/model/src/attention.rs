@@ -85,10 +85,7 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
             j += 1;
         }
     }
-    for s in scores.iter_mut() {
-        *s *= scale;
-    }
-    // Softmax weights (unnormalised) and their sums.
+    // Softmax weights (unnormalised) and their sums, the scores scaled on the way.
     let mut inv = [0f32; 8];
     let mut inv_heap = Vec::new();
     let inv: &mut [f32] = if heads <= inv.len() {
@@ -98,7 +95,11 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
         &mut inv_heap
     };
     for (h, row) in scores.chunks_exact_mut(n).enumerate() {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut max = f32::NEG_INFINITY;
+        for s in row.iter_mut() {
+            *s *= scale;
+            max = max.max(*s);
+        }
         let mut sum = 0f32;
         for s in row.iter_mut() {
             *s = (*s - max).exp();

@@ -299,8 +299,9 @@ const ACT_TILE: usize = 4;
 const WEIGHT_SLICE_BYTES: usize = 32 * 1024;
 /// The same on AVX2 for a weight long enough to give every task many of them (the LM head):
 /// slices the size of L2 stream the weight in longer runs. Two threads, 8 / 16 / 32 rows of
-/// the LM head 8-12% faster than with L1 slices (`kernel_throughput`, x86-64-v3 build, one
-/// host, alternated; 128 KB to 512 KB alike); on the layers' ~1 MB weights they left threads
+/// the LM head 8-12% faster than with L1 slices (`kernel_throughput`, x86-64-v3 build,
+/// alternated with 32 KB slices on one host: AMD EPYC, avx2 avx512f avx512_vnni avx512_bf16;
+/// 128 KB to 512 KB alike); on the layers' ~1 MB weights they left threads
 /// idle at the end. AVX-512 prefetches each slice into L2 itself and reads it again from L1:
 /// there long slices were 0-5% slower.
 const LONG_WEIGHT_SLICE_BYTES: usize = 256 * 1024;
@@ -641,7 +642,9 @@ fn matmul_slices<K: Kernel>(
     parts
 }
 
-/// Asks for share `t` of `tiles` of `bytes` (the next weight slice) to be brought into L2.
+/// Asks for share `t` of `tiles` of `bytes` to be brought into L2: memory a loop reads next,
+/// asked for a share per step of the loop before it (here the next weight slice; attention's
+/// next cache block).
 ///
 /// A batch that widens reads each slice in one go (`widen`) and waited for it to come from
 /// memory, then computes for long on the widened copy (one tile of activation rows after
