@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test test-cluster test-dashboard fuzz bench bench-compare bench-compare-avx2 bench-train-compare fetch-model build demo-rl soak
+.PHONY: serve test system-deps test-cluster test-dashboard fuzz bench bench-compare bench-compare-avx2 bench-train-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -12,6 +12,11 @@ fetch-model:
 
 build:
 	cargo build --release -p temper
+
+# The Debian packages the tests need (PostgreSQL's server, headless Chromium), installed with
+# apt-get when missing; prints what it installed.
+system-deps:
+	scripts/system-deps.sh
 
 serve: fetch-model build
 	./target/release/temper serve $(ARGS)
@@ -22,8 +27,9 @@ serve: fetch-model build
 # the cluster test (as `make test-cluster`), and the client suites against the built server: the
 # openai SDK, the openpipe-art RL library, and the dashboard in headless Chromium (required here:
 # it fails, not skips, without chromium). The last line sums every test binary's result (cargo
-# prints one line per binary; each Python suite prints one in the same shape).
-test: fetch-model build
+# prints one line per binary; each Python suite prints one in the same shape). On a fresh machine
+# it first installs PostgreSQL and Chromium (`make system-deps`).
+test: system-deps fetch-model build
 	mkdir -p target
 	TEMPER_REQUIRE_MODEL=1 TEMPER_REQUIRE_POSTGRES=1 TEMPER_REQUIRE_S3=1 \
 		scripts/with-postgres.sh scripts/with-s3.sh \
