@@ -1,4 +1,4 @@
-# Two entry points: `make serve` and `make test` (see README.md).
+# Two entry points: `make serve` and `make test` (see README.md; the rest is in docs/).
 
 ARGS ?=
 SHELL := /bin/bash
@@ -45,14 +45,14 @@ test: system-deps fetch-model build
 	exit $$status
 
 # Two API nodes and two workers on one machine, sharing a throwaway PostgreSQL store and a moto S3
-# bucket (README, Scale-out): jobs run once, a killed worker's job finishes on the other, any
+# bucket (docs/cli.md, Scale-out): jobs run once, a killed worker's job finishes on the other, any
 # API node serves any checkpoint.
 test-cluster: fetch-model build
 	scripts/with-postgres.sh scripts/with-s3.sh python3 scripts/test_cluster.py
 
 # GET /dashboard in Debian's headless chromium against a fresh server with trained checkpoints
 # (skipped with the reason when chromium is missing); ARGS="--screenshot docs/dashboard.png"
-# rewrites the README's screenshot (by default it goes to target/dashboard.png).
+# rewrites the screenshot in docs/api.md (by default it goes to target/dashboard.png).
 test-dashboard: fetch-model build
 	scripts/dashboard-test.sh $(ARGS)
 
@@ -62,7 +62,7 @@ FUZZ_SECS ?= 300
 fuzz:
 	TEMPER_FUZZ_SECS=$(FUZZ_SECS) cargo test --release -p temper-http --test fuzz -- --nocapture
 
-# temper's own throughput figures on this host (README, Benchmarks).
+# temper's own throughput figures on this host (docs/benchmarks.md).
 bench: fetch-model build
 	./target/release/temper bench $(ARGS)
 
@@ -84,13 +84,13 @@ bench-train-compare: fetch-model
 	scripts/bench-train-compare.sh $(ARGS)
 
 # N clients for M minutes (streaming, n > 1, structured outputs, cancellations, agent turns and a
-# training loop) against a fresh server: 5xx count, p99 latency, RSS over time (README,
-# Reliability). ARGS="--clients 64 --minutes 10" is the README's run.
+# training loop) against a fresh server: 5xx count, p99 latency, RSS over time (docs/reliability.md,
+# Soak). ARGS="--clients 64 --minutes 10" is the documented run.
 soak: fetch-model build
 	scripts/soak.py $(ARGS)
 
 # RL learning demo on the default model through the HTTP API of a fresh `temper serve`: rollouts,
 # rewards for answers beginning with a word, one training job per round; prints the table and
-# writes docs/rl-demo.png (README, RL demo).
+# writes docs/rl-demo.png (docs/benchmarks.md, RL demo).
 demo-rl: fetch-model build
 	scripts/demo-rl.sh $(ARGS)

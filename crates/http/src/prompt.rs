@@ -68,7 +68,7 @@ pub fn encode_prompt(model: &ServedModel, p: &PromptParams, text: &str) -> Vec<u
 }
 
 /// The reasoning parser for this request's output, when the template it renders with writes
-/// `<think>` (the rule the README documents). It starts inside the reasoning when the prompt
+/// `<think>` (the rule docs/api.md documents). It starts inside the reasoning when the prompt
 /// itself ends with `<think>` (templates that open the thinking in the generation prompt).
 pub fn reasoning_parser(
     model: &ServedModel,

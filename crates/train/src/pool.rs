@@ -6,7 +6,7 @@
 
 use std::num::NonZeroUsize;
 
-/// The default `nice` increment of the trainer's threads (README, CLI reference: measured
+/// The default `nice` increment of the trainer's threads (docs/cli.md: measured
 /// against decode speed while a job runs).
 pub const DEFAULT_TRAIN_NICE: u8 = 19;
 
