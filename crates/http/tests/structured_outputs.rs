@@ -218,8 +218,8 @@ async fn json_object_regex_choice_grammar_and_structural_tag() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_constrained_request_does_not_change_its_batch_neighbours() {
     let Some(s) = real_server().await else { return };
-    // Long enough to overlap the constrained request (whose grammar may compile first, and
-    // this prompt comes from the prefix cache the second time).
+    // Long enough to overlap the constrained request; its prompt comes from the prefix cache the
+    // second time.
     let free = json!({"messages": user("Tell me about the sea."), "temperature": 1.0,
         "seed": 42, "max_completion_tokens": 160, "ignore_eos": true, "return_token_ids": true});
     let constrained = json!({"messages": user("Describe a person as JSON."), "temperature": 1.0,
@@ -227,7 +227,17 @@ async fn a_constrained_request_does_not_change_its_batch_neighbours() {
         "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": person_schema()}}});
     let (status, alone) = s.chat(&free).await;
     assert_eq!(status, 200, "{alone}");
-    let (a, b) = tokio::join!(s.chat(&constrained), s.chat(&free));
+    // The constrained request first, and the free one once the engine runs it: its grammar is
+    // compiled before it is submitted, which on a loaded host can take longer than the free
+    // request's whole answer, so sent together the two need not share a step.
+    let (a, b) = tokio::join!(s.chat(&constrained), async {
+        let start = std::time::Instant::now();
+        while s.engine_stats().running_requests == 0 {
+            assert!(start.elapsed() < std::time::Duration::from_secs(60), "never submitted");
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        s.chat(&free).await
+    });
     assert_eq!(a.0, 200, "{}", a.1);
     assert_eq!(b.0, 200, "{}", b.1);
     assert_eq!(
