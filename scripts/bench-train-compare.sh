@@ -1,19 +1,43 @@
 #!/usr/bin/env bash
 # `make bench-train-compare`: temper's trainer next to PyTorch + PEFT on this host, same model,
-# same LoRA, same packed shapes and loss, 2 threads each (README, Benchmarks), after checking
+# same LoRA, same packed shapes and loss, 2 threads each (docs/benchmarks.md), after checking
 # that both compute the same logprobs, loss and LoRA gradients on one small batch.
 #
+# One step on both sides is the whole step a training job takes: forward, backward, gradient
+# clipping and the AdamW update of the LoRA adapter (temper: `temper bench --train-shapes`, which
+# calls the trainer's apply_gradients; PyTorch: torch.optim.AdamW over the LoRA parameters, step
+# and zero_grad, all inside the timed region). The reference runs as several variants an expert
+# might choose (scripts/train_reference.py's docstring): f32+sdpa (f32, transformers' default
+# SDPA attention, a full f32 [tokens x 262k] log-softmax: the reference of the check and of the
+# fixture, always run), f32+eager, f32+chunked+sdpa (the LM head's log-softmax a chunk of rows at
+# a time, no full logits tensor), bf16-autocast+sdpa, bf16-autocast+eager and
+# bf16-autocast+chunked+sdpa (torch.autocast to BF16: oneDNN's AVX-512 BF16 / AMX kernels). Each
+# variant's logprobs, loss and LoRA gradients on the check batch are gated against the f32
+# reference with the bounds temper's own are held to (agrees_with_the_pytorch_reference); temper
+# is compared with the fastest variant that passes and makes sense on the host (no BF16 variant
+# where the CPU lacks avx512_bf16 and amx_bf16: there BF16 is emulated, and only
+# bf16-autocast+chunked+sdpa runs, to show it). Printed: the host's CPU and flags (avx2, avx512f,
+# avx512_vnni, avx512_bf16, amx*), the check, the gate per variant, a table per shape (temper and
+# every variant: s/step, tok/s, peak RSS, temper's ratios), a summary table against the fastest
+# correct variant and against f32+sdpa, and last the line
+# `train-compare: temper vs PyTorch <variant> (fastest correct): <r>x at 8x128, ...; rss <r>x;
+# vs f32+sdpa: 8x128=<r>x 1x1024=<r>x 16x30=<r>x rss=<r>x` (temper's trainable tok/s over the
+# reference's; rss: the largest peak RSS of temper's steps over the compared variant's).
+#
 # Usage: scripts/bench-train-compare.sh [--write-fixture] [--no-build] [--check-only]
-#   --write-fixture  also rewrite crates/train/tests/fixtures/pytorch-reference.safetensors,
-#                    the reference values `cargo test -p temper-train --test pytorch_reference`
-#                    compares temper with
+#   --write-fixture  also rewrite crates/train/tests/fixtures/pytorch-reference.safetensors from
+#                    the f32+sdpa reference, the values `cargo test -p temper-train --test
+#                    pytorch_reference` compares temper with
 #   --no-build       use target/release/temper as built
-#   --check-only     the agreement check alone, no timed steps
+#   --check-only     the agreement check and the variants' gate alone, no timed steps
 # Environment (optional): TEMPER_HOME (caches; default ~/.cache/temper; the venv with torch,
 # transformers, peft and gguf is $TEMPER_HOME/train-ref-venv, ~6 GB with the CUDA libraries
 # PyPI's torch wheel depends on, reused while its pinned versions stay the same), BENCH_MODEL
 # (GGUF path; default: scripts/fetch-model.sh), BENCH_SHAPES (default 8x128,1x1024,16x30),
-# BENCH_REPEAT (best of; default 2), BENCH_THREADS (default 2).
+# BENCH_REPEAT (best of; default 2), BENCH_THREADS (default 2), BENCH_VARIANTS (reference
+# variants, comma-separated PRECISION[+chunked]+ATTENTION with PRECISION f32 or bf16-autocast and
+# ATTENTION sdpa or eager, e.g. f32+chunked+sdpa,bf16-autocast+chunked+sdpa; default auto, the
+# list above; f32+sdpa always runs).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -26,7 +50,7 @@ for a in "$@"; do
         --write-fixture) WRITE_FIXTURE=1 ;;
         --no-build) BUILD=0 ;;
         --check-only) CHECK_ONLY=1 ;;
-        -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
         *) echo "bench-train-compare: unknown argument $a (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -34,6 +58,7 @@ done
 SHAPES=${BENCH_SHAPES:-8x128,1x1024,16x30}
 REPEAT=${BENCH_REPEAT:-2}
 THREADS=${BENCH_THREADS:-2}
+VARIANTS=${BENCH_VARIANTS:-auto}
 FIXTURE=crates/train/tests/fixtures/pytorch-reference.safetensors
 HOME_DIR="${TEMPER_HOME:-$HOME/.cache/temper}"
 VENV=$HOME_DIR/train-ref-venv
@@ -67,7 +92,7 @@ if ! TEMPER_MODEL_PATH=$MODEL TEMPER_CHECK_DIR=$WORK RAYON_NUM_THREADS=$THREADS 
     exit 1
 fi
 
-REFERENCE_ARGS=(--gguf "$MODEL" --check-dir "$WORK" --threads "$THREADS")
+REFERENCE_ARGS=(--gguf "$MODEL" --check-dir "$WORK" --threads "$THREADS" --variants "$VARIANTS")
 if [[ $WRITE_FIXTURE == 1 ]]; then
     REFERENCE_ARGS+=(--write-fixture "$FIXTURE")
 fi
@@ -77,5 +102,5 @@ if [[ $CHECK_ONLY == 0 ]]; then
         --train-shapes "$SHAPES" --train-jobs '' --repeat "$REPEAT" | tee "$WORK/temper-bench.txt" >&2
     REFERENCE_ARGS+=(--temper-bench "$WORK/temper-bench.txt" --shapes "$SHAPES" --repeat "$REPEAT")
 fi
-log "the PyTorch + PEFT reference"
+log "the PyTorch + PEFT reference (variants: $VARIANTS)"
 "$VENV/bin/python" -W ignore scripts/train_reference.py "${REFERENCE_ARGS[@]}"

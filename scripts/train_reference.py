@@ -1,22 +1,48 @@
 #!/usr/bin/env python3
-"""PyTorch + PEFT reference for temper's trainer (issue 13; README, Benchmarks).
+"""PyTorch + PEFT reference for temper's trainer (issues 13 and 28; docs/benchmarks.md).
 
 Loads the GGUF into transformers (dequantized to f32), wraps it with a PEFT LoRA of temper's
 rank, alpha and targets (read from the adapter file temper wrote), then:
 
 - check: on temper's agreement batch (`batch.json`, `adapter.safetensors`, `temper.safetensors`
   written by `cargo test -p temper-train --test pytorch_reference -- --ignored write_check_inputs`),
-  computes the per-token logprobs, training.md's loss and every LoRA gradient, prints how far
-  temper's are from them and, with --write-fixture, writes the fixture the Rust test compares
-  against;
-- bench: one step (forward + backward, no optimizer, as `temper bench --train-shapes`) of each
-  SEQUENCESxTOKENS shape, best of --repeat, with seconds, trainable tok/s and peak RSS, next to
-  temper's figures parsed from its bench output, and the `train-compare:` summary line.
+  computes the per-token logprobs, training.md's loss and every LoRA gradient with the f32
+  reference (`f32+sdpa`: f32 weights and activations, transformers' default SDPA attention, a full
+  [tokens x vocabulary] f32 log-softmax, as before issue 28), prints how far temper's are from
+  them and, with --write-fixture, writes the fixture the Rust test compares against (always from
+  that f32 reference). Then computes the same values with every other reference variant (below)
+  and gates it: a variant is correct when it is as close to the f32 reference as temper's own
+  values must be (`agrees_with_the_pytorch_reference`'s bounds, GATE below);
+- bench: one whole training step of each SEQUENCESxTOKENS shape with every variant, as a job
+  takes it: forward, backward, gradient clipping to norm 0.1 and torch.optim.AdamW over the LoRA
+  parameters (temper's betas, eps and weight decay), step and zero_grad, all inside the timed
+  region, as `temper bench --train-shapes` times temper's `train_forward` + `backward` +
+  `apply_gradients`. Best of --repeat, with seconds, trainable tok/s and peak RSS, next to
+  temper's figures parsed from its bench output; per shape the ratio against the fastest correct
+  variant that makes sense on this host, and the `train-compare:` summary line naming it.
+
+Reference variants (--variants; names are PRECISION[+chunked]+ATTENTION):
+  PRECISION  f32: the f32 model as loaded, no autocast. bf16-autocast: the forward inside
+             torch.autocast("cpu", dtype=torch.bfloat16) (oneDNN runs the matmuls in BF16, with
+             AVX-512 BF16 / AMX where the CPU has them; weights stay f32, LoRA gradients f32),
+             the backward outside it, logits upcast to f32 before the log-softmax.
+  +chunked   the logprobs of the target tokens without a [tokens x vocabulary] logits tensor:
+             ChunkedTokenLogprobs computes the LM head CHUNK_ROWS rows at a time from the final
+             hidden states (logits, logsumexp in f32, the target's logit), keeps only each row's
+             logsumexp, and its backward recomputes each chunk's logits (a custom autograd
+             function, as fused linear + cross-entropy kernels do).
+  ATTENTION  sdpa (torch's scaled_dot_product_attention, transformers' default) or eager.
+  auto (the default) is f32+sdpa, f32+eager, f32+chunked+sdpa, bf16-autocast+sdpa,
+  bf16-autocast+eager and bf16-autocast+chunked+sdpa where the CPU has avx512_bf16 or amx_bf16;
+  elsewhere BF16 is emulated (slow, not what an expert would run), so auto keeps the f32 ones and
+  bf16-autocast+chunked+sdpa alone, to show what emulation costs, and no bf16 variant can be the
+  one temper is compared against. f32+sdpa, the reference of the check, always runs.
 
 Run by scripts/bench-train-compare.sh inside its venv.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -39,15 +65,38 @@ TARGETS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Printed for the host, with every amx* flag it has ("amx no" when none).
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")
 # Layers whose gradients go into the committed fixture (well under 2 MB): the first, the first
 # global, a middle local one and the last; the check here compares every layer.
 FIXTURE_LAYERS = (0, 5, 7, 17)
 GIB = float(1 << 30)
+# temper's optimizer (crates/train/src/trainer.rs: BETAS, WEIGHT_DECAY, ADAM_EPS, MAX_GRAD_NORM;
+# the learning rate is training.md's default, crates/train/src/request.rs).
+BETAS = (0.9, 0.99)
+WEIGHT_DECAY = 0.1
+ADAM_EPS = 1e-8
+MAX_GRAD_NORM = 0.1
+LEARNING_RATE = 5e-6
+# Rows of the LM head computed at once by the chunked variants: 128 x 262k f32 logits = 134 MB.
+CHUNK_ROWS = 128
+# A variant is correct when its values on the check batch are as close to the f32 reference's
+# as temper's own must be (crates/train/tests/pytorch_reference.rs,
+# agrees_with_the_pytorch_reference): bounds above the rounding noise of 8-bit (or bf16)
+# activations, which this model amplifies (docs/benchmarks.md), and far below what a wrong
+# backward gives (a minimum cosine of 0.66 there).
+GATE = {
+    "max |logprob diff|": ("max_lp_diff", "<", 1.5),
+    "mean |logprob diff|": ("mean_lp_diff", "<", 0.25),
+    "relative loss diff": ("loss_rel", "<", 0.1),
+    "min gradient cosine": ("min_cosine", ">", 0.9),
+    "mean gradient cosine": ("mean_cosine", ">", 0.97),
+    "max |norm ratio - 1|": ("worst_norm", "<", 0.3),
+}
 
 
 def host_cpu():
-    """(model name, {flag: present}) of this host."""
+    """(model name, {flag: present}) of this host: CPU_FLAGS and every amx* flag."""
     name, flags = "unknown", set()
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -56,7 +105,10 @@ def host_cpu():
                 name = value.strip()
             elif key.strip() == "flags":
                 flags = set(value.split())
-    return name, {flag: flag in flags for flag in CPU_FLAGS}
+    shown = {flag: flag in flags for flag in CPU_FLAGS}
+    amx = sorted(flag for flag in flags if flag.startswith("amx"))
+    shown.update({flag: True for flag in amx} if amx else {"amx": False})
+    return name, shown
 
 
 def reset_peak_rss():
@@ -128,10 +180,135 @@ def set_adapter(model, tensors, num_layers):
                     dst.copy_(src)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How the reference runs a step (the module docstring's PRECISION[+chunked]+ATTENTION)."""
+
+    precision: str
+    chunked: bool
+    attention: str
+
+    @property
+    def name(self):
+        return f"{self.precision}{'+chunked' if self.chunked else ''}+{self.attention}"
+
+    @property
+    def bf16(self):
+        return self.precision == "bf16-autocast"
+
+    def autocast(self):
+        if self.bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+# The reference of the check and the fixture: f32, transformers' default attention (SDPA), full
+# log-softmax, exactly as before issue 28.
+REFERENCE = Variant("f32", False, "sdpa")
+AUTO_NATIVE_BF16 = (
+    "f32+sdpa,f32+eager,f32+chunked+sdpa,bf16-autocast+sdpa,bf16-autocast+eager,"
+    "bf16-autocast+chunked+sdpa"
+)
+AUTO_EMULATED_BF16 = "f32+sdpa,f32+eager,f32+chunked+sdpa,bf16-autocast+chunked+sdpa"
+
+
+def parse_variants(spec, native_bf16):
+    """The variants of --variants (`auto` or a comma-separated list), REFERENCE first."""
+    if spec == "auto":
+        spec = AUTO_NATIVE_BF16 if native_bf16 else AUTO_EMULATED_BF16
+    variants = [REFERENCE]
+    for name in spec.split(","):
+        m = re.fullmatch(r"(f32|bf16-autocast)(\+chunked)?\+(sdpa|eager)", name.strip())
+        if not m:
+            sys.exit(
+                f"bad variant {name!r}: expected PRECISION[+chunked]+ATTENTION, PRECISION f32 or "
+                "bf16-autocast, ATTENTION sdpa or eager (e.g. bf16-autocast+chunked+sdpa)"
+            )
+        variant = Variant(m[1], bool(m[2]), m[3])
+        if variant not in variants:
+            variants.append(variant)
+    return variants
+
+
+def use_attention(model, variant):
+    causal_lm = model.base_model.model
+    if causal_lm.config._attn_implementation != variant.attention:
+        causal_lm.set_attn_implementation(variant.attention)
+
+
 def token_logprobs(model, ids):
     """log p(ids[:, t] | ids[:, :t]) for t >= 1, over the full vocabulary: [batch, len - 1]."""
     logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    # f32 logits (a no-op for the f32 model; under autocast the LM head's are bf16), as
+    # transformers' own loss upcasts them.
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """log_softmax(hidden @ weight.T)[row, target] for every row, CHUNK_ROWS rows of logits at a
+    time: the matmul in `dtype` (bf16 under autocast, as autocast's LM head), the logsumexp and
+    the target's logit in f32. Keeps the hidden states and one logsumexp per row; the backward
+    recomputes each chunk's logits, grad_hidden = (onehot(target) - softmax) * grad @ weight.
+    The weight (the frozen, tied LM head) gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, dtype):
+        with torch.autocast("cpu", enabled=False):
+            w = weight.to(dtype)
+            lse = torch.empty(len(hidden), dtype=torch.float32)
+            lp = torch.empty_like(lse)
+            for start in range(0, len(hidden), CHUNK_ROWS):
+                rows = slice(start, start + CHUNK_ROWS)
+                logits = (hidden[rows].to(dtype) @ w.T).float()
+                lse[rows] = torch.logsumexp(logits, dim=-1)
+                lp[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.dtype = dtype
+        return lp
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        assert not ctx.needs_input_grad[1], "the LM head is frozen"
+        with torch.autocast("cpu", enabled=False):
+            w = weight.to(ctx.dtype)
+            grad = grad.float()
+            grad_hidden = torch.empty_like(hidden)
+            for start in range(0, len(hidden), CHUNK_ROWS):
+                rows = slice(start, start + CHUNK_ROWS)
+                logits = (hidden[rows].to(ctx.dtype) @ w.T).float()
+                # d lp / d logits = onehot(target) - softmax(logits), times the incoming grad.
+                g = logits.sub_(lse[rows, None]).exp_().mul_(-grad[rows, None])
+                g.scatter_add_(-1, targets[rows, None], grad[rows, None])
+                grad_hidden[rows] = g.to(ctx.dtype) @ w
+        return grad_hidden, None, None, None
+
+
+def chunked_token_logprobs(model, ids):
+    """token_logprobs without the [tokens x vocabulary] logits: the final (normed) hidden states
+    of the transformer, then ChunkedTokenLogprobs over the LM head (Gemma 3 has no soft-capping,
+    asserted in load_model)."""
+    causal_lm = model.base_model.model
+    hidden = causal_lm.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    targets = ids[:, 1:]
+    dtype = (
+        torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
+    )
+    lp = ChunkedTokenLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        causal_lm.lm_head.weight,
+        targets.reshape(-1),
+        dtype,
+    )
+    return lp.view(targets.shape)
+
+
+def variant_logprobs(model, ids, variant):
+    """token_logprobs as `variant` computes them (its attention set by use_attention)."""
+    with variant.autocast():
+        if variant.chunked:
+            return chunked_token_logprobs(model, ids)
+        return token_logprobs(model, ids)
 
 
 def cosine(a, b):
@@ -148,7 +325,8 @@ class Values:
     grads: dict
 
 
-def reference_values(model, batch):
+def reference_values(model, batch, variant=REFERENCE):
+    use_attention(model, variant)
     model.zero_grad(set_to_none=True)
     # training.md's loss, not-PPO (CISPO) defaults: rho = exp(lp_new - lp_old), detached and
     # clipped to [1 - eps, 1 + eps_high]; L = -clip(rho) * A * lp_new; loss = sum(L * w) over the
@@ -158,7 +336,7 @@ def reference_values(model, batch):
     loss = torch.zeros((), dtype=torch.float64)
     logprobs = []
     for seg in batch["segments"]:
-        lp = token_logprobs(model, torch.tensor([seg["tokens"]]))[0]
+        lp = variant_logprobs(model, torch.tensor([seg["tokens"]]), variant)[0]
         rho = torch.exp(lp.detach() - torch.tensor(seg["old_logprobs"])).clamp(lo, hi)
         loss = loss + (-rho * seg["advantage"] * lp * seg["weight"]).double().sum()
         logprobs.append(lp.detach())
@@ -182,6 +360,27 @@ class Agreement:
     loss_rel: float
     cosines: dict
     norm_ratios: dict
+
+    @property
+    def min_cosine(self):
+        return min(self.cosines.values())
+
+    @property
+    def mean_cosine(self):
+        return sum(self.cosines.values()) / len(self.cosines)
+
+    @property
+    def worst_norm(self):
+        return max(abs(r - 1.0) for r in self.norm_ratios.values())
+
+    def failures(self):
+        """The GATE bounds these figures break (none: correct)."""
+        broken = []
+        for label, (field, op, bound) in GATE.items():
+            value = getattr(self, field)
+            if not (value < bound if op == "<" else value > bound):
+                broken.append(f"{label} {value:.3g}")
+        return broken
 
     def line(self):
         worst = min(self.cosines, key=self.cosines.get)
@@ -246,7 +445,8 @@ def quantize_activations(model):
 
 
 def check(model, inputs_dir, fixture):
-    """The agreement figures of issue 13 item 2; returns their summary line."""
+    """The agreement figures of issue 13 item 2; returns (their summary line, the batch, the f32
+    reference's values, temper's agreement with them)."""
     with open(os.path.join(inputs_dir, "batch.json")) as f:
         batch_text = f.read()
     batch = json.loads(batch_text)
@@ -266,7 +466,7 @@ def check(model, inputs_dir, fixture):
     count = len(reference.logprobs)
     print(
         f"check batch: {len(batch['segments'])} segments, {count} trained tokens; "
-        f"loss reference {reference.loss:.6f}, temper {temper.loss:.6f}"
+        f"loss reference ({REFERENCE.name}) {reference.loss:.6f}, temper {temper.loss:.6f}"
     )
     print(f"temper vs reference: {ours.line()}")
     print(f"reference with temper's activation rounding vs reference: {agreement(rounded, reference).line()}")
@@ -305,12 +505,70 @@ def check(model, inputs_dir, fixture):
             },
         )
         print(f"wrote {fixture} ({os.path.getsize(fixture) / 1e6:.2f} MB)")
-    return f"agreement with the reference: {ours.line()}"
+    return f"agreement with the reference: {ours.line()}", batch, reference, ours
+
+
+@dataclass
+class Gate:
+    agreement: Agreement
+    # The GATE bounds it breaks; empty: correct.
+    failures: list
+    # False for bf16 variants where the CPU has no BF16 instructions (emulated; no expert's
+    # choice there): never the variant temper is compared against.
+    sensible: bool
+
+    @property
+    def eligible(self):
+        return not self.failures and self.sensible
+
+
+def gate_variants(model, batch, reference, temper, variants, native_bf16):
+    """Each variant's values on the check batch against the f32 reference's; prints a table with
+    temper's own row for scale and returns {variant: Gate}."""
+    bounds = ", ".join(f"{label} {op} {bound:g}" for label, (_, op, bound) in GATE.items())
+    print()
+    print(
+        f"reference variants on the check batch against the f32 reference ({REFERENCE.name}); "
+        f"correct = within the bounds temper's own values are held to "
+        f"(crates/train/tests/pytorch_reference.rs): {bounds}"
+    )
+    print(
+        "| variant | max / mean abs logprob diff | relative loss diff | gradient cosine min "
+        "(tensor) / mean | norm ratio | correct | comparable |"
+    )
+    print("|---|---|---|---|---|---|---|")
+
+    def row(name, a, verdict, comparable):
+        worst = min(a.cosines, key=a.cosines.get)
+        print(
+            f"| {name} | {a.max_lp_diff:.3g} / {a.mean_lp_diff:.3g} | {a.loss_rel:.2g} | "
+            f"{a.min_cosine:.5f} ({worst}) / {a.mean_cosine:.5f} | "
+            f"{min(a.norm_ratios.values()):.3f}-{max(a.norm_ratios.values()):.3f} | {verdict} | "
+            f"{comparable} |"
+        )
+
+    gates = {}
+    for variant in variants:
+        values = reference if variant == REFERENCE else reference_values(model, batch, variant)
+        a = agreement(values, reference)
+        gate = Gate(a, a.failures(), native_bf16 or not variant.bf16)
+        gates[variant] = gate
+        verdict = "yes" if not gate.failures else "NO: " + ", ".join(gate.failures)
+        if variant == REFERENCE:
+            verdict = "yes (the reference)"
+        comparable = "yes" if gate.sensible else "no: BF16 emulated on this CPU"
+        row(f"PyTorch {variant.name}", a, verdict, comparable)
+    broken = temper.failures()
+    row("temper", temper, "yes" if not broken else "NO: " + ", ".join(broken), "-")
+    return gates
 
 
 @dataclass
 class Step:
     seconds: float
+    # Of `seconds`: the forward (logprobs and loss) and the optimizer (clipping and AdamW).
+    forward: float
+    optimizer: float
     # CPU time of the process over the step (all threads): what the step costs when other work
     # shares the cores and the wall time stretches.
     cpu_seconds: float
@@ -322,17 +580,29 @@ class Step:
         return self.trainable / self.seconds
 
 
-def reference_step(model, ids):
-    """One step as temper's bench takes it: every token but each sequence's first scored,
-    loss = -mean logprob (training.md's loss with rho = 1, A = 1, w = 1), forward + backward."""
-    model.zero_grad(set_to_none=True)
+def reference_step(model, ids, variant, optimizer, params):
+    """One whole step as temper's bench takes it: every token but each sequence's first scored,
+    loss = -mean logprob (training.md's loss with rho = 1, A = 1, w = 1), forward + backward,
+    then temper's clipping (global norm 0.1) and AdamW step and zero_grad."""
     reset_peak_rss()
     started, cpu_started = time.perf_counter(), time.process_time()
-    lp = token_logprobs(model, ids)
+    lp = variant_logprobs(model, ids, variant)
     loss = -lp.sum() / lp.numel()
+    forward_done = time.perf_counter()
     loss.backward()
-    seconds = time.perf_counter() - started
-    return Step(seconds, time.process_time() - cpu_started, lp.numel(), peak_rss_bytes())
+    backward_done = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    done = time.perf_counter()
+    return Step(
+        done - started,
+        forward_done - started,
+        done - backward_done,
+        time.process_time() - cpu_started,
+        lp.numel(),
+        peak_rss_bytes(),
+    )
 
 
 def parse_shape(shape):
@@ -345,19 +615,31 @@ def parse_shape(shape):
 def parse_temper_bench(path):
     """{shape: Step} from the trainer rows of `temper bench`'s table."""
     row = re.compile(
-        r"trainer step \(forward \+ backward\), (\d+x\d+) tokens packed \((\d+) trainable\): "
-        r"([\d.]+) s \(forward [\d.]+ s; ([\d.]+) CPU-s\), peak RSS ([\d.]+) GiB"
+        r"trainer step \(forward \+ backward \+ AdamW\), (\d+x\d+) tokens packed \((\d+) "
+        r"trainable\): ([\d.]+) s \(forward ([\d.]+) s, AdamW ([\d.]+) s; ([\d.]+) CPU-s\), "
+        r"peak RSS ([\d.]+) GiB"
     )
     steps = {}
     with open(path) as f:
         for line in f:
             m = row.search(line)
             if m:
-                steps[m[1]] = Step(float(m[3]), float(m[4]), int(m[2]), int(float(m[5]) * GIB))
+                steps[m[1]] = Step(
+                    float(m[3]),
+                    float(m[4]),
+                    float(m[5]),
+                    float(m[6]),
+                    int(m[2]),
+                    int(float(m[7]) * GIB),
+                )
     return steps
 
 
-def bench(model, shapes, repeat, temper_steps, token_ids):
+def bench(model, adapter, shapes, repeat, temper_steps, token_ids, variants):
+    """[(shape, temper's Step, {variant: best Step})]; every variant starts from the check's
+    adapter with a fresh AdamW, and the variants of a shape run one after another (load that
+    drifts on a shared host hits them alike)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     rows = []
     for shape in shapes:
         seqs, length = parse_shape(shape)
@@ -366,32 +648,117 @@ def bench(model, shapes, repeat, temper_steps, token_ids):
         # natural packing (no cross-sequence attention, as temper's segments).
         unit = (token_ids * (length // len(token_ids) + 1))[:length]
         ids = torch.tensor([unit] * seqs)
-        best = min((reference_step(model, ids) for _ in range(repeat)), key=lambda s: s.seconds)
         ours = temper_steps.get(shape)
         if ours is None:
             sys.exit(f"temper's bench output has no trainer row for {shape}")
-        if ours.trainable != best.trainable:
-            sys.exit(f"{shape}: temper trained {ours.trainable} tokens, the reference {best.trainable}")
-        rows.append((shape, ours, best))
+        steps = {}
+        for variant in variants:
+            set_adapter(model, adapter, model.config.num_hidden_layers)
+            use_attention(model, variant)
+            optimizer = torch.optim.AdamW(
+                params, lr=LEARNING_RATE, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY
+            )
+            best = min(
+                (reference_step(model, ids, variant, optimizer, params) for _ in range(repeat)),
+                key=lambda s: s.seconds,
+            )
+            del optimizer
+            if ours.trainable != best.trainable:
+                sys.exit(
+                    f"{shape}: temper trained {ours.trainable} tokens, the reference "
+                    f"{best.trainable}"
+                )
+            steps[variant] = best
+            print(
+                f"  {shape} {variant.name}: {best.seconds:.2f} s, peak RSS "
+                f"{best.peak_rss / GIB:.2f} GiB",
+                file=sys.stderr,
+            )
+        rows.append((shape, ours, steps))
     return rows
 
 
-def print_table(rows):
+def fastest(steps, gates):
+    """The fastest variant of `steps` that is correct and makes sense on this host."""
+    eligible = [v for v in steps if gates[v].eligible]
+    return min(eligible, key=lambda v: steps[v].seconds)
+
+
+def print_tables(rows, gates):
     print()
     print(
-        "| shape | trainable tokens | temper s/step (CPU-s) | reference s/step (CPU-s) | "
-        "temper tok/s | reference tok/s | tok/s temper / reference | temper peak RSS | "
-        "reference peak RSS | RSS temper / reference |"
+        "| shape | trainable tokens | trainer | s/step (forward / AdamW; CPU-s) | trainable tok/s "
+        "| temper tok/s / this | peak RSS | RSS temper / this |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for shape, ours, ref in rows:
+    print("|---|---|---|---|---|---|---|---|")
+    for shape, ours, steps in rows:
+        best = fastest(steps, gates)
+        for name, step in [("temper", ours)] + [(v, s) for v, s in steps.items()]:
+            if name == "temper":
+                label, ratio, rss = "temper", "-", "-"
+            else:
+                notes = []
+                if name == best:
+                    notes.append("fastest correct")
+                if gates[name].failures:
+                    notes.append("incorrect")
+                if not gates[name].sensible:
+                    notes.append("BF16 emulated")
+                label = f"PyTorch {name.name}" + (f" ({', '.join(notes)})" if notes else "")
+                ratio = f"{ours.tok_s / step.tok_s:.2f}x"
+                rss = f"{ours.peak_rss / step.peak_rss:.2f}x"
+            print(
+                f"| {shape} | {step.trainable} | {label} | {step.seconds:.2f} "
+                f"({step.forward:.2f} / {step.optimizer:.3f}; {step.cpu_seconds:.1f}) | "
+                f"{step.tok_s:.0f} | {ratio} | {step.peak_rss / GIB:.2f} GiB | {rss} |"
+            )
+    print()
+    print(
+        f"| shape | temper s/step | fastest correct PyTorch variant | its s/step | temper / it "
+        f"(tok/s) | peak RSS temper / it | temper / {REFERENCE.name} (tok/s) | peak RSS temper / "
+        f"{REFERENCE.name} |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for shape, ours, steps in rows:
+        best = fastest(steps, gates)
+        it, f32 = steps[best], steps[REFERENCE]
         print(
-            f"| {shape} | {ours.trainable} | {ours.seconds:.2f} ({ours.cpu_seconds:.1f}) | "
-            f"{ref.seconds:.2f} ({ref.cpu_seconds:.1f}) | "
-            f"{ours.tok_s:.0f} | {ref.tok_s:.0f} | {ours.tok_s / ref.tok_s:.2f}x | "
-            f"{ours.peak_rss / GIB:.2f} GiB | {ref.peak_rss / GIB:.2f} GiB | "
-            f"{ours.peak_rss / ref.peak_rss:.2f}x |"
+            f"| {shape} | {ours.seconds:.2f} | {best.name} | {it.seconds:.2f} | "
+            f"{ours.tok_s / it.tok_s:.2f}x | {ours.peak_rss / GIB:.2f} / {it.peak_rss / GIB:.2f} "
+            f"GiB = {ours.peak_rss / it.peak_rss:.2f}x | {ours.tok_s / f32.tok_s:.2f}x | "
+            f"{ours.peak_rss / GIB:.2f} / {f32.peak_rss / GIB:.2f} GiB = "
+            f"{ours.peak_rss / f32.peak_rss:.2f}x |"
         )
+
+
+def summary_line(rows, gates):
+    """`train-compare: temper vs PyTorch V (fastest correct): Rx at SHAPE, ...; rss Rx; vs
+    f32+sdpa: SHAPE=Rx ... rss=Rx`: temper's trainable tok/s over the reference's per shape, rss
+    the largest peak of temper's steps over the largest of the compared variant's."""
+    best = {shape: fastest(steps, gates) for shape, _, steps in rows}
+    temper_rss = max(ours.peak_rss for _, ours, _ in rows)
+    names = {v.name for v in best.values()}
+    if len(names) == 1:
+        against = f"PyTorch {names.pop()} (fastest correct)"
+        ratios = ", ".join(
+            f"{ours.tok_s / steps[best[shape]].tok_s:.2f}x at {shape}"
+            for shape, ours, steps in rows
+        )
+    else:
+        against = "PyTorch's fastest correct variant per shape"
+        ratios = ", ".join(
+            f"{ours.tok_s / steps[best[shape]].tok_s:.2f}x at {shape} ({best[shape].name})"
+            for shape, ours, steps in rows
+        )
+    best_rss = max(steps[best[shape]].peak_rss for shape, _, steps in rows)
+    f32 = " ".join(
+        f"{shape}={ours.tok_s / steps[REFERENCE].tok_s:.2f}x" for shape, ours, steps in rows
+    )
+    f32_rss = max(steps[REFERENCE].peak_rss for _, _, steps in rows)
+    return (
+        f"train-compare: temper vs {against}: {ratios}; rss {temper_rss / best_rss:.2f}x; "
+        f"vs {REFERENCE.name}: {f32} rss={temper_rss / f32_rss:.2f}x"
+    )
 
 
 def main():
@@ -403,50 +770,68 @@ def main():
     ap.add_argument("--shapes", default="8x128,1x1024,16x30")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--variants",
+        default="auto",
+        help="reference variants, comma-separated PRECISION[+chunked]+ATTENTION, or auto "
+        "(see the module docstring); f32+sdpa always runs",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     name, flags = host_cpu()
-    print(f"host: {name}; " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in flags.items()))
+    native_bf16 = flags.get("avx512_bf16", False) or flags.get("amx_bf16", False)
+    print(
+        f"host: {name}; "
+        + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in flags.items())
+        + f"; torch CPU capability {torch.backends.cpu.get_cpu_capability()}, BF16 "
+        + (
+            "native (avx512_bf16/amx_bf16)"
+            if native_bf16
+            else "emulated (no avx512_bf16 or amx_bf16)"
+        )
+    )
+    variants = parse_variants(args.variants, native_bf16)
     print(
         f"reference: torch {torch.__version__}, transformers "
         f"{sys.modules['transformers'].__version__}, peft {sys.modules['peft'].__version__}, "
-        f"f32, {torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads; variants: {', '.join(v.name for v in variants)}"
     )
     adapter, rank, alpha = read_adapter(os.path.join(args.check_dir, "adapter.safetensors"))
     started = time.perf_counter()
     model = load_model(args.gguf, rank, alpha)
     print(
-        f"loaded {args.gguf} with a LoRA of rank {rank}, alpha {alpha:g} on "
-        f"{'/'.join(TARGETS)} in {time.perf_counter() - started:.1f} s; attention: "
+        f"loaded {args.gguf} (dequantized to f32) with a LoRA of rank {rank}, alpha {alpha:g} on "
+        f"{'/'.join(TARGETS)} in {time.perf_counter() - started:.1f} s; default attention: "
         f"{model.config._attn_implementation}"
     )
     set_adapter(model, adapter, model.config.num_hidden_layers)
-    summary = check(model, args.check_dir, args.write_fixture)
+    summary, batch, reference, temper = check(model, args.check_dir, args.write_fixture)
+    gates = gate_variants(model, batch, reference, temper, variants, native_bf16)
     if not args.temper_bench:
         return
     with open(os.path.join(args.check_dir, "batch.json")) as f:
         token_ids = json.load(f)["segments"][0]["tokens"]
     rows = bench(
         model,
+        adapter,
         args.shapes.split(","),
         max(args.repeat, 1),
         parse_temper_bench(args.temper_bench),
         token_ids,
+        variants,
     )
+    print()
     print(
-        f"one step = forward + backward (no optimizer) on both sides, best of {args.repeat}; "
-        "peak RSS = the process's VmHWM from the step's start (the summary's rss: the largest "
-        "of each side's shapes)"
+        f"one step = forward + backward + gradient clipping and AdamW on both sides (PyTorch: "
+        f"torch.optim.AdamW over the LoRA parameters, step and zero_grad; temper: the trainer's "
+        f"apply_gradients), best of {args.repeat}; peak RSS = the process's VmHWM from the step's "
+        "start (the summary's rss: the largest of each side's shapes); comparable = correct on "
+        "the check batch and not BF16 emulated"
     )
-    print_table(rows)
+    print_tables(rows, gates)
     print(summary)
-    ratio = {shape: ours.tok_s / ref.tok_s for shape, ours, ref in rows}
-    rss = max(ours.peak_rss for _, ours, _ in rows) / max(ref.peak_rss for _, _, ref in rows)
-    print(
-        f"train-compare: 8x128={ratio.get('8x128', float('nan')):.2f}x "
-        f"1x1024={ratio.get('1x1024', float('nan')):.2f}x rss={rss:.2f}x"
-    )
+    print(summary_line(rows, gates))
 
 
 if __name__ == "__main__":

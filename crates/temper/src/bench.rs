@@ -1,8 +1,8 @@
 //! `temper bench`: prompt and decode throughput of one model on this machine, structured-output
-//! costs, and the LoRA trainer's gradient step and whole jobs, printed as a table of temper's own
-//! figures. Speed lives here, never in tests. Hosts of one machine kind differ 2-3x in speed, so
-//! figures from another host mean nothing next to these: `make bench-compare` measures llama.cpp
-//! side by side in the same run.
+//! costs, and the LoRA trainer's step (AdamW included) and whole jobs, printed as a table of
+//! temper's own figures. Speed lives here, never in tests. Hosts of one machine kind differ 2-3x
+//! in speed, so figures from another host mean nothing next to these: `make bench-compare`
+//! measures llama.cpp side by side in the same run.
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
@@ -17,7 +17,10 @@ use temper_engine::{
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
 use temper_text::{ChatTemplate, DecodeOptions, Tokenizer};
-use temper_train::{TrainEvent, TrainerConfig, TrainerPool, TrainerThreads, TrainingRequest};
+use temper_train::{
+    AdamW, ExperimentalConfig, TrainEvent, TrainerConfig, TrainerPool, TrainerThreads,
+    TrainingRequest,
+};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -33,8 +36,9 @@ pub struct BenchArgs {
     /// Concurrent requests in the batching measurement (compared with one alone).
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
-    /// Trainer gradient steps measured, as SEQUENCESxTOKENS (sequences packed into one); an
-    /// empty list (`--train-shapes ''`) skips them.
+    /// Trainer steps measured (forward, backward and the AdamW update a job applies), as
+    /// SEQUENCESxTOKENS (sequences packed into one); an empty list (`--train-shapes ''`) skips
+    /// them.
     #[arg(long, value_delimiter = ',', default_values_t = ["1x1024".to_string(), "8x128".to_string()])]
     pub train_shapes: Vec<String>,
     /// Whole training jobs measured, as TRAJECTORIESxANSWER_TOKENS: one group of that many
@@ -105,11 +109,13 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
         let tok_s = step.trainable as f64 / step.wall.as_secs_f64();
         rows.push(Row {
             what: format!(
-                "trainer step (forward + backward), {seqs}x{len} tokens packed ({} trainable): \
-                 {:.2} s (forward {:.2} s; {:.1} CPU-s), peak RSS {:.2} GiB",
+                "trainer step (forward + backward + AdamW), {seqs}x{len} tokens packed ({} \
+                 trainable): {:.2} s (forward {:.2} s, AdamW {:.3} s; {:.1} CPU-s), peak RSS \
+                 {:.2} GiB",
                 step.trainable,
                 step.wall.as_secs_f64(),
                 step.forward.as_secs_f64(),
+                step.optimizer.as_secs_f64(),
                 step.cpu.as_secs_f64(),
                 step.peak_rss_bytes as f64 / (1u64 << 30) as f64,
             ),
@@ -619,6 +625,8 @@ fn parse_shape(shape: &str) -> Result<(usize, usize), String> {
 struct TrainStep {
     wall: Duration,
     forward: Duration,
+    /// The gradient clipping and AdamW update at the step's end.
+    optimizer: Duration,
     /// CPU time of the process over the step (all threads): the cost when the machine is shared.
     cpu: Duration,
     /// Scored tokens: all but each sequence's first.
@@ -632,8 +640,11 @@ impl Timed for TrainStep {
     }
 }
 
-/// One gradient step (no optimizer) of `seqs` copies of `prompt` packed into one sequence, every
-/// token but each copy's first scored; the peak RSS is measured from the step's start.
+/// One training step of `seqs` copies of `prompt` packed into one sequence, every token but each
+/// copy's first scored, as a job takes it: forward, backward, then the trainer's gradient
+/// clipping and AdamW update of the adapter (`temper_train::apply_gradients`, the code `run_job`
+/// runs). The optimizer's state is made before the clock starts, as a job makes it once; the
+/// peak RSS is measured from the step's start.
 fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, String> {
     let tokens: Vec<u32> = prompt.repeat(seqs);
     let lens = vec![prompt.len(); seqs];
@@ -643,7 +654,12 @@ fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, 
         segment_lens: &lens,
         scored: &scored,
     };
-    let adapter = LoraAdapter::new(model.config(), LoraConfig::default(), 1);
+    let mut adapter = LoraAdapter::new(model.config(), LoraConfig::default(), 1);
+    let mut optimizer = AdamW::new(&adapter);
+    let learning_rate = ExperimentalConfig::default()
+        .resolve()
+        .map_err(|e| format!("the default loss settings: {e}"))?
+        .learning_rate;
     // Linux: writing 5 resets the peak RSS to the current RSS.
     let _ = std::fs::write("/proc/self/clear_refs", "5");
     let started = Instant::now();
@@ -655,12 +671,16 @@ fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, 
     // loss = -mean logprob: training.md's loss with rho = 1, A = 1 and w = 1 (as the PyTorch
     // reference of `make bench-train-compare`).
     let dlogprobs = vec![-1.0 / scores.logprobs.len() as f32; scores.logprobs.len()];
-    model
+    let grads = model
         .backward(tape, &adapter, &dlogprobs)
         .map_err(|e| format!("backward: {e}"))?;
+    let backward_done = Instant::now();
+    temper_train::apply_gradients(&mut optimizer, &mut adapter, &grads.grads, learning_rate, 1)
+        .map_err(|e| format!("AdamW: {e}"))?;
     Ok(TrainStep {
         wall: started.elapsed(),
         forward,
+        optimizer: backward_done.elapsed(),
         cpu: process_cpu_time().saturating_sub(cpu_start),
         trainable: scores.logprobs.len(),
         peak_rss_bytes: peak_rss_bytes(),

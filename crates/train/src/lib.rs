@@ -23,8 +23,8 @@ pub use tokenize::{
     tokenize_job, tokenize_sft_job, TokenizedJob, TokenizedSequence, TokenizedSftJob,
 };
 pub use trainer::{
-    group_advantages, run_job, run_sft_job, sequence_loss, SftStepMetrics, StepMetrics, TrainEvent,
-    TrainerConfig,
+    apply_gradients, group_advantages, run_job, run_sft_job, sequence_loss, AdamW, SftStepMetrics,
+    StepMetrics, TrainEvent, TrainerConfig,
 };
 
 #[derive(Debug, thiserror::Error)]

@@ -243,14 +243,16 @@ struct Prepared {
     advantage: f64,
 }
 
-struct AdamW {
+/// The trainer's AdamW state (f64 moments) for one adapter's parameters; [`apply_gradients`]
+/// steps it. Public for `temper bench`, which times a step as a job takes it.
+pub struct AdamW {
     m: Vec<Vec<f64>>,
     v: Vec<Vec<f64>>,
     t: i32,
 }
 
 impl AdamW {
-    fn new(adapter: &LoraAdapter) -> Self {
+    pub fn new(adapter: &LoraAdapter) -> Self {
         let zeros: Vec<Vec<f64>> = adapter
             .params()
             .iter()
@@ -306,7 +308,7 @@ fn pack(lens: impl IntoIterator<Item = usize>, max_len: usize) -> Vec<Vec<usize>
 
 /// Clips the gradient to `MAX_GRAD_NORM` and takes one AdamW step; returns the gradient's norm
 /// before clipping. `step` (1-based) names a diverged step.
-fn apply_gradients(
+pub fn apply_gradients(
     optimizer: &mut AdamW,
     adapter: &mut LoraAdapter,
     grads: &[Vec<f32>],
