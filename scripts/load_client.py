@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""Streaming load client for OpenAI-compatible `/v1/chat/completions` servers (temper and
-llama-server), Python standard library only. Used by `scripts/bench-compare.sh`.
+"""Streaming load client for OpenAI-compatible `/v1/chat/completions` servers (temper, and the
+llama-server of llama.cpp and of ik_llama.cpp), Python standard library only. Used by
+`scripts/bench-compare.sh`.
 
 Subcommands:
-  run    N concurrent clients, each sending R streaming requests back to back; prints JSON with
-         per-request TTFT and output tok/s, and the aggregate output tok/s of the whole run.
-  agent  multi-turn agent case: a long conversation sent cold (unique prefix), then its next turn
-         (same prefix + the answer + a new user message); prints JSON with both TTFTs.
-  table  reads the JSON results written by bench-compare.sh and prints the markdown table.
+  run      N concurrent clients, each sending R streaming requests back to back; prints JSON
+           with per-request TTFT and output tok/s, and the aggregate output tok/s of the run.
+  agent    multi-turn agent case: a long conversation sent cold (unique prefix), then its next
+           turn (same prefix + the answer + a new user message); prints JSON with both TTFTs.
+  table    reads the JSON results written by bench-compare.sh and prints the markdown table.
+  best-np  prints the -np (and its KV size) that bench-compare.sh runs temper's equal-KV rows
+           against.
 
-Every request asks for a fixed number of output tokens: `max_tokens`, `temperature: 0` and
-`ignore_eos: true` (both servers accept it); llama-server also gets `cache_prompt: true` (its
-per-slot prompt cache, the default anyway). Tokens are counted from the final usage chunk
+`--server` is temper, llama (mainline llama-server) or ik (ik_llama.cpp's llama-server). Every
+request asks for a fixed number of output tokens: `max_tokens`, `temperature: 0` and
+`ignore_eos: true` (all three servers accept it); both llama-servers also get `cache_prompt:
+true` (their per-slot prompt cache, the default anyway). Tokens are counted from the final usage chunk
 (`stream_options.include_usage`) when the server sends one, else one per content chunk. TTFT is
 the time from sending the request to the first chunk carrying generated text.
 """
@@ -83,7 +87,7 @@ class Client:
         }
         if self.model:
             b["model"] = self.model
-        if self.server == "llama":
+        if self.server in ("llama", "ik"):
             b["cache_prompt"] = True
         return b
 
@@ -333,6 +337,13 @@ def emit(args, out):
 
 # ---------------------------------------------------------------------------------------------
 # The comparison table.
+#
+# Results layout (scripts/bench-compare.sh): meta.json; per round rN/: temper-<row>.json,
+# temper-kv.json, temper-pp512.json, and per anchor A (llama, ik) A-pp512.json and, for each -np
+# of the sweep, A-np<NP>-<row>.json and A-np<NP>-kv.json; eqkv/: A.json ({np, kv_mib,
+# kv_cache_mb}) and temper-A-c<C>-r<K>.json (temper at --kv-cache-mb = A's KV size).
+
+ANCHOR_NAMES = {"llama": "llama.cpp", "ik": "ik_llama.cpp"}
 
 
 def load(d, name):
@@ -352,140 +363,289 @@ def get(d, name, *keys):
     return v
 
 
+def round_dirs(d):
+    """The rounds' directories, in order."""
+    rs = []
+    for name in os.listdir(d):
+        if name.startswith("r") and name[1:].isdigit() and os.path.isdir(os.path.join(d, name)):
+            rs.append((int(name[1:]), os.path.join(d, name)))
+    return [p for _, p in sorted(rs)]
+
+
+def anchors_of(meta):
+    return [a for a in ("llama", "ik") if a in (meta.get("anchors") or {})]
+
+
+def best_np(rdir, anchor, nps, src, keys, better):
+    """(value, np) of the anchor's best -np in one round for one figure, or (None, None)."""
+    best = (None, None)
+    for np_ in nps:
+        v = get(rdir, f"{anchor}-np{np_}-{src}.json", *keys)
+        if v is None:
+            continue
+        if best[0] is None or (v > best[0] if better == "higher" else v < best[0]):
+            best = (v, np_)
+    return best
+
+
+def agg16_np(rdir, anchor, nps):
+    """The -np of the anchor's best 16-client aggregate in one round (its memory rows use it)."""
+    return best_np(rdir, anchor, nps, "c16", ("aggregate_tok_s",), "higher")[1]
+
+
+def stats(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.median(values), min(values), max(values), len(values)
+
+
+def cmd_best_np(args):
+    """Prints `NP KV_MIB` for the anchor's equal-KV row: the -np that gave its best 16-client
+    aggregate in most rounds (ties: the larger), and the KV size it logged there."""
+    meta = load(args.results, "meta.json") or {}
+    nps = meta.get("np") or []
+    picks = [agg16_np(r, args.anchor, nps) for r in round_dirs(args.results)]
+    picks = [p for p in picks if p is not None]
+    if not picks:
+        print("none none")
+        return
+    np_ = max(set(picks), key=lambda p: (picks.count(p), p))
+    kv = stats([get(r, f"{args.anchor}-np{np_}-kv.json", "kv_mib")
+                for r in round_dirs(args.results)])
+    print(np_, "none" if kv is None else f"{kv[0]:.2f}")
+
+
+class Unit:
+    """Formats a figure: number text and unit, the unit picked from the median."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def unit(self, med):
+        if self.kind == "secs":
+            return ("s", 1.0) if med >= 0.1 else ("ms", 1000.0)
+        return {"tok_s": ("tok/s", 1.0), "kib": ("MiB", 1 / 1024), "mib": ("MiB", 1.0)}[self.kind]
+
+    def num(self, v, scale):
+        x = v * scale
+        if self.kind == "tok_s":
+            return f"{x:.1f}"
+        if self.kind == "secs":
+            return f"{x:.2f}" if scale == 1.0 else f"{x:.0f}"
+        return f"{x:.0f}"
+
+    def cell(self, st, setting=None):
+        if st is None:
+            return "-"
+        med, lo, hi, n = st
+        unit, scale = self.unit(med)
+        s = f"{self.num(med, scale)} {unit}"
+        if n > 1:
+            s += f" [{self.num(lo, scale)}-{self.num(hi, scale)}]"
+        if setting:
+            s += f" ({setting})"
+        return s
+
+
+def np_setting(nps_by_round):
+    nps_by_round = [n for n in nps_by_round if n is not None]
+    if not nps_by_round:
+        return None
+    if len(set(nps_by_round)) == 1:
+        return f"-np {nps_by_round[0]}"
+    return "-np " + "/".join(str(n) for n in nps_by_round)
+
+
 def cmd_table(args):
     d = args.results
     meta = load(d, "meta.json") or {}
-    rows = []
-
-    def row(label, better, llama, temper, fmt):
-        if isinstance(temper, str) or temper is None or llama is None:
-            ratio = "-"
-        else:
-            ratio = f"{temper / llama:.2f}x"
-        show = lambda v: v if isinstance(v, str) else ("-" if v is None else fmt(v))  # noqa: E731
-        rows.append((label, better, show(llama), show(temper), ratio))
-
-    tok_s = lambda v: f"{v:.1f} tok/s"  # noqa: E731
-    secs = lambda v: f"{v:.2f} s" if v >= 0.1 else f"{v * 1000:.0f} ms"  # noqa: E731
-    mib = lambda v: f"{v / 1024:.0f} MiB"  # noqa: E731
+    anchors = anchors_of(meta)
+    rounds = round_dirs(d)
+    nps = meta.get("np") or []
     mt = meta.get("max_tokens", "?")
+    tok_s, secs, kib, mib = Unit("tok_s"), Unit("secs"), Unit("kib"), Unit("mib")
+    rows = []  # (label, better, temper cell, [anchor cells], ratio text, ratio value or None, summary key)
+    ratios_by_anchor = {}  # summary key -> {anchor: oriented ratio}
 
-    row(
-        f"decode tok/s, 1 client, {mt} output tokens (per-request median)",
-        "higher",
-        get(d, "llama-c1.json", "decode_tok_s_p50"),
-        get(d, "temper-c1.json", "decode_tok_s_p50"),
-        tok_s,
-    )
-    for c in (16, 32):
-        row(
-            f"aggregate output tok/s, {c} clients x {mt} tokens",
-            "higher",
-            get(d, f"llama-c{c}.json", "aggregate_tok_s"),
-            get(d, f"temper-c{c}.json", "aggregate_tok_s"),
-            tok_s,
-        )
+    def add(label, better, unit, t_vals, a_stats, key=None):
+        """a_stats: {anchor: (stats, setting)}; the ratio is temper's median over the faster
+        anchor's median. key: the row's short name when it counts in the summary."""
+        t = stats(t_vals)
+        cells = [unit.cell(*a_stats[a]) if a in a_stats else "-" for a in anchors]
+        meds = {a: s[0][0] for a, s in a_stats.items() if s[0] is not None}
+        ratio_txt, ratio = "-", None
+        if t is not None and meds:
+            pick = max if better == "higher" else min
+            fa = pick(meds, key=meds.get)
+            ratio = t[0] / meds[fa] if meds[fa] else None
+            if ratio is not None:
+                ratio_txt = f"{ratio:.2f}x" + (f" vs {ANCHOR_NAMES[fa]}" if len(anchors) > 1 else "")
+            if key:
+                ratios_by_anchor[key] = {
+                    a: (t[0] / m if better == "higher" else m / t[0])
+                    for a, m in meds.items() if m and t[0]
+                }
+        rows.append((label, better, unit.cell(t), cells, ratio_txt, key if ratio is not None else None))
+
+    def temper_vals(src, *keys):
+        return [get(r, f"temper-{src}.json", *keys) for r in rounds]
+
+    def anchor_best(src, keys, better):
+        """Per anchor: stats of its per-round best over the sweep, and the -np that gave it."""
+        out = {}
+        for a in anchors:
+            picks = [best_np(r, a, nps, src, keys, better) for r in rounds]
+            out[a] = (stats([v for v, _ in picks]), np_setting([n for _, n in picks]))
+        return out
+
+    def anchor_at_agg16(src, keys):
+        out = {}
+        for a in anchors:
+            picks = [(get(r, f"{a}-np{n}-{src}.json", *keys), n)
+                     for r in rounds for n in [agg16_np(r, a, nps)] if n is not None]
+            out[a] = (stats([v for v, _ in picks]), np_setting([n for _, n in picks]))
+        return out
+
+    def speed(label, better, unit, src, keys, key):
+        add(label, better, unit, temper_vals(src, *keys), anchor_best(src, keys, better), key)
+
+    speed(f"decode tok/s, 1 client, {mt} output tokens (per-request median)", "higher", tok_s,
+          "c1", ("decode_tok_s_p50",), "decode 1c")
+    for c in (8, 16, 32):
+        speed(f"aggregate output tok/s, {c} clients x {mt} tokens", "higher", tok_s,
+              f"c{c}", ("aggregate_tok_s",), f"agg {c}c")
     for c in (1, 8, 16):
-        row(
-            f"TTFT p50, {c} client{'s' if c > 1 else ''} (short prompt)",
-            "lower",
-            get(d, f"llama-c{c}.json", "ttft_p50_s"),
-            get(d, f"temper-c{c}.json", "ttft_p50_s"),
-            secs,
-        )
-    row(
-        "prefill, 512 tokens in-process (llama-bench pp512 / temper bench prompt 512)",
-        "higher",
-        get(d, "llama-pp512.json", "tok_s"),
-        get(d, "temper-pp512.json", "tok_s"),
-        tok_s,
-    )
-    pl = get(d, "llama-p512.json", "prompt_tokens") or get(d, "temper-p512.json", "prompt_tokens")
-    row(
-        f"TTFT of a {pl or '~512'}-token prompt over HTTP, 1 client, cold (p50)",
-        "lower",
-        get(d, "llama-p512.json", "ttft_p50_s"),
-        get(d, "temper-p512.json", "ttft_p50_s"),
-        secs,
-    )
-    ct = get(d, "llama-agent.json", "cold_prompt_tokens") or get(
-        d, "temper-agent.json", "cold_prompt_tokens"
-    )
-    nt = get(d, "llama-agent.json", "next_prompt_tokens") or get(
-        d, "temper-agent.json", "next_prompt_tokens"
-    )
-    row(
-        f"agent: TTFT of a {ct or '~2k'}-token conversation, cold",
-        "lower",
-        get(d, "llama-agent.json", "cold_ttft_s"),
-        get(d, "temper-agent.json", "cold_ttft_s"),
-        secs,
-    )
-    row(
-        f"agent: TTFT of its next turn ({nt or '?'} tokens, prefix cached)",
-        "lower",
-        get(d, "llama-agent.json", "next_ttft_s"),
-        get(d, "temper-agent.json", "next_ttft_s"),
-        secs,
-    )
-    et = meta.get("echo_tokens", "?")
-    llama_echo = get(d, "llama-echo.json", "decode_tok_s_p50")
-    off = get(d, "temper-echo.json", "decode_tok_s_p50")
-    row(
-        f"echo-heavy decode tok/s, 1 client, {et} tokens (temper: prompt lookup off)",
-        "higher",
-        llama_echo,
-        off,
-        tok_s,
-    )
-    on = get(d, "temper-echo-spec.json", "decode_tok_s_p50")
-    spec = meta.get("spec_flag")
-    if on is None:
-        on = meta.get("spec_na") or "n/a (no flag)"
-        label = "echo-heavy decode tok/s, temper prompt lookup on"
-    else:
-        label = f"echo-heavy decode tok/s, temper with `{spec}`" + (
-            f" (on/off {on / off:.2f}x)" if off else ""
-        )
-    row(label, "higher", llama_echo, on, tok_s)
-    row(
-        "peak RSS of the server process during the 16-client run (VmHWM)",
-        "lower",
-        get(d, "llama-c16.json", "memory", "vmhwm_kb"),
-        get(d, "temper-c16.json", "memory", "vmhwm_kb"),
-        mib,
-    )
+        for p in (50, 90):
+            speed(f"TTFT p{p}, {c} client{'s' if c > 1 else ''} (short prompt)", "lower", secs,
+                  f"c{c}", (f"ttft_p{p}_s",), f"TTFT p{p} {c}c")
+    pp_reps = meta.get("pp_reps", "N")
+    add(f"prefill, 512 tokens in-process, best of {pp_reps} (llama-bench pp512 / temper bench "
+        "prompt 512)", "higher", tok_s, temper_vals("pp512", "tok_s"),
+        {a: (stats([get(r, f"{a}-pp512.json", "tok_s") for r in rounds]), None) for a in anchors},
+        "prefill 512")
 
-    print(f"host: {meta.get('cpu', '?')}; {meta.get('cores', '?')} cores; "
-          f"flags: {meta.get('flags') or 'none of avx2/avx512*/amx'}; "
-          f"ISA: {meta.get('isa', 'native')}")
-    print(f"llama.cpp {meta.get('llama_commit', '?')} (`-t 2`, llama-server `-np 8 -c "
-          f"{meta.get('llama_ctx', '?')}`); temper {meta.get('temper_commit', '?')} "
-          f"(`temper serve`, RAYON_NUM_THREADS=2); mode: {meta.get('mode', '?')}; "
-          f"one server at a time, same model, same load client")
-    print()
-    print("| figure | better | llama.cpp | temper | temper / llama.cpp |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
-    print()
-    # Summary: geometric mean of the speed ratios, each oriented so that > 1 means temper is ahead.
-    oriented = []
-    for label, better, _l, _t, ratio in rows:
-        if ratio == "-" or label.startswith("peak RSS"):
-            continue
-        v = float(ratio[:-1])
-        if v > 0:
-            oriented.append(v if better == "higher" else 1 / v)
-    if oriented:
-        g = math.exp(sum(math.log(v) for v in oriented) / len(oriented))
-        ahead = sum(1 for v in oriented if v > 1)
-        print(
-            f"summary: temper is ahead of llama.cpp on {ahead} of {len(oriented)} speed figures; "
-            f"geometric mean of the speed ratios (> 1 = temper faster) {g:.2f}x"
-        )
+    def first(src, key):
+        for r in rounds:
+            for name in [f"temper-{src}.json"] + [f"{a}-np{n}-{src}.json" for a in anchors for n in nps]:
+                v = get(r, name, key)
+                if v:
+                    return v
+        return None
+
+    pl = first("p512", "prompt_tokens")
+    speed(f"TTFT of a {pl or '~512'}-token prompt over HTTP, 1 client, cold (p50)", "lower", secs,
+          "p512", ("ttft_p50_s",), "TTFT 512")
+    ct, nt = first("agent", "cold_prompt_tokens"), first("agent", "next_prompt_tokens")
+    speed(f"agent: TTFT of a {ct or '~2k'}-token conversation, cold", "lower", secs, "agent",
+          ("cold_ttft_s",), "agent cold")
+    speed(f"agent: TTFT of its next turn ({nt or '?'} tokens, prefix cached)", "lower", secs,
+          "agent", ("next_ttft_s",), "agent next")
+    et = meta.get("echo_tokens", "?")
+    echo_anchor = anchor_best("echo", ("decode_tok_s_p50",), "higher")
+    speed(f"echo-heavy decode tok/s, 1 client, {et} tokens (temper: prompt lookup off)", "higher",
+          tok_s, "echo", ("decode_tok_s_p50",), "echo")
+    on = temper_vals("echo-spec", "decode_tok_s_p50")
+    spec = meta.get("spec_flag")
+    if stats(on) is None:
+        add(f"echo-heavy decode tok/s, temper prompt lookup on (not in the summary): "
+            f"{meta.get('spec_na') or 'n/a (no flag)'}", "higher", tok_s, [], echo_anchor)
     else:
-        print("summary: no figure was measured on both servers")
+        off = stats(temper_vals("echo", "decode_tok_s_p50"))
+        onoff = f"; on/off {stats(on)[0] / off[0]:.2f}x" if off and off[0] else ""
+        add(f"echo-heavy decode tok/s, temper with `{spec}` (not in the summary{onoff})", "higher",
+            tok_s, on, echo_anchor)
+    add("peak RSS of the server process during the 16-client run (VmHWM; anchors at the -np of "
+        "their best 16-client aggregate)", "lower", kib, temper_vals("c16", "memory", "vmhwm_kb"),
+        anchor_at_agg16("c16", ("memory", "vmhwm_kb")))
+    add("KV cache allocated at start (temper: its --kv-cache-mb pool; anchors: the KV buffers "
+        "they log, at that -np)", "lower", mib, temper_vals("kv", "kv_mib"),
+        anchor_at_agg16("kv", ("kv_mib",)))
+
+    # Equal KV capacity: temper with --kv-cache-mb = the anchor's KV size at one -np.
+    eq = os.path.join(d, "eqkv")
+    for a in anchors:
+        info = load(eq, f"{a}.json")
+        if not info:
+            continue
+        n, kv, mb = info["np"], info["kv_mib"], info["kv_cache_mb"]
+        k = len(rounds)
+        tag = f"equal KV ({ANCHOR_NAMES[a]} -np {n}: {kv:.0f} MiB; temper --kv-cache-mb {mb})"
+        for c in (16, 32):
+            add(f"{tag}: aggregate output tok/s, {c} clients", "higher", tok_s,
+                [get(eq, f"temper-{a}-c{c}-r{i}.json", "aggregate_tok_s") for i in range(1, k + 1)],
+                {a: (stats([get(r, f"{a}-np{n}-c{c}.json", "aggregate_tok_s") for r in rounds]),
+                     f"-np {n}")})
+        add(f"{tag}: peak RSS through the 32-client run (VmHWM)", "lower", kib,
+            [get(eq, f"temper-{a}-c32-r{i}.json", "memory", "vmhwm_kb") for i in range(1, k + 1)],
+            {a: (stats([get(r, f"{a}-np{n}-c32.json", "memory", "vmhwm_kb") for r in rounds]),
+                 f"-np {n}")})
+
+    # --- header ---
+    flags = meta.get("flags") or "none of avx2/avx512*/amx"
+    amx_note = ""
+    for a in anchors:
+        if "the CPU lists AMX" in (meta["anchors"][a].get("build") or ""):
+            amx_note = (f"; {ANCHOR_NAMES[a]} built without GGML_NATIVE and with AMX off (the CPU "
+                        "lists AMX; its AMX kernels die with SIGILL where the VM does not grant "
+                        "the AMX tile state)")
+    print(f"host: {meta.get('cpu', '?')}; {meta.get('cores', '?')} cores; flags: {flags}; "
+          f"ISA: {meta.get('isa', 'native')}{amx_note}")
+    th = meta.get("threads", 2)
+    descs = []
+    for a in anchors:
+        m = meta["anchors"][a]
+        desc = (f"{ANCHOR_NAMES[a]} {m.get('commit', '?')} ({m.get('build', '?')}; llama-server "
+                f"`{m.get('server_args', '')}`")
+        if m.get("bench_args"):
+            desc += f", llama-bench `{m['bench_args']}`"
+        descs.append(desc + ")")
+    np_txt = "{" + ", ".join(str(n) for n in nps) + "}"
+    print(f"anchors: {'; '.join(descs)}; each `-t {th}`, llama-server at `-np` in {np_txt} with "
+          f"`-c` = np x {meta.get('slot_ctx', '?')}, each row at the anchor's best `-np` "
+          "(a/b: the best `-np` of each round, in order)")
+    nr = len(rounds)
+    print(f"temper {meta.get('temper_commit', '?')} (`temper serve`, RAYON_NUM_THREADS={th}); "
+          f"mode: {meta.get('mode', '?')}; {nr} round{'s' if nr != 1 else ''}, the servers in "
+          "alternating order (temper first in odd rounds, last in even ones); cells: median "
+          "[min-max] over the rounds; one server at a time, same model, same load client")
+    print()
+    names = [ANCHOR_NAMES[a] for a in anchors]
+    ratio_head = "temper / best anchor of the row" if len(anchors) > 1 else f"temper / {names[0]}"
+    print(f"| figure | better | temper | {' | '.join(names)} | {ratio_head} |")
+    print("|---|---|---|" + "---|" * len(anchors) + "---|")
+    for label, better, t, cells, ratio, _key in rows:
+        print(f"| {label} | {better} | {t} | {' | '.join(cells)} | {ratio} |")
+    print()
+
+    # --- summary: geometric mean of the like-for-like speed rows, > 1 = temper faster ---
+    keys = [key for *_, key in rows if key and key in ratios_by_anchor]
+
+    def gmean(vs):
+        return math.exp(sum(math.log(v) for v in vs) / len(vs)) if vs else None
+
+    best = []  # per row: the ratio against the faster anchor (the smallest oriented ratio)
+    for key in keys:
+        vs = ratios_by_anchor[key]
+        if vs:
+            best.append(min(vs.values()))
+    if best:
+        g = gmean(best)
+        ahead = sum(1 for v in best if v > 1)
+        per = []
+        if len(anchors) > 1:
+            for a in anchors:
+                vs = [ratios_by_anchor[k][a] for k in keys if a in ratios_by_anchor[k]]
+                if vs:
+                    per.append(f"vs {ANCHOR_NAMES[a]} alone {gmean(vs):.2f}x over {len(vs)} rows")
+        print(f"summary: temper is ahead of the faster anchor on {ahead} of {len(best)} "
+              f"like-for-like speed rows; geometric mean of the ratios (> 1 = temper faster) "
+              f"{g:.2f}x" + (f" ({'; '.join(per)})" if per else "") + ".")
+        print(f"summary rows: {', '.join(keys)}. Not in it: the prompt-lookup row (temper "
+              "speculates there, the anchors do not), the memory rows, and the equal-KV rows "
+              "(the 16/32-client rows again at another temper setting).")
+    else:
+        print("summary: no figure was measured on temper and an anchor")
 
 
 def main():
@@ -494,7 +654,7 @@ def main():
 
     def common(sp):
         sp.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-        sp.add_argument("--server", choices=["temper", "llama"], required=True,
+        sp.add_argument("--server", choices=["temper", "llama", "ik"], required=True,
                         help="which server (decides the per-server request fields)")
         sp.add_argument("--model", default=None, help="`model` field to send (default: none)")
         sp.add_argument("--max-tokens", type=int, default=128)
@@ -522,6 +682,11 @@ def main():
     t = sub.add_parser("table", help="print the comparison table from a results directory")
     t.add_argument("--results", required=True)
     t.set_defaults(func=cmd_table)
+
+    b = sub.add_parser("best-np", help="print `NP KV_MIB` for an anchor's equal-KV row")
+    b.add_argument("--results", required=True)
+    b.add_argument("--anchor", choices=["llama", "ik"], required=True)
+    b.set_defaults(func=cmd_best_np)
 
     args = p.parse_args()
     args.func(args)
