@@ -261,7 +261,7 @@ for a in "${ANCHORS[@]}"; do
         ABIN[$a]=$(LLAMA_FORK=$a LLAMA_ISA=$ISA scripts/build-llama-cpp.sh --print-bin)
         want=$(LLAMA_FORK=$a LLAMA_ISA=$ISA scripts/build-llama-cpp.sh --dry-run 2>/dev/null | sed -n 2p)
         have=$(cat "${ABIN[$a]}/BUILD" 2>/dev/null || echo unknown)
-        [[ $have == "$want" ]] \
+        [[ $have == "$want" || ! -e ${ABIN[$a]}/llama-server ]] \
             || log "warning: ${ABIN[$a]} was built with '$have', not '$want' (run without --no-build to rebuild it)"
     fi
     [[ -x ${ABIN[$a]}/llama-bench && -x ${ABIN[$a]}/llama-server ]] \
