@@ -66,19 +66,23 @@ fuzz:
 bench: fetch-model build
 	./target/release/temper bench $(ARGS)
 
-# temper next to llama.cpp (pinned, built once into $TEMPER_HOME) in one run on this host, one
-# server at a time, same model and load client; ARGS=--quick for a run of a few minutes.
+# temper next to two anchors, llama.cpp and ik_llama.cpp (pinned, built once into $TEMPER_HOME),
+# in one run on this host: one server at a time, same model and load client, each anchor at its
+# best -np per row, alternating rounds (docs/benchmarks.md). About 17 minutes on a quiet 2-core
+# host once the anchors are built; ARGS=--quick for a validation run of a few minutes,
+# ARGS="--anchor llama" against mainline only.
 bench-compare: fetch-model
 	scripts/bench-compare.sh $(ARGS)
 
-# The same with both on their AVX2 code paths (temper built for x86-64-v3 into target/avx2/ and
-# run with TEMPER_ISA=avx2, llama.cpp built AVX2 only into bin-avx2/), to compare them there on
-# an AVX-512 host.
+# The same with all three on their AVX2 code paths (temper built for x86-64-v3 into target/avx2/
+# and run with TEMPER_ISA=avx2, the anchors built AVX2 only into bin-avx2/), to compare them
+# there on an AVX-512 host.
 bench-compare-avx2: fetch-model
 	scripts/bench-compare.sh --isa avx2 $(ARGS)
 
-# temper's trainer step next to PyTorch + PEFT's (a venv in $TEMPER_HOME/train-ref-venv) in one run
-# on this host, after checking both give the same logprobs, loss and LoRA gradients on one batch;
+# temper's whole trainer step (forward, backward, AdamW) next to PyTorch + PEFT's variants (f32,
+# bf16 autocast, chunked log-softmax, SDPA or eager; a venv in $TEMPER_HOME/train-ref-venv) in one
+# run on this host, each variant first checked for the same logprobs, loss and LoRA gradients;
 # ARGS=--write-fixture also rewrites the reference fixture of the temper-train agreement test.
 bench-train-compare: fetch-model
 	scripts/bench-train-compare.sh $(ARGS)

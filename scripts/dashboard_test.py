@@ -11,7 +11,7 @@ Chromium loads the page with the key and its DOM (after the script ran) must sho
 checkpoint, every job with its status and events, and the reward and loss curves with a point per
 checkpoint / gradient step; a metric name with markup must show as text; a wrong or missing key
 must show the server's 401 message. Last, a screenshot (`--screenshot PATH`, default
-target/dashboard.png; the README's is docs/dashboard.png).
+target/dashboard.png; the one in docs/api.md is docs/dashboard.png).
 """
 
 import argparse

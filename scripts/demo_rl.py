@@ -1,4 +1,4 @@
-"""RL learning demo through temper's HTTP API, as a user runs it (`make demo-rl`; README, RL demo).
+"""RL learning demo through temper's HTTP API, as a user runs it (`make demo-rl`; docs/benchmarks.md, RL demo).
 
 Starts `temper serve` on a fresh data directory and a free port, registers a trainable model,
 then each round: samples a group of answers to one question with chat completions against the

@@ -470,12 +470,13 @@ def cmd_table(args):
 
     def add(label, better, unit, t_vals, a_stats, key=None):
         """a_stats: {anchor: (stats, setting)}; the ratio is temper's median over the faster
-        anchor's median. key: the row's short name when it counts in the summary."""
+        anchor's median (none when `better` is "-": a row shown, not compared). key: the row's
+        short name when it counts in the summary."""
         t = stats(t_vals)
         cells = [unit.cell(*a_stats[a]) if a in a_stats else "-" for a in anchors]
         meds = {a: s[0][0] for a, s in a_stats.items() if s[0] is not None}
         ratio_txt, ratio = "-", None
-        if t is not None and meds:
+        if t is not None and meds and better != "-":
             pick = max if better == "higher" else min
             fa = pick(meds, key=meds.get)
             ratio = t[0] / meds[fa] if meds[fa] else None
@@ -558,8 +559,9 @@ def cmd_table(args):
     add("peak RSS of the server process during the 16-client run (VmHWM; anchors at the -np of "
         "their best 16-client aggregate)", "lower", kib, temper_vals("c16", "memory", "vmhwm_kb"),
         anchor_at_agg16("c16", ("memory", "vmhwm_kb")))
-    add("KV cache allocated at start (temper: its --kv-cache-mb pool; anchors: the KV buffers "
-        "they log, at that -np)", "lower", mib, temper_vals("kv", "kv_mib"),
+    add("KV cache size (temper: the --kv-cache-mb budget its blocks come from, touched only as "
+        "used, so not compared: see the RSS rows and the equal-KV rows; anchors: the KV buffers "
+        "they allocate at start, at that -np)", "-", mib, temper_vals("kv", "kv_mib"),
         anchor_at_agg16("kv", ("kv_mib",)))
 
     # Equal KV capacity: temper with --kv-cache-mb = the anchor's KV size at one -np.
