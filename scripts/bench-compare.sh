@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make bench-compare`: temper next to two llama.cpp anchors, measured in one run on this host with
 # the same model, 2 threads each, one server at a time, the same load client
-# (scripts/load_client.py). Prints a markdown table (README, Benchmarks).
+# (scripts/load_client.py). Prints a markdown table (docs/benchmarks.md).
 #   anchors: mainline llama.cpp (pinned 0c1e570, scripts/build-llama-cpp.sh) and its CPU-speed fork
 #            ik_llama.cpp (as vendored by ik-llama-cpp-python 0.1.5 with upstream's later fix of
 #            its CPU flash attention for parallel slots, scripts/build-ik-llama-cpp.sh), run with
