@@ -233,7 +233,10 @@ async fn a_constrained_request_does_not_change_its_batch_neighbours() {
     let (a, b) = tokio::join!(s.chat(&constrained), async {
         let start = std::time::Instant::now();
         while s.engine_stats().running_requests == 0 {
-            assert!(start.elapsed() < std::time::Duration::from_secs(60), "never submitted");
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(60),
+                "never submitted"
+            );
             tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         }
         s.chat(&free).await
