@@ -16,8 +16,8 @@ async fn server() -> Option<TestServer> {
 }
 
 /// Below this top-1/top-2 gap (nats) llama.cpp's greedy choice is decided by last-bit rounding
-/// of its 8-bit activation quantization; ids are compared up to the first such position (docs/how-it-works.md,
-/// Correctness).
+/// of its 8-bit activation quantization; ids are compared up to the first such position
+/// (docs/how-it-works.md, Correctness).
 const NEAR_TIE: f64 = 0.5;
 
 fn first_near_tie(top_logprobs: &Value) -> usize {
@@ -77,7 +77,8 @@ async fn greedy_matches_llama_cpp() {
         }
     }
     // Our arithmetic is not llama.cpp's (issue 11: no row-count-dependent paths, no f16
-    // roundings): ids must agree up to llama.cpp's first near tie (docs/how-it-works.md, Correctness).
+    // roundings): ids must agree up to llama.cpp's first near tie (docs/how-it-works.md,
+    // Correctness).
     eprintln!("{matching}/5 reproduce llama.cpp's first 16 greedy ids");
     assert!(
         report.is_empty(),

@@ -357,7 +357,8 @@ async fn cancel_stops_a_running_job_and_equal_rewards_learn_nothing() {
         .exists());
 }
 
-/// The same agreement on the default model (reported in docs/how-it-works.md), through a real job.
+/// The same agreement on the default model (reported in docs/how-it-works.md), through a real
+/// job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_model_served_logprobs_match_the_trainer() {
     let Some(model) = temper_model::paths::real_model_for_tests() else {
