@@ -147,7 +147,7 @@ pub async fn authorize(
 /// none: no command-line key, `require_key` off and no active key in the store.
 async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<String, ApiError> {
     let options = state.options();
-    let store = state.training().map(|t| &t.store);
+    let store = state.store();
     let presented = bearer(headers);
     if let Some(key) = presented {
         if matches_any(&options.api_keys, key) {

@@ -29,13 +29,12 @@ use crate::protocol::{
     ChunkChoice, Delta, DeltaToolCall, FinishReasonJson, LogprobEntry, ResponseFunctionCall,
     ResponseMessage, ResponseToolCall, StopReasonJson,
 };
-use crate::state::{unix_now, AppState};
+use crate::state::{unix_now, AppState, ResolvedModel};
 use crate::structured::compile_constraint;
 use crate::team_limits::TeamRequestSlot;
-use crate::training::{resolve_model, ResolvedModel};
 use crate::usage::{check_quota, ChatUsage, UsageSink};
 use crate::validation::{check_prompt_bytes, validate_chat, StreamOptions};
-use temper_train::service::names;
+use temper_catalog::names;
 
 pub const SYSTEM_FINGERPRINT: &str = concat!("temper-", env!("CARGO_PKG_VERSION"));
 
@@ -70,7 +69,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     // Held until the response's last byte (moved into the stream below).
     let team_slot = state.team_requests().enter(&ctx.team)?;
-    let resolved = resolve_model(&state, req.model.as_deref(), &ctx.team).await?;
+    let resolved = state.resolve(req.model.as_deref(), &ctx.team).await?;
     let model = resolved.base.clone();
     let mut params = validate_chat(req, &state.limits(&model))?;
     check_quota(&state, &ctx.team).await?;
@@ -80,9 +79,9 @@ pub async fn chat_completions(
         .clone()
         .unwrap_or_else(|| ctx.request_id.clone());
     state.options().request_hook.on_request(&params)?;
-    let adapter = match (&resolved.checkpoint, state.training()) {
-        (Some(checkpoint), Some(training)) => training.adapter(&model, checkpoint).await?,
-        _ => None,
+    let adapter = match &resolved.checkpoint {
+        Some(checkpoint) => state.catalog().adapter(&model, checkpoint).await?,
+        None => None,
     };
     let usage_sink = state.usage_meter().map(|meter| UsageSink {
         meter: meter.clone(),

@@ -221,6 +221,15 @@ impl From<temper_store::Error> for ApiError {
     }
 }
 
+impl From<temper_catalog::CatalogError> for ApiError {
+    fn from(e: temper_catalog::CatalogError) -> Self {
+        match e {
+            temper_catalog::CatalogError::Store(e) => e.into(),
+            temper_catalog::CatalogError::Adapter { .. } => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
 impl From<temper_train::service::ServiceError> for ApiError {
     fn from(e: temper_train::service::ServiceError) -> Self {
         use temper_train::service::ServiceError as E;

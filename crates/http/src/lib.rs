@@ -32,6 +32,7 @@ use axum::{middleware, Extension, Json, Router};
 pub use error::ApiError;
 pub use extras::{NoHook, RequestHook};
 pub use state::{AppState, LoadError, ModelSpec, ServedModel, ServerOptions};
+pub use temper_catalog::{Catalog, CatalogOptions};
 pub use temper_train::service::{TrainingOptions, TrainingService};
 
 use protocol::{ModelCard, ModelList};
@@ -189,8 +190,8 @@ async fn list_models(
             parent: None,
         })
         .collect();
-    if let Some(training) = state.training() {
-        for model in training.store.list_models(&ctx.team).await? {
+    if let Some(store) = state.store() {
+        for model in store.list_models(&ctx.team).await? {
             let Ok(base) = state.model(Some(&model.base_model)) else {
                 continue;
             };
@@ -208,8 +209,7 @@ async fn list_models(
             ));
             let mut after = None;
             loop {
-                let page = training
-                    .store
+                let page = store
                     .list_checkpoints(
                         &ctx.team,
                         model.id,
@@ -220,7 +220,7 @@ async fn list_models(
                     .await?;
                 after = page.items.last().map(|c| c.id);
                 for c in &page.items {
-                    let id = temper_train::service::names::checkpoint_name(
+                    let id = temper_catalog::names::checkpoint_name(
                         &model.team,
                         &model.project,
                         &model.name,

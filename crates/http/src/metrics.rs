@@ -18,9 +18,8 @@ const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
     let mut out = Exposition::default();
     serving(&state, &mut out);
-    if let Some(training) = state.training() {
-        let totals = training
-            .store
+    if let Some(store) = state.store() {
+        let totals = store
             .training_totals()
             .await
             .map_err(|e| ApiError::Internal(format!("reading training totals: {e}")))?;

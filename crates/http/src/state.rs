@@ -1,11 +1,15 @@
-//! Typed server state: the served models and the server-wide options.
+//! Typed server state: the served models (each a catalog base model with its engine), the
+//! catalog of trained checkpoints, the training service when the server has one, and the
+//! server-wide options.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use temper_catalog::{BaseModel, Catalog};
 use temper_engine::{Engine, EngineConfig, Scheduling};
-use temper_train::service::{BaseModel, TrainingService};
+use temper_store::{Checkpoint, Store};
+use temper_train::service::TrainingService;
 
 use crate::error::ApiError;
 use crate::extras::{NoHook, RequestHook};
@@ -13,8 +17,8 @@ use crate::team_limits::TeamRequests;
 use crate::usage::UsageMeter;
 use crate::validation::Limits;
 
-/// One model the server answers for: a base model (shared with the training service) and its
-/// own engine (scheduler thread). Reads as its [`BaseModel`] (name, weights, tokenizer,
+/// One model the server answers for: a base model of the catalog (shared with the training
+/// service) and its own engine (scheduler thread). Reads as its [`BaseModel`] (name, weights, tokenizer,
 /// template).
 pub struct ServedModel {
     pub base: Arc<BaseModel>,
@@ -56,7 +60,7 @@ pub struct ModelSpec {
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error(transparent)]
-    Base(#[from] temper_train::service::LoadError),
+    Base(#[from] temper_catalog::LoadError),
     #[error("--max-model-len {requested} exceeds the context length {context} of model `{name}`")]
     MaxModelLen {
         name: String,
@@ -180,9 +184,11 @@ struct Inner {
     models: Vec<Arc<ServedModel>>,
     options: ServerOptions,
     team_requests: Arc<TeamRequests>,
-    /// The training service (store, worker, trained models); `None` serves base models only.
+    /// Trained checkpoints and their adapters (with a store); base models only without one.
+    catalog: Arc<Catalog>,
+    /// The training routes' service (jobs, models, checkpoints); `None` without a store.
     training: Option<Arc<TrainingService>>,
-    /// Counts chat completions' tokens into the training service's store; `None` without one.
+    /// Counts chat completions' tokens into the catalog's store; `None` without one.
     usage: Option<Arc<UsageMeter>>,
     /// Reported as every model's `created`.
     started: u64,
@@ -191,21 +197,16 @@ struct Inner {
 impl AppState {
     /// Base models only: no store, no training API.
     pub fn new(models: Vec<ServedModel>, options: ServerOptions) -> Result<Self, LoadError> {
-        Self::build(models, options, None)
+        let bases = models.iter().map(|m| m.base.clone()).collect();
+        Self::with_catalog(models, options, Arc::new(Catalog::base_only(bases)), None)
     }
 
-    /// Base models plus the training service over `training`'s store.
-    pub fn with_training(
+    /// The served models, the catalog their trained checkpoints resolve in, and the training
+    /// API's service (over the catalog's store) when there is one.
+    pub fn with_catalog(
         models: Vec<ServedModel>,
         options: ServerOptions,
-        training: Arc<TrainingService>,
-    ) -> Result<Self, LoadError> {
-        Self::build(models, options, Some(training))
-    }
-
-    fn build(
-        models: Vec<ServedModel>,
-        options: ServerOptions,
+        catalog: Arc<Catalog>,
         training: Option<Arc<TrainingService>>,
     ) -> Result<Self, LoadError> {
         if models.is_empty() {
@@ -221,7 +222,8 @@ impl AppState {
                 models: models.into_iter().map(Arc::new).collect(),
                 team_requests: TeamRequests::new(options.max_requests_per_team),
                 options,
-                usage: training.as_ref().map(|t| UsageMeter::new(t.store.clone())),
+                usage: catalog.store().map(|s| UsageMeter::new(s.clone())),
+                catalog,
                 training,
                 started: unix_now(),
             }),
@@ -247,6 +249,15 @@ impl AppState {
 
     pub fn training(&self) -> Option<&Arc<TrainingService>> {
         self.inner.training.as_ref()
+    }
+
+    pub fn catalog(&self) -> &Arc<Catalog> {
+        &self.inner.catalog
+    }
+
+    /// The store (keys, usage, trained models); `None` for base models only.
+    pub fn store(&self) -> Option<&Store> {
+        self.inner.catalog.store()
     }
 
     /// Where chat completions' usage is counted (with the store).
@@ -277,6 +288,43 @@ impl AppState {
         }
     }
 
+    /// Resolves a request's `model`: a base model's own name first, then a trained name of the
+    /// key's team in the catalog. Unknown names, another team's and missing steps are all the
+    /// same 404.
+    pub async fn resolve(
+        &self,
+        requested: Option<&str>,
+        team: &str,
+    ) -> Result<ResolvedModel, ApiError> {
+        let base_err = match self.model(requested) {
+            Ok(base) => {
+                return Ok(ResolvedModel {
+                    name: base.name.clone(),
+                    base,
+                    checkpoint: None,
+                })
+            }
+            Err(e) => e,
+        };
+        let Some(requested) = requested else {
+            return Err(base_err);
+        };
+        let Some(trained) = self.inner.catalog.resolve(team, requested).await? else {
+            return Err(ApiError::ModelNotFound(requested.to_owned()));
+        };
+        let base = self.model(Some(&trained.model.base_model)).map_err(|_| {
+            ApiError::ServiceUnavailable(format!(
+                "The base model `{}` of `{requested}` is not served by this server.",
+                trained.model.base_model
+            ))
+        })?;
+        Ok(ResolvedModel {
+            base,
+            name: requested.to_owned(),
+            checkpoint: Some(trained.checkpoint),
+        })
+    }
+
     pub fn limits(&self, model: &ServedModel) -> Limits {
         Limits {
             vocab_size: model.tokenizer.vocab_size(),
@@ -288,6 +336,15 @@ impl AppState {
             tool_calls: self.inner.options.enable_tool_calls,
         }
     }
+}
+
+/// What a request's `model` names: a served base model, and for a trained name the checkpoint
+/// whose adapter goes on top of it.
+pub struct ResolvedModel {
+    pub base: Arc<ServedModel>,
+    /// The name as the request gave it (echoed in the response).
+    pub name: String,
+    pub checkpoint: Option<Checkpoint>,
 }
 
 pub fn unix_now() -> u64 {

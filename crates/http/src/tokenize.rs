@@ -10,7 +10,6 @@ use crate::extract::ValidJson;
 use crate::prompt::{chat_prompt, prepend_bos, token_text};
 use crate::protocol::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
 use crate::state::AppState;
-use crate::training::resolve_model;
 use crate::validation::{convert_messages, request_template, token_ids, PromptParams};
 
 /// `{model, prompt, add_special_tokens=true}` or `{model, messages, add_generation_prompt=true,
@@ -21,7 +20,8 @@ pub async fn tokenize(
     ValidJson(req): ValidJson<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
     // A trained model's name tokenizes as its base model.
-    let model = resolve_model(&state, req.model.as_deref(), &ctx.team)
+    let model = state
+        .resolve(req.model.as_deref(), &ctx.team)
         .await?
         .base;
     let limits = state.limits(&model);
@@ -85,7 +85,8 @@ pub async fn detokenize(
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<DetokenizeRequest>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
-    let model = resolve_model(&state, req.model.as_deref(), &ctx.team)
+    let model = state
+        .resolve(req.model.as_deref(), &ctx.team)
         .await?
         .base;
     let ids = token_ids("tokens", req.tokens, model.tokenizer.vocab_size())?;

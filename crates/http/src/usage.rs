@@ -187,10 +187,10 @@ impl Drop for ChatUsage {
 /// training job is accepted, against the usage stored so far: requests already running finish,
 /// so a team can end a little past its quota.
 pub async fn check_quota(state: &AppState, team: &str) -> Result<(), ApiError> {
-    let Some(training) = state.training() else {
+    let Some(store) = state.store() else {
         return Ok(());
     };
-    match training.store.quota(team, unix_now() as i64).await? {
+    match store.quota(team, unix_now() as i64).await? {
         Some(quota) if quota.is_exceeded() => {
             let (year, month, _) = utc_date(quota.period_start);
             let (next_year, next_month, _) = utc_date(quota.period_end);
@@ -385,18 +385,17 @@ pub async fn usage(
 ) -> Result<Json<UsagePage>, ApiError> {
     let now = unix_now() as i64;
     let range = q.validate(now)?;
-    let (Some(training), Some(meter)) = (state.training(), state.usage_meter()) else {
+    let (Some(store), Some(meter)) = (state.store(), state.usage_meter()) else {
         return Err(ApiError::ServiceUnavailable(
             "This server runs without a store: usage is not counted.".to_owned(),
         ));
     };
     // This server's own requests are in the answer as soon as they have ended.
     meter.flush().await?;
-    let rows = training
-        .store
+    let rows = store
         .usage_rows(&ctx.team, range.start, range.end)
         .await?;
-    let quota = training.store.quota(&ctx.team, now).await?;
+    let quota = store.quota(&ctx.team, now).await?;
     Ok(Json(UsagePage {
         object: "page",
         data: buckets(&range, rows),

@@ -13,23 +13,29 @@ use std::time::{Duration, Instant};
 
 use common::{options, TestServer};
 use serde_json::{json, Value};
-use temper_http::{TrainingOptions, TrainingService};
+use temper_http::{Catalog, CatalogOptions, TrainingOptions};
 use temper_store::{ArtifactError, Artifacts, ArtifactsLocation};
 use uuid::Uuid;
 
-fn training_options(data: &Path, artifacts: &ArtifactsLocation) -> TrainingOptions {
-    let mut training = TrainingOptions::new(data);
-    training.artifacts = artifacts.clone();
-    training
+fn catalog_options(data: &Path, artifacts: &ArtifactsLocation) -> CatalogOptions {
+    let mut catalog = CatalogOptions::new(data);
+    catalog.artifacts = artifacts.clone();
+    catalog
 }
 
 /// A server over the store in `data` with its adapters in `artifacts`; with the job worker
 /// when `worker`.
 async fn server(data: &Path, artifacts: &ArtifactsLocation, worker: bool) -> TestServer {
     let server =
-        TestServer::tiny_training(options(), training_options(data, artifacts), None).await;
+        TestServer::tiny_training(
+        options(),
+        catalog_options(data, artifacts),
+        TrainingOptions::default(),
+        None,
+    )
+    .await;
     if worker {
-        server.state.training().unwrap().spawn_worker();
+        server.state.training().unwrap().spawn_worker().unwrap();
     }
     server
 }
@@ -182,9 +188,9 @@ async fn a_job_whose_adapter_cannot_be_stored_fails_without_a_checkpoint() {
     let missing: ArtifactsLocation = format!("s3://temper-missing-{}", Uuid::new_v4().simple())
         .parse()
         .unwrap();
-    match TrainingService::open(training_options(data.path(), &missing), Vec::new()).await {
+    match Catalog::open(Vec::new(), &catalog_options(data.path(), &missing)).await {
         Err(e) => assert!(e.to_string().contains("NoSuchBucket"), "{e}"),
-        Ok(_) => panic!("opened the training service on a missing bucket"),
+        Ok(_) => panic!("opened the catalog on a missing bucket"),
     }
 
     // One that goes away after the start: the job trains, cannot store its adapter, and fails

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{options, TestServer};
 use serde_json::{json, Value};
-use temper_http::TrainingOptions;
+use temper_http::{CatalogOptions, TrainingOptions};
 
 async fn get(server: &TestServer, path: &str) -> Value {
     let resp = server.get(path).await;
@@ -22,8 +22,9 @@ async fn get(server: &TestServer, path: &str) -> Value {
 async fn page_is_public_and_the_routes_it_reads_answer_what_it_reads() {
     let data = tempfile::tempdir().unwrap();
     let server =
-        TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
-    server.state.training().unwrap().spawn_worker();
+        TestServer::tiny_training(options(), CatalogOptions::new(data.path()),
+        TrainingOptions::default(), None).await;
+    server.state.training().unwrap().spawn_worker().unwrap();
 
     // The page: no key needed, HTML, confined to this server.
     let resp = server

@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use reqwest::Method;
 use serde::de::{Deserialize, Visitor};
 use serde_json::{json, Value};
-use temper_http::{ServerOptions, TrainingOptions};
+use temper_http::{CatalogOptions, ServerOptions, TrainingOptions};
 
 fn document() -> Value {
     serde_json::from_str(temper_http::openapi::DOCUMENT).expect("openapi.json is JSON")
@@ -566,7 +566,7 @@ fn trajectory_groups() -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_responses_match_the_documented_schemas() {
     let data = tempfile::tempdir().unwrap();
-    let mut training = TrainingOptions::new(data.path());
+    let mut training = TrainingOptions::default();
     training.max_queued_jobs_per_team = Some(1);
     training.max_body_bytes = 1 << 20;
     let server_options = ServerOptions {
@@ -574,7 +574,12 @@ async fn real_responses_match_the_documented_schemas() {
         max_body_bytes: 64 << 10,
         ..options()
     };
-    let s = TestServer::tiny_training(server_options, training, None).await;
+    let s = TestServer::tiny_training(
+        server_options,
+        CatalogOptions::new(data.path()),
+        training,
+        None,
+    ).await;
     let mut c = Checker {
         doc: document(),
         succeeded: BTreeSet::new(),
@@ -727,7 +732,7 @@ async fn real_responses_match_the_documented_schemas() {
         )
         .await;
     let sft_id = sft.body["id"].as_str().unwrap().to_owned();
-    s.state.training().unwrap().spawn_worker();
+    s.state.training().unwrap().spawn_worker().unwrap();
     wait_succeeded(&s, &sft_id).await;
     let rl = c.send(&s, Call::new("POST", jobs).json(rl_job), 200).await;
     let rl_id = rl.body["id"].as_str().unwrap().to_owned();

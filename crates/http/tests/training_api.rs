@@ -5,7 +5,7 @@ mod common;
 
 use common::{options, TestServer, KEY};
 use serde_json::{json, Value};
-use temper_http::{ServerOptions, TrainingOptions};
+use temper_http::{CatalogOptions, ServerOptions, TrainingOptions};
 
 /// The worker these tests play, writing jobs' results straight into the store.
 const WORKER: &str = "test-worker";
@@ -18,7 +18,8 @@ struct Api {
 
 async fn api(options: ServerOptions) -> Api {
     let data = tempfile::tempdir().unwrap();
-    let server = TestServer::tiny_training(options, TrainingOptions::new(data.path()), None).await;
+    let server = TestServer::tiny_training(options, CatalogOptions::new(data.path()),
+        TrainingOptions::default(), None).await;
     Api {
         server,
         _data: data,
@@ -598,13 +599,14 @@ async fn job_reads_events_and_cancel() {
 #[tokio::test]
 async fn training_routes_have_their_own_body_limit() {
     let data = tempfile::tempdir().unwrap();
-    let mut training = TrainingOptions::new(data.path());
+    let mut training = TrainingOptions::default();
     training.max_body_bytes = 2000;
     let server = TestServer::tiny_training(
         ServerOptions {
             max_body_bytes: 500,
             ..options()
         },
+        CatalogOptions::new(data.path()),
         training,
         None,
     )

@@ -10,15 +10,15 @@ use std::time::{Duration, Instant};
 
 use common::{options, TestServer, KEY};
 use serde_json::{json, Value};
-use temper_http::TrainingOptions;
+use temper_http::{CatalogOptions, TrainingOptions};
 
 /// A server over a store in `data` (kept by the caller, so a second server can reopen it), with
 /// the job worker running.
 async fn server(data: &Path, max_seq_len: usize) -> TestServer {
-    let mut training = TrainingOptions::new(data);
+    let mut training = TrainingOptions::default();
     training.max_seq_len = max_seq_len;
-    let server = TestServer::tiny_training(options(), training, None).await;
-    server.state.training().unwrap().spawn_worker();
+    let server = TestServer::tiny_training(options(), CatalogOptions::new(data), training, None).await;
+    server.state.training().unwrap().spawn_worker().unwrap();
     server
 }
 
@@ -313,7 +313,8 @@ async fn idempotency_keys_replay_conflict_and_survive_a_restart() {
     let data = tempfile::tempdir().unwrap();
     // No worker: jobs stay queued, so cancelling them is possible at any time.
     let server =
-        TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
+        TestServer::tiny_training(options(), CatalogOptions::new(data.path()),
+        TrainingOptions::default(), None).await;
     let s = &server;
     let post_with = |path: &'static str, key: &'static str, body: Value| async move {
         call(s, "POST", path, KEY, Some(key), Some(&body)).await
@@ -466,7 +467,8 @@ async fn idempotency_keys_replay_conflict_and_survive_a_restart() {
     // After a restart on the same data directory: the same answers, the same conflicts.
     drop(server);
     let server =
-        TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
+        TestServer::tiny_training(options(), CatalogOptions::new(data.path()),
+        TrainingOptions::default(), None).await;
     let (status, again, replayed) = call(
         &server,
         "POST",

@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 use common::{check_stream, options, TestServer, KEY};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use temper_http::TrainingOptions;
+use temper_http::{CatalogOptions, TrainingOptions};
 
 async fn server() -> (TestServer, tempfile::TempDir) {
     let data = tempfile::tempdir().unwrap();
     let server =
-        TestServer::tiny_training(options(), TrainingOptions::new(data.path()), None).await;
+        TestServer::tiny_training(options(), CatalogOptions::new(data.path()),
+        TrainingOptions::default(), None).await;
     (server, data)
 }
 
@@ -300,7 +301,7 @@ async fn a_cancelled_stream_counts_what_was_generated() {
 #[tokio::test]
 async fn trained_tokens_count_for_the_models_project() {
     let (server, _data) = server().await;
-    server.state.training().unwrap().spawn_worker();
+    server.state.training().unwrap().spawn_worker().unwrap();
     let model = server
         .post_ok(
             "/v1/preview/models",

@@ -16,6 +16,7 @@ use temper_engine::{
     JsonOptions, OutputConstraint, SamplingParams, StopParams,
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
+use temper_catalog::BaseModel;
 use temper_text::{ChatTemplate, DecodeOptions, Tokenizer};
 use temper_train::{
     AdamW, ExperimentalConfig, TrainEvent, TrainerConfig, TrainerPool, TrainerThreads,
@@ -76,21 +77,16 @@ struct Row {
 pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     let path = args.model.clone().unwrap_or(default_model);
     let started = Instant::now();
-    let loaded =
-        temper_model::load_gguf(&path).map_err(|e| format!("loading {}: {e}", path.display()))?;
-    let tokenizer = temper_text::load_tokenizer(&loaded.metadata, &path)
-        .map_err(|e| format!("tokenizer of {}: {e}", path.display()))?;
+    // The server's loading path: the same template rules as `temper serve`.
+    let base = BaseModel::load("bench", &path, None).map_err(|e| e.to_string())?;
     let load_time = started.elapsed();
-    let template = temper_text::gguf_chat_template(&loaded.metadata)
-        .unwrap_or_else(|| ChatTemplate::GEMMA3.to_owned());
-    let template = ChatTemplate::new(
-        &template,
-        tokenizer.bos_token().map(str::to_owned),
-        tokenizer.eos_token().map(str::to_owned),
-    )
-    .map_err(|e| format!("chat template: {e}"))?;
-    let model = Arc::new(loaded.model);
-    let tokenizer = Arc::new(tokenizer);
+    let template = base
+        .chat_template
+        .clone()
+        .ok_or_else(|| format!("{} has no chat template", path.display()))?;
+    let BaseModel {
+        model, tokenizer, ..
+    } = base;
     let repeat = args.repeat.max(1);
     let mut rows = Vec::new();
 

@@ -11,11 +11,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
+use temper_catalog::{BaseModel, Catalog, CatalogOptions};
 use temper_http::{
     AppState, ModelSpec, ServedModel, ServerOptions, TrainingOptions, TrainingService,
 };
 use temper_store::StoreLocation;
-use temper_train::service::BaseModel;
 
 use config::{Config, ServeArgs};
 
@@ -128,16 +128,24 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             base_models.push(Arc::new(base));
         }
     }
-    let training = runtime
-        .block_on(TrainingService::open(
-            TrainingOptions {
+    let catalog = runtime
+        .block_on(Catalog::open(
+            base_models,
+            &CatalogOptions {
                 data_dir: cfg.data_dir.clone(),
                 artifacts: cfg.artifacts.clone(),
                 store: cfg.store.clone(),
+                adapter_cache_bytes: cfg.adapter_cache_bytes,
+            },
+        ))
+        .map_err(|e| e.to_string())?;
+    let catalog = Arc::new(catalog);
+    let training = runtime
+        .block_on(TrainingService::open(
+            TrainingOptions {
                 job_lease: cfg.job_lease,
                 worker_id: cfg.worker_id.clone(),
                 max_body_bytes: cfg.max_training_body_bytes,
-                adapter_cache_bytes: cfg.adapter_cache_bytes,
                 lora_rank: cfg.lora_rank,
                 lora_alpha: cfg.lora_alpha,
                 max_seq_len: cfg.max_train_seq_len,
@@ -145,7 +153,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 max_queued_jobs_per_team: cfg.max_queued_jobs_per_team,
                 trainer_threads: cfg.trainer_threads,
             },
-            base_models,
+            catalog.clone(),
         ))
         .map_err(|e| e.to_string())?;
     let training = Arc::new(training);
@@ -156,7 +164,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let addrs = bind_addresses(&cfg, store_keys || !cfg.role.serves_api())?;
     let names: Vec<String> = cfg.models.iter().map(|(name, _)| name.clone()).collect();
     let state = if cfg.role.serves_api() {
-        let state = AppState::with_training(
+        let state = AppState::with_catalog(
             served,
             ServerOptions {
                 api_keys: cfg.api_keys.clone(),
@@ -171,7 +179,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 max_requests_per_team: cfg.max_requests_per_team,
                 ..ServerOptions::default()
             },
-            training.clone(),
+            catalog,
+            Some(training.clone()),
         )
         .map_err(|e| e.to_string())?;
         Some(state)
@@ -192,8 +201,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("reading the bound address: {e}"))?;
         // Before the banner: from then on a signal is a graceful shutdown.
         let mut signals = ShutdownSignals::listen()?;
+        // Only a process that runs jobs starts the trainer's threads.
+        let worker = match cfg.role.runs_jobs() {
+            true => Some(training.spawn_worker()?),
+            false => None,
+        };
         print_banner(&cfg, local, &names, store_keys);
-        let worker = cfg.role.runs_jobs().then(|| training.spawn_worker());
         let (stop_accepting, accepting_stopped) = tokio::sync::oneshot::channel::<()>();
         let mut server = tokio::spawn(temper_http::serve_router(listener, app, async {
             let _ = accepting_stopped.await;

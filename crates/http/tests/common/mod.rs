@@ -9,7 +9,8 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 
 use temper_http::{
-    AppState, ModelSpec, ServedModel, ServerOptions, TrainingOptions, TrainingService,
+    AppState, Catalog, CatalogOptions, ModelSpec, ServedModel, ServerOptions, TrainingOptions,
+    TrainingService,
 };
 
 pub const KEY: &str = "test-key";
@@ -38,9 +39,11 @@ impl TestServer {
         Self::start(&ModelSpec::new(name, path), options).await
     }
 
-    /// The tiny model with the training service over a store in `training.data_dir`.
+    /// The tiny model with the catalog over a store in `catalog.data_dir` and the training
+    /// service.
     pub async fn tiny_training(
         options: ServerOptions,
+        catalog: CatalogOptions,
         training: TrainingOptions,
         max_model_len: Option<usize>,
     ) -> TestServer {
@@ -50,11 +53,16 @@ impl TestServer {
         let mut spec = ModelSpec::new("tiny", &path);
         spec.max_model_len = max_model_len;
         let model = ServedModel::load(&spec).unwrap();
-        let training = TrainingService::open(training, vec![model.base.clone()])
+        let catalog = Catalog::open(vec![model.base.clone()], &catalog)
             .await
             .unwrap();
-        let training = Arc::new(training);
-        let state = AppState::with_training(vec![model], options, training).unwrap();
+        let catalog = Arc::new(catalog);
+        let training = TrainingService::open(training, catalog.clone())
+            .await
+            .unwrap();
+        let state =
+            AppState::with_catalog(vec![model], options, catalog, Some(Arc::new(training)))
+                .unwrap();
         let mut server = Self::serve(state).await;
         server._dir = Some(dir);
         server

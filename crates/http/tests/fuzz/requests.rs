@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use serde_json::{json, Map, Value};
-use temper_http::TrainingOptions;
+use temper_http::{CatalogOptions, TrainingOptions};
 
 use crate::common::{options, parse_sse, TestServer};
 use crate::{Campaign, Rng};
@@ -130,7 +130,8 @@ async fn requests_get_an_answer_or_the_error_envelope() {
             enable_tool_calls: true,
             ..options()
         },
-        TrainingOptions::new(data.path()),
+        CatalogOptions::new(data.path()),
+        TrainingOptions::default(),
         Some(MAX_MODEL_LEN),
     )
     .await;

@@ -1,53 +1,37 @@
 //! The training service below HTTP: models, checkpoints and jobs in the store (training.md's
-//! life cycle), the worker that runs queued jobs, inference names of trained checkpoints and the
-//! cache of their adapters. The HTTP layer routes to it and converts wire types; a worker node
-//! (`temper serve --role worker`) runs only its worker.
+//! life cycle) and the worker that runs queued jobs. It trains the base models of a
+//! [`temper_catalog::Catalog`] and writes the checkpoints serving finds there. The HTTP layer's
+//! training routes call it and convert wire types; a worker node (`temper serve --role worker`)
+//! runs only its worker.
 
-mod base;
-mod lru;
-pub mod names;
 mod worker;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Map, Value};
-use temper_model::LoraAdapter;
+use temper_catalog::{BaseModel, Catalog};
 use temper_store::{
-    Artifacts, ArtifactsLocation, Backend, Checkpoint, DeletedCheckpoints, DeletedModel,
-    IdempotencyKey, Job, JobKind, Model, NewModel, Store, StoreLocation,
+    Artifacts, Backend, Checkpoint, DeletedCheckpoints, DeletedModel, IdempotencyKey, Job,
+    JobKind, Model, NewModel, Store,
 };
 use uuid::Uuid;
 
-pub use base::{BaseModel, LoadError};
-
 use crate::{LogGroup, SftRequest, TrainError, TrainerPool, TrainerThreads, TrainingRequest};
-use lru::ByteLru;
-use names::StepSelector;
 
 /// Settings of the training service.
 #[derive(Debug, Clone)]
 pub struct TrainingOptions {
-    /// By default the store and the adapter files live here.
-    pub data_dir: PathBuf,
-    /// The store: the SQLite file in `data_dir` (the default), or a PostgreSQL database that
-    /// several servers share.
-    pub store: StoreLocation,
     /// How long the worker's claim on a running job lasts unless renewed (it renews it every
     /// third of that); a server that dies loses its job to another worker this long after.
     pub job_lease: Duration,
     /// This server's worker name in job leases and events (`None`: a generated one, see
     /// [`temper_store::new_worker_id`]); unique among the servers sharing a store.
     pub worker_id: Option<String>,
-    /// Where checkpoints' adapters are stored (`--artifacts`).
-    pub artifacts: ArtifactsLocation,
     /// Largest accepted body of the training routes (trajectory groups are large).
     pub max_body_bytes: usize,
-    /// Memory the cache of loaded adapters may use before it evicts the least recently used.
-    pub adapter_cache_bytes: usize,
     pub lora_rank: usize,
     pub lora_alpha: f32,
     /// Longest packed training sequence, in tokens.
@@ -57,21 +41,16 @@ pub struct TrainingOptions {
     pub max_job_attempts: u32,
     /// Most queued jobs per team (`None`: no bound); past it a post is a 429.
     pub max_queued_jobs_per_team: Option<u32>,
-    /// The trainer's own threads and their priority (below serving's).
+    /// The worker's own threads and their priority (below serving's), started with the worker.
     pub trainer_threads: TrainerThreads,
 }
 
-impl TrainingOptions {
-    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
-        let data_dir = data_dir.into();
+impl Default for TrainingOptions {
+    fn default() -> Self {
         TrainingOptions {
-            store: StoreLocation::Sqlite(data_dir.clone()),
-            data_dir,
             job_lease: Duration::from_secs(30),
             worker_id: None,
-            artifacts: ArtifactsLocation::DataDir,
             max_body_bytes: 64 << 20,
-            adapter_cache_bytes: 256 << 20,
             lora_rank: 8,
             lora_alpha: 16.0,
             max_seq_len: 2048,
@@ -111,15 +90,10 @@ pub enum ServiceError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    #[error("opening the store {location}: {source}")]
-    Store {
-        location: StoreLocation,
-        source: temper_store::Error,
-    },
-    #[error("{0}")]
-    TrainerPool(String),
-    #[error("{0}")]
-    Artifacts(#[from] temper_store::ArtifactError),
+    #[error("the training service needs a store")]
+    NoStore,
+    #[error("recovering the jobs of stopped workers: {0}")]
+    Store(#[from] temper_store::Error),
 }
 
 /// A job's request: posted to the API, stored as posted, read back by the worker.
@@ -145,12 +119,6 @@ impl JobSpec {
     }
 }
 
-/// A trained model's checkpoint a request names (see [`TrainingService::resolve`]).
-pub struct TrainedCheckpoint {
-    pub model: Model,
-    pub checkpoint: Checkpoint,
-}
-
 /// The store plus what the API calls and the worker share.
 pub struct TrainingService {
     pub store: Store,
@@ -160,7 +128,7 @@ pub struct TrainingService {
     pub worker_id: String,
     pub options: TrainingOptions,
     /// What jobs train: the base models this process loaded.
-    base_models: Vec<Arc<BaseModel>>,
+    catalog: Arc<Catalog>,
     /// Wakes the worker when a job is queued.
     wake: tokio::sync::Notify,
     /// The cancel flag of each job the worker is running.
@@ -168,37 +136,28 @@ pub struct TrainingService {
     /// Set (under the `running` lock) by [`TrainingService::begin_shutdown`]: the worker claims
     /// no more jobs.
     shutting_down: AtomicBool,
-    /// Loaded adapters by checkpoint id (a deleted and re-made step gets a new id).
-    adapters: Mutex<ByteLru<Uuid, Arc<LoraAdapter>>>,
-    /// Where the worker runs jobs, so that they do not take the engine's threads.
-    trainer_pool: TrainerPool,
 }
 
 impl TrainingService {
-    /// Opens the store (`options.store`) and the adapters' storage (an S3 bucket is reached
-    /// once, so that wrong settings fail here), removes the temporary files of adapter saves a
-    /// crash cut short, and puts back in the queue the jobs whose worker is gone (the worker then
-    /// re-runs them from their start), or fails those interrupted `options.max_job_attempts`
-    /// times in a row. Starts the trainer's threads.
+    /// Over the catalog's store and artifacts (it must have them): removes the temporary files
+    /// of adapter saves a crash cut short, and puts back in the queue the jobs whose worker is
+    /// gone (the worker then re-runs them from their start), or fails those interrupted
+    /// `options.max_job_attempts` times in a row. Starts no threads: the trainer's start with
+    /// [`TrainingService::spawn_worker`].
     ///
     /// On SQLite every running job was this server's: the caller holds the data directory's
     /// [`temper_store::DataDirLock`] (`temper serve` takes it before this), so no other server
     /// uses the store. On PostgreSQL other servers' jobs are alive: only expired leases count.
     pub async fn open(
         options: TrainingOptions,
-        base_models: Vec<Arc<BaseModel>>,
+        catalog: Arc<Catalog>,
     ) -> Result<TrainingService, OpenError> {
-        let trainer_pool =
-            TrainerPool::new(options.trainer_threads).map_err(OpenError::TrainerPool)?;
-        let store_error = |source| OpenError::Store {
-            location: options.store.clone(),
-            source,
-        };
-        let mut store = Store::connect(&options.store).await.map_err(store_error)?;
+        let storage = catalog.storage().ok_or(OpenError::NoStore)?;
+        let mut store = storage.store.clone();
         if let Some(limit) = options.max_queued_jobs_per_team {
             store = store.with_max_queued_jobs_per_team(limit);
         }
-        let artifacts = Artifacts::open(&options.artifacts, &options.data_dir).await?;
+        let artifacts = storage.artifacts.clone();
         for path in artifacts.remove_stray_temp_files().await {
             tracing::warn!(
                 path = %path.display(),
@@ -209,34 +168,33 @@ impl TrainingService {
         let recovery = match store.backend() {
             Backend::Sqlite => store.recover_after_crash(max_attempts).await,
             Backend::Postgres => store.requeue_expired_leases(max_attempts).await,
-        }
-        .map_err(store_error)?;
+        }?;
         worker::log_recovery(&recovery, max_attempts);
         let worker_id = match &options.worker_id {
             Some(id) => id.clone(),
-            None => temper_store::new_worker_id().map_err(store_error)?,
+            None => temper_store::new_worker_id()?,
         };
         Ok(TrainingService {
             store,
             artifacts,
             worker_id,
-            base_models,
+            catalog,
             wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),
-            adapters: Mutex::new(ByteLru::new(options.adapter_cache_bytes)),
-            trainer_pool,
             options,
         })
     }
 
-    /// Starts the job worker on the current runtime (a process runs at most one).
-    pub fn spawn_worker(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
-        tokio::spawn(worker::run(self.clone()))
+    /// Starts the trainer's threads and the job worker on the current runtime (a process runs
+    /// at most one); the error says which step of starting the threads failed.
+    pub fn spawn_worker(self: &Arc<Self>) -> Result<tokio::task::JoinHandle<()>, String> {
+        let pool = TrainerPool::new(self.options.trainer_threads)?;
+        Ok(tokio::spawn(worker::run(self.clone(), Arc::new(pool))))
     }
 
     pub fn base_model(&self, name: &str) -> Option<&Arc<BaseModel>> {
-        self.base_models.iter().find(|m| m.name == name)
+        self.catalog.base_model(name)
     }
 
     fn served_base(&self, model: &Model) -> Result<&Arc<BaseModel>, ServiceError> {
@@ -379,77 +337,6 @@ impl TrainingService {
         Ok(job)
     }
 
-    /// The checkpoint a request's `model` names when it is a trained name of `team`
-    /// (`<team>/<project>/<name>[:step<N>|:latest]`); `None` when it is not such a name, or
-    /// names no model or step of the team.
-    pub async fn resolve(
-        &self,
-        team: &str,
-        requested: &str,
-    ) -> Result<Option<TrainedCheckpoint>, ServiceError> {
-        let Some(parsed) = names::parse(requested).filter(|n| n.entity == team) else {
-            return Ok(None);
-        };
-        let found = async {
-            let model = self
-                .store
-                .get_model_by_name(team, parsed.project, parsed.name)
-                .await?;
-            let checkpoint = match parsed.step {
-                StepSelector::Latest => self.store.latest_checkpoint(team, model.id).await?,
-                StepSelector::Step(step) => {
-                    Some(self.store.get_checkpoint(team, model.id, step).await?)
-                }
-            };
-            Ok(checkpoint.map(|checkpoint| TrainedCheckpoint { model, checkpoint }))
-        };
-        match found.await {
-            Err(temper_store::Error::NotFound(_)) => Ok(None),
-            other => Ok(other?),
-        }
-    }
-
-    /// The adapter a checkpoint is served with: none for step 0 (the base weights), else the
-    /// one stored for it (on this server's disk or in the shared bucket), loaded once into the
-    /// LRU cache.
-    pub async fn adapter(
-        &self,
-        base: &BaseModel,
-        checkpoint: &Checkpoint,
-    ) -> Result<Option<Arc<LoraAdapter>>, ServiceError> {
-        if checkpoint.step == 0 {
-            return Ok(None);
-        }
-        if let Some(adapter) = self.lock_adapters().get(&checkpoint.id) {
-            return Ok(Some(adapter));
-        }
-        let cannot_load = |e: &dyn std::fmt::Display| {
-            ServiceError::Internal(format!(
-                "The adapter of checkpoint step {} cannot be loaded: {e}",
-                checkpoint.step
-            ))
-        };
-        let (model_id, step) = (checkpoint.model_id, checkpoint.step);
-        let bytes = self
-            .artifacts
-            .get(model_id, step)
-            .await
-            .map_err(|e| cannot_load(&e))?;
-        let origin = self.artifacts.key(model_id, step);
-        let weights = base.model.clone();
-        let loaded = tokio::task::spawn_blocking(move || {
-            LoraAdapter::from_bytes(&bytes, &origin, weights.config())
-        })
-        .await
-        .map_err(|e| ServiceError::Internal(format!("loading an adapter panicked: {e}")))?
-        .map_err(|e| cannot_load(&e))?;
-        let adapter = Arc::new(loaded);
-        let bytes = adapter.memory_bytes();
-        self.lock_adapters()
-            .insert(checkpoint.id, adapter.clone(), bytes);
-        Ok(Some(adapter))
-    }
-
     /// Asks the worker to stop a job it is running (cancelled, or its model deleted) before its
     /// next gradient step. A job not running is left alone.
     pub fn stop_job(&self, id: Uuid) {
@@ -509,11 +396,6 @@ impl TrainingService {
     fn lock_running(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<AtomicBool>>> {
         // The map stays consistent even if a holder panicked: every update is one insert/remove.
         self.running.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn lock_adapters(&self) -> std::sync::MutexGuard<'_, ByteLru<Uuid, Arc<LoraAdapter>>> {
-        // Each cache operation leaves it consistent, so a panic elsewhere cannot corrupt it.
-        self.adapters.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -19,7 +19,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::{JobSpec, TrainingService};
-use crate::{TrainEvent, TrainerConfig};
+use crate::{TrainEvent, TrainerConfig, TrainerPool};
 
 /// How often an idle worker looks at the queue even without a wake-up (jobs queued by another
 /// process sharing the store).
@@ -30,7 +30,8 @@ const STALE_IDEMPOTENCY_CLAIM: Duration = Duration::from_secs(600);
 
 /// Runs queued jobs until the process begins shutting down
 /// ([`TrainingService::begin_shutdown`]), and returns once its job has stopped.
-pub(super) async fn run(training: Arc<TrainingService>) {
+/// Runs queued jobs one at a time, each on `pool` (the trainer's threads).
+pub(super) async fn run(training: Arc<TrainingService>, pool: Arc<TrainerPool>) {
     let lease = training.options.job_lease;
     // `TrainingService::open` just swept.
     let mut swept = Instant::now();
@@ -42,7 +43,7 @@ pub(super) async fn run(training: Arc<TrainingService>) {
         {
             Ok(Some(job)) => {
                 let id = job.id;
-                if let Err(message) = run_job(&training, job).await {
+                if let Err(message) = run_job(&training, &pool, job).await {
                     record_failure(&training, id, &message).await;
                 }
                 release_freed_memory();
@@ -149,12 +150,16 @@ fn adapter_seed(model: &temper_store::Model) -> u64 {
 
 /// Runs one claimed job to its end, renewing its lease meanwhile. `Err` is the message of a
 /// failure still to be recorded.
-async fn run_job(training: &Arc<TrainingService>, job: Job) -> Result<(), String> {
+async fn run_job(
+    training: &Arc<TrainingService>,
+    pool: &Arc<TrainerPool>,
+    job: Job,
+) -> Result<(), String> {
     let span = tracing::info_span!("training_job", job_id = %job.id, model_id = %job.model_id);
     let _renewal = Renewal(tokio::spawn(
         keep_lease(training.clone(), job.id).instrument(span.clone()),
     ));
-    run_claimed(training, job).instrument(span).await
+    run_claimed(training, pool, job).instrument(span).await
 }
 
 /// The lease renewal of the job being run, stopped when its run ends, however it ends.
@@ -195,7 +200,11 @@ async fn keep_lease(training: Arc<TrainingService>, job_id: Uuid) {
     }
 }
 
-async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), String> {
+async fn run_claimed(
+    training: &Arc<TrainingService>,
+    pool: &Arc<TrainerPool>,
+    job: Job,
+) -> Result<(), String> {
     let store = &training.store;
     let request = JobSpec::parse(
         job.kind,
@@ -249,11 +258,11 @@ async fn run_claimed(training: &Arc<TrainingService>, job: Job) -> Result<(), St
     let tokenizer = base.tokenizer.clone();
     let flag = cancel.clone();
     let seed = adapter_seed(&model);
-    let pool_owner = training.clone();
+    let pool = pool.clone();
     // The trainer is CPU-bound for seconds to minutes: it runs on its own pool (waited on by a
     // blocking thread) while this task writes its events.
     let trained = tokio::task::spawn_blocking(move || {
-        pool_owner.trainer_pool.install(move || {
+        pool.install(move || {
             let start = match start_bytes {
                 Some((bytes, origin)) => LoraAdapter::from_bytes(&bytes, &origin, weights.config())
                     .map_err(|e| format!("loading the adapter of step {latest_step}: {e}"))?,
