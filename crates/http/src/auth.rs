@@ -29,11 +29,11 @@ pub struct RequestContext {
 
 impl RequestContext {
     /// The project the request's usage counts under: the `OpenAI-Project` header's, else
-    /// [`DEFAULT_PROJECT`](crate::usage::DEFAULT_PROJECT).
+    /// [`DEFAULT_PROJECT`](crate::meter::DEFAULT_PROJECT).
     pub fn usage_project(&self) -> &str {
         self.project
             .as_ref()
-            .map_or(crate::usage::DEFAULT_PROJECT, |p| p.project.as_str())
+            .map_or(crate::meter::DEFAULT_PROJECT, |p| p.project.as_str())
     }
 }
 

@@ -1,5 +1,5 @@
-//! `POST /v1/chat/completions`: validation → prompt → engine, then either one JSON response or
-//! an SSE stream of chunks.
+//! `POST /v1/chat/completions`: resolve the model → validate → prepare the engine's request →
+//! submit, then either one JSON response or an SSE stream of chunks.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -20,20 +20,19 @@ use tracing::Instrument;
 use crate::auth::RequestContext;
 use crate::error::ApiError;
 use crate::extract::ValidJson;
-use crate::extras::ServiceTier;
-use crate::prompt::{
-    encode_prompt, logprob_entry, prompt_logprobs_at, reasoning_parser, render_prompt,
-};
+use crate::meter::{unix_now, ChatUsage, UsageSink};
+use crate::prompt::{logprob_entry, prepare, prompt_logprobs_at, reasoning_parser};
+use crate::protocol::ServiceTier;
 use crate::protocol::{
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
     ChunkChoice, Delta, DeltaToolCall, FinishReasonJson, LogprobEntry, ResponseFunctionCall,
     ResponseMessage, ResponseToolCall, StopReasonJson,
 };
-use crate::state::{unix_now, AppState, ResolvedModel};
+use crate::state::{AppState, ResolvedModel};
 use crate::structured::compile_constraint;
 use crate::team_limits::TeamRequestSlot;
-use crate::usage::{check_quota, ChatUsage, UsageSink};
-use crate::validation::{check_prompt_bytes, validate_chat, StreamOptions};
+use crate::usage::check_quota;
+use crate::validation::{validate_chat, StreamOptions};
 use temper_catalog::names;
 
 pub const SYSTEM_FINGERPRINT: &str = concat!("temper-", env!("CARGO_PKG_VERSION"));
@@ -90,35 +89,17 @@ pub async fn chat_completions(
         model: usage_model(&resolved, &ctx.team),
     });
     // Rendering and tokenizing a prompt of up to the body limit, and preparing the logits
-    // processors, take milliseconds to seconds: on a blocking thread, so the async workers keep
-    // answering `/health`, authentication and every stream meanwhile.
+    // processors (in `submit`), take milliseconds to seconds: on a blocking thread, so the async
+    // workers keep answering `/health`, authentication and every stream meanwhile.
     let blocking_model = model.clone();
     let name = resolved.name.clone();
     let (params, prompt_ids, rx) = tokio::task::spawn_blocking(move || {
         let model = blocking_model;
-        let text = render_prompt(&model, &params.prompt)?;
-        if params.truncate_prompt_tokens.is_none() {
-            check_prompt_bytes(
-                text.len(),
-                model.max_text_bytes_per_token,
-                model.max_model_len,
-            )?;
-        }
-        let mut prompt_ids = encode_prompt(&model, &params.prompt, &text);
-        if let Some(keep) = params.truncate_prompt_tokens {
-            prompt_ids.drain(..prompt_ids.len().saturating_sub(keep));
-        }
-        let mut generation = params.generation_request(
-            request_id.clone(),
-            prompt_ids.clone(),
-            model.max_model_len,
-            constraint,
-        )?;
-        generation.adapter = adapter;
+        let generation = prepare(&model, &params, request_id.clone(), constraint, adapter)?;
         tracing::info!(
             completion_id = %request_id,
             model = %name,
-            prompt_tokens = prompt_ids.len(),
+            prompt_tokens = generation.prompt.len(),
             max_tokens = generation.stopping.max_tokens,
             n = params.n,
             stream = params.stream.is_some(),
@@ -127,6 +108,7 @@ pub async fn chat_completions(
             service_tier = ?params.extras.service_tier,
             "chat completion"
         );
+        let prompt_ids = generation.prompt.clone();
         let rx = model.engine.submit(generation)?;
         Ok::<_, ApiError>((params, prompt_ids, rx))
     })
@@ -147,7 +129,7 @@ pub async fn chat_completions(
         n: params.n,
         logprobs: params.logprobs.is_some(),
         return_token_ids: params.return_token_ids,
-        return_tokens_as_token_ids: params.controls.return_tokens_as_token_ids,
+        return_tokens_as_token_ids: params.return_tokens_as_token_ids,
         reasoning_parser,
         include_reasoning: params.include_reasoning,
         tool_parser: params.tool_parser,

@@ -109,7 +109,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest { param, .. } => param.as_deref(),
             ApiError::ModelNotFound(_) => Some("model"),
-            ApiError::IdempotencyConflict(_) => Some(crate::training::idempotency::HEADER),
+            ApiError::IdempotencyConflict(_) => Some(crate::protocol::IDEMPOTENCY_KEY_HEADER),
             _ => None,
         }
     }

@@ -3,18 +3,14 @@
 //! `kv_transfer_params`, `engine_xargs`, `service_tier`, …). `validation` calls these checks as
 //! part of its one step; nothing downstream re-checks.
 
-use std::fmt::Debug;
-
-use serde::Serialize;
 use serde_json::{json, Value};
 use temper_engine::OutputConstraint;
 use temper_text::tool_calls::{FunctionSchema, ToolCallParser};
 use temper_text::{ChatMessage, ToolDef};
 
 use crate::error::ApiError;
-use crate::protocol::JsonObject;
+use crate::protocol::{JsonObject, ServiceTier};
 use crate::structured::RequestedConstraint;
-use crate::validation::ChatParams;
 
 /// `reasoning_effort`, handed to the chat template as its string.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,17 +30,6 @@ impl ReasoningEffort {
     }
 }
 
-/// `service_tier`: recorded and echoed in the response (every tier is served the same way).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ServiceTier {
-    Auto,
-    Default,
-    Flex,
-    Scale,
-    Priority,
-}
-
 /// Fields no built-in code acts on; a `RequestHook` sees them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestExtras {
@@ -55,22 +40,6 @@ pub struct RequestExtras {
     pub engine_xargs: JsonObject,
     pub service_tier: Option<ServiceTier>,
     pub parallel_tool_calls: bool,
-}
-
-/// An extension point: sees every validated chat completion request (with its `engine_xargs` and
-/// `kv_transfer_params`) before it reaches the engine, and may refuse it with an error.
-pub trait RequestHook: Send + Sync + Debug {
-    fn on_request(&self, params: &ChatParams) -> Result<(), ApiError>;
-}
-
-/// The default hook: does nothing.
-#[derive(Debug, Default)]
-pub struct NoHook;
-
-impl RequestHook for NoHook {
-    fn on_request(&self, _: &ChatParams) -> Result<(), ApiError> {
-        Ok(())
-    }
 }
 
 pub fn tools(tools: Option<Vec<Value>>) -> Result<Option<Vec<ToolDef>>, ApiError> {
@@ -334,135 +303,4 @@ pub fn echo(echo: Option<bool>, messages: &[ChatMessage]) -> Option<String> {
             .map(|c| c.text().into_owned())
             .unwrap_or_default()
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use serde_json::json;
-
-    use super::*;
-    use crate::protocol::ChatCompletionRequest;
-    use crate::validation::{validate_chat, Limits};
-
-    const LIMITS: Limits = Limits {
-        vocab_size: 1000,
-        max_logprobs: Some(20),
-        max_n: 8,
-        trust_request_chat_template: false,
-        max_model_len: 100,
-        priority_scheduling: false,
-        tool_calls: false,
-    };
-
-    fn validate(extra: Value) -> Result<ChatParams, ApiError> {
-        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
-        let req: ChatCompletionRequest = serde_json::from_value(body).unwrap();
-        validate_chat(req, &LIMITS)
-    }
-
-    fn param(extra: Value) -> String {
-        let e = validate(extra.clone()).expect_err(&extra.to_string());
-        serde_json::to_value(e.envelope()).unwrap()["error"]["param"]
-            .as_str()
-            .unwrap()
-            .to_owned()
-    }
-
-    #[test]
-    fn prompt_fields_become_typed() {
-        let p = validate(json!({
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-            "documents": [{"title": "t", "text": "x"}],
-            "reasoning_effort": "medium",
-        }))
-        .unwrap();
-        assert_eq!(p.prompt.tools.as_ref().unwrap()[0].function.name, "f");
-        assert_eq!(p.prompt.documents.as_ref().unwrap()[0]["text"], "x");
-        assert_eq!(p.prompt.reasoning_effort, Some(ReasoningEffort::Medium));
-        let p = validate(json!({})).unwrap();
-        assert!(p.prompt.tools.is_none() && p.prompt.documents.is_none());
-        assert_eq!(p.prompt.reasoning_effort, None);
-        assert_eq!(param(json!({"tools": []})), "tools");
-        assert_eq!(
-            param(json!({"reasoning_effort": "none"})),
-            "reasoning_effort"
-        );
-        assert_eq!(
-            param(json!({"documents": [{"text": ["x"]}]})),
-            "documents[0].text"
-        );
-    }
-
-    #[test]
-    fn truncation_and_echo() {
-        assert_eq!(validate(json!({})).unwrap().truncate_prompt_tokens, None);
-        let p = validate(json!({"truncate_prompt_tokens": -1})).unwrap();
-        assert_eq!(p.truncate_prompt_tokens, Some(100));
-        let p = validate(json!({"truncate_prompt_tokens": 100})).unwrap();
-        assert_eq!(p.truncate_prompt_tokens, Some(100));
-        for k in [101, 0, -2] {
-            assert_eq!(
-                param(json!({"truncate_prompt_tokens": k})),
-                "truncate_prompt_tokens"
-            );
-        }
-        let prefill = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "He"}, {"type": "text", "text": "l"}]}]);
-        let p = validate(json!({"messages": prefill, "echo": true,
-            "continue_final_message": true, "add_generation_prompt": false}))
-        .unwrap();
-        assert_eq!(p.echo.as_deref(), Some("Hel"));
-        assert_eq!(
-            validate(json!({"messages": prefill, "add_generation_prompt": false}))
-                .unwrap()
-                .echo,
-            None
-        );
-        assert_eq!(validate(json!({"echo": true})).unwrap().echo, None);
-    }
-
-    #[test]
-    fn extension_fields() {
-        let p = validate(json!({
-            "cache_salt": "s", "kv_transfer_params": {"a": {"b": 1}},
-            "engine_xargs": {"s": "x", "n": 1.5, "l": ["a", 2]},
-            "service_tier": "priority", "parallel_tool_calls": false,
-            "mm_processor_kwargs": {}, "include_reasoning": false,
-        }))
-        .unwrap();
-        assert_eq!(p.extras.cache_salt.as_deref(), Some("s"));
-        assert_eq!(p.extras.kv_transfer_params.unwrap()["a"]["b"], 1);
-        assert_eq!(p.extras.engine_xargs["l"], json!(["a", 2]));
-        assert_eq!(p.extras.service_tier, Some(ServiceTier::Priority));
-        assert!(!p.extras.parallel_tool_calls && !p.include_reasoning);
-        let d = validate(json!({})).unwrap();
-        assert_eq!(
-            d.extras,
-            RequestExtras {
-                parallel_tool_calls: true,
-                ..RequestExtras::default()
-            }
-        );
-        assert!(d.include_reasoning);
-        assert_eq!(param(json!({"cache_salt": ""})), "cache_salt");
-        assert_eq!(
-            param(json!({"engine_xargs": {"x": null}})),
-            "engine_xargs.x"
-        );
-        assert_eq!(
-            param(json!({"engine_xargs": {"x": [[1]]}})),
-            "engine_xargs.x"
-        );
-        assert_eq!(
-            param(json!({"engine_xargs": {"x": false}})),
-            "engine_xargs.x"
-        );
-        assert_eq!(
-            param(json!({"mm_processor_kwargs": {"a": 1}})),
-            "mm_processor_kwargs"
-        );
-        assert_eq!(param(json!({"service_tier": "fast"})), "service_tier");
-    }
 }

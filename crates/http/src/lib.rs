@@ -9,6 +9,7 @@ mod dashboard;
 pub mod error;
 pub mod extract;
 pub mod extras;
+pub mod meter;
 pub mod metrics;
 pub mod openapi;
 pub mod prompt;
@@ -30,8 +31,8 @@ use axum::routing::{get, post, MethodRouter};
 use axum::{middleware, Extension, Json, Router};
 
 pub use error::ApiError;
-pub use extras::{NoHook, RequestHook};
 pub use state::{AppState, LoadError, ModelSpec, ServedModel, ServerOptions};
+pub use state::{NoHook, RequestHook};
 pub use temper_catalog::{Catalog, CatalogOptions};
 pub use temper_train::service::{TrainingOptions, TrainingService};
 

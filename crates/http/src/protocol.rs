@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::extras::ServiceTier;
-use crate::structured::{ResponseFormat, StructuredOutputs};
-
 pub type JsonObject = Map<String, Value>;
+
+/// The header that makes a training-route post idempotent.
+pub const IDEMPOTENCY_KEY_HEADER: &str = "Idempotency-Key";
 
 /// `POST /v1/chat/completions` body as sent. Fields of `interface.md` that are not implemented
 /// yet are parsed with their real types too, so that validation can reject any non-default value
@@ -372,4 +372,64 @@ pub struct DetokenizeRequest {
 #[derive(Debug, Serialize)]
 pub struct DetokenizeResponse {
     pub prompt: String,
+}
+
+/// `service_tier`: recorded and echoed in the response (every tier is served the same way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServiceTier {
+    Auto,
+    Default,
+    Flex,
+    Scale,
+    Priority,
+}
+
+/// `response_format`: `{type: "text" | "json_object" | "json_schema" | "structural_tag", ...}`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ResponseFormat {
+    pub r#type: String,
+    pub json_schema: Option<JsonSchemaFormat>,
+    /// `structural_tag` only.
+    pub structures: Option<Vec<TagStructureField>>,
+    pub triggers: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub description: Option<String>,
+    pub schema: Option<Value>,
+    /// The output always matches the schema, strict or not.
+    pub strict: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct TagStructureField {
+    pub begin: String,
+    pub schema: Value,
+    pub end: String,
+}
+
+/// vLLM's `structured_outputs`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StructuredOutputs {
+    /// A JSON schema, as a JSON string or an object.
+    pub json: Option<Value>,
+    pub regex: Option<String>,
+    pub choice: Option<Vec<String>>,
+    pub grammar: Option<String>,
+    pub json_object: Option<bool>,
+    /// There is one backend and never a fallback, so either value behaves the same.
+    pub disable_fallback: Option<bool>,
+    pub disable_any_whitespace: Option<bool>,
+    pub disable_additional_properties: Option<bool>,
+    pub whitespace_pattern: Option<String>,
+    /// `{"type": "structural_tag", "structures": [...], "triggers": [...]}` as a JSON string.
+    pub structural_tag: Option<String>,
+    #[serde(rename = "_backend")]
+    pub backend: Option<String>,
+    /// vLLM's internal record of how the backend was chosen; no effect.
+    #[serde(rename = "_backend_was_auto")]
+    pub backend_was_auto: Option<bool>,
 }

@@ -1,37 +1,56 @@
-//! Validation of the logits-processing and stopping controls (logit_bias, allowed_token_ids,
-//! bad_words, penalties, min_tokens, repetition_detection) and return_tokens_as_token_ids:
-//! part of the one validation step in `validation`, kept here because there are many of them.
+//! The sampling and stopping fields of a chat request, validated into the engine's own
+//! `SamplingParams` and `StopParams`: part of the one validation step in `validation`, kept
+//! here because there are many of them.
 
-use temper_engine::RepetitionDetection;
+use temper_engine::{RepetitionDetection, SamplingParams, StopParams};
 
 use crate::error::ApiError;
-use crate::protocol::{ChatCompletionRequest, JsonObject};
-use crate::validation::token_ids;
+use crate::protocol::{ChatCompletionRequest, JsonObject, StopField};
 
-/// The controls after range checks, in the engine's terms.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingControls {
-    /// Sorted by token id; biases clamped to [-100, 100].
-    pub logit_bias: Vec<(u32, f32)>,
-    pub allowed_token_ids: Option<Vec<u32>>,
-    pub bad_words: Vec<String>,
-    pub repetition_penalty: f32,
-    pub frequency_penalty: f32,
-    pub presence_penalty: f32,
-    pub min_tokens: usize,
-    /// `None` when off (absent, or `max_pattern_size` 0).
-    pub repetition_detection: Option<RepetitionDetection>,
-    /// Logprob `token`s become `"token_id:<id>"`.
-    pub return_tokens_as_token_ids: bool,
-}
-
-/// `max_tokens` is the explicit completion budget, if any (`min_tokens` may not exceed it; the
-/// implicit budget is checked once the prompt length is known).
-pub fn sampling_controls(
+/// Temperature, nucleus, top-k, min-p, seed, and the logits processors (logit_bias,
+/// allowed_token_ids, bad_words, penalties), with their defaults and range checks.
+pub fn sampling_params(
     req: &ChatCompletionRequest,
     vocab_size: usize,
-    max_tokens: Option<usize>,
-) -> Result<SamplingControls, ApiError> {
+) -> Result<SamplingParams, ApiError> {
+    let temperature = req.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad(
+            "temperature",
+            format!("`temperature` must be in [0, 2], got {temperature}."),
+        ));
+    }
+    let top_p = req.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}."),
+        ));
+    }
+    let top_k = match req.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k >= 1 => usize::try_from(k).unwrap_or(usize::MAX),
+        k => {
+            return Err(ApiError::bad(
+                "top_k",
+                format!("`top_k` must be -1, 0 (off) or at least 1, got {k}."),
+            ))
+        }
+    };
+    let min_p = req.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::bad(
+            "min_p",
+            format!("`min_p` must be in [0, 1], got {min_p}."),
+        ));
+    }
+    // int64 range is enforced by parsing; -1 is vLLM's "unseeded". Other negative seeds are
+    // valid int64 values and keep their bits.
+    let seed = match req.seed {
+        None | Some(-1) => None,
+        Some(s) => Some(s as u64),
+    };
+
     let penalty = |param: &str, value: Option<f64>| -> Result<f32, ApiError> {
         let v = value.unwrap_or(0.0);
         if !(-2.0..=2.0).contains(&v) {
@@ -84,6 +103,38 @@ pub fn sampling_controls(
         Some(ids) => Some(token_ids("allowed_token_ids", ids.clone(), vocab_size)?),
     };
 
+    let bad_words = req.bad_words.clone().unwrap_or_default();
+    // An empty word bans nothing (it has no tokens): accepting it would be a field without effect.
+    if let Some(i) = bad_words.iter().position(String::is_empty) {
+        return Err(ApiError::bad(
+            format!("bad_words[{i}]"),
+            "A bad word must not be empty.".to_owned(),
+        ));
+    }
+
+    Ok(SamplingParams {
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k,
+        min_p: min_p as f32,
+        seed,
+        logit_bias,
+        allowed_token_ids,
+        bad_words,
+        repetition_penalty: repetition_penalty as f32,
+        frequency_penalty,
+        presence_penalty,
+    })
+}
+
+/// Stop strings and tokens, EOS handling, min_tokens and repetition detection. `max_tokens` is
+/// the explicit completion budget, if any (`min_tokens` may not exceed it; the implicit budget
+/// is checked once the prompt length is known).
+pub fn stop_params(
+    req: &ChatCompletionRequest,
+    vocab_size: usize,
+    max_tokens: Option<usize>,
+) -> Result<StopParams, ApiError> {
     let min_tokens = match req.min_tokens.unwrap_or(0) {
         m if m < 0 => {
             return Err(ApiError::bad(
@@ -96,32 +147,55 @@ pub fn sampling_controls(
     if let Some(max) = max_tokens {
         check_min_tokens(min_tokens, max)?;
     }
-
     let repetition_detection = match &req.repetition_detection {
         None => None,
         Some(obj) => repetition_detection(obj)?,
     };
 
-    let bad_words = req.bad_words.clone().unwrap_or_default();
-    // An empty word bans nothing (it has no tokens): accepting it would be a field without effect.
-    if let Some(i) = bad_words.iter().position(String::is_empty) {
-        return Err(ApiError::bad(
-            format!("bad_words[{i}]"),
-            "A bad word must not be empty.".to_owned(),
-        ));
+    let stop = match &req.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s.clone()],
+        Some(StopField::Many(v)) => v.clone(),
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad("stop", "Stop strings must not be empty."));
     }
-
-    Ok(SamplingControls {
-        logit_bias,
-        allowed_token_ids,
-        bad_words,
-        repetition_penalty: repetition_penalty as f32,
-        frequency_penalty,
-        presence_penalty,
+    let stop_token_ids = token_ids(
+        "stop_token_ids",
+        req.stop_token_ids.clone().unwrap_or_default(),
+        vocab_size,
+    )?;
+    Ok(StopParams {
+        max_tokens: max_tokens.unwrap_or(0),
+        stop,
+        stop_token_ids,
+        ignore_eos: req.ignore_eos.unwrap_or(false),
+        include_stop_str_in_output: req.include_stop_str_in_output.unwrap_or(false),
+        skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
+        spaces_between_special_tokens: req.spaces_between_special_tokens.unwrap_or(true),
         min_tokens,
         repetition_detection,
-        return_tokens_as_token_ids: req.return_tokens_as_token_ids.unwrap_or(false),
     })
+}
+
+pub(crate) fn token_ids(
+    param: &str,
+    ids: Vec<i64>,
+    vocab_size: usize,
+) -> Result<Vec<u32>, ApiError> {
+    ids.into_iter()
+        .map(|id| {
+            u32::try_from(id)
+                .ok()
+                .filter(|&t| (t as usize) < vocab_size)
+                .ok_or_else(|| {
+                    ApiError::bad(
+                        param,
+                        format!("Token id {id} is outside the vocabulary (size {vocab_size})."),
+                    )
+                })
+        })
+        .collect()
 }
 
 pub fn check_min_tokens(min_tokens: usize, max_tokens: usize) -> Result<(), ApiError> {

@@ -4,7 +4,6 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use temper_catalog::{BaseModel, Catalog};
 use temper_engine::{Engine, EngineConfig, Scheduling};
@@ -12,10 +11,9 @@ use temper_store::{Checkpoint, Store};
 use temper_train::service::TrainingService;
 
 use crate::error::ApiError;
-use crate::extras::{NoHook, RequestHook};
+use crate::meter::{unix_now, UsageMeter};
 use crate::team_limits::TeamRequests;
-use crate::usage::UsageMeter;
-use crate::validation::Limits;
+use crate::validation::{ChatParams, Limits};
 
 /// One model the server answers for: a base model of the catalog (shared with the training
 /// service) and its own engine (scheduler thread). Reads as its [`BaseModel`] (name, weights, tokenizer,
@@ -36,6 +34,22 @@ impl std::ops::Deref for ServedModel {
     }
 }
 
+/// An extension point: sees every validated chat completion request (with its `engine_xargs` and
+/// `kv_transfer_params`) before it reaches the engine, and may refuse it with an error.
+pub trait RequestHook: Send + Sync + std::fmt::Debug {
+    fn on_request(&self, params: &ChatParams) -> Result<(), ApiError>;
+}
+
+/// The default hook: does nothing.
+#[derive(Debug, Default)]
+pub struct NoHook;
+
+impl RequestHook for NoHook {
+    fn on_request(&self, _: &ChatParams) -> Result<(), ApiError> {
+        Ok(())
+    }
+}
+
 /// How to load one served model from a GGUF file.
 #[derive(Debug, Clone)]
 pub struct ModelSpec {
@@ -43,18 +57,13 @@ pub struct ModelSpec {
     pub path: PathBuf,
     /// `--chat-template`: overrides the template found in the file.
     pub chat_template: Option<PathBuf>,
-    /// `--max-model-len`: at most the model's context length.
+    /// `--max-model-len`: at most the model's context length (`None`: that length).
     pub max_model_len: Option<usize>,
-    pub max_running: usize,
-    pub max_batch_tokens: usize,
-    /// `--max-waiting`: new requests waiting past this get a 429.
-    pub max_waiting: usize,
-    /// `--scheduling`: waiting-queue order (and whether `priority` is accepted).
-    pub scheduling: Scheduling,
+    /// The engine's limits (`--max-running`, `--max-batch-tokens`, `--max-waiting`,
+    /// `--scheduling`, `--prompt-lookup-tokens`); its `max_model_len` comes from the field above.
+    pub engine: EngineConfig,
     /// `--kv-cache-mb`: the budget of the model's KV block pool.
     pub kv_cache_bytes: usize,
-    /// `--prompt-lookup-tokens`: draft tokens per sequence and step (0 = off).
-    pub prompt_lookup_tokens: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -75,18 +84,13 @@ pub enum LoadError {
 
 impl ModelSpec {
     pub fn new(name: impl Into<String>, path: impl Into<PathBuf>) -> Self {
-        let engine = EngineConfig::default();
         ModelSpec {
             name: name.into(),
             path: path.into(),
             chat_template: None,
             max_model_len: None,
-            max_running: engine.max_running,
-            max_batch_tokens: engine.max_batch_tokens,
-            max_waiting: engine.max_waiting,
-            scheduling: engine.scheduling,
+            engine: EngineConfig::default(),
             kv_cache_bytes: 1 << 30,
-            prompt_lookup_tokens: engine.prompt_lookup_tokens,
         }
     }
 }
@@ -116,12 +120,8 @@ impl ServedModel {
             base.model.clone(),
             base.tokenizer.clone(),
             EngineConfig {
-                max_batch_tokens: spec.max_batch_tokens,
-                max_running: spec.max_running,
                 max_model_len,
-                scheduling: spec.scheduling,
-                max_waiting: spec.max_waiting,
-                prompt_lookup_tokens: spec.prompt_lookup_tokens,
+                ..spec.engine.clone()
             },
         );
         Ok(ServedModel {
@@ -129,7 +129,7 @@ impl ServedModel {
             engine,
             max_model_len,
             max_text_bytes_per_token,
-            scheduling: spec.scheduling,
+            scheduling: spec.engine.scheduling,
         })
     }
 }
@@ -345,11 +345,4 @@ pub struct ResolvedModel {
     /// The name as the request gave it (echoed in the response).
     pub name: String,
     pub checkpoint: Option<Checkpoint>,
-}
-
-pub fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }

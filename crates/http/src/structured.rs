@@ -6,6 +6,7 @@ use serde_json::Value;
 use temper_engine::{Engine, Grammar, JsonOptions, OutputConstraint, TagStructure};
 
 use crate::error::ApiError;
+use crate::protocol::{ResponseFormat, StructuredOutputs, TagStructureField};
 
 /// The one structured-output constraint a request asks for, validated in shape but not yet
 /// compiled, with the parameter a compile error is reported against.
@@ -13,55 +14,6 @@ use crate::error::ApiError;
 pub struct RequestedConstraint {
     pub param: &'static str,
     pub constraint: OutputConstraint,
-}
-
-/// `response_format`: `{type: "text" | "json_object" | "json_schema" | "structural_tag", ...}`.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct ResponseFormat {
-    pub r#type: String,
-    pub json_schema: Option<JsonSchemaFormat>,
-    /// `structural_tag` only.
-    pub structures: Option<Vec<TagStructureField>>,
-    pub triggers: Option<Vec<String>>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct JsonSchemaFormat {
-    pub name: Option<String>,
-    pub description: Option<String>,
-    pub schema: Option<Value>,
-    /// The output always matches the schema, strict or not.
-    pub strict: Option<bool>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct TagStructureField {
-    pub begin: String,
-    pub schema: Value,
-    pub end: String,
-}
-
-/// vLLM's `structured_outputs`.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct StructuredOutputs {
-    /// A JSON schema, as a JSON string or an object.
-    pub json: Option<Value>,
-    pub regex: Option<String>,
-    pub choice: Option<Vec<String>>,
-    pub grammar: Option<String>,
-    pub json_object: Option<bool>,
-    /// There is one backend and never a fallback, so either value behaves the same.
-    pub disable_fallback: Option<bool>,
-    pub disable_any_whitespace: Option<bool>,
-    pub disable_additional_properties: Option<bool>,
-    pub whitespace_pattern: Option<String>,
-    /// `{"type": "structural_tag", "structures": [...], "triggers": [...]}` as a JSON string.
-    pub structural_tag: Option<String>,
-    #[serde(rename = "_backend")]
-    pub backend: Option<String>,
-    /// vLLM's internal record of how the backend was chosen; no effect.
-    #[serde(rename = "_backend_was_auto")]
-    pub backend_was_auto: Option<bool>,
 }
 
 /// The structural tag payload of `structured_outputs.structural_tag`.

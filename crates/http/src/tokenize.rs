@@ -9,8 +9,9 @@ use crate::error::ApiError;
 use crate::extract::ValidJson;
 use crate::prompt::{chat_prompt, prepend_bos, token_text};
 use crate::protocol::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
+use crate::sampling::token_ids;
 use crate::state::AppState;
-use crate::validation::{convert_messages, request_template, token_ids, PromptParams};
+use crate::validation::{convert_messages, request_template, PromptParams};
 
 /// `{model, prompt, add_special_tokens=true}` or `{model, messages, add_generation_prompt=true,
 /// continue_final_message, add_special_tokens=false, chat_template, chat_template_kwargs, tools}`.
@@ -20,10 +21,7 @@ pub async fn tokenize(
     ValidJson(req): ValidJson<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
     // A trained model's name tokenizes as its base model.
-    let model = state
-        .resolve(req.model.as_deref(), &ctx.team)
-        .await?
-        .base;
+    let model = state.resolve(req.model.as_deref(), &ctx.team).await?.base;
     let limits = state.limits(&model);
     // Tokenizing up to the body limit takes a while: on a blocking thread (see chat.rs).
     tokio::task::spawn_blocking(move || {
@@ -85,10 +83,7 @@ pub async fn detokenize(
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<DetokenizeRequest>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
-    let model = state
-        .resolve(req.model.as_deref(), &ctx.team)
-        .await?
-        .base;
+    let model = state.resolve(req.model.as_deref(), &ctx.team).await?.base;
     let ids = token_ids("tokens", req.tokens, model.tokenizer.vocab_size())?;
     // vLLM decodes with special tokens kept, so a round trip of /tokenize output is exact.
     let prompt = model.tokenizer.decode(

@@ -1,187 +1,21 @@
-//! Usage accounting: every chat completion's tokens are added to its team's counters per
-//! project, model and UTC hour in the store (trained tokens are counted by the store itself,
-//! as the worker appends each `gradient_step`), `GET /v1/usage` reports them, and a team past
-//! its monthly token quota gets a 429.
+//! `GET /v1/usage` reports the tokens `crate::meter` counted, and a team past its monthly token
+//! quota gets a 429.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
 
 use axum::extract::State;
 use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
-use temper_store::{usage_bucket, utc_date, Quota, Store, TokenCounts, UsageKey};
+use temper_store::{utc_date, Quota, TokenCounts};
 
 use crate::auth::RequestContext;
 use crate::error::ApiError;
 use crate::extract::ValidQuery;
-use crate::protocol::Usage;
-use crate::state::{unix_now, AppState};
-
-/// The project of a request without an `OpenAI-Project` header.
-pub const DEFAULT_PROJECT: &str = "default";
+use crate::meter::unix_now;
+use crate::state::AppState;
 
 /// Most buckets one `GET /v1/usage` answers with.
 pub const MAX_BUCKETS: i64 = 1000;
-
-/// Usage waiting to be written, merged per row. One task writes at a time, taking everything
-/// added meanwhile, so a burst of requests costs one transaction (a group commit) and no
-/// request waits for the store.
-pub struct UsageMeter {
-    store: Store,
-    pending: Mutex<Pending>,
-    /// Held while a batch is written, so that [`UsageMeter::flush`] also waits for a write
-    /// already under way.
-    writing: tokio::sync::Mutex<()>,
-}
-
-#[derive(Default)]
-struct Pending {
-    counts: HashMap<UsageKey, TokenCounts>,
-    /// A write task has been started and has not yet taken `counts`.
-    scheduled: bool,
-}
-
-impl UsageMeter {
-    pub fn new(store: Store) -> Arc<UsageMeter> {
-        Arc::new(UsageMeter {
-            store,
-            pending: Mutex::new(Pending::default()),
-            writing: tokio::sync::Mutex::new(()),
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
-        // Every update leaves the map consistent, so a panic elsewhere cannot corrupt it.
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Adds `counts` to `key`'s row soon (see [`UsageMeter::flush`]).
-    pub fn add(self: &Arc<Self>, key: UsageKey, counts: TokenCounts) {
-        let mut pending = self.lock();
-        *pending.counts.entry(key).or_default() += counts;
-        if pending.scheduled {
-            return;
-        }
-        // Outside a runtime (never while serving) the next flush writes it.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            pending.scheduled = true;
-            let meter = self.clone();
-            runtime.spawn(async move {
-                if let Err(e) = meter.flush().await {
-                    tracing::error!(error = %e, "writing usage; kept for the next write");
-                }
-            });
-        }
-    }
-
-    /// Writes everything added so far, after any write under way. Counts a failed write could
-    /// not store stay pending for the next one.
-    pub async fn flush(&self) -> Result<(), temper_store::Error> {
-        let _writing = self.writing.lock().await;
-        let batch: Vec<(UsageKey, TokenCounts)> = {
-            let mut pending = self.lock();
-            pending.scheduled = false;
-            pending.counts.drain().collect()
-        };
-        if batch.is_empty() {
-            return Ok(());
-        }
-        self.store.add_usage(&batch).await.inspect_err(|_| {
-            let mut pending = self.lock();
-            for (key, counts) in batch {
-                *pending.counts.entry(key).or_default() += counts;
-            }
-        })
-    }
-}
-
-/// Where a chat completion's usage goes.
-pub struct UsageSink {
-    pub meter: Arc<UsageMeter>,
-    pub team: String,
-    pub project: String,
-    /// The served name (see [`temper_store::UsageKey::model`]).
-    pub model: String,
-}
-
-/// One chat completion's token counts as its output arrives. What it holds when it is recorded,
-/// at the request's end or when dropped before (the client went away, the engine failed), is
-/// added to the team's usage, once: what was actually generated.
-pub struct ChatUsage {
-    prompt_tokens: usize,
-    cached_tokens: usize,
-    completion_tokens: Vec<usize>,
-    /// `None`: not recorded (no store), or recorded already.
-    sink: Option<UsageSink>,
-}
-
-impl ChatUsage {
-    /// A request for `n` choices over `prompt_tokens`, recorded to `sink`.
-    pub fn new(prompt_tokens: usize, n: usize, sink: Option<UsageSink>) -> ChatUsage {
-        ChatUsage {
-            prompt_tokens,
-            cached_tokens: 0,
-            completion_tokens: vec![0; n],
-            sink,
-        }
-    }
-
-    /// One more generated token of `choice`; false for a choice the request does not have.
-    pub fn token(&mut self, choice: usize) -> bool {
-        match self.completion_tokens.get_mut(choice) {
-            Some(count) => {
-                *count += 1;
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// The engine's own counts at a choice's end.
-    pub fn finished(&mut self, choice: usize, completion_tokens: usize, cached_tokens: usize) {
-        self.cached_tokens = cached_tokens;
-        if let Some(count) = self.completion_tokens.get_mut(choice) {
-            *count = completion_tokens;
-        }
-    }
-
-    /// As the response reports it.
-    pub fn usage(&self) -> Usage {
-        Usage::new(
-            self.prompt_tokens,
-            self.cached_tokens,
-            self.completion_tokens.iter().sum(),
-        )
-    }
-
-    /// Adds the counts so far to the team's usage; later calls do nothing.
-    pub fn record(&mut self) {
-        let Some(sink) = self.sink.take() else {
-            return;
-        };
-        let usage = self.usage();
-        let key = UsageKey {
-            team: sink.team,
-            project: sink.project,
-            model: sink.model,
-            bucket_start: usage_bucket(unix_now() as i64),
-        };
-        let counts = TokenCounts {
-            input_tokens: usage.prompt_tokens as u64,
-            cached_input_tokens: usage.prompt_tokens_details.cached_tokens as u64,
-            output_tokens: usage.completion_tokens as u64,
-            num_model_requests: 1,
-            ..TokenCounts::default()
-        };
-        sink.meter.add(key, counts);
-    }
-}
-
-impl Drop for ChatUsage {
-    fn drop(&mut self) {
-        self.record();
-    }
-}
 
 /// A 429 when the team has used its quota for this UTC month. Checked as a chat completion or a
 /// training job is accepted, against the usage stored so far: requests already running finish,
@@ -392,9 +226,7 @@ pub async fn usage(
     };
     // This server's own requests are in the answer as soon as they have ended.
     meter.flush().await?;
-    let rows = store
-        .usage_rows(&ctx.team, range.start, range.end)
-        .await?;
+    let rows = store.usage_rows(&ctx.team, range.start, range.end).await?;
     let quota = store.quota(&ctx.team, now).await?;
     Ok(Json(UsagePage {
         object: "page",

@@ -1,16 +1,15 @@
-//! One validation step: a parsed `ChatCompletionRequest` becomes typed `ChatParams`, or a 400
-//! naming the field. Nothing downstream re-checks or sees the raw JSON.
+//! One validation step: a parsed `ChatCompletionRequest` becomes typed `ChatParams` (the
+//! engine's own `SamplingParams` and `StopParams` among them), or a 400 naming the field.
+//! Nothing downstream re-checks or sees the raw JSON.
 
-use temper_engine::{BeamSearch, GenerationRequest, Grammar, SamplingParams, StopParams};
+use temper_engine::{BeamSearch, SamplingParams, StopParams};
 use temper_text::tool_calls::ToolCallParser;
 use temper_text::{ChatMessage, ContentPart, FunctionCall, MessageContent, ToolCall, ToolDef};
 
 use crate::error::ApiError;
 use crate::extras::{self, ReasoningEffort, RequestExtras};
-use crate::protocol::{
-    ChatCompletionRequest, JsonObject, MessageContentField, RequestMessage, StopField,
-};
-use crate::sampling::{check_min_tokens, sampling_controls, SamplingControls};
+use crate::protocol::{ChatCompletionRequest, JsonObject, MessageContentField, RequestMessage};
+use crate::sampling::{sampling_params, stop_params};
 use crate::structured::{requested_constraint, RequestedConstraint};
 
 /// Temperatures below this sample greedily (vLLM's threshold).
@@ -39,12 +38,11 @@ pub struct Limits {
 pub struct ChatParams {
     pub prompt: PromptParams,
     pub n: usize,
-    pub sampling: Sampling,
+    pub sampling: SamplingParams,
     /// Explicit completion budget; `None` = whatever context is left after the prompt.
     pub max_tokens: Option<usize>,
-    /// Logits processors, min_tokens, repetition detection, token-id logprobs.
-    pub controls: SamplingControls,
-    pub stop: StopOptions,
+    /// Its `max_tokens` is set by `crate::prompt::prepare` once the prompt length is known.
+    pub stopping: StopParams,
     /// `Some(k)`: logprobs of each sampled token plus `k` alternatives.
     pub logprobs: Option<usize>,
     /// `Some(k)`: logprobs of each prompt token plus `k` alternatives.
@@ -52,6 +50,8 @@ pub struct ChatParams {
     /// `use_beam_search` (width `n`) with its `length_penalty`.
     pub beam_search: Option<BeamSearch>,
     pub return_token_ids: bool,
+    /// Logprob `token`s become `"token_id:<id>"`.
+    pub return_tokens_as_token_ids: bool,
     /// `Some` when streaming.
     pub stream: Option<StreamOptions>,
     pub request_id: Option<String>,
@@ -88,27 +88,6 @@ pub struct PromptParams {
     pub tools: Option<Vec<ToolDef>>,
     pub documents: Option<Vec<JsonObject>>,
     pub reasoning_effort: Option<ReasoningEffort>,
-}
-
-/// Sampling knobs after defaults and range checks (the engine's `SamplingParams` in our types).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sampling {
-    pub temperature: f32,
-    pub top_p: f32,
-    /// 0 = off.
-    pub top_k: usize,
-    pub min_p: f32,
-    pub seed: Option<u64>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct StopOptions {
-    pub stop: Vec<String>,
-    pub stop_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-    pub include_stop_str_in_output: bool,
-    pub skip_special_tokens: bool,
-    pub spaces_between_special_tokens: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -157,13 +136,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         Some(n) => n as usize,
     };
 
-    let temperature = req.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::bad(
-            "temperature",
-            format!("`temperature` must be in [0, 2], got {temperature}."),
-        ));
-    }
+    let sampling = sampling_params(&req, limits.vocab_size)?;
     let use_beam_search = req.use_beam_search.unwrap_or(false);
     let length_penalty = req.length_penalty.unwrap_or(1.0);
     if !length_penalty.is_finite() {
@@ -178,43 +151,13 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
             "`length_penalty` only applies to beam search (`use_beam_search: true`).",
         ));
     }
-    if n > 1 && temperature < GREEDY_EPSILON && !use_beam_search {
+    if n > 1 && f64::from(sampling.temperature) < GREEDY_EPSILON && !use_beam_search {
         return Err(ApiError::bad(
             "n",
             "`n` > 1 needs temperature > 0 (or `use_beam_search`): greedy sampling would return \
              identical choices.",
         ));
     }
-    let top_p = req.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::bad(
-            "top_p",
-            format!("`top_p` must be in (0, 1], got {top_p}."),
-        ));
-    }
-    let top_k = match req.top_k.unwrap_or(0) {
-        -1 | 0 => 0,
-        k if k >= 1 => usize::try_from(k).unwrap_or(usize::MAX),
-        k => {
-            return Err(ApiError::bad(
-                "top_k",
-                format!("`top_k` must be -1, 0 (off) or at least 1, got {k}."),
-            ))
-        }
-    };
-    let min_p = req.min_p.unwrap_or(0.0);
-    if !(0.0..=1.0).contains(&min_p) {
-        return Err(ApiError::bad(
-            "min_p",
-            format!("`min_p` must be in [0, 1], got {min_p}."),
-        ));
-    }
-    // int64 range is enforced by parsing; -1 is vLLM's "unseeded". Other negative seeds are
-    // valid int64 values and keep their bits.
-    let seed = match req.seed {
-        None | Some(-1) => None,
-        Some(s) => Some(s as u64),
-    };
 
     // `max_completion_tokens` wins over the deprecated `max_tokens`.
     let max_tokens = match (req.max_completion_tokens, req.max_tokens) {
@@ -222,21 +165,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         (None, Some(m)) => Some(positive_tokens("max_tokens", m)?),
         (None, None) => None,
     };
-    let controls = sampling_controls(&req, limits.vocab_size, max_tokens)?;
-
-    let stop = match req.stop {
-        None => Vec::new(),
-        Some(StopField::One(s)) => vec![s],
-        Some(StopField::Many(v)) => v,
-    };
-    if stop.iter().any(String::is_empty) {
-        return Err(ApiError::bad("stop", "Stop strings must not be empty."));
-    }
-    let stop_token_ids = token_ids(
-        "stop_token_ids",
-        req.stop_token_ids.unwrap_or_default(),
-        limits.vocab_size,
-    )?;
+    let stopping = stop_params(&req, limits.vocab_size, max_tokens)?;
 
     let logprobs_on = req.logprobs.unwrap_or(false);
     let top_logprobs = match req.top_logprobs {
@@ -319,25 +248,23 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         // Beam search ranks beams by the model's raw log-probabilities: none of these could
         // have an effect, so they are refused rather than ignored. Temperature 0 (deterministic)
         // and 1 (unscaled) both describe what it does; any other would promise a rescaling.
+        let (s, t) = (&sampling, &stopping);
         let conflicts = [
-            ("temperature", temperature != 0.0 && temperature != 1.0),
-            ("top_p", top_p != 1.0),
-            ("top_k", top_k != 0),
-            ("min_p", min_p != 0.0),
-            ("seed", seed.is_some()),
-            ("logit_bias", !controls.logit_bias.is_empty()),
-            ("allowed_token_ids", controls.allowed_token_ids.is_some()),
-            ("bad_words", !controls.bad_words.is_empty()),
-            ("repetition_penalty", controls.repetition_penalty != 1.0),
-            ("frequency_penalty", controls.frequency_penalty != 0.0),
-            ("presence_penalty", controls.presence_penalty != 0.0),
-            ("min_tokens", controls.min_tokens != 0),
-            (
-                "repetition_detection",
-                controls.repetition_detection.is_some(),
-            ),
-            ("stop", !stop.is_empty()),
-            ("stop_token_ids", !stop_token_ids.is_empty()),
+            ("temperature", s.temperature != 0.0 && s.temperature != 1.0),
+            ("top_p", s.top_p != 1.0),
+            ("top_k", s.top_k != 0),
+            ("min_p", s.min_p != 0.0),
+            ("seed", s.seed.is_some()),
+            ("logit_bias", !s.logit_bias.is_empty()),
+            ("allowed_token_ids", s.allowed_token_ids.is_some()),
+            ("bad_words", !s.bad_words.is_empty()),
+            ("repetition_penalty", s.repetition_penalty != 1.0),
+            ("frequency_penalty", s.frequency_penalty != 0.0),
+            ("presence_penalty", s.presence_penalty != 0.0),
+            ("min_tokens", t.min_tokens != 0),
+            ("repetition_detection", t.repetition_detection.is_some()),
+            ("stop", !t.stop.is_empty()),
+            ("stop_token_ids", !t.stop_token_ids.is_empty()),
         ];
         let conflict = conflicts
             .iter()
@@ -385,29 +312,16 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
             reasoning_effort,
         },
         n,
-        sampling: Sampling {
-            temperature: temperature as f32,
-            top_p: top_p as f32,
-            top_k,
-            min_p: min_p as f32,
-            seed,
-        },
+        sampling,
         max_tokens,
-        controls,
-        stop: StopOptions {
-            stop,
-            stop_token_ids,
-            ignore_eos: req.ignore_eos.unwrap_or(false),
-            include_stop_str_in_output: req.include_stop_str_in_output.unwrap_or(false),
-            skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
-            spaces_between_special_tokens: req.spaces_between_special_tokens.unwrap_or(true),
-        },
+        stopping,
         logprobs,
         prompt_logprobs,
         beam_search: use_beam_search.then_some(BeamSearch {
             length_penalty: length_penalty as f32,
         }),
         return_token_ids: req.return_token_ids.unwrap_or(false),
+        return_tokens_as_token_ids: req.return_tokens_as_token_ids.unwrap_or(false),
         stream: stream_options,
         request_id: req.request_id,
         user: req.user,
@@ -419,59 +333,6 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         tool_parser: tool_calling.parser,
         priority,
     })
-}
-
-impl ChatParams {
-    /// Applies the context-length rules to the tokenized prompt and builds the engine request;
-    /// `constraint` is the request's constraint compiled (the caller takes `self.constraint`
-    /// to compile it).
-    pub fn generation_request(
-        &self,
-        request_id: String,
-        prompt: Vec<u32>,
-        max_model_len: usize,
-        constraint: Option<Grammar>,
-    ) -> Result<GenerationRequest, ApiError> {
-        let max_tokens = check_context(prompt.len(), self.max_tokens, max_model_len)?;
-        check_min_tokens(self.controls.min_tokens, max_tokens)?;
-        let c = &self.controls;
-        Ok(GenerationRequest {
-            cache_salt: self.extras.cache_salt.clone(),
-            request_id,
-            prompt,
-            n: self.n,
-            sampling: SamplingParams {
-                temperature: self.sampling.temperature,
-                top_p: self.sampling.top_p,
-                top_k: self.sampling.top_k,
-                min_p: self.sampling.min_p,
-                seed: self.sampling.seed,
-                logit_bias: c.logit_bias.clone(),
-                allowed_token_ids: c.allowed_token_ids.clone(),
-                bad_words: c.bad_words.clone(),
-                repetition_penalty: c.repetition_penalty,
-                frequency_penalty: c.frequency_penalty,
-                presence_penalty: c.presence_penalty,
-            },
-            stopping: StopParams {
-                max_tokens,
-                stop: self.stop.stop.clone(),
-                stop_token_ids: self.stop.stop_token_ids.clone(),
-                ignore_eos: self.stop.ignore_eos,
-                include_stop_str_in_output: self.stop.include_stop_str_in_output,
-                skip_special_tokens: self.stop.skip_special_tokens,
-                spaces_between_special_tokens: self.stop.spaces_between_special_tokens,
-                min_tokens: c.min_tokens,
-                repetition_detection: c.repetition_detection,
-            },
-            logprobs: self.logprobs,
-            adapter: None,
-            constraint,
-            priority: self.priority,
-            prompt_logprobs: self.prompt_logprobs,
-            beam_search: self.beam_search,
-        })
-    }
 }
 
 /// How many top alternatives `param` asks for: -1 is the whole vocabulary; at most the
@@ -496,59 +357,6 @@ fn logprob_count(param: &str, k: i64, limits: &Limits) -> Result<usize, ApiError
     }
 }
 
-/// The context rule checked on the rendered prompt's bytes, before tokenizing it: a text of
-/// `text_bytes` has at least `text_bytes / max_bytes_per_token` tokens, so a prompt far past
-/// the context is refused without the seconds its tokenization would take.
-pub fn check_prompt_bytes(
-    text_bytes: usize,
-    max_bytes_per_token: usize,
-    max_model_len: usize,
-) -> Result<(), ApiError> {
-    let at_least = text_bytes / max_bytes_per_token.max(1);
-    if at_least >= max_model_len {
-        return Err(ApiError::bad(
-            "messages",
-            format!(
-                "This model's maximum context length is {max_model_len} tokens. However, your \
-                 request has at least {at_least} input tokens ({text_bytes} bytes of prompt \
-                 text). Please reduce the length of the input messages."
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// chat.md's context rules. Returns the completion budget.
-pub fn check_context(
-    prompt_tokens: usize,
-    max_tokens: Option<usize>,
-    max_model_len: usize,
-) -> Result<usize, ApiError> {
-    if prompt_tokens >= max_model_len {
-        return Err(ApiError::bad(
-            "messages",
-            format!(
-                "This model's maximum context length is {max_model_len} tokens. However, your \
-                 request has {prompt_tokens} input tokens. Please reduce the length of the input \
-                 messages."
-            ),
-        ));
-    }
-    let room = max_model_len - prompt_tokens;
-    match max_tokens {
-        None => Ok(room),
-        Some(m) if m > room => Err(ApiError::bad(
-            "max_completion_tokens",
-            format!(
-                "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum \
-                 context length is {max_model_len} tokens and your request has {prompt_tokens} \
-                 input tokens ({m} > {max_model_len} - {prompt_tokens})."
-            ),
-        )),
-        Some(m) => Ok(m),
-    }
-}
-
 fn positive_tokens(param: &str, value: i64) -> Result<usize, ApiError> {
     if value < 1 {
         return Err(ApiError::bad(
@@ -557,26 +365,6 @@ fn positive_tokens(param: &str, value: i64) -> Result<usize, ApiError> {
         ));
     }
     Ok(usize::try_from(value).unwrap_or(usize::MAX))
-}
-
-pub(crate) fn token_ids(
-    param: &str,
-    ids: Vec<i64>,
-    vocab_size: usize,
-) -> Result<Vec<u32>, ApiError> {
-    ids.into_iter()
-        .map(|id| {
-            u32::try_from(id)
-                .ok()
-                .filter(|&t| (t as usize) < vocab_size)
-                .ok_or_else(|| {
-                    ApiError::bad(
-                        param,
-                        format!("Token id {id} is outside the vocabulary (size {vocab_size})."),
-                    )
-                })
-        })
-        .collect()
 }
 
 /// A request template is honoured only when the operator allowed it: templates run code-like
@@ -708,23 +496,15 @@ mod tests {
     fn defaults() {
         let p = ok(json!({}));
         assert_eq!(p.n, 1);
-        assert_eq!(
-            p.sampling,
-            Sampling {
-                temperature: 1.0,
-                top_p: 1.0,
-                top_k: 0,
-                min_p: 0.0,
-                seed: None
-            }
-        );
+        // temperature 1, top_p 1, top_k 0 (off), min_p 0, no seed, no logits processors.
+        assert_eq!(p.sampling, SamplingParams::default());
         assert_eq!(p.max_tokens, None);
         assert_eq!(p.logprobs, None);
         assert!(p.stream.is_none());
         assert!(p.prompt.add_generation_prompt);
         assert!(!p.prompt.continue_final_message);
-        assert!(p.stop.skip_special_tokens && p.stop.spaces_between_special_tokens);
-        assert!(!p.stop.ignore_eos && !p.stop.include_stop_str_in_output);
+        assert!(p.stopping.skip_special_tokens && p.stopping.spaces_between_special_tokens);
+        assert!(!p.stopping.ignore_eos && !p.stopping.include_stop_str_in_output);
     }
 
     #[test]
@@ -809,10 +589,6 @@ mod tests {
         assert_eq!(ok(json!({"prompt_logprobs": 0})).prompt_logprobs, Some(0));
         assert_eq!(ok(json!({"prompt_logprobs": 20})).prompt_logprobs, Some(20));
         assert_eq!(ok(json!({})).prompt_logprobs, None);
-        let g = ok(json!({"prompt_logprobs": 3}))
-            .generation_request("r".into(), vec![1, 2], 100, None)
-            .unwrap();
-        assert_eq!(g.prompt_logprobs, Some(3));
     }
 
     #[test]
@@ -1084,19 +860,24 @@ mod tests {
     fn stops() {
         rejected(json!({"stop": ""}), "stop");
         rejected(json!({"stop": ["a", ""]}), "stop");
-        assert_eq!(ok(json!({"stop": "x"})).stop.stop, vec!["x"]);
-        assert_eq!(ok(json!({"stop": ["x", "yz"]})).stop.stop, vec!["x", "yz"]);
+        assert_eq!(ok(json!({"stop": "x"})).stopping.stop, vec!["x"]);
+        assert_eq!(
+            ok(json!({"stop": ["x", "yz"]})).stopping.stop,
+            vec!["x", "yz"]
+        );
         rejected(json!({"stop_token_ids": [1000]}), "stop_token_ids");
         rejected(json!({"stop_token_ids": [-1]}), "stop_token_ids");
         assert_eq!(
-            ok(json!({"stop_token_ids": [1, 999]})).stop.stop_token_ids,
+            ok(json!({"stop_token_ids": [1, 999]}))
+                .stopping
+                .stop_token_ids,
             vec![1, 999]
         );
         let p = ok(
             json!({"ignore_eos": true, "include_stop_str_in_output": true, "skip_special_tokens": false, "spaces_between_special_tokens": false}),
         );
-        assert!(p.stop.ignore_eos && p.stop.include_stop_str_in_output);
-        assert!(!p.stop.skip_special_tokens && !p.stop.spaces_between_special_tokens);
+        assert!(p.stopping.ignore_eos && p.stopping.include_stop_str_in_output);
+        assert!(!p.stopping.skip_special_tokens && !p.stopping.spaces_between_special_tokens);
     }
 
     #[test]
@@ -1123,18 +904,6 @@ mod tests {
             })
         );
         assert_eq!(ok(json!({})).beam_search, None);
-        let g = p
-            .generation_request("r".into(), vec![1, 2], 100, None)
-            .unwrap();
-        assert_eq!(
-            (g.n, g.beam_search),
-            (
-                3,
-                Some(BeamSearch {
-                    length_penalty: 0.5
-                })
-            )
-        );
         // length_penalty means nothing without beam search; its default is fine.
         rejected(json!({"length_penalty": 0.5}), "length_penalty");
         ok(json!({"length_penalty": 1, "use_beam_search": false}));
@@ -1170,46 +939,135 @@ mod tests {
                   "top_logprobs": 2, "prompt_logprobs": 1, "stream": false}),
         );
     }
+}
 
-    #[test]
-    fn context_rules() {
-        let e = check_context(100, None, 100).unwrap_err();
-        assert_eq!(
-            serde_json::to_value(e.envelope()).unwrap()["error"]["param"],
-            "messages"
-        );
-        let e = check_context(90, Some(11), 100).unwrap_err();
-        assert_eq!(
-            serde_json::to_value(e.envelope()).unwrap()["error"]["param"],
-            "max_completion_tokens"
-        );
-        assert_eq!(check_context(90, Some(10), 100).unwrap(), 10);
-        assert_eq!(check_context(90, None, 100).unwrap(), 10);
+/// The extension and prompt fields of `extras`, through the one validation step.
+#[cfg(test)]
+mod extras_tests {
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::protocol::ServiceTier;
+
+    const LIMITS: Limits = Limits {
+        vocab_size: 1000,
+        max_logprobs: Some(20),
+        max_n: 8,
+        trust_request_chat_template: false,
+        max_model_len: 100,
+        priority_scheduling: false,
+        tool_calls: false,
+    };
+
+    fn validate(extra: Value) -> Result<ChatParams, ApiError> {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let req: ChatCompletionRequest = serde_json::from_value(body).unwrap();
+        validate_chat(req, &LIMITS)
+    }
+
+    fn param(extra: Value) -> String {
+        let e = validate(extra.clone()).expect_err(&extra.to_string());
+        serde_json::to_value(e.envelope()).unwrap()["error"]["param"]
+            .as_str()
+            .unwrap()
+            .to_owned()
     }
 
     #[test]
-    fn generation_request_carries_everything() {
-        let p = ok(
-            json!({"n": 2, "temperature": 0.7, "top_k": 3, "seed": 9, "max_completion_tokens": 5,
-            "stop": ["x"], "stop_token_ids": [7], "ignore_eos": true, "logprobs": true, "top_logprobs": 2}),
+    fn prompt_fields_become_typed() {
+        let p = validate(json!({
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "documents": [{"title": "t", "text": "x"}],
+            "reasoning_effort": "medium",
+        }))
+        .unwrap();
+        assert_eq!(p.prompt.tools.as_ref().unwrap()[0].function.name, "f");
+        assert_eq!(p.prompt.documents.as_ref().unwrap()[0]["text"], "x");
+        assert_eq!(p.prompt.reasoning_effort, Some(ReasoningEffort::Medium));
+        let p = validate(json!({})).unwrap();
+        assert!(p.prompt.tools.is_none() && p.prompt.documents.is_none());
+        assert_eq!(p.prompt.reasoning_effort, None);
+        assert_eq!(param(json!({"tools": []})), "tools");
+        assert_eq!(
+            param(json!({"reasoning_effort": "none"})),
+            "reasoning_effort"
         );
-        let g = p
-            .generation_request("r1".into(), vec![1, 2, 3], 100, None)
-            .unwrap();
-        assert_eq!(g.request_id, "r1");
-        assert_eq!(g.prompt, vec![1, 2, 3]);
-        assert_eq!(g.n, 2);
-        assert_eq!(g.sampling.temperature, 0.7);
-        assert_eq!(g.sampling.top_k, 3);
-        assert_eq!(g.sampling.seed, Some(9));
-        assert_eq!(g.stopping.max_tokens, 5);
-        assert_eq!(g.stopping.stop, vec!["x"]);
-        assert_eq!(g.stopping.stop_token_ids, vec![7]);
-        assert!(g.stopping.ignore_eos);
-        assert_eq!(g.logprobs, Some(2));
-        let g = ok(json!({}))
-            .generation_request("r".into(), vec![1; 40], 100, None)
-            .unwrap();
-        assert_eq!(g.stopping.max_tokens, 60);
+        assert_eq!(
+            param(json!({"documents": [{"text": ["x"]}]})),
+            "documents[0].text"
+        );
+    }
+
+    #[test]
+    fn truncation_and_echo() {
+        assert_eq!(validate(json!({})).unwrap().truncate_prompt_tokens, None);
+        let p = validate(json!({"truncate_prompt_tokens": -1})).unwrap();
+        assert_eq!(p.truncate_prompt_tokens, Some(100));
+        let p = validate(json!({"truncate_prompt_tokens": 100})).unwrap();
+        assert_eq!(p.truncate_prompt_tokens, Some(100));
+        for k in [101, 0, -2] {
+            assert_eq!(
+                param(json!({"truncate_prompt_tokens": k})),
+                "truncate_prompt_tokens"
+            );
+        }
+        let prefill = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "He"}, {"type": "text", "text": "l"}]}]);
+        let p = validate(json!({"messages": prefill, "echo": true,
+            "continue_final_message": true, "add_generation_prompt": false}))
+        .unwrap();
+        assert_eq!(p.echo.as_deref(), Some("Hel"));
+        assert_eq!(
+            validate(json!({"messages": prefill, "add_generation_prompt": false}))
+                .unwrap()
+                .echo,
+            None
+        );
+        assert_eq!(validate(json!({"echo": true})).unwrap().echo, None);
+    }
+
+    #[test]
+    fn extension_fields() {
+        let p = validate(json!({
+            "cache_salt": "s", "kv_transfer_params": {"a": {"b": 1}},
+            "engine_xargs": {"s": "x", "n": 1.5, "l": ["a", 2]},
+            "service_tier": "priority", "parallel_tool_calls": false,
+            "mm_processor_kwargs": {}, "include_reasoning": false,
+        }))
+        .unwrap();
+        assert_eq!(p.extras.cache_salt.as_deref(), Some("s"));
+        assert_eq!(p.extras.kv_transfer_params.unwrap()["a"]["b"], 1);
+        assert_eq!(p.extras.engine_xargs["l"], json!(["a", 2]));
+        assert_eq!(p.extras.service_tier, Some(ServiceTier::Priority));
+        assert!(!p.extras.parallel_tool_calls && !p.include_reasoning);
+        let d = validate(json!({})).unwrap();
+        assert_eq!(
+            d.extras,
+            RequestExtras {
+                parallel_tool_calls: true,
+                ..RequestExtras::default()
+            }
+        );
+        assert!(d.include_reasoning);
+        assert_eq!(param(json!({"cache_salt": ""})), "cache_salt");
+        assert_eq!(
+            param(json!({"engine_xargs": {"x": null}})),
+            "engine_xargs.x"
+        );
+        assert_eq!(
+            param(json!({"engine_xargs": {"x": [[1]]}})),
+            "engine_xargs.x"
+        );
+        assert_eq!(
+            param(json!({"engine_xargs": {"x": false}})),
+            "engine_xargs.x"
+        );
+        assert_eq!(
+            param(json!({"mm_processor_kwargs": {"a": 1}})),
+            "mm_processor_kwargs"
+        );
+        assert_eq!(param(json!({"service_tier": "fast"})), "service_tier");
     }
 }

@@ -26,8 +26,7 @@ fn catalog_options(data: &Path, artifacts: &ArtifactsLocation) -> CatalogOptions
 /// A server over the store in `data` with its adapters in `artifacts`; with the job worker
 /// when `worker`.
 async fn server(data: &Path, artifacts: &ArtifactsLocation, worker: bool) -> TestServer {
-    let server =
-        TestServer::tiny_training(
+    let server = TestServer::tiny_training(
         options(),
         catalog_options(data, artifacts),
         TrainingOptions::default(),

@@ -21,9 +21,13 @@ async fn get(server: &TestServer, path: &str) -> Value {
 #[tokio::test]
 async fn page_is_public_and_the_routes_it_reads_answer_what_it_reads() {
     let data = tempfile::tempdir().unwrap();
-    let server =
-        TestServer::tiny_training(options(), CatalogOptions::new(data.path()),
-        TrainingOptions::default(), None).await;
+    let server = TestServer::tiny_training(
+        options(),
+        CatalogOptions::new(data.path()),
+        TrainingOptions::default(),
+        None,
+    )
+    .await;
     server.state.training().unwrap().spawn_worker().unwrap();
 
     // The page: no key needed, HTML, confined to this server.

@@ -112,8 +112,13 @@ async fn serving_series_add_up_to_the_responses() {
 #[tokio::test]
 async fn training_series_count_a_finished_job() {
     let data = tempfile::tempdir().unwrap();
-    let s = TestServer::tiny_training(options(), CatalogOptions::new(data.path()),
-        TrainingOptions::default(), None).await;
+    let s = TestServer::tiny_training(
+        options(),
+        CatalogOptions::new(data.path()),
+        TrainingOptions::default(),
+        None,
+    )
+    .await;
     s.state.training().unwrap().spawn_worker().unwrap();
     let text = scrape(&s).await;
     assert_eq!(

@@ -229,7 +229,6 @@ fn query_parameters(doc: &Value, path: &str) -> BTreeSet<String> {
 #[test]
 fn request_schemas_list_exactly_the_accepted_fields() {
     use temper_http::protocol as p;
-    use temper_http::structured as s;
     use temper_http::training::wire as w;
     let doc = document();
     let types: Vec<(BTreeSet<String>, &str)> = vec![
@@ -247,10 +246,10 @@ fn request_schemas_list_exactly_the_accepted_fields() {
         (fields::<temper_text::FunctionCall>(), "FunctionCall"),
         (fields::<temper_text::ToolDef>(), "Tool"),
         (fields::<temper_text::FunctionDef>(), "FunctionDefinition"),
-        (fields::<s::ResponseFormat>(), "ResponseFormat"),
-        (fields::<s::JsonSchemaFormat>(), "JsonSchemaFormat"),
-        (fields::<s::TagStructureField>(), "TagStructure"),
-        (fields::<s::StructuredOutputs>(), "StructuredOutputs"),
+        (fields::<p::ResponseFormat>(), "ResponseFormat"),
+        (fields::<p::JsonSchemaFormat>(), "JsonSchemaFormat"),
+        (fields::<p::TagStructureField>(), "TagStructure"),
+        (fields::<p::StructuredOutputs>(), "StructuredOutputs"),
         (fields::<p::TokenizeRequest>(), "TokenizeRequest"),
         (fields::<p::DetokenizeRequest>(), "DetokenizeRequest"),
         (fields::<w::CreateModelRequest>(), "CreateModelRequest"),
@@ -579,7 +578,8 @@ async fn real_responses_match_the_documented_schemas() {
         CatalogOptions::new(data.path()),
         training,
         None,
-    ).await;
+    )
+    .await;
     let mut c = Checker {
         doc: document(),
         succeeded: BTreeSet::new(),

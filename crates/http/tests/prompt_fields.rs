@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use common::{check_stream, options, TestServer};
 use serde_json::{json, Value};
-use temper_http::extras::{RequestExtras, ServiceTier};
+use temper_http::extras::RequestExtras;
+use temper_http::protocol::ServiceTier;
 use temper_http::validation::ChatParams;
 use temper_http::{ApiError, RequestHook, ServerOptions};
 

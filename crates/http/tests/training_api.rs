@@ -18,8 +18,13 @@ struct Api {
 
 async fn api(options: ServerOptions) -> Api {
     let data = tempfile::tempdir().unwrap();
-    let server = TestServer::tiny_training(options, CatalogOptions::new(data.path()),
-        TrainingOptions::default(), None).await;
+    let server = TestServer::tiny_training(
+        options,
+        CatalogOptions::new(data.path()),
+        TrainingOptions::default(),
+        None,
+    )
+    .await;
     Api {
         server,
         _data: data,

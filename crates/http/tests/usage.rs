@@ -14,9 +14,13 @@ use temper_http::{CatalogOptions, TrainingOptions};
 
 async fn server() -> (TestServer, tempfile::TempDir) {
     let data = tempfile::tempdir().unwrap();
-    let server =
-        TestServer::tiny_training(options(), CatalogOptions::new(data.path()),
-        TrainingOptions::default(), None).await;
+    let server = TestServer::tiny_training(
+        options(),
+        CatalogOptions::new(data.path()),
+        TrainingOptions::default(),
+        None,
+    )
+    .await;
     (server, data)
 }
 

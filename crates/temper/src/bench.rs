@@ -11,12 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use temper_catalog::BaseModel;
 use temper_engine::{
     Engine, EngineConfig, EngineStats, GenerationEvent, GenerationRequest, Grammar, GrammarMatcher,
     JsonOptions, OutputConstraint, SamplingParams, StopParams,
 };
 use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
-use temper_catalog::BaseModel;
 use temper_text::{ChatTemplate, DecodeOptions, Tokenizer};
 use temper_train::{
     AdamW, ExperimentalConfig, TrainEvent, TrainerConfig, TrainerPool, TrainerThreads,

@@ -297,16 +297,16 @@ fn model_spec(cfg: &Config, name: &str, path: &std::path::Path) -> ModelSpec {
     spec.chat_template = cfg.chat_template.clone();
     spec.max_model_len = cfg.max_model_len;
     if let Some(n) = cfg.max_running {
-        spec.max_running = n;
+        spec.engine.max_running = n;
     }
     if let Some(n) = cfg.max_batch_tokens {
-        spec.max_batch_tokens = n;
+        spec.engine.max_batch_tokens = n;
     }
     if let Some(n) = cfg.max_waiting {
-        spec.max_waiting = n;
+        spec.engine.max_waiting = n;
     }
-    spec.scheduling = cfg.scheduling;
-    spec.prompt_lookup_tokens = cfg.prompt_lookup_tokens;
+    spec.engine.scheduling = cfg.scheduling;
+    spec.engine.prompt_lookup_tokens = cfg.prompt_lookup_tokens;
     spec.kv_cache_bytes = cfg.kv_cache_bytes;
     spec
 }

@@ -18,7 +18,7 @@ use crate::error::ApiError;
 use crate::extract::BodyLimit;
 use crate::state::AppState;
 
-pub const HEADER: &str = "Idempotency-Key";
+pub use crate::protocol::IDEMPOTENCY_KEY_HEADER as HEADER;
 /// Set on a replayed answer.
 pub const REPLAYED_HEADER: &str = "Idempotent-Replayed";
 

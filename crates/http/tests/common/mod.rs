@@ -60,9 +60,8 @@ impl TestServer {
         let training = TrainingService::open(training, catalog.clone())
             .await
             .unwrap();
-        let state =
-            AppState::with_catalog(vec![model], options, catalog, Some(Arc::new(training)))
-                .unwrap();
+        let state = AppState::with_catalog(vec![model], options, catalog, Some(Arc::new(training)))
+            .unwrap();
         let mut server = Self::serve(state).await;
         server._dir = Some(dir);
         server

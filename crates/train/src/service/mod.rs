@@ -14,8 +14,8 @@ use std::time::Duration;
 use serde_json::{json, Map, Value};
 use temper_catalog::{BaseModel, Catalog};
 use temper_store::{
-    Artifacts, Backend, Checkpoint, DeletedCheckpoints, DeletedModel, IdempotencyKey, Job,
-    JobKind, Model, NewModel, Store,
+    Artifacts, Backend, Checkpoint, DeletedCheckpoints, DeletedModel, IdempotencyKey, Job, JobKind,
+    Model, NewModel, Store,
 };
 use uuid::Uuid;
 
