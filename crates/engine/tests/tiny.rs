@@ -495,8 +495,7 @@ fn chunked_prefill_gives_the_same_output() {
         prompt_lookup_tokens: 0,
         ..EngineConfig::default()
     });
-    // Salted: the engines share the model's KV pool, and the wide run's blocks would serve the
-    // narrow run's prompt.
+    // Salted: no block the wide run cached may serve the narrow run's prompt.
     let mut salted = request(text, 12, greedy());
     salted.cache_salt = Some("narrow".into());
     let narrow = run(&narrow_engine, salted);
@@ -539,8 +538,11 @@ fn engine_with_kv_blocks(blocks: usize, config: EngineConfig) -> Engine {
     temper_model::tiny::write_tiny_gguf(&path, 7).expect("write tiny model");
     let model = temper_model::load_gguf(&path).expect("load").model;
     let _ = std::fs::remove_dir_all(&dir);
-    let pool = model.kv_pool();
-    pool.set_capacity_bytes(blocks * pool.block_bytes());
+    let block_bytes = temper_model::KvArena::new(model.config()).block_bytes();
+    let config = EngineConfig {
+        kv_cache_bytes: blocks * block_bytes,
+        ..config
+    };
     Engine::start(Arc::new(model), tiny().tokenizer.clone(), config)
 }
 

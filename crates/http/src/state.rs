@@ -107,7 +107,6 @@ impl ServedModel {
             None => context,
         };
         let max_text_bytes_per_token = base.tokenizer.max_text_bytes_per_token();
-        base.model.kv_pool().set_capacity_bytes(spec.kv_cache_bytes);
         let engine = Engine::start(
             base.model.clone(),
             base.tokenizer.clone(),
@@ -118,6 +117,7 @@ impl ServedModel {
                 scheduling: spec.scheduling,
                 max_waiting: spec.max_waiting,
                 prompt_lookup_tokens: spec.prompt_lookup_tokens,
+                kv_cache_bytes: spec.kv_cache_bytes,
             },
         );
         Ok(ServedModel {
