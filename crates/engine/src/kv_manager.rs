@@ -288,15 +288,8 @@ mod tests {
     use super::*;
     use temper_model::{load_gguf, tiny, Logits, LoraAdapter, LoraConfig, SeqInput};
 
-    fn tiny_model(name: &str) -> Gemma3 {
-        let path = std::env::temp_dir().join(format!(
-            "temper-engine-{}-kv-{name}.gguf",
-            std::process::id()
-        ));
-        tiny::write_tiny_gguf(&path, 7).expect("write tiny model");
-        let model = load_gguf(&path).expect("load tiny model").model;
-        let _ = std::fs::remove_file(&path);
-        model
+    fn tiny_model() -> Gemma3 {
+        tiny::load_tiny(7).expect("tiny model").model
     }
 
     fn tokens(n: usize, salt: u32) -> Vec<u32> {
@@ -324,7 +317,7 @@ mod tests {
 
     #[test]
     fn a_cached_prefix_gives_the_same_bits_as_recomputing_it() {
-        let model = tiny_model("prefix");
+        let model = tiny_model();
         let kv = KvManager::new(&model, 1 << 30);
         let key = PrefixKey::new(None, None);
         let first = tokens(40, 1);
@@ -369,7 +362,7 @@ mod tests {
 
     #[test]
     fn the_pool_budget_is_enforced_and_idle_cached_blocks_make_room() {
-        let model = tiny_model("budget");
+        let model = tiny_model();
         let block_bytes = KvArena::new(model.config()).block_bytes();
         let kv = KvManager::new(&model, 4 * block_bytes);
         let key = PrefixKey::new(None, None);

@@ -605,6 +605,24 @@ fn requests_beyond_the_kv_pool_wait_or_are_preempted_and_all_finish_unchanged() 
 }
 
 #[test]
+fn the_kv_pool_is_sized_by_the_config_and_keeps_a_finished_prompt_for_reuse() {
+    let e = engine_with_kv_blocks(7, EngineConfig::default());
+    let before = e.kv_cache_stats();
+    assert_eq!((before.capacity_blocks, before.live_blocks), (7, 0));
+    let text = "the cat sat on the mat and the dog sat on the cat and what is the answer";
+    assert!(prompt(text).len() > temper_model::BLOCK_TOKENS);
+    run(&e, request(text, 4, greedy()));
+    // Finished sequences leave the batch after the step that sent their last event.
+    while e.stats().running_requests > 0 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let after = e.kv_cache_stats();
+    assert!(after.idle_cached_blocks > 0, "{after:?}");
+    assert_eq!(after.live_blocks, after.idle_cached_blocks, "{after:?}");
+    assert_eq!(after.available_blocks(), 7);
+}
+
+#[test]
 fn past_max_waiting_new_requests_are_refused_and_the_accepted_ones_finish() {
     let e = engine(EngineConfig {
         max_running: 1,

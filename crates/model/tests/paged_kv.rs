@@ -3,19 +3,10 @@
 //! blocks until they write. (The prefix cache and the pool's budget are the engine's block
 //! manager's, tested there.)
 
-use temper_model::{
-    load_gguf, tiny, Gemma3, KvArena, Logits, ModelError, SeqCache, SeqInput, BLOCK_TOKENS,
-};
+use temper_model::{tiny, Gemma3, KvArena, Logits, ModelError, SeqCache, SeqInput, BLOCK_TOKENS};
 
-fn tiny_model(name: &str) -> Gemma3 {
-    let path = std::env::temp_dir().join(format!(
-        "temper-model-{}-paged-{name}.gguf",
-        std::process::id()
-    ));
-    tiny::write_tiny_gguf(&path, 7).expect("write tiny model");
-    let model = load_gguf(&path).expect("load tiny model").model;
-    let _ = std::fs::remove_file(&path);
-    model
+fn tiny_model() -> Gemma3 {
+    tiny::load_tiny(7).expect("tiny model").model
 }
 
 fn tokens(n: usize, salt: u32) -> Vec<u32> {
@@ -62,7 +53,7 @@ fn chunked_rows(model: &Gemma3, toks: &[u32], sizes: &[usize]) -> Vec<f32> {
 
 #[test]
 fn a_rows_logits_do_not_depend_on_how_its_sequence_is_chunked() {
-    let model = tiny_model("chunks");
+    let model = tiny_model();
     // Past the sliding window (8) and over several blocks.
     let toks = tokens(3 * BLOCK_TOKENS + 5, 3);
     let whole = chunked_rows(&model, &toks, &[toks.len()]);
@@ -76,7 +67,7 @@ fn a_rows_logits_do_not_depend_on_how_its_sequence_is_chunked() {
 
 #[test]
 fn forks_share_blocks_until_they_write() {
-    let model = tiny_model("fork");
+    let model = tiny_model();
     let prompt = tokens(2 * BLOCK_TOKENS + 3, 4);
     let mut parent = model.new_cache();
     run(&model, &prompt, &mut parent, false);
@@ -109,7 +100,7 @@ fn forks_share_blocks_until_they_write() {
 
 #[test]
 fn a_managed_cache_takes_only_the_blocks_reserved_for_it() {
-    let model = tiny_model("managed");
+    let model = tiny_model();
     let arena = KvArena::new(model.config());
     let mut cache = SeqCache::managed(arena.clone());
     let toks = tokens(BLOCK_TOKENS + 3, 8);
