@@ -288,10 +288,6 @@ mod tests {
     use super::*;
     use temper_model::{load_gguf, tiny, Logits, LoraAdapter, LoraConfig, SeqInput};
 
-    fn tiny_model() -> Gemma3 {
-        tiny::load_tiny(7).expect("tiny model").model
-    }
-
     fn tokens(n: usize, salt: u32) -> Vec<u32> {
         (0..n as u32)
             .map(|i| 10 + (i * 37 + salt * 101) % 400)
@@ -317,7 +313,7 @@ mod tests {
 
     #[test]
     fn a_cached_prefix_gives_the_same_bits_as_recomputing_it() {
-        let model = tiny_model();
+        let model = tiny::load_tiny(7).expect("tiny model").model;
         let kv = KvManager::new(&model, 1 << 30);
         let key = PrefixKey::new(None, None);
         let first = tokens(40, 1);
@@ -362,7 +358,7 @@ mod tests {
 
     #[test]
     fn the_pool_budget_is_enforced_and_idle_cached_blocks_make_room() {
-        let model = tiny_model();
+        let model = tiny::load_tiny(7).expect("tiny model").model;
         let block_bytes = KvArena::new(model.config()).block_bytes();
         let kv = KvManager::new(&model, 4 * block_bytes);
         let key = PrefixKey::new(None, None);

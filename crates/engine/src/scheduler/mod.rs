@@ -670,21 +670,14 @@ impl Scheduler {
     /// constrained choice whose mask is not back yet, keeps the row for later instead (an owned
     /// row moves there without a copy).
     fn sample_seq(&mut self, gi: usize, si: usize, row: Cow<'_, [f32]>) {
-        let g = &mut self.groups[gi];
-        if g.dropped {
-            return;
-        }
-        let Phase::Decode { seqs } = &mut g.phase else {
-            return;
-        };
-        let Some(seq) = seqs.get_mut(si) else {
+        let Some((seq, req, procs)) = self.groups[gi].live_choice(si) else {
             return;
         };
         if seq.keeps_row() {
             seq.waiting_row = Some(row.into_owned());
             return;
         }
-        let emitted = seq.take_token(&g.req, &g.procs, &row, &mut self.scratch[0], &self.output);
+        let emitted = seq.take_token(req, procs, &row, &mut self.scratch[0], &self.output);
         self.after_token(gi, si, emitted);
     }
 

@@ -229,6 +229,21 @@ impl Group {
         }
     }
 
+    /// Choice `si` of this request while it decodes and is not dropped, with the request and
+    /// its processors.
+    pub(super) fn live_choice(
+        &mut self,
+        si: usize,
+    ) -> Option<(&mut Seq, &GenerationRequest, &Processors)> {
+        if self.dropped {
+            return None;
+        }
+        let Phase::Decode { seqs } = &mut self.phase else {
+            return None;
+        };
+        Some((seqs.get_mut(si)?, &self.req, &self.procs))
+    }
+
     /// Sequences this request occupies (its reservation while prefilling).
     pub(super) fn running(&self) -> usize {
         match &self.phase {

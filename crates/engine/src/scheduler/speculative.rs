@@ -93,13 +93,7 @@ pub(super) fn verify(
     output: &OutputProcessor,
     stats: &Stats,
 ) {
-    if g.dropped {
-        return;
-    }
-    let Phase::Decode { seqs } = &mut g.phase else {
-        return;
-    };
-    let Some(seq) = seqs.get_mut(si) else {
+    let Some((seq, req, procs)) = g.live_choice(si) else {
         return;
     };
     let input = std::mem::take(&mut seq.spec);
@@ -113,7 +107,7 @@ pub(super) fn verify(
     let mut events = Vec::new();
     let mut failed = None;
     for i in 0..input.len() {
-        match seq.take_token(&g.req, &g.procs, out.row(i), scratch, output) {
+        match seq.take_token(req, procs, out.row(i), scratch, output) {
             Ok(ev) => events.extend(ev),
             Err(message) => {
                 failed = Some(message);
@@ -134,7 +128,7 @@ pub(super) fn verify(
     // Keeps the buffer for the next step.
     seq.spec = input;
     seq.spec.clear();
-    trace!(request_id = %g.req.request_id, choice = seq.choice, drafted, accepted, "drafts verified");
+    trace!(request_id = %req.request_id, choice = seq.choice, drafted, accepted, "drafts verified");
     stats
         .drafted_tokens
         .fetch_add(drafted as u64, Ordering::Relaxed);
