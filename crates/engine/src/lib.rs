@@ -16,6 +16,7 @@ mod output;
 mod rng;
 mod sampler;
 mod scheduler;
+mod stats;
 mod stop;
 mod structured;
 
@@ -357,7 +358,7 @@ pub struct EngineStats {
 #[derive(Clone)]
 pub struct Engine {
     tx: std::sync::mpsc::Sender<scheduler::Submission>,
-    stats: Arc<scheduler::Stats>,
+    stats: Arc<stats::Stats>,
     kv: kv_manager::KvManager,
     max_model_len: usize,
     max_waiting: usize,
@@ -387,7 +388,7 @@ impl Engine {
         };
         let max_waiting = config.max_waiting;
         let max_model_len = config.max_model_len;
-        let stats = Arc::new(scheduler::Stats::default());
+        let stats = Arc::new(stats::Stats::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let mask_gate = mask_workers::MaskGate::default();
         let kv = kv_manager::KvManager::new(&model, config.kv_cache_bytes);

@@ -1,12 +1,9 @@
 //! Beam search: each request's live beams, their expansion once every beam has its row, and
 //! the results.
 
-use crate::output::OutputProcessor;
-use crate::rng::Rng;
+use crate::output::{EndTokens, OutputProcessor};
 use crate::sampler;
 use crate::{BeamSearch, GenerationEvent, GenerationRequest, TokenLogprob};
-
-use super::sequence::Seq;
 
 /// Where a live beam stands.
 #[derive(Clone, Copy, Default)]
@@ -15,6 +12,20 @@ pub(super) struct BeamPath {
     cum_logprob: f64,
     /// Its newest entry in `BeamState::trail` (when logprobs are asked for).
     trail: Option<usize>,
+}
+
+/// A live beam at an expansion: its logits row, where it stands, and its output so far.
+pub(super) struct BeamParent<'a> {
+    pub(super) row: Option<Vec<f32>>,
+    pub(super) path: Option<BeamPath>,
+    pub(super) output: &'a [u32],
+}
+
+/// A next live beam: the parent it continues, its new token, and where it then stands.
+pub(super) struct BeamChild {
+    pub(super) parent: usize,
+    pub(super) token: u32,
+    pub(super) path: BeamPath,
 }
 
 /// A beam-search request's results so far.
@@ -64,20 +75,17 @@ impl BeamState {
         out
     }
 
-    /// One beam-search step over `seqs`, the live beams, which all hold their row: each
-    /// proposes its 2n most likely tokens; end tokens finish hypotheses, the n best other
-    /// candidates become the live beams (ties keep beam, then rank order, as vLLM's stable
-    /// sort). After `max_tokens` steps, or with no candidate left, the search ends: `seqs` is
-    /// left empty and the results' events are returned.
-    pub(super) fn expand(
+    /// One beam-search step over the live beams `parents`: each proposes its 2n most likely
+    /// tokens; end tokens finish hypotheses, the n best other candidates are returned as the
+    /// next live beams (ties keep beam, then rank order, as vLLM's stable sort).
+    pub(super) fn select(
         &mut self,
-        seqs: &mut Vec<Seq>,
+        parents: &[BeamParent<'_>],
         req: &GenerationRequest,
         search: BeamSearch,
-        output: &OutputProcessor,
-    ) -> Option<Vec<GenerationEvent>> {
+        end_tokens: &EndTokens,
+    ) -> Vec<BeamChild> {
         let width = req.n;
-        let mut parents = std::mem::take(seqs);
         // Logprobs for the response may want more alternatives than the search needs.
         let k = (2 * width).max(req.logprobs.unwrap_or(0));
         struct Candidate {
@@ -88,18 +96,18 @@ impl BeamState {
         }
         let mut candidates = Vec::with_capacity(2 * width * parents.len());
         let mut tops = Vec::with_capacity(parents.len());
-        for (pi, p) in parents.iter_mut().enumerate() {
-            let (Some(row), Some(path)) = (p.waiting_row.take(), p.beam) else {
+        for (pi, p) in parents.iter().enumerate() {
+            let (Some(row), Some(path)) = (&p.row, p.path) else {
                 tops.push(Vec::new());
                 continue;
             };
-            let top = sampler::logprobs(&row, 0, k).top;
-            let len = req.prompt.len() + p.history.output.len();
+            let top = sampler::logprobs(row, 0, k).top;
+            let len = req.prompt.len() + p.output.len();
             for &(token, logprob) in top.iter().take(2 * width) {
                 let cum = path.cum_logprob + logprob as f64;
-                if !req.stopping.ignore_eos && output.end_tokens().contains(token) {
+                if !req.stopping.ignore_eos && end_tokens.contains(token) {
                     let trail = self.push_trail(req, path.trail, logprob, &top);
-                    let mut tokens = p.history.output.clone();
+                    let mut tokens = p.output.to_vec();
                     if req.stopping.include_stop_str_in_output {
                         tokens.push(token);
                     }
@@ -123,61 +131,39 @@ impl BeamState {
         }
         candidates.sort_by(|a, b| b.score.total_cmp(&a.score));
         candidates.truncate(width);
-
-        // A parent's last child takes its cache; the others copy it.
-        let mut children_left = vec![0usize; parents.len()];
-        for c in &candidates {
-            children_left[c.parent] += 1;
-        }
-        let mut beams = Vec::with_capacity(candidates.len());
-        for (choice, c) in candidates.iter().enumerate() {
-            let parent = &mut parents[c.parent];
-            children_left[c.parent] -= 1;
-            let kv = if children_left[c.parent] == 0 {
-                parent.kv.take()
-            } else {
-                parent.kv.clone()
-            };
-            let path = parent.beam.unwrap_or_default();
-            let trail = self.push_trail(req, path.trail, c.logprob, &tops[c.parent]);
-            let mut beam = Seq::new(choice, kv, Rng::new(0), req);
-            beam.next = c.token;
-            beam.history = parent.history.clone();
-            beam.history.push(c.token);
-            beam.beam = Some(BeamPath {
-                cum_logprob: path.cum_logprob + c.logprob as f64,
-                trail,
-            });
-            beams.push(beam);
-        }
-        drop(parents);
-        let done = beams
-            .first()
-            .is_none_or(|b| b.generated() >= req.stopping.max_tokens);
-        if !done {
-            *seqs = beams;
-            return None;
-        }
-        Some(self.results(beams, req, search, output))
+        candidates
+            .into_iter()
+            .map(|c| {
+                let path = parents[c.parent].path.unwrap_or_default();
+                let trail = self.push_trail(req, path.trail, c.logprob, &tops[c.parent]);
+                BeamChild {
+                    parent: c.parent,
+                    token: c.token,
+                    path: BeamPath {
+                        cum_logprob: path.cum_logprob + c.logprob as f64,
+                        trail,
+                    },
+                }
+            })
+            .collect()
     }
 
-    /// The events of a search that ended with `live` beams: the n best hypotheses, finished or
-    /// live, best first. Finished ones rank first among equal scores (vLLM appends the live ones
-    /// after them before its stable sort).
-    fn results(
+    /// The events of a search that ended with `live` beams (where each stands, its output):
+    /// the n best hypotheses, finished or live, best first. Finished ones rank first among
+    /// equal scores (vLLM appends the live ones after them before its stable sort).
+    pub(super) fn results(
         &mut self,
-        live: Vec<Seq>,
+        live: Vec<(BeamPath, Vec<u32>)>,
         req: &GenerationRequest,
         search: BeamSearch,
         output: &OutputProcessor,
     ) -> Vec<GenerationEvent> {
         let mut results = std::mem::take(&mut self.finished);
-        results.extend(live.into_iter().map(|b| {
-            let path = b.beam.unwrap_or_default();
-            let len = req.prompt.len() + b.history.output.len();
+        results.extend(live.into_iter().map(|(path, tokens)| {
+            let len = req.prompt.len() + tokens.len();
             Hypothesis {
                 score: beam_score(path.cum_logprob, len, search.length_penalty),
-                tokens: b.history.output,
+                tokens,
                 ended_by: None,
                 trail: path.trail,
             }

@@ -5,7 +5,7 @@
 //! `KvManager`) that is then executed (the forward, sampling, and the output processor's
 //! events). Its parts are their own types: `queue` (the waiting queue), `sequence` (a
 //! request's and its choices' state, and taking a token from a row), `plan` (a step's rows),
-//! `beam` (beam search), `speculative` (prompt-lookup drafts), `stats` (the counters).
+//! `beam` (beam search), `speculative` (prompt-lookup drafts).
 //!
 //! Each step feeds one token for every decoding sequence and spends what is left of
 //! `max_batch_tokens` on prompt chunks of admitted requests, oldest first. A request whose
@@ -50,6 +50,7 @@ use crate::mask_workers::{MaskDone, MaskGate, MaskKey, MaskOutcome, MaskWorkers}
 use crate::metrics::RequestTimer;
 use crate::output::OutputProcessor;
 use crate::rng::{random_seed, Rng};
+use crate::stats::Stats;
 use crate::{EngineConfig, GenerationEvent, GenerationRequest, Scheduling};
 
 mod beam;
@@ -57,7 +58,6 @@ mod plan;
 mod queue;
 mod sequence;
 mod speculative;
-mod stats;
 
 use beam::BeamPath;
 use plan::{ChoiceFeed, Row, StepPlan};
@@ -65,7 +65,6 @@ use queue::WaitingQueue;
 use sequence::{Group, Phase, SampleScratch, Seq};
 
 pub(crate) use queue::Submission;
-pub(crate) use stats::Stats;
 
 /// Most prompt tokens per prefill chunk while prompt logprobs are computed: each needs its
 /// whole logits row (a megabyte on a 262k vocabulary) until its top-k is taken.
@@ -178,8 +177,9 @@ impl Scheduler {
         );
         let timer = RequestTimer::new(self.stats.requests.clone(), s.submitted, s.req.n);
         let cache = self.kv.new_seq(Some(prefix_key));
-        self.waiting
-            .push(Group::new(id, s, (priority, id), cache, timer));
+        let rank = (priority, id);
+        let group = Group::new(id, rank, s.req, s.procs, s.tx, cache, timer);
+        self.waiting.push(group);
     }
 
     fn publish_counts(&self) {
@@ -838,15 +838,10 @@ impl Scheduler {
     }
 
     /// A beam-search step for group `gi`, whose live beams all hold their row
-    /// (`BeamState::expand`); when the search ends, its results are sent.
+    /// (`Group::expand_beams`); when the search ends, its results are sent.
     fn expand_beams(&mut self, gi: usize) {
         let g = &mut self.groups[gi];
-        let (Phase::Decode { seqs }, Some(state), Some(search)) =
-            (&mut g.phase, &mut g.beams, g.req.beam_search)
-        else {
-            return;
-        };
-        let Some(events) = state.expand(seqs, &g.req, search, &self.output) else {
+        let Some(events) = g.expand_beams(&self.output) else {
             return;
         };
         debug!(request_id = %g.req.request_id, "beam search finished");

@@ -7,10 +7,10 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::debug;
 
 use crate::logits::Processors;
+use crate::stats::Stats;
 use crate::{GenerationEvent, GenerationRequest};
 
 use super::sequence::Group;
-use super::stats::Stats;
 
 /// A request on its way to the scheduler.
 pub(crate) struct Submission {

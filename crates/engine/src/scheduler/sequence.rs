@@ -16,8 +16,7 @@ use crate::sampler::{self, Sampler};
 use crate::structured::{GrammarMatcher, TokenMask};
 use crate::{GenerationEvent, GenerationRequest, PromptLogprob};
 
-use super::beam::{BeamPath, BeamState};
-use super::queue::Submission;
+use super::beam::{BeamParent, BeamPath, BeamState};
 
 /// What sampling a row reuses from one row to the next (one per thread that samples).
 #[derive(Default)]
@@ -81,7 +80,7 @@ impl Seq {
     }
 
     /// Whether this choice keeps its row instead of sampling from it now: a beam waits for its
-    /// siblings' rows (`BeamState::expand` takes them all), a constrained choice for its mask.
+    /// siblings' rows (`Group::expand_beams` takes them all), a constrained choice for its mask.
     pub(super) fn keeps_row(&self) -> bool {
         self.beam.is_some() || self.grammar.as_ref().is_some_and(|gr| gr.mask.is_none())
     }
@@ -205,20 +204,23 @@ pub(super) struct Group {
 }
 
 impl Group {
-    /// A request just submitted, ranked `rank`, whose prompt goes into `cache`.
+    /// A request just submitted, ranked `rank`, whose events go to `tx` and whose prompt goes
+    /// into `cache`.
     pub(super) fn new(
         id: u64,
-        s: Submission,
         rank: (i64, u64),
+        req: GenerationRequest,
+        procs: Processors,
+        tx: UnboundedSender<GenerationEvent>,
         cache: SeqKv,
         timer: RequestTimer,
     ) -> Self {
         Group {
             id,
-            beams: s.req.beam_search.map(|_| BeamState::default()),
-            req: s.req,
-            procs: s.procs,
-            tx: s.tx,
+            beams: req.beam_search.map(|_| BeamState::default()),
+            req,
+            procs,
+            tx,
             phase: Phase::Prefill { cache, done: 0 },
             dropped: false,
             rank,
@@ -321,6 +323,67 @@ impl Group {
                     .unwrap_or(0),
             };
         len.div_ceil(temper_model::BLOCK_TOKENS) + self.req.n
+    }
+
+    /// One beam-search step, once every live beam holds its row: the candidates
+    /// `BeamState::select` keeps become the live beams, a parent's last child taking its cache
+    /// and the others copying it. After `max_tokens` steps, or with no candidate left, the
+    /// search ends: no live beam is left and the results' events are returned.
+    pub(super) fn expand_beams(
+        &mut self,
+        output: &OutputProcessor,
+    ) -> Option<Vec<GenerationEvent>> {
+        let (Phase::Decode { seqs }, Some(state), Some(search)) =
+            (&mut self.phase, &mut self.beams, self.req.beam_search)
+        else {
+            return None;
+        };
+        let req = &self.req;
+        let mut parents = std::mem::take(seqs);
+        let rows: Vec<BeamParent<'_>> = parents
+            .iter_mut()
+            .map(|p| BeamParent {
+                row: p.waiting_row.take(),
+                path: p.beam,
+                output: &p.history.output,
+            })
+            .collect();
+        let children = state.select(&rows, req, search, output.end_tokens());
+        drop(rows);
+
+        let mut children_left = vec![0usize; parents.len()];
+        for c in &children {
+            children_left[c.parent] += 1;
+        }
+        let mut beams = Vec::with_capacity(children.len());
+        for (choice, c) in children.into_iter().enumerate() {
+            let parent = &mut parents[c.parent];
+            children_left[c.parent] -= 1;
+            let kv = if children_left[c.parent] == 0 {
+                parent.kv.take()
+            } else {
+                parent.kv.clone()
+            };
+            let mut beam = Seq::new(choice, kv, Rng::new(0), req);
+            beam.next = c.token;
+            beam.history = parent.history.clone();
+            beam.history.push(c.token);
+            beam.beam = Some(c.path);
+            beams.push(beam);
+        }
+        drop(parents);
+        let done = beams
+            .first()
+            .is_none_or(|b| b.generated() >= req.stopping.max_tokens);
+        if !done {
+            *seqs = beams;
+            return None;
+        }
+        let live = beams
+            .into_iter()
+            .map(|b| (b.beam.unwrap_or_default(), b.history.output))
+            .collect();
+        Some(state.results(live, req, search, output))
     }
 
     /// Sends `ev`; a `Finished` gets the request's prefix-cache hit.

@@ -10,9 +10,9 @@ use temper_model::Logits;
 
 use crate::lookup;
 use crate::output::OutputProcessor;
+use crate::stats::Stats;
 
 use super::sequence::{Group, Phase, SampleScratch};
-use super::stats::Stats;
 
 /// Proposes this step's draft tokens (`lookup::propose`, at most `k` per choice) for the
 /// decoding choices that may speculate: not beams, structured outputs or replays; at most one

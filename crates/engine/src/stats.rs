@@ -1,4 +1,4 @@
-//! The scheduler's counters, shared with `Engine::stats` callers.
+//! The scheduler's counters, shared with the mask workers and `Engine::stats` callers.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -9,22 +9,22 @@ use crate::EngineStats;
 /// Counters shared with `Engine::stats` callers.
 #[derive(Default)]
 pub(crate) struct Stats {
-    pub(super) steps: AtomicU64,
-    pub(super) rows: AtomicU64,
-    pub(super) tokens: AtomicU64,
-    pub(super) max_rows_in_step: AtomicUsize,
-    pub(super) running: AtomicUsize,
-    pub(super) running_requests: AtomicUsize,
-    pub(super) waiting: AtomicUsize,
+    pub(crate) steps: AtomicU64,
+    pub(crate) rows: AtomicU64,
+    pub(crate) tokens: AtomicU64,
+    pub(crate) max_rows_in_step: AtomicUsize,
+    pub(crate) running: AtomicUsize,
+    pub(crate) running_requests: AtomicUsize,
+    pub(crate) waiting: AtomicUsize,
     /// New requests submitted and not yet admitted (nor cancelled): what `max_waiting` bounds.
     queued: AtomicUsize,
-    pub(super) preemptions: AtomicU64,
+    pub(crate) preemptions: AtomicU64,
     /// Counted by the mask workers.
     pub(crate) masks: AtomicU64,
     pub(crate) masks_abandoned: AtomicU64,
-    pub(super) prompt_logprobs: AtomicU64,
-    pub(super) drafted_tokens: AtomicU64,
-    pub(super) accepted_tokens: AtomicU64,
+    pub(crate) prompt_logprobs: AtomicU64,
+    pub(crate) drafted_tokens: AtomicU64,
+    pub(crate) accepted_tokens: AtomicU64,
     pub(crate) requests: Arc<RequestCounters>,
 }
 
