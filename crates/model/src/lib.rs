@@ -64,7 +64,7 @@ pub enum ModelError {
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("sequence of {len} tokens exceeds the context length {max}")]
     ContextOverflow { len: usize, max: usize },
-    #[error("KV cache does not belong to this model")]
+    #[error("the KV cache was made for a model of another shape")]
     CacheMismatch,
     #[error("batch entry {index}: no KV blocks are reserved for its new positions")]
     KvNotReserved { index: usize },
