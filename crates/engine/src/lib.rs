@@ -1,22 +1,28 @@
 //! temper-engine: one scheduler thread per served model doing continuous batching over
-//! `Gemma3::forward`, plus the sampler and the per-sequence stop/detokenize logic.
+//! `Gemma3::forward`, beside its roles: the KV block manager (`kv_manager`: the pool, prefix
+//! cache and allocation), the sampler and logits processors, and the output processor
+//! (`output`: stop handling and detokenizing).
 //!
 //! The HTTP layer validates requests; the engine only rejects requests it cannot possibly serve
 //! (`EngineError`). Events for a request arrive on the receiver `Engine::submit` returns;
 //! dropping that receiver cancels the request.
 
+mod kv_manager;
 mod logits;
 mod lookup;
 mod mask_workers;
 mod metrics;
+mod output;
 mod rng;
 mod sampler;
 mod scheduler;
+mod stats;
 mod stop;
 mod structured;
 
 use std::sync::{Arc, OnceLock};
 
+pub use kv_manager::KvCacheStats;
 pub use mask_workers::MaskHold;
 pub use metrics::{HistogramSnapshot, RequestMetrics};
 
@@ -49,6 +55,8 @@ pub struct EngineConfig {
     /// by it (greedy and seeded bit for bit, unseeded in distribution): only the number of
     /// steps changes.
     pub prompt_lookup_tokens: usize,
+    /// The budget of the model's KV block pool (`--kv-cache-mb`); at least one block.
+    pub kv_cache_bytes: usize,
 }
 
 /// The default `max_batch_tokens`: 64 per thread of the compute pool (128 on two cores, within
@@ -81,6 +89,7 @@ impl Default for EngineConfig {
             scheduling: Scheduling::Fcfs,
             max_waiting: 256,
             prompt_lookup_tokens: 4,
+            kv_cache_bytes: 1 << 30,
         }
     }
 }
@@ -349,7 +358,8 @@ pub struct EngineStats {
 #[derive(Clone)]
 pub struct Engine {
     tx: std::sync::mpsc::Sender<scheduler::Submission>,
-    stats: Arc<scheduler::Stats>,
+    stats: Arc<stats::Stats>,
+    kv: kv_manager::KvManager,
     max_model_len: usize,
     max_waiting: usize,
     vocab_size: usize,
@@ -378,11 +388,13 @@ impl Engine {
         };
         let max_waiting = config.max_waiting;
         let max_model_len = config.max_model_len;
-        let stats = Arc::new(scheduler::Stats::default());
+        let stats = Arc::new(stats::Stats::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let mask_gate = mask_workers::MaskGate::default();
+        let kv = kv_manager::KvManager::new(&model, config.kv_cache_bytes);
         let sched = scheduler::Scheduler::new(
             model,
+            kv.clone(),
             tokenizer.clone(),
             config,
             stats.clone(),
@@ -398,6 +410,7 @@ impl Engine {
         Engine {
             tx,
             stats,
+            kv,
             max_model_len,
             max_waiting,
             vocab_size,
@@ -413,7 +426,7 @@ impl Engine {
     pub fn grammar_compiler(&self) -> Result<&GrammarCompiler, GrammarError> {
         self.grammar_compiler
             .get_or_init(|| {
-                let end_tokens = scheduler::EndTokens::of(&self.tokenizer).ids();
+                let end_tokens = output::EndTokens::of(&self.tokenizer).ids();
                 GrammarCompiler::new(self.tokenizer.clone(), &end_tokens)
             })
             .as_ref()
@@ -487,7 +500,7 @@ impl Engine {
             });
         }
         // Tokenizing bad words and sorting the prompt happen here, off the scheduler thread.
-        let end_tokens = scheduler::EndTokens::of(&self.tokenizer);
+        let end_tokens = output::EndTokens::of(&self.tokenizer);
         let procs = logits::Processors::new(
             &req.sampling,
             &req.stopping,
@@ -520,6 +533,11 @@ impl Engine {
     /// The scheduler's counters, as of its last step.
     pub fn stats(&self) -> EngineStats {
         self.stats.snapshot()
+    }
+
+    /// The model's KV block pool: its budget, usage and prefix cache.
+    pub fn kv_cache_stats(&self) -> KvCacheStats {
+        self.kv.stats()
     }
 
     /// Latency histograms and token counts of this engine's requests since it started.

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::warn;
 
-use crate::scheduler::Stats;
+use crate::stats::Stats;
 use crate::structured::{GrammarError, GrammarMatcher, TokenMask};
 use crate::GenerationEvent;
 

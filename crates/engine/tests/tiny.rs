@@ -495,8 +495,7 @@ fn chunked_prefill_gives_the_same_output() {
         prompt_lookup_tokens: 0,
         ..EngineConfig::default()
     });
-    // Salted: the engines share the model's KV pool, and the wide run's blocks would serve the
-    // narrow run's prompt.
+    // Salted: no block the wide run cached may serve the narrow run's prompt.
     let mut salted = request(text, 12, greedy());
     salted.cache_salt = Some("narrow".into());
     let narrow = run(&narrow_engine, salted);
@@ -539,8 +538,11 @@ fn engine_with_kv_blocks(blocks: usize, config: EngineConfig) -> Engine {
     temper_model::tiny::write_tiny_gguf(&path, 7).expect("write tiny model");
     let model = temper_model::load_gguf(&path).expect("load").model;
     let _ = std::fs::remove_dir_all(&dir);
-    let pool = model.kv_pool();
-    pool.set_capacity_bytes(blocks * pool.block_bytes());
+    let block_bytes = temper_model::KvArena::new(model.config()).block_bytes();
+    let config = EngineConfig {
+        kv_cache_bytes: blocks * block_bytes,
+        ..config
+    };
     Engine::start(Arc::new(model), tiny().tokenizer.clone(), config)
 }
 
@@ -600,6 +602,24 @@ fn requests_beyond_the_kv_pool_wait_or_are_preempted_and_all_finish_unchanged() 
         }
     }
     assert!(e.stats().max_rows_in_step < 6, "{:?}", e.stats());
+}
+
+#[test]
+fn the_kv_pool_is_sized_by_the_config_and_keeps_a_finished_prompt_for_reuse() {
+    let e = engine_with_kv_blocks(7, EngineConfig::default());
+    let before = e.kv_cache_stats();
+    assert_eq!((before.capacity_blocks, before.live_blocks), (7, 0));
+    let text = "the cat sat on the mat and the dog sat on the cat and what is the answer";
+    assert!(prompt(text).len() > temper_model::BLOCK_TOKENS);
+    run(&e, request(text, 4, greedy()));
+    // Finished sequences leave the batch after the step that sent their last event.
+    while e.stats().running_requests > 0 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let after = e.kv_cache_stats();
+    assert!(after.idle_cached_blocks > 0, "{after:?}");
+    assert_eq!(after.live_blocks, after.idle_cached_blocks, "{after:?}");
+    assert_eq!(after.available_blocks(), 7);
 }
 
 #[test]

@@ -87,7 +87,7 @@ fn serving(state: &AppState, out: &mut Exposition) {
             "Fraction of the KV cache pool's blocks held by sequences (1 = full); idle \
              prefix-cache blocks count as free.",
             &|i| {
-                let kv = models[i].model.kv_pool().stats();
+                let kv = models[i].engine.kv_cache_stats();
                 let used = kv.capacity_blocks.saturating_sub(kv.available_blocks());
                 used as f64 / kv.capacity_blocks.max(1) as f64
             },

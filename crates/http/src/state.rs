@@ -60,10 +60,9 @@ pub struct ModelSpec {
     /// `--max-model-len`: at most the model's context length (`None`: that length).
     pub max_model_len: Option<usize>,
     /// The engine's limits (`--max-running`, `--max-batch-tokens`, `--max-waiting`,
-    /// `--scheduling`, `--prompt-lookup-tokens`); its `max_model_len` comes from the field above.
+    /// `--scheduling`, `--prompt-lookup-tokens`, `--kv-cache-mb`); its `max_model_len` comes
+    /// from the field above.
     pub engine: EngineConfig,
-    /// `--kv-cache-mb`: the budget of the model's KV block pool.
-    pub kv_cache_bytes: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +89,6 @@ impl ModelSpec {
             chat_template: None,
             max_model_len: None,
             engine: EngineConfig::default(),
-            kv_cache_bytes: 1 << 30,
         }
     }
 }
@@ -115,7 +113,6 @@ impl ServedModel {
             None => context,
         };
         let max_text_bytes_per_token = base.tokenizer.max_text_bytes_per_token();
-        base.model.kv_pool().set_capacity_bytes(spec.kv_cache_bytes);
         let engine = Engine::start(
             base.model.clone(),
             base.tokenizer.clone(),

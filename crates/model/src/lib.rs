@@ -21,7 +21,7 @@ use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file;
 
-pub use cache::{KvPool, KvPoolStats, PrefixKey, SeqCache, BLOCK_TOKENS};
+pub use cache::{KvArena, KvBlock, SeqCache, BLOCK_TOKENS};
 pub use config::ModelConfig;
 pub use kernels::selected_isa;
 pub use loader::load_gguf;
@@ -64,17 +64,10 @@ pub enum ModelError {
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("sequence of {len} tokens exceeds the context length {max}")]
     ContextOverflow { len: usize, max: usize },
-    #[error("KV cache does not belong to this model")]
+    #[error("the KV cache was made for a model of another shape")]
     CacheMismatch,
-    #[error(
-        "the KV cache is full: {needed} blocks needed, {available} of {capacity} available \
-         (raise --kv-cache-mb)"
-    )]
-    KvCacheFull {
-        needed: usize,
-        available: usize,
-        capacity: usize,
-    },
+    #[error("batch entry {index}: no KV blocks are reserved for its new positions")]
+    KvNotReserved { index: usize },
     #[error("adapter {path}: {reason}")]
     Adapter { path: String, reason: String },
     #[error("batch entry {index}: the adapter was made for a model of another shape")]

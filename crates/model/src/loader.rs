@@ -7,9 +7,8 @@ use std::sync::Arc;
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
 
-use crate::cache::KvPool;
 use crate::linear::{GgufWeight, Linear};
-use crate::model::{Embedding, Gemma3, Layer, DEFAULT_KV_CACHE_BYTES};
+use crate::model::{Embedding, Gemma3, Layer};
 use crate::{LoadedModel, ModelConfig, ModelError};
 
 /// Loads a Gemma 3 GGUF (quantized weights stay quantized; norms become f32).
@@ -77,15 +76,12 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     };
     let lm_head = lm_head.with_pair_bound_activations();
 
-    let kv_pool = KvPool::new(cfg.num_layers, cfg.num_kv_heads * cfg.head_dim, 1);
-    kv_pool.set_capacity_bytes(DEFAULT_KV_CACHE_BYTES);
     let model = Gemma3 {
         cfg,
         embed,
         lm_head,
         layers,
         final_norm,
-        kv_pool,
         smooth: false,
     };
     Ok(LoadedModel {

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
-use crate::cache::{KvPool, PrefixKey, SeqCache};
+use crate::cache::{KvArena, SeqCache};
 use crate::layer::{BatchLayout, CacheKv, Ropes};
 use crate::linear::Linear;
 use crate::lora::{LoraAdapter, LoraTarget};
@@ -108,14 +108,9 @@ pub struct Gemma3 {
     pub(crate) lm_head: Linear,
     pub(crate) layers: Vec<Layer>,
     pub(crate) final_norm: Vec<f32>,
-    /// The KV block pool every cache of this model draws from.
-    pub(crate) kv_pool: KvPool,
     /// See [`Gemma3::set_smooth`].
     pub(crate) smooth: bool,
 }
-
-/// The default KV budget until the server sets one (`Gemma3::kv_pool`).
-pub(crate) const DEFAULT_KV_CACHE_BYTES: usize = 1 << 30;
 
 impl Gemma3 {
     pub fn config(&self) -> &ModelConfig {
@@ -143,21 +138,10 @@ impl Gemma3 {
                 .sum::<usize>()
     }
 
-    /// The pool of KV blocks this model's caches draw from (its budget, usage and prefix
-    /// cache).
-    pub fn kv_pool(&self) -> &KvPool {
-        &self.kv_pool
-    }
-
-    /// An empty cache whose blocks are never shared with other requests.
+    /// An empty cache of its own, growing as `forward` appends to it (the engine's caches come
+    /// from its block manager instead).
     pub fn new_cache(&self) -> SeqCache {
-        SeqCache::new(self.kv_pool.clone(), None)
-    }
-
-    /// An empty cache that publishes its full blocks under `key` and can take published
-    /// blocks of the same key (`SeqCache::reuse_prefix`).
-    pub fn new_shared_cache(&self, key: PrefixKey) -> SeqCache {
-        SeqCache::new(self.kv_pool.clone(), Some(key))
+        SeqCache::new(KvArena::new(&self.cfg))
     }
 
     pub(crate) fn kv_width(&self) -> usize {
@@ -166,40 +150,38 @@ impl Gemma3 {
 
     /// One batched forward over a ragged batch: every sequence appends `tokens` at positions
     /// `cache.len()..` and its cache grows by `tokens.len()`. Returns one `Logits` per input, in
-    /// order. On error no cache changes (`ModelError::KvCacheFull` when the pool has no room
-    /// for the new positions).
+    /// order. On error no cache changes but for dropping blocks reserved past its end
+    /// (`ModelError::KvNotReserved` when a managed cache lacks room for the new positions).
     pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Logits>, ModelError> {
-        self.validate(batch)?;
         if batch.is_empty() {
-            return Ok(Vec::new());
-        }
-        for i in 0..batch.len() {
-            let s = &mut batch[i];
-            if let Err(e) = s.cache.reserve(s.tokens.len()) {
-                for s in &mut batch[..i] {
-                    s.cache.release_unused();
-                }
-                return Err(e);
-            }
+            return self.validate(batch).map(|()| Vec::new());
         }
         // On one of the pool's threads: called from outside the pool (the engine's scheduler
         // thread), each of the step's ~300 parallel loops would be handed to the pool and
         // waited for across threads (two wake-ups each, milliseconds per decode step); inside
         // it, they are split among threads that are already awake.
-        match rayon::scope(|_| self.forward_reserved(batch)) {
-            Ok(logits) => {
-                for s in batch.iter_mut() {
-                    s.cache.commit(s.tokens);
-                }
-                Ok(logits)
-            }
-            Err(e) => {
-                for s in batch.iter_mut() {
-                    s.cache.release_unused();
-                }
-                Err(e)
+        let result = self
+            .validate(batch)
+            .and_then(|()| Self::ensure_room(batch))
+            .and_then(|()| rayon::scope(|_| self.forward_reserved(batch)));
+        let ok = result.is_ok();
+        for s in batch.iter_mut() {
+            if ok {
+                s.cache.commit(s.tokens);
+            } else {
+                s.cache.release_unused();
             }
         }
+        result
+    }
+
+    fn ensure_room(batch: &mut [SeqInput<'_>]) -> Result<(), ModelError> {
+        for (index, s) in batch.iter_mut().enumerate() {
+            if !s.cache.ensure_room(s.tokens.len()) {
+                return Err(ModelError::KvNotReserved { index });
+            }
+        }
+        Ok(())
     }
 
     fn validate(&self, batch: &[SeqInput<'_>]) -> Result<(), ModelError> {
@@ -207,7 +189,7 @@ impl Gemma3 {
             if s.tokens.is_empty() {
                 return Err(ModelError::EmptyInput { index });
             }
-            if !s.cache.fits(&self.kv_pool) {
+            if !s.cache.fits(&self.cfg) {
                 return Err(ModelError::CacheMismatch);
             }
             if s.adapter.is_some_and(|a| !a.fits(&self.cfg)) {

@@ -9,12 +9,13 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::ModelError;
+use crate::{LoadedModel, ModelError};
 
 const HIDDEN: usize = 64;
 const LAYERS: usize = 4;
@@ -43,6 +44,21 @@ const WORDS: &[&str] = &[
 /// Writes the tiny model to `path`. The same `seed` always gives the same file.
 pub fn write_tiny_gguf(path: &Path, seed: u64) -> Result<(), ModelError> {
     write(path, seed, false)
+}
+
+/// The tiny model of `seed` through the real writer and loader (a temporary file, removed
+/// again).
+pub fn load_tiny(seed: u64) -> Result<LoadedModel, ModelError> {
+    static FILES: AtomicUsize = AtomicUsize::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "temper-tiny-{}-{}.gguf",
+        std::process::id(),
+        FILES.fetch_add(1, Ordering::Relaxed)
+    ));
+    write_tiny_gguf(&path, seed)?;
+    let loaded = crate::load_gguf(&path);
+    let _ = std::fs::remove_file(&path);
+    loaded
 }
 
 /// The same model with every weight stored as F32 (exact f32 matmuls, no activation

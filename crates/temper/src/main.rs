@@ -307,7 +307,7 @@ fn model_spec(cfg: &Config, name: &str, path: &std::path::Path) -> ModelSpec {
     }
     spec.engine.scheduling = cfg.scheduling;
     spec.engine.prompt_lookup_tokens = cfg.prompt_lookup_tokens;
-    spec.kv_cache_bytes = cfg.kv_cache_bytes;
+    spec.engine.kv_cache_bytes = cfg.kv_cache_bytes;
     spec
 }
 

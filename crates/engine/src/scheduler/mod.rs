@@ -1,9 +1,11 @@
 //! The scheduler thread: continuous batching over one `Gemma3::forward` call per step.
 //!
-//! Split by concern: `admission` (the waiting queue, admission, priority preemption), `blocks`
-//! (KV blocks: prefix-cache reuse at admission, room in the pool for each step), `sequence` (a
-//! request's and its choices' state), `beam` (beam search), `speculative` (prompt-lookup
-//! drafts); this file runs the loop and the step, and samples.
+//! This file is the scheduler itself: the loop, admission and preemption, and each step as a
+//! plan (which rows run, how many tokens each feeds, their KV blocks reserved through the
+//! `KvManager`) that is then executed (the forward, sampling, and the output processor's
+//! events). Its parts are their own types: `queue` (the waiting queue), `sequence` (a
+//! request's and its choices' state, and taking a token from a row), `plan` (a step's rows),
+//! `beam` (beam search), `speculative` (prompt-lookup drafts).
 //!
 //! Each step feeds one token for every decoding sequence and spends what is left of
 //! `max_batch_tokens` on prompt chunks of admitted requests, oldest first. A request whose
@@ -31,178 +33,59 @@
 //! beams, forking the caches of the parents that more than one child continues.
 
 use std::borrow::Cow;
-use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
 use rayon::prelude::*;
+use tracing::{debug, trace, warn};
 
-use temper_model::{Gemma3, Logits, PrefixKey, SeqCache, SeqInput};
-use temper_text::{DecodeOptions, DecodeStream, Tokenizer};
-use tokio::sync::mpsc::UnboundedSender;
-use tracing::{debug, error, trace, warn};
+use temper_model::{Gemma3, Logits};
+use temper_text::Tokenizer;
 
-use crate::logits::{self, History, Processors};
-use crate::lookup;
-mod admission;
+use crate::kv_manager::{KvManager, PrefixKey, SeqKv};
+use crate::logits::Processors;
+use crate::mask_workers::{MaskDone, MaskGate, MaskKey, MaskOutcome, MaskWorkers};
+use crate::metrics::RequestTimer;
+use crate::output::OutputProcessor;
+use crate::rng::{random_seed, Rng};
+use crate::stats::Stats;
+use crate::{EngineConfig, GenerationEvent, GenerationRequest, Scheduling};
+
 mod beam;
-mod blocks;
+mod plan;
+mod queue;
 mod sequence;
 mod speculative;
 
-use beam::*;
-use sequence::*;
+use beam::BeamPath;
+use plan::{ChoiceFeed, Row, StepPlan};
+use queue::WaitingQueue;
+use sequence::{Group, Phase, SampleScratch, Seq};
 
-use crate::mask_workers::{MaskDone, MaskGate, MaskKey, MaskOutcome, MaskWorkers};
-use crate::metrics::{RequestCounters, RequestTimer};
-use crate::rng::{random_seed, Rng};
-use crate::sampler::{self, Sampler};
-use crate::stop::StopMatcher;
-use crate::structured::{GrammarMatcher, TokenMask};
-use crate::{
-    BeamSearch, EngineConfig, EngineStats, FinishReason, GenerationEvent, GenerationRequest,
-    PromptLogprob, Scheduling, StopReason, TokenLogprob,
-};
+pub(crate) use queue::Submission;
 
 /// Most prompt tokens per prefill chunk while prompt logprobs are computed: each needs its
 /// whole logits row (a megabyte on a 262k vocabulary) until its top-k is taken.
 const PROMPT_LOGPROB_ROWS: usize = 64;
 
-/// A request on its way to the scheduler.
-pub(crate) struct Submission {
-    pub(crate) req: GenerationRequest,
-    pub(crate) procs: Processors,
-    pub(crate) tx: UnboundedSender<GenerationEvent>,
-    pub(crate) submitted: std::time::Instant,
-}
-
-/// Counters shared with `Engine::stats` callers.
-#[derive(Default)]
-pub(crate) struct Stats {
-    steps: AtomicU64,
-    rows: AtomicU64,
-    tokens: AtomicU64,
-    max_rows_in_step: AtomicUsize,
-    running: AtomicUsize,
-    running_requests: AtomicUsize,
-    waiting: AtomicUsize,
-    /// New requests submitted and not yet admitted (nor cancelled): what `max_waiting` bounds.
-    queued: AtomicUsize,
-    preemptions: AtomicU64,
-    /// Counted by the mask workers.
-    pub(crate) masks: AtomicU64,
-    pub(crate) masks_abandoned: AtomicU64,
-    prompt_logprobs: AtomicU64,
-    drafted_tokens: AtomicU64,
-    accepted_tokens: AtomicU64,
-    pub(crate) requests: Arc<RequestCounters>,
-}
-
-impl Stats {
-    /// Counts a new request in, unless `max` are already queued.
-    pub(crate) fn enter_queue(&self, max: usize) -> bool {
-        self.queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
-                (q < max).then_some(q + 1)
-            })
-            .is_ok()
-    }
-
-    pub(crate) fn leave_queue(&self) {
-        self.queued.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    pub(crate) fn snapshot(&self) -> EngineStats {
-        EngineStats {
-            steps: self.steps.load(Ordering::Relaxed),
-            rows: self.rows.load(Ordering::Relaxed),
-            tokens: self.tokens.load(Ordering::Relaxed),
-            max_rows_in_step: self.max_rows_in_step.load(Ordering::Relaxed),
-            running: self.running.load(Ordering::Relaxed),
-            running_requests: self.running_requests.load(Ordering::Relaxed),
-            waiting: self.waiting.load(Ordering::Relaxed),
-            preemptions: self.preemptions.load(Ordering::Relaxed),
-            masks: self.masks.load(Ordering::Relaxed),
-            masks_abandoned: self.masks_abandoned.load(Ordering::Relaxed),
-            prompt_logprobs: self.prompt_logprobs.load(Ordering::Relaxed),
-            drafted_tokens: self.drafted_tokens.load(Ordering::Relaxed),
-            accepted_tokens: self.accepted_tokens.load(Ordering::Relaxed),
-        }
-    }
-}
-
-/// Tokens that end generation like EOS does (unless `ignore_eos`).
-pub(crate) struct EndTokens {
-    eos: Option<u32>,
-    end_of_turn: Option<u32>,
-}
-
-impl EndTokens {
-    pub(crate) fn of(tokenizer: &Tokenizer) -> Self {
-        EndTokens {
-            eos: tokenizer.eos_id(),
-            end_of_turn: tokenizer.token_id("<end_of_turn>"),
-        }
-    }
-
-    fn contains(&self, id: u32) -> bool {
-        self.eos == Some(id) || self.end_of_turn == Some(id)
-    }
-
-    pub(crate) fn ids(&self) -> Vec<u32> {
-        self.eos.into_iter().chain(self.end_of_turn).collect()
-    }
-}
-
-/// Who a row of the batch belongs to.
-enum Row {
-    Decode {
-        group: usize,
-        seq: usize,
-    },
-    /// A decode row with draft tokens: the sequence's `spec`, a logits row for each.
-    Draft {
-        group: usize,
-        seq: usize,
-    },
-    /// Prompt tokens `start..end`.
-    Prefill {
-        group: usize,
-        start: usize,
-        end: usize,
-    },
-    /// A chunk of a preempted choice's replay that does not reach its end: nothing to sample.
-    Replay {
-        group: usize,
-    },
-}
+/// Threads computing structured-output masks while the model runs.
+const MASK_THREADS: usize = 2;
 
 pub(crate) struct Scheduler {
     model: Arc<Gemma3>,
-    tokenizer: Arc<Tokenizer>,
+    kv: KvManager,
+    output: OutputProcessor,
     config: EngineConfig,
     stats: Arc<Stats>,
     rx: Receiver<Submission>,
-    /// Sorted by `Group::rank`.
-    waiting: VecDeque<Group>,
-    /// Arrivals so far: the tie-breaker of `Group::rank`.
-    arrivals: u64,
+    waiting: WaitingQueue,
     groups: Vec<Group>,
-    end_tokens: EndTokens,
     /// One per pool thread: the step's decode rows are sampled in parallel (the first also
     /// serves the rows sampled one at a time).
     scratch: Vec<SampleScratch>,
     masks: MaskWorkers,
-}
-
-/// What sampling a row reuses from one row to the next.
-#[derive(Default)]
-pub(super) struct SampleScratch {
-    sampler: Sampler,
-    /// The processed logits row.
-    processed: Vec<f32>,
 }
 
 /// A decode row to sample: its group and choice (borrowed out of the group), the group's
@@ -216,30 +99,26 @@ struct SampleJob<'a> {
     row: Vec<f32>,
 }
 
-/// Threads computing structured-output masks while the model runs.
-const MASK_THREADS: usize = 2;
-
 impl Scheduler {
     pub(crate) fn new(
         model: Arc<Gemma3>,
+        kv: KvManager,
         tokenizer: Arc<Tokenizer>,
         config: EngineConfig,
         stats: Arc<Stats>,
         rx: Receiver<Submission>,
         mask_gate: MaskGate,
     ) -> Self {
-        let end_tokens = EndTokens::of(&tokenizer);
         let masks = MaskWorkers::start(MASK_THREADS, mask_gate, stats.clone());
         Scheduler {
             model,
-            tokenizer,
+            kv,
+            output: OutputProcessor::new(tokenizer),
             config,
             stats,
             rx,
-            waiting: VecDeque::new(),
-            arrivals: 0,
+            waiting: WaitingQueue::default(),
             groups: Vec::new(),
-            end_tokens,
             scratch: (0..rayon::current_num_threads().max(1))
                 .map(|_| SampleScratch::default())
                 .collect(),
@@ -285,9 +164,197 @@ impl Scheduler {
         }
     }
 
+    fn enqueue(&mut self, s: Submission) {
+        debug!(request_id = %s.req.request_id, prompt_tokens = s.req.prompt.len(), n = s.req.n, "queued");
+        let priority = match self.config.scheduling {
+            Scheduling::Fcfs => 0,
+            Scheduling::Priority => s.req.priority,
+        };
+        let id = self.waiting.arrive();
+        let prefix_key = PrefixKey::new(
+            s.req.adapter.as_ref().map(|a| a.id()),
+            s.req.cache_salt.as_deref(),
+        );
+        let timer = RequestTimer::new(self.stats.requests.clone(), s.submitted, s.req.n);
+        let cache = self.kv.new_seq(Some(prefix_key));
+        let rank = (priority, id);
+        let group = Group::new(id, rank, s.req, s.procs, s.tx, cache, timer);
+        self.waiting.push(group);
+    }
+
+    fn publish_counts(&self) {
+        let running = self.groups.iter().map(Group::running).sum();
+        self.stats.running.store(running, Ordering::Relaxed);
+        self.stats
+            .running_requests
+            .store(self.groups.len(), Ordering::Relaxed);
+        self.stats
+            .waiting
+            .store(self.waiting.len(), Ordering::Relaxed);
+    }
+
+    /// Removes requests whose receiver is gone, freeing their caches now.
+    fn drop_cancelled(&mut self) {
+        self.waiting.drop_cancelled(&self.stats);
+        self.groups.retain(|g| {
+            let gone = g.dropped || g.tx.is_closed();
+            if gone {
+                debug!(request_id = %g.req.request_id, "cancelled");
+            }
+            !gone
+        });
+    }
+
+    /// In queue order while the running sequences fit `max_running`; a request wider than the
+    /// cap runs alone rather than never. Under priority scheduling a request that does not fit
+    /// preempts running requests ranked behind it, worst first, until it fits; only when
+    /// preempting all of them would make room, so none is preempted for nothing.
+    /// A request also waits while the KV pool lacks the blocks it needs to start beside the
+    /// running ones; one that could never fit in the whole pool fails, saying so.
+    fn admit(&mut self) {
+        let mut running: usize = self.groups.iter().map(Group::running).sum();
+        let kv = self.kv.stats();
+        let capacity = kv.capacity_blocks;
+        let mut kv_free = kv.available_blocks().saturating_sub(running);
+        while let Some(front) = self.waiting.front() {
+            let n = front.running();
+            let blocks = front.blocks_to_start();
+            if blocks > capacity {
+                let mut g = self.waiting.pop(&self.stats).expect("the front");
+                let block_mb = self.kv.block_bytes() as f64 / (1 << 20) as f64;
+                g.fail(&format!(
+                    "the KV cache is too small for this request: it needs {blocks} blocks \
+                     ({:.0} MB) and the pool has {capacity} ({:.0} MB); raise --kv-cache-mb",
+                    blocks as f64 * block_mb,
+                    capacity as f64 * block_mb
+                ));
+                continue;
+            }
+            if running > 0 && blocks > kv_free {
+                break;
+            }
+            if !self.fits(running, n) {
+                if self.config.scheduling == Scheduling::Priority
+                    && self.preemption_makes_room(front.rank, n)
+                    && self.preempt_behind(front.rank)
+                {
+                    running = self.groups.iter().map(Group::running).sum();
+                    continue;
+                }
+                break;
+            }
+            let Some(mut g) = self.waiting.pop(&self.stats) else {
+                break;
+            };
+            g.reuse_prefixes(&self.kv);
+            debug!(request_id = %g.req.request_id, cached_tokens = ?g.cached_tokens, "admitted");
+            running += n;
+            kv_free = kv_free.saturating_sub(blocks);
+            self.groups.push(g);
+        }
+    }
+
+    /// Whether `n` more sequences may run beside `running` ones.
+    fn fits(&self, running: usize, n: usize) -> bool {
+        running == 0 || running + n <= self.config.max_running
+    }
+
+    /// Whether a request of `n` sequences ranked `rank` would fit once every running request
+    /// ranked behind it is preempted.
+    fn preemption_makes_room(&self, rank: (i64, u64), n: usize) -> bool {
+        let kept = self
+            .groups
+            .iter()
+            .filter(|g| g.rank < rank)
+            .map(Group::running)
+            .sum();
+        self.fits(kept, n)
+    }
+
+    /// Sends the worst-ranked running request ranked behind `rank` back to the queue.
+    fn preempt_behind(&mut self, rank: (i64, u64)) -> bool {
+        let victim = (0..self.groups.len())
+            .filter(|&i| self.groups[i].rank > rank)
+            .max_by_key(|&i| self.groups[i].rank);
+        let Some(i) = victim else {
+            return false;
+        };
+        self.preempt_group(i);
+        true
+    }
+
+    /// Sends running request `i` back to the queue, freeing its caches.
+    fn preempt_group(&mut self, i: usize) {
+        let mut g = self.groups.remove(i);
+        debug!(request_id = %g.req.request_id, "preempted");
+        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        g.preempt();
+        self.waiting.push(g);
+    }
+
+    /// Makes sure the KV pool holds this step's decode rows: while it does not, the
+    /// worst-ranked running request goes back to the queue (preemption by recompute); a request
+    /// alone that still does not fit fails. Draft tokens get what blocks are left
+    /// (`speculative::fit`). Returns the blocks left for prompt chunks.
+    fn make_kv_room(&mut self) -> usize {
+        loop {
+            let needed: usize = self
+                .groups
+                .iter()
+                .map(|g| match &g.phase {
+                    Phase::Decode { seqs } => seqs
+                        .iter()
+                        .filter(|s| s.waiting_row.is_none())
+                        .filter(|s| s.kv.len() == s.replay_len(&g.req.prompt))
+                        .map(|s| s.kv.blocks_needed(1))
+                        .sum(),
+                    Phase::Prefill { .. } => 0,
+                })
+                .sum();
+            let stats = self.kv.stats();
+            let available = stats.available_blocks();
+            if needed <= available {
+                return speculative::fit(&mut self.groups, available - needed);
+            }
+            self.relieve_kv(&format!(
+                "the KV cache is full: {needed} blocks needed, {available} of {} available; \
+                 raise --kv-cache-mb",
+                stats.capacity_blocks
+            ));
+        }
+    }
+
+    /// Frees KV blocks when the running requests cannot go on: preempts the worst-ranked one,
+    /// or fails the only one with `message`.
+    fn relieve_kv(&mut self, message: &str) {
+        let worst = (0..self.groups.len()).max_by_key(|&i| self.groups[i].rank);
+        match worst {
+            Some(i) if self.groups.len() > 1 => self.preempt_group(i),
+            Some(i) => {
+                let mut g = self.groups.remove(i);
+                g.fail(message);
+            }
+            None => {}
+        }
+    }
+
     /// One forward call over every active sequence, then sampling and stop handling.
     fn step(&mut self) {
-        self.propose_drafts();
+        if let Some(plan) = self.plan() {
+            self.execute(plan);
+        }
+    }
+
+    /// Decides this step's rows and reserves their KV blocks. Each decoding choice feeds one
+    /// token (with its drafts); prompts and replays share what is left of `max_batch_tokens`
+    /// and of the pool, earlier requests first. `None`: no row could be given its blocks, and
+    /// a request was preempted (or failed) to make room.
+    fn plan(&mut self) -> Option<StepPlan> {
+        speculative::propose(
+            &mut self.groups,
+            self.config.prompt_lookup_tokens,
+            self.config.max_batch_tokens,
+        );
         // KV blocks left for prompt and replay chunks once the decode rows (and drafts) have
         // theirs.
         let mut kv_budget = self.make_kv_room();
@@ -297,7 +364,7 @@ impl Scheduler {
             .map(|g| match &g.phase {
                 Phase::Decode { seqs } => seqs
                     .iter()
-                    .filter(|s| s.cache.len() == s.replay_len(&g.req.prompt))
+                    .filter(|s| s.kv.len() == s.replay_len(&g.req.prompt))
                     .map(|s| s.spec.len().max(1))
                     .sum(),
                 Phase::Prefill { .. } => 0,
@@ -312,8 +379,8 @@ impl Scheduler {
             .max(1);
 
         let mut rows: Vec<Row> = Vec::new();
-        let mut inputs: Vec<SeqInput<'_>> = Vec::new();
-        for (gi, g) in self.groups.iter_mut().enumerate() {
+        let mut reserved = true;
+        'groups: for (gi, g) in self.groups.iter_mut().enumerate() {
             let logprobs_from = g.prompt_logprobs_from();
             let Group { req, phase, .. } = g;
             match phase {
@@ -322,55 +389,42 @@ impl Scheduler {
                         if s.waiting_row.is_some() {
                             continue;
                         }
-                        let cached = s.cache.len();
+                        let cached = s.kv.len();
                         let replay_len = s.replay_len(&req.prompt);
-                        if cached == replay_len && !s.spec.is_empty() {
-                            inputs.push(SeqInput {
-                                tokens: &s.spec,
-                                cache: &mut s.cache,
-                                all_logits: true,
-                                adapter: req.adapter.as_deref(),
-                            });
-                            rows.push(Row::Draft { group: gi, seq: si });
-                            continue;
-                        }
-                        if cached == replay_len {
-                            inputs.push(SeqInput {
-                                tokens: std::slice::from_ref(&s.next),
-                                cache: &mut s.cache,
-                                all_logits: false,
-                                adapter: req.adapter.as_deref(),
-                            });
-                            rows.push(Row::Decode { group: gi, seq: si });
-                            continue;
-                        }
-                        // Replaying after a preemption: prompt + output, `next` last, chunked
-                        // like a prompt; the chunk that feeds `next` samples as a decode row.
-                        let room = s.cache.room_in(kv_budget);
-                        if budget == 0 || room == 0 {
-                            continue;
-                        }
-                        let end = (cached + budget.min(room)).min(replay_len + 1);
-                        budget -= end - cached;
-                        kv_budget -= s.cache.blocks_needed(end - cached);
-                        s.replay.clear();
-                        s.replay.extend(
-                            req.prompt
-                                .iter()
-                                .chain(&s.history.output)
-                                .skip(cached)
-                                .take(end - cached),
-                        );
-                        inputs.push(SeqInput {
-                            tokens: &s.replay,
-                            cache: &mut s.cache,
-                            all_logits: false,
-                            adapter: req.adapter.as_deref(),
-                        });
-                        rows.push(if end == replay_len + 1 {
-                            Row::Decode { group: gi, seq: si }
+                        let (tokens, feed) = if cached == replay_len && !s.spec.is_empty() {
+                            (s.spec.len(), ChoiceFeed::Drafts)
+                        } else if cached == replay_len {
+                            (1, ChoiceFeed::Next)
                         } else {
-                            Row::Replay { group: gi }
+                            // Replaying after a preemption: prompt + output, `next` last,
+                            // chunked like a prompt; the chunk that feeds `next` samples as a
+                            // decode row.
+                            let room = s.kv.room_in(kv_budget);
+                            if budget == 0 || room == 0 {
+                                continue;
+                            }
+                            let end = (cached + budget.min(room)).min(replay_len + 1);
+                            budget -= end - cached;
+                            kv_budget -= s.kv.blocks_needed(end - cached);
+                            s.replay.clear();
+                            s.replay.extend(
+                                req.prompt
+                                    .iter()
+                                    .chain(&s.history.output)
+                                    .skip(cached)
+                                    .take(end - cached),
+                            );
+                            let ends = end == replay_len + 1;
+                            (end - cached, ChoiceFeed::Replay { ends })
+                        };
+                        if self.kv.allocate(&mut s.kv, tokens).is_none() {
+                            reserved = false;
+                            break 'groups;
+                        }
+                        rows.push(Row::Choice {
+                            group: gi,
+                            seq: si,
+                            feed,
                         });
                     }
                 }
@@ -393,29 +447,42 @@ impl Scheduler {
                     }
                     budget -= end - *done;
                     kv_budget -= cache.blocks_needed(end - *done);
-                    inputs.push(SeqInput {
-                        tokens: &req.prompt[*done..end],
-                        cache,
-                        all_logits,
-                        adapter: req.adapter.as_deref(),
-                    });
-                    rows.push(Row::Prefill {
+                    if self.kv.allocate(cache, end - *done).is_none() {
+                        reserved = false;
+                        break 'groups;
+                    }
+                    rows.push(Row::Prompt {
                         group: gi,
                         start: *done,
                         end,
+                        all_logits,
                     });
                 }
             }
         }
-        let n_tokens: usize = inputs.iter().map(|i| i.tokens.len()).sum();
+        if !reserved {
+            // The budget above keeps within the pool; should an allocation still fail, the
+            // step gives way like one whose rows do not fit.
+            self.relieve_kv("the KV cache is full; raise --kv-cache-mb");
+            return None;
+        }
         if rows.is_empty() {
             // Every prompt waits for KV blocks that running prompts hold: one must give way.
-            drop(inputs);
             self.relieve_kv(
                 "the KV cache is too small to hold this request's prompt; raise --kv-cache-mb",
             );
-            return;
+            return None;
         }
+        Some(StepPlan { rows })
+    }
+
+    /// Runs the forward over `plan`'s rows, publishes the KV blocks it filled, and hands each
+    /// row's logits on: decode rows are sampled, drafts verified, prompt rows prefilled. Then
+    /// beams expand and finished sequences leave.
+    fn execute(&mut self, plan: StepPlan) {
+        let mut inputs = plan.inputs(&mut self.groups);
+        let n_tokens: usize = inputs.iter().map(|i| i.tokens.len()).sum();
+        let rows = &plan.rows;
         trace!(rows = rows.len(), tokens = n_tokens, "step");
         let result = catch_unwind(AssertUnwindSafe(|| self.model.forward(&mut inputs)));
         drop(inputs);
@@ -435,30 +502,55 @@ impl Scheduler {
             Ok(Ok(l)) if l.len() == rows.len() => l,
             Ok(Ok(l)) => {
                 self.fail_rows(
-                    &rows,
+                    rows,
                     &format!("model returned {} outputs for {} rows", l.len(), rows.len()),
                 );
                 return;
             }
             Ok(Err(e)) => {
-                self.fail_rows(&rows, &format!("model error: {e}"));
+                self.fail_rows(rows, &format!("model error: {e}"));
                 return;
             }
             Err(_) => {
-                self.fail_rows(&rows, "model panicked");
+                self.fail_rows(rows, "model panicked");
                 return;
             }
         };
+        for row in rows {
+            if let Some(kv) = row.kv_mut(&mut self.groups) {
+                self.kv.publish(kv);
+            }
+        }
 
         // Masks that came back during the forward pass serve this step's rows.
         self.take_masks(false);
         let mut decode_rows = Vec::new();
         for (row, out) in rows.iter().zip(logits) {
             match *row {
-                Row::Decode { group, seq } => decode_rows.push((group, seq, out)),
-                Row::Draft { group, seq } => self.verify_drafts(group, seq, &out),
-                Row::Prefill { group, start, end } => self.prefill_row(group, start, end, &out),
-                Row::Replay { .. } => {}
+                Row::Choice {
+                    group,
+                    seq,
+                    feed: ChoiceFeed::Next | ChoiceFeed::Replay { ends: true },
+                } => decode_rows.push((group, seq, out)),
+                Row::Choice {
+                    group,
+                    seq,
+                    feed: ChoiceFeed::Drafts,
+                } => speculative::verify(
+                    &mut self.groups[group],
+                    seq,
+                    &out,
+                    &mut self.scratch[0],
+                    &self.output,
+                    &self.stats,
+                ),
+                Row::Prompt {
+                    group, start, end, ..
+                } => self.prefill_row(group, start, end, &out),
+                Row::Choice {
+                    feed: ChoiceFeed::Replay { ends: false },
+                    ..
+                } => {}
             }
         }
         self.sample_decode_rows(decode_rows);
@@ -475,7 +567,7 @@ impl Scheduler {
         // Finished sequences leave now, dropping their caches.
         for g in &mut self.groups {
             if let Phase::Decode { seqs } = &mut g.phase {
-                seqs.retain(|s| !s.finished);
+                seqs.retain(|s| !s.finished());
             }
         }
         self.groups.retain(|g| match &g.phase {
@@ -488,11 +580,7 @@ impl Scheduler {
     fn fail_rows(&mut self, rows: &[Row], message: &str) {
         let mut hit = vec![false; self.groups.len()];
         for r in rows {
-            let (Row::Decode { group, .. }
-            | Row::Draft { group, .. }
-            | Row::Prefill { group, .. }
-            | Row::Replay { group }) = *r;
-            hit[group] = true;
+            hit[r.group()] = true;
         }
         for (g, &h) in self.groups.iter_mut().zip(&hit) {
             if h {
@@ -544,13 +632,11 @@ impl Scheduler {
                 }
             }
         }
-        let (tokenizer, end_tokens) = (&self.tokenizer, &self.end_tokens);
+        let output = &self.output;
         let sample = |jobs: &mut [SampleJob<'_>], scratch: &mut SampleScratch| {
             jobs.iter_mut()
                 .map(|j| {
-                    let emitted = emit_token(
-                        j.seq, j.req, j.procs, &j.row, scratch, tokenizer, end_tokens,
-                    );
+                    let emitted = j.seq.take_token(j.req, j.procs, &j.row, scratch, output);
                     (j.group, j.seq_index, emitted)
                 })
                 .collect::<Vec<_>>()
@@ -584,29 +670,14 @@ impl Scheduler {
     /// constrained choice whose mask is not back yet, keeps the row for later instead (an owned
     /// row moves there without a copy).
     fn sample_seq(&mut self, gi: usize, si: usize, row: Cow<'_, [f32]>) {
-        let g = &mut self.groups[gi];
-        if g.dropped {
-            return;
-        }
-        let Phase::Decode { seqs } = &mut g.phase else {
-            return;
-        };
-        let Some(seq) = seqs.get_mut(si) else {
+        let Some((seq, req, procs)) = self.groups[gi].live_choice(si) else {
             return;
         };
         if seq.keeps_row() {
             seq.waiting_row = Some(row.into_owned());
             return;
         }
-        let emitted = emit_token(
-            seq,
-            &g.req,
-            &g.procs,
-            &row,
-            &mut self.scratch[0],
-            &self.tokenizer,
-            &self.end_tokens,
-        );
+        let emitted = seq.take_token(req, procs, &row, &mut self.scratch[0], &self.output);
         self.after_token(gi, si, emitted);
     }
 
@@ -622,7 +693,7 @@ impl Scheduler {
         };
         // The next mask depends only on the tokens sampled so far: start it now, while the
         // next forward pass runs.
-        if !seq.finished {
+        if !seq.finished() {
             if let Some(matcher) = seq.grammar.as_mut().and_then(|gr| gr.matcher.take()) {
                 let key = MaskKey {
                     group: g.id,
@@ -653,7 +724,7 @@ impl Scheduler {
             let Some(gi) = self.groups.iter().position(|g| g.id == key.group) else {
                 // A preempted request keeps its matcher for when it runs again (its replay
                 // recomputes the row); a cancelled or failed one drops the result.
-                if let Some(g) = self.waiting.iter_mut().find(|g| g.id == key.group) {
+                if let Some(g) = self.waiting.find_mut(key.group) {
                     if let (Phase::Decode { seqs }, MaskOutcome::Ready(matcher, mask)) =
                         (&mut g.phase, outcome)
                     {
@@ -709,7 +780,7 @@ impl Scheduler {
     fn prefill_row(&mut self, gi: usize, start: usize, end: usize, out: &Logits) {
         let g = &mut self.groups[gi];
         if out.rows == end - start {
-            let added = add_prompt_logprobs(g, start, out);
+            let added = g.add_prompt_logprobs(start, out);
             self.stats
                 .prompt_logprobs
                 .fetch_add(added as u64, Ordering::Relaxed);
@@ -725,20 +796,22 @@ impl Scheduler {
             let entries = std::mem::take(&mut g.prompt_logprobs);
             g.send(GenerationEvent::PromptLogprobs { entries });
         }
-        let Phase::Prefill { cache, .. } = &mut g.phase else {
-            return;
-        };
         let Some(row) = last_row(out) else {
             g.fail("model returned an empty logits row");
             g.dropped = true;
             return;
         };
         let n = g.req.n;
-        let prompt_cache = std::mem::replace(cache, self.model.new_cache());
-        let opts = decode_options(&g.req);
+        let Phase::Prefill {
+            cache: prompt_cache,
+            ..
+        } = std::mem::replace(&mut g.phase, Phase::Decode { seqs: Vec::new() })
+        else {
+            return;
+        };
         if g.beams.is_some() {
             // One root beam holding the prompt; the step's expansion forks it.
-            let mut root = Seq::new(0, prompt_cache, Rng::new(0), opts, &g.req);
+            let mut root = Seq::new(0, prompt_cache, Rng::new(0), &g.req);
             root.waiting_row = Some(row.to_vec());
             root.beam = Some(BeamPath::default());
             g.phase = Phase::Decode { seqs: vec![root] };
@@ -746,7 +819,7 @@ impl Scheduler {
         }
         // The prompt is in the cache: fork it into the n choices.
         // n - 1 copies plus the original: n == 1 costs no copy.
-        let mut caches: Vec<SeqCache> = (1..n).map(|_| prompt_cache.clone()).collect();
+        let mut caches: Vec<SeqKv> = (1..n).map(|_| prompt_cache.clone()).collect();
         caches.push(prompt_cache);
         let mut seqs = Vec::with_capacity(n);
         for (choice, cache) in caches.into_iter().enumerate() {
@@ -755,7 +828,7 @@ impl Scheduler {
                 Some(s) => s.wrapping_add(choice as u64),
                 None => random_seed(),
             };
-            seqs.push(Seq::new(choice, cache, Rng::new(seed), opts, &g.req));
+            seqs.push(Seq::new(choice, cache, Rng::new(seed), &g.req));
         }
         debug!(request_id = %g.req.request_id, prompt_tokens = end, "prefilled");
         g.phase = Phase::Decode { seqs };
@@ -763,35 +836,19 @@ impl Scheduler {
             self.sample_seq(gi, si, Cow::Borrowed(row));
         }
     }
-}
 
-/// Appends the prompt logprobs that the rows of a chunk starting at prompt position `start`
-/// give: row j predicts position start + j + 1. Rows are taken in parallel. Returns how many
-/// were added.
-fn add_prompt_logprobs(g: &mut Group, start: usize, out: &Logits) -> usize {
-    let (Some(from), Some(k)) = (g.prompt_logprobs_from(), g.req.prompt_logprobs) else {
-        return 0;
-    };
-    let prompt = &g.req.prompt;
-    // Rows before `from` were done before a preemption; the last prompt row predicts the
-    // first generated token, not a prompt token.
-    let rows = from.max(start)..(start + out.rows).min(prompt.len() - 1);
-    if rows.start != from {
-        return 0;
-    }
-    let entries: Vec<PromptLogprob> = rows
-        .into_par_iter()
-        .map(|q| sampler::prompt_logprob(out.row(q - start), prompt[q + 1], k))
-        .collect();
-    let added = entries.len();
-    g.prompt_logprobs.extend(entries);
-    added
-}
-
-fn decode_options(req: &GenerationRequest) -> DecodeOptions {
-    DecodeOptions {
-        skip_special_tokens: req.stopping.skip_special_tokens,
-        spaces_between_special_tokens: req.stopping.spaces_between_special_tokens,
+    /// A beam-search step for group `gi`, whose live beams all hold their row
+    /// (`Group::expand_beams`); when the search ends, its results are sent.
+    fn expand_beams(&mut self, gi: usize) {
+        let g = &mut self.groups[gi];
+        let Some(events) = g.expand_beams(&self.output) else {
+            return;
+        };
+        debug!(request_id = %g.req.request_id, "beam search finished");
+        for ev in events {
+            g.send(ev);
+        }
+        // No live beam left: the group leaves after this step.
     }
 }
 
@@ -809,133 +866,6 @@ fn into_last_row(out: Logits) -> Option<Vec<f32>> {
     data.drain(..(out.rows - 1) * out.vocab);
     data.truncate(out.vocab);
     Some(data)
-}
-
-/// Samples the next token of `seq` from `row` and returns the events it produces (a Token, and
-/// a Finished when generation ends). A constrained choice samples under its grammar's mask,
-/// which this consumes, and advances its matcher; `Err` fails the request.
-#[allow(clippy::too_many_arguments)]
-fn emit_token(
-    seq: &mut Seq,
-    req: &GenerationRequest,
-    procs: &Processors,
-    row: &[f32],
-    scratch: &mut SampleScratch,
-    tokenizer: &Tokenizer,
-    end_tokens: &EndTokens,
-) -> Result<Vec<GenerationEvent>, String> {
-    let stopping = &req.stopping;
-    let SampleScratch { sampler, processed } = scratch;
-    let mask = seq.grammar.as_mut().and_then(|g| g.mask.take());
-    let token = if procs.apply(row, &seq.history, mask.as_ref(), processed) {
-        // With every token masked the sampler would fall back to id 0: a wrong answer, not an
-        // answer. The request fails instead, saying why.
-        if !processed.iter().any(|&l| l > f32::NEG_INFINITY) {
-            return Err(if mask.is_some() {
-                "structured output: no token satisfies both the grammar and the other sampling \
-                 constraints"
-            } else {
-                "no token is left to sample: allowed_token_ids, bad_words, min_tokens and \
-                 logit_bias together exclude every token"
-            }
-            .into());
-        }
-        sampler.sample(processed, &req.sampling, &mut seq.rng)
-    } else {
-        sampler.sample(row, &req.sampling, &mut seq.rng)
-    };
-    // The grammar ends the choice when it cannot be extended further.
-    let mut grammar_done = false;
-    if let (Some(g), Some(_)) = (&mut seq.grammar, &mask) {
-        let matcher = g
-            .matcher
-            .as_mut()
-            .ok_or("structured output: the matcher is missing")?;
-        matcher.consume(token).map_err(|e| e.to_string())?;
-        grammar_done = matcher.is_stopped();
-    }
-    // Logprobs stay the model's raw distribution, before any processor.
-    let logprob = req.logprobs.map(|k| sampler::logprobs(row, token, k));
-    seq.generated += 1;
-    seq.next = token;
-    seq.history.push(token);
-
-    // The first min_tokens tokens never stop generation (min_tokens masking keeps stop tokens
-    // out of them; this also covers a request whose every other token is masked).
-    let may_stop = seq.generated > stopping.min_tokens;
-    let end_of_generation = may_stop && !stopping.ignore_eos && end_tokens.contains(token);
-    let stop_token = may_stop && stopping.stop_token_ids.contains(&token);
-    let (text, finish) = if end_of_generation || stop_token {
-        // The stop token itself adds no text; what was held back comes out with Finished.
-        let reason = if end_of_generation {
-            None
-        } else {
-            Some(StopReason::Token(token))
-        };
-        (String::new(), Some((FinishReason::Stop, reason)))
-    } else {
-        let delta = seq.decode.step(tokenizer, token);
-        let (mut text, matched) = seq.matcher.push(&delta, may_stop);
-        if let Some(s) = matched {
-            (text, Some((FinishReason::Stop, Some(StopReason::Text(s)))))
-        } else if grammar_done {
-            (text, Some((FinishReason::Stop, None)))
-        } else if seq.generated >= stopping.max_tokens {
-            // A stop string may still complete in the detokenizer's held-back bytes.
-            let (tail, matched) = seq.matcher.push(&seq.decode.flush(), may_stop);
-            text.push_str(&tail);
-            match matched {
-                Some(s) => (text, Some((FinishReason::Stop, Some(StopReason::Text(s))))),
-                None => (text, Some((FinishReason::Length, None))),
-            }
-        } else if seq.generated >= stopping.min_tokens
-            && stopping
-                .repetition_detection
-                .is_some_and(|rd| logits::repeats(&seq.history.output, &rd))
-        {
-            (
-                text,
-                Some((FinishReason::Repetition, Some(StopReason::Repetition))),
-            )
-        } else {
-            (text, None)
-        }
-    };
-    let mut events = vec![GenerationEvent::Token {
-        choice: seq.choice,
-        token_id: token,
-        text,
-        logprob,
-    }];
-    if let Some((reason, stop_reason)) = finish {
-        let mut rest = String::new();
-        if reason != FinishReason::Length && !matches!(stop_reason, Some(StopReason::Text(_))) {
-            // Ended by a token or by repetition: release the detokenizer's incomplete bytes too.
-            let (tail, _) = seq.matcher.push(&seq.decode.flush(), false);
-            rest.push_str(&tail);
-        }
-        rest.push_str(&seq.matcher.finish());
-        seq.finished = true;
-        debug!(
-            request_id = %req.request_id,
-            choice = seq.choice,
-            ?reason,
-            ?stop_reason,
-            completion_tokens = seq.generated,
-            "finished"
-        );
-        events.push(GenerationEvent::Finished {
-            choice: seq.choice,
-            reason,
-            stop_reason,
-            text: rest,
-            prompt_tokens: req.prompt.len(),
-            // `Group::send` fills it in.
-            cached_tokens: 0,
-            completion_tokens: seq.generated,
-        });
-    }
-    Ok(events)
 }
 
 /// Logs a scheduler thread that could not be started; `submit` then reports `Stopped`.

@@ -65,10 +65,8 @@ fn gguf_files_load_or_fail_cleanly() {
 
 /// `Ok(Err(message))` is a load error; `Err` a panic or a hang.
 fn load(path: &Path) -> Result<Result<(), String>, String> {
-    let spec = ModelSpec {
-        kv_cache_bytes: 1 << 20,
-        ..ModelSpec::new("fuzz", path)
-    };
+    let mut spec = ModelSpec::new("fuzz", path);
+    spec.engine.kv_cache_bytes = 1 << 20;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
