@@ -181,7 +181,9 @@ impl Default for SamplingParams {
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct StopParams {
-    pub max_tokens: usize,
+    /// Most tokens to generate; `None`: as many as the context leaves after the prompt.
+    /// [`Engine::submit`] checks it against the context and sets the number it runs with.
+    pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past EOS and `<end_of_turn>`.
@@ -194,6 +196,18 @@ pub struct StopParams {
     pub min_tokens: usize,
     /// End generation (finish reason `Repetition`) when the output loops.
     pub repetition_detection: Option<RepetitionDetection>,
+}
+
+impl StopParams {
+    /// The completion budget the scheduler runs with: set by [`Engine::submit`] on every
+    /// request it accepts.
+    pub(crate) fn budget(&self) -> usize {
+        debug_assert!(
+            self.max_tokens.is_some(),
+            "a request the engine did not accept"
+        );
+        self.max_tokens.unwrap_or(0)
+    }
 }
 
 /// Generation ends when the output's tail is one pattern of `min_pattern_size` to
@@ -209,7 +223,7 @@ pub struct RepetitionDetection {
 impl Default for StopParams {
     fn default() -> Self {
         StopParams {
-            max_tokens: 16,
+            max_tokens: Some(16),
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
@@ -299,14 +313,30 @@ pub enum EngineError {
     NoChoices,
     #[error("max_tokens must be at least 1")]
     NoTokens,
+    /// The prompt alone fills the context.
     #[error(
-        "prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the maximum \
-         model length ({max_model_len})"
+        "This model's maximum context length is {max_model_len} tokens. However, your request \
+         has {prompt_tokens} input tokens. Please reduce the length of the input messages."
+    )]
+    PromptTooLong {
+        prompt_tokens: usize,
+        max_model_len: usize,
+    },
+    /// The prompt fits, but not with the requested `max_tokens` after it.
+    #[error(
+        "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's \
+         maximum context length is {max_model_len} tokens and your request has {prompt_tokens} \
+         input tokens ({max_tokens} > {max_model_len} - {prompt_tokens})."
     )]
     TooLong {
         prompt_tokens: usize,
         max_tokens: usize,
         max_model_len: usize,
+    },
+    #[error("`min_tokens` ({min_tokens}) must not exceed the max tokens ({max_tokens}).")]
+    MinTokensOverBudget {
+        min_tokens: usize,
+        max_tokens: usize,
     },
     #[error("prompt token id {token} is outside the vocabulary (size {vocab_size})")]
     TokenOutOfRange { token: u32, vocab_size: usize },
@@ -451,7 +481,7 @@ impl Engine {
     /// request.
     pub fn submit(
         &self,
-        req: GenerationRequest,
+        mut req: GenerationRequest,
     ) -> Result<UnboundedReceiver<GenerationEvent>, EngineError> {
         if req.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -459,9 +489,8 @@ impl Engine {
         if req.n == 0 {
             return Err(EngineError::NoChoices);
         }
-        if req.stopping.max_tokens == 0 {
-            return Err(EngineError::NoTokens);
-        }
+        let budget = completion_budget(req.prompt.len(), &req.stopping, self.max_model_len)?;
+        req.stopping.max_tokens = Some(budget);
         // Refused here: inside a step it would fail every row of the batch.
         if req
             .adapter
@@ -478,13 +507,6 @@ impl Engine {
             if req.n.saturating_mul(2) > self.vocab_size {
                 return Err(EngineError::BeamTooWide { n: req.n });
             }
-        }
-        if req.prompt.len().saturating_add(req.stopping.max_tokens) > self.max_model_len {
-            return Err(EngineError::TooLong {
-                prompt_tokens: req.prompt.len(),
-                max_tokens: req.stopping.max_tokens,
-                max_model_len: self.max_model_len,
-            });
         }
         let s = &req.sampling;
         let out_of_range = req
@@ -552,6 +574,43 @@ impl Engine {
     }
 }
 
+/// The context rules (the one place they are checked): the prompt must leave room, and the
+/// completion budget is `max_tokens` (at least 1, at most that room) or the whole room; at
+/// least `min_tokens`.
+fn completion_budget(
+    prompt_tokens: usize,
+    stopping: &StopParams,
+    max_model_len: usize,
+) -> Result<usize, EngineError> {
+    let room = max_model_len.saturating_sub(prompt_tokens);
+    if room == 0 {
+        return Err(EngineError::PromptTooLong {
+            prompt_tokens,
+            max_model_len,
+        });
+    }
+    let max_tokens = match stopping.max_tokens {
+        None => room,
+        Some(0) => return Err(EngineError::NoTokens),
+        Some(m) if m > room => {
+            return Err(EngineError::TooLong {
+                prompt_tokens,
+                max_tokens: m,
+                max_model_len,
+            })
+        }
+        Some(m) => m,
+    };
+    let min_tokens = stopping.min_tokens;
+    if min_tokens > max_tokens {
+        return Err(EngineError::MinTokensOverBudget {
+            min_tokens,
+            max_tokens,
+        });
+    }
+    Ok(max_tokens)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -562,5 +621,42 @@ mod tests {
         send_sync::<Engine>();
         send_sync::<GenerationEvent>();
         send_sync::<GenerationRequest>();
+    }
+
+    #[test]
+    fn context_rules() {
+        let stop = |max_tokens, min_tokens| StopParams {
+            max_tokens,
+            min_tokens,
+            ..StopParams::default()
+        };
+        assert_eq!(
+            completion_budget(100, &stop(None, 0), 100),
+            Err(EngineError::PromptTooLong {
+                prompt_tokens: 100,
+                max_model_len: 100
+            })
+        );
+        assert_eq!(
+            completion_budget(90, &stop(Some(11), 0), 100),
+            Err(EngineError::TooLong {
+                prompt_tokens: 90,
+                max_tokens: 11,
+                max_model_len: 100
+            })
+        );
+        assert_eq!(completion_budget(90, &stop(Some(10), 0), 100), Ok(10));
+        assert_eq!(completion_budget(90, &stop(None, 0), 100), Ok(10));
+        assert_eq!(
+            completion_budget(90, &stop(Some(0), 0), 100),
+            Err(EngineError::NoTokens)
+        );
+        assert_eq!(
+            completion_budget(90, &stop(None, 11), 100),
+            Err(EngineError::MinTokensOverBudget {
+                min_tokens: 11,
+                max_tokens: 10
+            })
+        );
     }
 }

@@ -130,7 +130,7 @@ impl OutputProcessor {
                 (text, Some((FinishReason::Stop, Some(StopReason::Text(s)))))
             } else if grammar_done {
                 (text, Some((FinishReason::Stop, None)))
-            } else if generated >= stopping.max_tokens {
+            } else if generated >= stopping.budget() {
                 // A stop string may still complete in the detokenizer's held-back bytes.
                 let (tail, matched) = out.stop.push(&out.decode.flush(), may_stop);
                 text.push_str(&tail);

@@ -67,7 +67,7 @@ fn greedy_request(i: usize, prompt: &[u32]) -> GenerationRequest {
             ..SamplingParams::default()
         },
         stopping: StopParams {
-            max_tokens: 32,
+            max_tokens: Some(32),
             ignore_eos: true,
             ..StopParams::default()
         },
@@ -200,7 +200,7 @@ fn prioritized(name: &str, priority: i64, tokens: usize) -> GenerationRequest {
             ..SamplingParams::default()
         },
         stopping: StopParams {
-            max_tokens: tokens,
+            max_tokens: Some(tokens),
             ignore_eos: true,
             ..StopParams::default()
         },

@@ -86,7 +86,7 @@ fn request(text: &str, max_tokens: usize, sampling: SamplingParams) -> Generatio
         n: 1,
         sampling,
         stopping: StopParams {
-            max_tokens,
+            max_tokens: Some(max_tokens),
             ignore_eos: true,
             ..StopParams::default()
         },

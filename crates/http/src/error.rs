@@ -177,7 +177,9 @@ impl From<temper_engine::EngineError> for ApiError {
             E::Stopped => {
                 ApiError::ServiceUnavailable(format!("The engine cannot take requests: {e}."))
             }
+            E::PromptTooLong { .. } => ApiError::bad("messages", e.to_string()),
             E::TooLong { .. } => ApiError::bad("max_completion_tokens", e.to_string()),
+            E::MinTokensOverBudget { .. } => ApiError::bad("min_tokens", e.to_string()),
             E::BeamSearchConstraint => ApiError::bad("structured_outputs", e.to_string()),
             E::BeamTooWide { .. } => ApiError::bad("n", e.to_string()),
             E::AdapterMismatch => {
@@ -372,6 +374,28 @@ mod tests {
         let response = e.into_response();
         assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(response.headers()["retry-after"], "1");
+    }
+
+    #[test]
+    fn context_errors_name_their_field() {
+        use temper_engine::EngineError as E;
+        let param = |e: E| json(&e.into())["error"]["param"].clone();
+        let prompt = E::PromptTooLong {
+            prompt_tokens: 100,
+            max_model_len: 100,
+        };
+        assert_eq!(param(prompt), "messages");
+        let too_long = E::TooLong {
+            prompt_tokens: 90,
+            max_tokens: 11,
+            max_model_len: 100,
+        };
+        assert_eq!(param(too_long), "max_completion_tokens");
+        let min = E::MinTokensOverBudget {
+            min_tokens: 11,
+            max_tokens: 10,
+        };
+        assert_eq!(param(min), "min_tokens");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use temper_engine::{GenerationRequest, Grammar, PromptLogprob, StopParams, TokenLogprob};
+use temper_engine::{GenerationRequest, Grammar, PromptLogprob, TokenLogprob};
 use temper_model::LoraAdapter;
 use temper_text::{
     ChatTemplate, DecodeOptions, ReasoningParser, TemplateInput, Tokenizer, THINK_START,
@@ -13,7 +13,6 @@ use temper_text::{
 use crate::error::ApiError;
 use crate::extras::ReasoningEffort;
 use crate::protocol::{LogprobEntry, PromptLogprobsAt, PromptTokenLogprob, TopLogprob};
-use crate::sampling::check_min_tokens;
 use crate::state::ServedModel;
 use crate::validation::{ChatParams, PromptParams};
 
@@ -72,8 +71,9 @@ pub fn encode_prompt(model: &ServedModel, p: &PromptParams, text: &str) -> Vec<u
     ids
 }
 
-/// The engine's request for a validated chat request: renders the prompt, checks the context
-/// (on the text's bytes before tokenizing, then on the tokens), encodes and truncates it.
+/// The engine's request for a validated chat request: renders the prompt, refuses a text that
+/// cannot fit the context before tokenizing it, encodes and truncates it. The engine checks the
+/// context rules on the tokens (`Engine::submit`).
 /// `constraint` is the request's constraint compiled, `adapter` its checkpoint's.
 pub fn prepare(
     model: &ServedModel,
@@ -94,39 +94,32 @@ pub fn prepare(
     if let Some(keep) = params.truncate_prompt_tokens {
         prompt.drain(..prompt.len().saturating_sub(keep));
     }
-    let mut request = engine_request(params, request_id, prompt, model.max_model_len, constraint)?;
+    let mut request = engine_request(params, request_id, prompt, constraint);
     request.adapter = adapter;
     Ok(request)
 }
 
-/// The engine's request over the prompt's tokens, its completion budget fixed by the context
-/// rules.
+/// The engine's request over the prompt's tokens.
 fn engine_request(
     params: &ChatParams,
     request_id: String,
     prompt: Vec<u32>,
-    max_model_len: usize,
     constraint: Option<Grammar>,
-) -> Result<GenerationRequest, ApiError> {
-    let max_tokens = check_context(prompt.len(), params.max_tokens, max_model_len)?;
-    check_min_tokens(params.stopping.min_tokens, max_tokens)?;
-    Ok(GenerationRequest {
+) -> GenerationRequest {
+    GenerationRequest {
         cache_salt: params.extras.cache_salt.clone(),
         request_id,
         prompt,
         n: params.n,
         sampling: params.sampling.clone(),
-        stopping: StopParams {
-            max_tokens,
-            ..params.stopping.clone()
-        },
+        stopping: params.stopping.clone(),
         logprobs: params.logprobs,
         adapter: None,
         constraint,
         priority: params.priority,
         prompt_logprobs: params.prompt_logprobs,
         beam_search: params.beam_search,
-    })
+    }
 }
 
 /// The context rule checked on the rendered prompt's bytes, before tokenizing it: a text of
@@ -149,37 +142,6 @@ fn check_prompt_bytes(
         ));
     }
     Ok(())
-}
-
-/// chat.md's context rules. Returns the completion budget.
-fn check_context(
-    prompt_tokens: usize,
-    max_tokens: Option<usize>,
-    max_model_len: usize,
-) -> Result<usize, ApiError> {
-    if prompt_tokens >= max_model_len {
-        return Err(ApiError::bad(
-            "messages",
-            format!(
-                "This model's maximum context length is {max_model_len} tokens. However, your \
-                 request has {prompt_tokens} input tokens. Please reduce the length of the input \
-                 messages."
-            ),
-        ));
-    }
-    let room = max_model_len - prompt_tokens;
-    match max_tokens {
-        None => Ok(room),
-        Some(m) if m > room => Err(ApiError::bad(
-            "max_completion_tokens",
-            format!(
-                "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum \
-                 context length is {max_model_len} tokens and your request has {prompt_tokens} \
-                 input tokens ({m} > {max_model_len} - {prompt_tokens})."
-            ),
-        )),
-        Some(m) => Ok(m),
-    }
 }
 
 /// The reasoning parser for this request's output, when the template it renders with writes
@@ -318,53 +280,35 @@ mod tests {
     }
 
     #[test]
-    fn context_rules() {
-        let e = check_context(100, None, 100).unwrap_err();
-        assert_eq!(
-            serde_json::to_value(e.envelope()).unwrap()["error"]["param"],
-            "messages"
-        );
-        let e = check_context(90, Some(11), 100).unwrap_err();
-        assert_eq!(
-            serde_json::to_value(e.envelope()).unwrap()["error"]["param"],
-            "max_completion_tokens"
-        );
-        assert_eq!(check_context(90, Some(10), 100).unwrap(), 10);
-        assert_eq!(check_context(90, None, 100).unwrap(), 10);
-    }
-
-    #[test]
     fn generation_request_carries_everything() {
         let p = ok(
             json!({"n": 2, "temperature": 0.7, "top_k": 3, "seed": 9, "max_completion_tokens": 5,
             "stop": ["x"], "stop_token_ids": [7], "ignore_eos": true, "logprobs": true, "top_logprobs": 2}),
         );
-        let g = engine_request(&p, "r1".into(), vec![1, 2, 3], 100, None).unwrap();
+        let g = engine_request(&p, "r1".into(), vec![1, 2, 3], None);
         assert_eq!(g.request_id, "r1");
         assert_eq!(g.prompt, vec![1, 2, 3]);
         assert_eq!(g.n, 2);
         assert_eq!(g.sampling.temperature, 0.7);
         assert_eq!(g.sampling.top_k, 3);
         assert_eq!(g.sampling.seed, Some(9));
-        assert_eq!(g.stopping.max_tokens, 5);
+        assert_eq!(g.stopping.max_tokens, Some(5));
         assert_eq!(g.stopping.stop, vec!["x"]);
         assert_eq!(g.stopping.stop_token_ids, vec![7]);
         assert!(g.stopping.ignore_eos);
         assert_eq!(g.logprobs, Some(2));
-        let g = engine_request(&ok(json!({})), "r".into(), vec![1; 40], 100, None).unwrap();
-        assert_eq!(g.stopping.max_tokens, 60);
+        let g = engine_request(&ok(json!({})), "r".into(), vec![1; 40], None);
+        assert_eq!(g.stopping.max_tokens, None);
         let g = engine_request(
             &ok(json!({"prompt_logprobs": 3})),
             "r".into(),
             vec![1, 2],
-            100,
             None,
-        )
-        .unwrap();
+        );
         assert_eq!(g.prompt_logprobs, Some(3));
         let p =
             ok(json!({"use_beam_search": true, "n": 3, "temperature": 0, "length_penalty": 0.5}));
-        let g = engine_request(&p, "r".into(), vec![1, 2], 100, None).unwrap();
+        let g = engine_request(&p, "r".into(), vec![1, 2], None);
         assert_eq!(
             (g.n, g.beam_search),
             (

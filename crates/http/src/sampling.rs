@@ -128,8 +128,8 @@ pub fn sampling_params(
 }
 
 /// Stop strings and tokens, EOS handling, min_tokens and repetition detection. `max_tokens` is
-/// the explicit completion budget, if any (`min_tokens` may not exceed it; the implicit budget
-/// is checked once the prompt length is known).
+/// the explicit completion budget, if any: the engine checks it, and `min_tokens`, against the
+/// context once the prompt is known.
 pub fn stop_params(
     req: &ChatCompletionRequest,
     vocab_size: usize,
@@ -144,9 +144,6 @@ pub fn stop_params(
         }
         m => usize::try_from(m).unwrap_or(usize::MAX),
     };
-    if let Some(max) = max_tokens {
-        check_min_tokens(min_tokens, max)?;
-    }
     let repetition_detection = match &req.repetition_detection {
         None => None,
         Some(obj) => repetition_detection(obj)?,
@@ -166,7 +163,7 @@ pub fn stop_params(
         vocab_size,
     )?;
     Ok(StopParams {
-        max_tokens: max_tokens.unwrap_or(0),
+        max_tokens,
         stop,
         stop_token_ids,
         ignore_eos: req.ignore_eos.unwrap_or(false),
@@ -196,16 +193,6 @@ pub(crate) fn token_ids(
                 })
         })
         .collect()
-}
-
-pub fn check_min_tokens(min_tokens: usize, max_tokens: usize) -> Result<(), ApiError> {
-    if min_tokens > max_tokens {
-        return Err(ApiError::bad(
-            "min_tokens",
-            format!("`min_tokens` ({min_tokens}) must not exceed the max tokens ({max_tokens})."),
-        ));
-    }
-    Ok(())
 }
 
 /// `{max_pattern_size, min_pattern_size, min_count}`, each a non-negative integer (default 0);

@@ -39,9 +39,8 @@ pub struct ChatParams {
     pub prompt: PromptParams,
     pub n: usize,
     pub sampling: SamplingParams,
-    /// Explicit completion budget; `None` = whatever context is left after the prompt.
-    pub max_tokens: Option<usize>,
-    /// Its `max_tokens` is set by `crate::prompt::prepare` once the prompt length is known.
+    /// Its `max_tokens` is the explicit completion budget; `None` = whatever context is left
+    /// after the prompt (the engine checks both against the context).
     pub stopping: StopParams,
     /// `Some(k)`: logprobs of each sampled token plus `k` alternatives.
     pub logprobs: Option<usize>,
@@ -313,7 +312,6 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         },
         n,
         sampling,
-        max_tokens,
         stopping,
         logprobs,
         prompt_logprobs,
@@ -498,7 +496,7 @@ mod tests {
         assert_eq!(p.n, 1);
         // temperature 1, top_p 1, top_k 0 (off), min_p 0, no seed, no logits processors.
         assert_eq!(p.sampling, SamplingParams::default());
-        assert_eq!(p.max_tokens, None);
+        assert_eq!(p.stopping.max_tokens, None);
         assert_eq!(p.logprobs, None);
         assert!(p.stream.is_none());
         assert!(p.prompt.add_generation_prompt);
@@ -849,9 +847,11 @@ mod tests {
             json!({"max_completion_tokens": -3, "max_tokens": 5}),
             "max_completion_tokens",
         );
-        assert_eq!(ok(json!({"max_tokens": 7})).max_tokens, Some(7));
+        assert_eq!(ok(json!({"max_tokens": 7})).stopping.max_tokens, Some(7));
         assert_eq!(
-            ok(json!({"max_tokens": 7, "max_completion_tokens": 3})).max_tokens,
+            ok(json!({"max_tokens": 7, "max_completion_tokens": 3}))
+                .stopping
+                .max_tokens,
             Some(3)
         );
     }

@@ -345,7 +345,7 @@ fn prefill(model: &Gemma3, prompt: &[u32]) -> Result<Duration, String> {
 /// Exactly `tokens` tokens (an end token does not stop them).
 fn exactly(tokens: usize) -> StopParams {
     StopParams {
-        max_tokens: tokens,
+        max_tokens: Some(tokens),
         ignore_eos: true,
         ..StopParams::default()
     }
@@ -453,7 +453,7 @@ fn prompt_lookup_row(
         );
         // Greedy until the end of the turn (or `max_tokens`).
         let until_end = StopParams {
-            max_tokens,
+            max_tokens: Some(max_tokens),
             ..StopParams::default()
         };
         let run = best_of(repeat, || {

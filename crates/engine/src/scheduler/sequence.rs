@@ -374,7 +374,7 @@ impl Group {
         drop(parents);
         let done = beams
             .first()
-            .is_none_or(|b| b.generated() >= req.stopping.max_tokens);
+            .is_none_or(|b| b.generated() >= req.stopping.budget());
         if !done {
             *seqs = beams;
             return None;

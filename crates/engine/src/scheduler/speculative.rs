@@ -42,7 +42,7 @@ pub(super) fn propose(groups: &mut [Group], k: usize, max_batch_tokens: usize) {
             {
                 continue;
             }
-            let left = g.req.stopping.max_tokens.saturating_sub(s.generated());
+            let left = g.req.stopping.budget().saturating_sub(s.generated());
             let most = k.min(left.saturating_sub(1)).min(budget);
             if most == 0 {
                 continue;
