@@ -11,6 +11,7 @@
 //! `4j + i` holds in bit `s` the fifth bit of row `j`'s value `4s + i`. Step `s` is thus one
 //! register's nibbles and one bit of every byte of the last.
 
+use super::q4_0::nibble_place;
 use super::q8_0::{widen_to_five_bit_bytes, FiveBitBytes, Format, WithQ8_0Acts};
 use super::Isa;
 
@@ -23,15 +24,11 @@ const HIGH_BITS: usize = SCALES + 4 * 64;
 
 pub(crate) struct Q5_0;
 
-/// Byte and bit shift of value `i`'s low four bits (row `j`), and its fifth bit's byte and bit.
+/// Byte and bit shift of value `i`'s low four bits (row `j`, as Q4_0 places them), and its
+/// fifth bit's byte and bit.
 fn place(j: usize, i: usize) -> (usize, usize, usize, usize) {
-    let (s, lane) = (i / 4, i % 4);
-    (
-        SCALES + 64 * (s & 3) + 4 * j + lane,
-        4 * (s >> 2),
-        HIGH_BITS + 4 * j + lane,
-        s,
-    )
+    let (at, shift) = nibble_place(j, i);
+    (at, shift, HIGH_BITS + 4 * j + i % 4, i / 4)
 }
 
 impl Format for Q5_0 {
@@ -72,20 +69,14 @@ impl Format for Q5_0 {
     #[inline(always)]
     unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        // SAFETY: the nibble register of step `s` and the fifth bits, half `h` of each, lie
+        // SAFETY: the nibbles of step `s` (Q4_0's) and the fifth bits, half `h` of each, lie
         // inside the group block.
-        let (nibbles, high) = unsafe {
+        let (low, high) = unsafe {
             (
-                _mm256_loadu_si256(p.add(SCALES + 64 * (s & 3) + 32 * h) as *const __m256i),
+                super::q4_0::x86::nibbles_avx2(p, s, h),
                 _mm256_loadu_si256(p.add(HIGH_BITS + 32 * h) as *const __m256i),
             )
         };
-        let nibbles = if s < 4 {
-            nibbles
-        } else {
-            _mm256_srli_epi16::<4>(nibbles)
-        };
-        let low = _mm256_and_si256(nibbles, _mm256_set1_epi8(0x0f));
         let bit = _mm256_set1_epi8((1u8 << s) as i8);
         let set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
         // w = low + 16·fifth − 16: subtract 16 where the fifth bit is clear.
@@ -96,49 +87,30 @@ impl Format for Q5_0 {
     #[inline(always)]
     unsafe fn unsigned_steps(p: *const u8) -> [std::arch::x86_64::__m512i; 8] {
         use std::arch::x86_64::*;
-        // SAFETY: four nibble registers and the fifth bits follow the scales.
-        let (nibbles, high) = unsafe {
+        // SAFETY: the nibbles (Q4_0's) and the fifth bits follow the scales.
+        let (low, high) = unsafe {
             (
-                std::array::from_fn::<_, 4, _>(|k| {
-                    _mm512_loadu_si512(p.add(SCALES + 64 * k) as *const __m512i)
-                }),
+                super::q4_0::x86::nibbles_avx512(p),
                 _mm512_loadu_si512(p.add(HIGH_BITS) as *const __m512i),
             )
         };
-        let mask = _mm512_set1_epi8(0x0f);
         // w + 128 = low + 16·fifth + 112.
         let (without, with) = (_mm512_set1_epi8(112), _mm512_set1_epi8(-128));
         std::array::from_fn(|s| {
-            let n = if s < 4 {
-                nibbles[s]
-            } else {
-                _mm512_srli_epi16::<4>(nibbles[s - 4])
-            };
             let fifth = _mm512_test_epi8_mask(high, _mm512_set1_epi8((1u8 << s) as i8));
-            _mm512_add_epi8(
-                _mm512_and_si512(n, mask),
-                _mm512_mask_blend_epi8(fifth, without, with),
-            )
+            _mm512_add_epi8(low[s], _mm512_mask_blend_epi8(fifth, without, with))
         })
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::q8_0::{self, Q8_0};
-    use super::super::test_util::{check_paths_agree, random_gguf, Rng};
+    use super::super::test_util::{
+        as_q8_0, check_bits_as_q8_0, check_dequantized_as_candle, check_paths_agree, random_gguf,
+        Rng,
+    };
     use super::super::{matmul, prepare, Isa, WeightFormat};
     use super::*;
-
-    /// The same values as GGUF Q8_0 blocks.
-    fn as_q8_0(w: &[u8]) -> Vec<u8> {
-        let mut out = Vec::new();
-        for b in w.chunks_exact(BLOCK_BYTES) {
-            out.extend_from_slice(&b[..2]);
-            out.extend((0..32).map(|i| Q5_0::gguf_quant(b, i) as u8));
-        }
-        out
-    }
 
     #[test]
     fn simd_paths_equal_scalar_reference_bit_for_bit() {
@@ -161,7 +133,7 @@ mod tests {
                 w.extend_from_slice(&[fill; 20]);
             }
             let q5 = prepare(WeightFormat::Q5_0, w.clone(), rows);
-            let q8 = prepare(WeightFormat::Q8_0, as_q8_0(&w), rows);
+            let q8 = prepare(WeightFormat::Q8_0, as_q8_0::<Q5_0>(&w), rows);
             let x = vec![sign; 17 * nb * 32];
             for isa in Isa::available() {
                 assert_eq!(
@@ -175,49 +147,11 @@ mod tests {
 
     #[test]
     fn gives_the_bits_of_its_values_as_q8_0() {
-        let mut rng = Rng::new(5);
-        let (rows, nb) = (40, 4);
-        let w = random_gguf(WeightFormat::Q5_0, rows * nb, &mut rng);
-        let q5 = prepare(WeightFormat::Q5_0, w.clone(), rows);
-        let q8 = prepare(WeightFormat::Q8_0, as_q8_0(&w), rows);
-        let x: Vec<f32> = (0..6 * nb * 32).map(|_| rng.uniform()).collect();
-        for isa in Isa::available() {
-            assert_eq!(
-                matmul(WeightFormat::Q5_0, isa, &q5, nb * 32, rows, &x),
-                matmul(WeightFormat::Q8_0, isa, &q8, nb * 32, rows, &x),
-                "{isa:?}"
-            );
-        }
-        let picked = [39, 0, 17];
-        assert_eq!(
-            q8_0::dequantize_rows::<Q5_0>(&q5, nb * 32, &picked),
-            q8_0::dequantize_rows::<Q8_0>(&q8, nb * 32, &picked)
-        );
+        check_bits_as_q8_0::<Q5_0>(WeightFormat::Q5_0, &mut Rng::new(5));
     }
 
     #[test]
     fn reads_gguf_blocks_as_candle_does() {
-        use candle_core::quantized::{GgmlDType, QStorage, QTensor};
-        use candle_core::Device;
-        let mut rng = Rng::new(6);
-        let (rows, nb) = (3, 2);
-        let w = random_gguf(WeightFormat::Q5_0, rows * nb, &mut rng);
-        let storage = QStorage::from_data(
-            std::borrow::Cow::Borrowed(&w[..]),
-            &Device::Cpu,
-            GgmlDType::Q5_0,
-        )
-        .expect("storage");
-        let candle = QTensor::new(storage, (rows, nb * 32))
-            .expect("tensor")
-            .dequantize(&Device::Cpu)
-            .expect("dequantize")
-            .flatten_all()
-            .expect("flat")
-            .to_vec1::<f32>()
-            .expect("values");
-        let ours =
-            q8_0::dequantize_rows::<Q5_0>(&q8_0::interleave::<Q5_0>(&w, rows), nb * 32, &[0, 1, 2]);
-        assert_eq!(ours, candle);
+        check_dequantized_as_candle(WeightFormat::Q5_0, &mut Rng::new(6));
     }
 }
