@@ -26,7 +26,6 @@
 //! step's weights ahead of their uses and spills them.
 
 mod activations;
-mod q4_0;
 mod q4_k;
 mod q5_0;
 mod q6_k;
@@ -365,7 +364,7 @@ pub(crate) fn matmul_split(
             matmul_with::<q8_0::WithQ8_0Acts<q5_0::Q5_0>>(isa, w, dims, x, counts)
         }
         WeightFormat::Q4_0 => {
-            matmul_with::<q8_0::WithQ8_0Acts<q4_0::Q4_0>>(isa, w, dims, x, counts)
+            matmul_with::<q8_0::WithQ8_0Acts<q5_0::Q4_0>>(isa, w, dims, x, counts)
         }
         WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, dims, x, counts),
         WeightFormat::Q5K => matmul_with::<q4_k::Q5K>(isa, w, dims, x, counts),
@@ -381,7 +380,7 @@ pub(crate) fn prepare(format: WeightFormat, gguf: Vec<u8>, out_dim: usize) -> Ve
             q8_0::interleave_owned::<q8_0::Q8_0>(gguf, out_dim)
         }
         WeightFormat::Q5_0 => q8_0::interleave_owned::<q5_0::Q5_0>(gguf, out_dim),
-        WeightFormat::Q4_0 => q8_0::interleave_owned::<q4_0::Q4_0>(gguf, out_dim),
+        WeightFormat::Q4_0 => q8_0::interleave_owned::<q5_0::Q4_0>(gguf, out_dim),
         WeightFormat::Q4K => q4_k::Q4K::interleave(&gguf, out_dim),
         WeightFormat::Q5K => q4_k::Q5K::interleave(&gguf, out_dim),
         WeightFormat::Q6K => gguf,
@@ -407,7 +406,7 @@ pub(crate) fn dequantize_rows(
             Ok(q8_0::dequantize_rows::<q8_0::Q8_0>(w, in_dim, rows))
         }
         WeightFormat::Q5_0 => Ok(q8_0::dequantize_rows::<q5_0::Q5_0>(w, in_dim, rows)),
-        WeightFormat::Q4_0 => Ok(q8_0::dequantize_rows::<q4_0::Q4_0>(w, in_dim, rows)),
+        WeightFormat::Q4_0 => Ok(q8_0::dequantize_rows::<q5_0::Q4_0>(w, in_dim, rows)),
         WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => {
             // GGUF blocks (the K-quants' taken back out of the interleaved layout): candle reads
             // them.

@@ -201,7 +201,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 fn quant<const FIFTH_BIT: bool>(gb: &[u8], r: usize, j: usize, i: usize) -> i32 {
     let byte = 32 * (j / 2) + i;
     let q = gb[QS + 64 * (byte / 4) + 4 * r + byte % 4];
-    let low = if j % 2 == 0 { q & 0xf } else { q >> 4 };
+    let low = if j.is_multiple_of(2) { q & 0xf } else { q >> 4 };
     let fifth = if FIFTH_BIT {
         gb[QH + 64 * (i / 4) + 4 * r + i % 4] >> j & 1
     } else {
@@ -614,37 +614,30 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::{check_dequantized_as_candle, check_paths_agree, Rng};
-    use super::super::WeightFormat;
+    use super::super::test_util::{
+        check_dequantized_as_candle, check_paths_agree, random_gguf, Rng,
+    };
+    use super::super::{matmul, prepare, WeightFormat};
     use super::*;
 
+    /// Random GGUF blocks of Q4_K (`FIFTH_BIT` false) or Q5_K.
     fn random_weights<const FIFTH_BIT: bool>(rng: &mut Rng, rows: usize, nb: usize) -> Vec<u8> {
-        let block = KQuant::<FIFTH_BIT>::GGUF_BLOCK_BYTES;
-        let mut w = Vec::with_capacity(rows * nb * block);
-        for _ in 0..rows * nb {
-            w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
-            w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
-            // Every bit pattern of scales and quants is a valid block.
-            w.extend((4..block).map(|_| rng.next() as u8));
-        }
-        w
+        let format = if FIFTH_BIT {
+            WeightFormat::Q5K
+        } else {
+            WeightFormat::Q4K
+        };
+        random_gguf(format, rows * nb, rng)
     }
 
     #[test]
     fn simd_paths_equal_scalar_reference_bit_for_bit() {
         let mut rng = Rng::new(4);
-        for (rows, nb) in [(1, 1), (5, 3), (16, 2), (37, 2)] {
-            let w = random_weights::<false>(&mut rng, rows, nb);
-            check_paths_agree(WeightFormat::Q4K, &w, nb * BLOCK_ELEMS, rows, &mut rng);
-        }
-    }
-
-    #[test]
-    fn q5_k_simd_paths_equal_scalar_reference_bit_for_bit() {
-        let mut rng = Rng::new(24);
-        for (rows, nb) in [(1, 1), (5, 3), (16, 2), (37, 2)] {
-            let w = random_weights::<true>(&mut rng, rows, nb);
-            check_paths_agree(WeightFormat::Q5K, &w, nb * BLOCK_ELEMS, rows, &mut rng);
+        for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+            for (rows, nb) in [(1, 1), (5, 3), (16, 2), (37, 2)] {
+                let w = random_gguf(format, rows * nb, &mut rng);
+                check_paths_agree(format, &w, nb * BLOCK_ELEMS, rows, &mut rng);
+            }
         }
     }
 
@@ -659,18 +652,17 @@ mod tests {
             w.extend_from_slice(&f16::from_f32(0.02).to_le_bytes());
             w.extend_from_slice(&[0xff; 172]);
         }
-        let w = super::super::prepare(WeightFormat::Q5K, w, rows);
+        let w = prepare(WeightFormat::Q5K, w, rows);
         let in_dim = nb * BLOCK_ELEMS;
         for sign in [1.0f32, -1.0] {
             let x = vec![sign; 9 * in_dim];
-            let reference =
-                super::super::matmul(WeightFormat::Q5K, Isa::Scalar, &w, in_dim, rows, &x);
+            let reference = matmul(WeightFormat::Q5K, Isa::Scalar, &w, in_dim, rows, &x);
             // Every row and column the same value, of `sign`'s sign.
             assert!(reference
                 .iter()
                 .all(|&v| v == reference[0] && v * sign > 0.0));
             for isa in Isa::available() {
-                let got = super::super::matmul(WeightFormat::Q5K, isa, &w, in_dim, rows, &x);
+                let got = matmul(WeightFormat::Q5K, isa, &w, in_dim, rows, &x);
                 assert_eq!(got, reference, "{isa:?} {sign}");
             }
         }

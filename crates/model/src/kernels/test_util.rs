@@ -14,7 +14,7 @@ use super::activations::{
 use half::f16;
 
 use super::q8_0::Format;
-use super::{dequantize_rows, matmul, prepare, q4_0, q4_k, q5_0, q6_k, q8_0, Isa, WeightFormat};
+use super::{dequantize_rows, matmul, prepare, q4_k, q5_0, q6_k, q8_0, Isa, WeightFormat};
 
 /// xorshift64*: deterministic test data without a dependency.
 pub(crate) struct Rng(u64);
@@ -41,8 +41,8 @@ impl Rng {
 pub(crate) fn random_gguf(format: WeightFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
     let (bytes, scales): (usize, &[usize]) = match format {
         WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound => (q8_0::BLOCK_BYTES, &[0]),
-        WeightFormat::Q5_0 => (q5_0::BLOCK_BYTES, &[0]),
-        WeightFormat::Q4_0 => (q4_0::BLOCK_BYTES, &[0]),
+        WeightFormat::Q5_0 => (q5_0::Q5_0::GGUF_BLOCK_BYTES, &[0]),
+        WeightFormat::Q4_0 => (q5_0::Q4_0::GGUF_BLOCK_BYTES, &[0]),
         WeightFormat::Q4K => (q4_k::Q4K::GGUF_BLOCK_BYTES, &[0, 2]),
         WeightFormat::Q5K => (q4_k::Q5K::GGUF_BLOCK_BYTES, &[0, 2]),
         WeightFormat::Q6K => (q6_k::BLOCK_BYTES, &[208]),
