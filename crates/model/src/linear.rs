@@ -68,7 +68,9 @@ impl Linear {
         let format = match dtype {
             GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
             GgmlDType::Q5_0 => Some(WeightFormat::Q5_0),
+            GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
             GgmlDType::Q4K => Some(WeightFormat::Q4K),
+            GgmlDType::Q5K => Some(WeightFormat::Q5K),
             GgmlDType::Q6K => Some(WeightFormat::Q6K),
             _ => None,
         };
@@ -292,6 +294,85 @@ impl Linear {
 mod tests {
     use super::*;
 
+    /// The GGUF types our kernels cover.
+    const KERNEL_DTYPES: [GgmlDType; 6] = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q5_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+
+    /// `w` quantized to `dtype` by candle, and a linear over those GGUF bytes.
+    fn quantized_linear(w: &Tensor, dtype: GgmlDType) -> (QTensor, Linear) {
+        let (out_dim, in_dim) = w.dims2().expect("matrix");
+        let q = QTensor::quantize(w, dtype).expect("quantize");
+        let linear = Linear::new(GgufWeight {
+            dtype,
+            out_dim,
+            in_dim,
+            bytes: q.data().expect("bytes").into_owned(),
+        })
+        .expect("linear");
+        (q, linear)
+    }
+
+    /// Per row of `width`, `got` against `want`: asserts a cosine above 0.9999 and a relative
+    /// error below 1%.
+    fn assert_rows_follow(dtype: GgmlDType, got: &[f32], want: &[f32], width: usize) {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.chunks(width).zip(want.chunks(width)) {
+            let dot: f64 = g.iter().zip(w).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let norm = |v: &[f32]| v.iter().map(|&a| a as f64 * a as f64).sum::<f64>().sqrt();
+            let err: f64 = g
+                .iter()
+                .zip(w)
+                .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            let (cos, rel) = (dot / (norm(g) * norm(w)), err / norm(w));
+            eprintln!("{dtype:?}: cosine {cos:.6}, relative error {rel:.2e}");
+            assert!(
+                cos > 0.9999 && rel < 1e-2,
+                "{dtype:?}: cosine {cos}, relative error {rel}"
+            );
+        }
+    }
+
+    /// Our kernels' `x · Wᵀ` against candle's dequantize-then-matmul in f32, for each format
+    /// they cover: only the activations' 8-bit rounding parts them.
+    #[test]
+    fn forward_follows_candles_dequantized_product() {
+        let (out_dim, in_dim, rows) = (80, 512, 3);
+        // Hashed values in [-1, 1), not periodic: products that do not cancel out.
+        let hashed = |n: usize, seed: u64| -> Vec<f32> {
+            (0..n as u64)
+                .map(|i| {
+                    let h = (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                    h as f32 / (1 << 23) as f32 - 1.0
+                })
+                .collect()
+        };
+        let values: Vec<f32> = hashed(out_dim * in_dim, 1)
+            .iter()
+            .map(|v| v / 20.0)
+            .collect();
+        let w = Tensor::from_vec(values, (out_dim, in_dim), &Device::Cpu).expect("tensor");
+        let x = hashed(rows * in_dim, 2);
+        for dtype in KERNEL_DTYPES {
+            let (q, linear) = quantized_linear(&w, dtype);
+            assert!(matches!(linear.weight, Weight::Kernel { .. }), "{dtype:?}");
+            let want = Tensor::from_slice(&x, (rows, in_dim), &Device::Cpu)
+                .and_then(|x| x.matmul(&q.dequantize(&Device::Cpu)?.t()?))
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("f32 product");
+            let got = linear.forward(&x).expect("forward");
+            assert_rows_follow(dtype, &got, &want, out_dim);
+        }
+    }
+
     /// The int8 input gradient against `dy · W` in f32 over the same (dequantized) weight, for
     /// each format our kernels cover: only the two 8-bit roundings (W down its columns, dy per
     /// block) part them, a fraction of a percent.
@@ -306,20 +387,8 @@ mod tests {
         let dy: Vec<f32> = (0..rows * out_dim)
             .map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 300.0)
             .collect();
-        for dtype in [
-            GgmlDType::Q8_0,
-            GgmlDType::Q5_0,
-            GgmlDType::Q4K,
-            GgmlDType::Q6K,
-        ] {
-            let q = QTensor::quantize(&w, dtype).expect("quantize");
-            let linear = Linear::new(GgufWeight {
-                dtype,
-                out_dim,
-                in_dim,
-                bytes: q.data().expect("bytes").into_owned(),
-            })
-            .expect("linear");
+        for dtype in KERNEL_DTYPES {
+            let (_, linear) = quantized_linear(&w, dtype);
             let dense = Tensor::from_vec(
                 linear
                     .rows(&(0..out_dim).collect::<Vec<_>>())
@@ -338,22 +407,7 @@ mod tests {
                 linear.input_grad.get(),
                 Some(InputGradWeight::TransposedQ8_0(_))
             ));
-            for (g, w) in got.chunks(in_dim).zip(want.chunks(in_dim)) {
-                let dot: f64 = g.iter().zip(w).map(|(&a, &b)| a as f64 * b as f64).sum();
-                let norm = |v: &[f32]| v.iter().map(|&a| a as f64 * a as f64).sum::<f64>().sqrt();
-                let err: f64 = g
-                    .iter()
-                    .zip(w)
-                    .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
-                    .sum::<f64>()
-                    .sqrt();
-                let (cos, rel) = (dot / (norm(g) * norm(w)), err / norm(w));
-                eprintln!("{dtype:?}: cosine {cos:.6}, relative error {rel:.2e}");
-                assert!(
-                    cos > 0.9999 && rel < 1e-2,
-                    "{dtype:?}: cosine {cos}, relative error {rel}"
-                );
-            }
+            assert_rows_follow(dtype, &got, &want, in_dim);
         }
     }
 }

@@ -1,16 +1,16 @@
-//! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks (Q8_0, Q5_0 and Q4_K interleaved
-//! at load).
+//! Our quantized matmul `y = x · Wᵀ` over GGUF weight blocks (Q8_0, Q5_0, Q4_0, Q4_K and Q5_K
+//! interleaved at load; Q6_K as stored).
 //!
 //! Activation rows are quantized as ggml does on x86 (Q8_0 blocks of 32 for Q8_0 weights, Q8_K
 //! blocks of 256 for K-quants), but for the LM head's, whose Q8_0 blocks are pair-bound (see
 //! `q8_0::Q8_0PairBound`); dot products are exact integers per block, and each format has one
 //! order of its f32 steps, whatever the number of rows:
 //!
-//! - Q8_0 and Q5_0: one f32 accumulator per row and column, each block's integer dot product
-//!   taken in by one fused multiply-add with `dw·da` (see `q8_0`; a Q5_0 weight gives the bits
-//!   of its values stored as Q8_0);
-//! - Q4_K: ggml's repacked `q4_K_8x8` gemv, an integer per row for the scaled quants and one for
-//!   the mins, each into its own f32 accumulator once per block (see `q4_k`);
+//! - Q8_0, Q5_0 and Q4_0: one f32 accumulator per row and column, each block's integer dot
+//!   product taken in by one fused multiply-add with `dw·da` (see `q8_0`; a Q5_0 or Q4_0 weight
+//!   gives the bits of its values stored as Q8_0);
+//! - Q4_K and Q5_K: ggml's repacked `q4_K_8x8` gemv, an integer per row for the scaled quants
+//!   and one for the mins, each into its own f32 accumulator once per block (see `q4_k`);
 //! - Q6_K: one f32 accumulator per row and column, each block's exact integer (its sixteen runs
 //!   times their scales) taken in by one fused multiply-add (see `q6_k`).
 //!
@@ -142,7 +142,9 @@ pub(crate) enum WeightFormat {
     /// Q8_0 weights against pair-bound activations (see `q8_0::Q8_0PairBound`).
     Q8_0PairBound,
     Q5_0,
+    Q4_0,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -150,10 +152,11 @@ impl WeightFormat {
     /// Elements per weight block.
     pub(crate) fn block_elems(self) -> usize {
         match self {
-            WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound | WeightFormat::Q5_0 => {
-                q8_0::BLOCK_ELEMS
-            }
-            WeightFormat::Q4K => q4_k::BLOCK_ELEMS,
+            WeightFormat::Q8_0
+            | WeightFormat::Q8_0PairBound
+            | WeightFormat::Q5_0
+            | WeightFormat::Q4_0 => q8_0::BLOCK_ELEMS,
+            WeightFormat::Q4K | WeightFormat::Q5K => q4_k::BLOCK_ELEMS,
             WeightFormat::Q6K => q6_k::BLOCK_ELEMS,
         }
     }
@@ -360,7 +363,11 @@ pub(crate) fn matmul_split(
         WeightFormat::Q5_0 => {
             matmul_with::<q8_0::WithQ8_0Acts<q5_0::Q5_0>>(isa, w, dims, x, counts)
         }
+        WeightFormat::Q4_0 => {
+            matmul_with::<q8_0::WithQ8_0Acts<q5_0::Q4_0>>(isa, w, dims, x, counts)
+        }
         WeightFormat::Q4K => matmul_with::<q4_k::Q4K>(isa, w, dims, x, counts),
+        WeightFormat::Q5K => matmul_with::<q4_k::Q5K>(isa, w, dims, x, counts),
         WeightFormat::Q6K => matmul_with::<q6_k::Q6K>(isa, w, dims, x, counts),
     }
 }
@@ -373,7 +380,9 @@ pub(crate) fn prepare(format: WeightFormat, gguf: Vec<u8>, out_dim: usize) -> Ve
             q8_0::interleave_owned::<q8_0::Q8_0>(gguf, out_dim)
         }
         WeightFormat::Q5_0 => q8_0::interleave_owned::<q5_0::Q5_0>(gguf, out_dim),
-        WeightFormat::Q4K => q4_k::interleave(&gguf, out_dim),
+        WeightFormat::Q4_0 => q8_0::interleave_owned::<q5_0::Q4_0>(gguf, out_dim),
+        WeightFormat::Q4K => q4_k::Q4K::interleave(&gguf, out_dim),
+        WeightFormat::Q5K => q4_k::Q5K::interleave(&gguf, out_dim),
         WeightFormat::Q6K => gguf,
     };
     crate::pages::collapse_into_huge_pages(&prepared);
@@ -397,12 +406,18 @@ pub(crate) fn dequantize_rows(
             Ok(q8_0::dequantize_rows::<q8_0::Q8_0>(w, in_dim, rows))
         }
         WeightFormat::Q5_0 => Ok(q8_0::dequantize_rows::<q5_0::Q5_0>(w, in_dim, rows)),
-        WeightFormat::Q4K | WeightFormat::Q6K => {
-            // GGUF blocks (Q4_K's taken back out of the interleaved layout): candle reads them.
+        WeightFormat::Q4_0 => Ok(q8_0::dequantize_rows::<q5_0::Q4_0>(w, in_dim, rows)),
+        WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => {
+            // GGUF blocks (the K-quants' taken back out of the interleaved layout): candle reads
+            // them.
             let (dtype, bytes) = match format {
                 WeightFormat::Q4K => (
                     candle_core::quantized::GgmlDType::Q4K,
-                    q4_k::gguf_rows(w, in_dim, rows),
+                    q4_k::Q4K::gguf_rows(w, in_dim, rows),
+                ),
+                WeightFormat::Q5K => (
+                    candle_core::quantized::GgmlDType::Q5K,
+                    q4_k::Q5K::gguf_rows(w, in_dim, rows),
                 ),
                 _ => {
                     let row_bytes = in_dim / format.block_elems() * q6_k::BLOCK_BYTES;
@@ -894,8 +909,18 @@ mod tests {
             (WeightFormat::Q8_0, 640, 32_768, 32, 2),
             (WeightFormat::Q5_0, 640, 2048, 1, 400),
             (WeightFormat::Q5_0, 640, 2048, 128, 10),
+            (WeightFormat::Q4_0, 640, 2048, 1, 400),
+            (WeightFormat::Q4_0, 640, 2048, 128, 10),
+            (WeightFormat::Q4_0, 1024, 3072, 1, 400),
+            (WeightFormat::Q4_0, 1024, 3072, 16, 40),
             (WeightFormat::Q4K, 2048, 640, 1, 400),
             (WeightFormat::Q4K, 2048, 640, 128, 10),
+            (WeightFormat::Q4K, 1024, 3072, 1, 400),
+            (WeightFormat::Q4K, 1024, 3072, 16, 40),
+            (WeightFormat::Q5K, 2048, 640, 1, 400),
+            (WeightFormat::Q5K, 2048, 640, 128, 10),
+            (WeightFormat::Q5K, 1024, 3072, 1, 400),
+            (WeightFormat::Q5K, 1024, 3072, 16, 40),
             (WeightFormat::Q6K, 2048, 640, 1, 400),
             (WeightFormat::Q6K, 2048, 640, 128, 10),
         ] {

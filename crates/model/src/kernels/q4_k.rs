@@ -1,16 +1,20 @@
-//! Q4_K weights (256 per block: f16 d and dmin, twelve bytes of 6-bit scales and mins, 4-bit
-//! quants) against Q8_K activations, with the arithmetic of ggml's repacked Q4_K gemv,
-//! `ggml_gemv_q4_K_8x8_q8_K` (what llama.cpp's x86 CPU backend runs for Q4_K weights on a single
-//! activation row), for every row whatever the number of rows. A row's dot product is made of
-//! exact integers per block, `Σ_j scale_j Σ q·a` and `Σ_j min_j q8s_j` (`q8s_j` the activation's
-//! sum over sub-block `j`), each taken into its own f32 accumulator by one fused multiply-add per
-//! block (256 values) with `d·da` and `dmin·da`; the row's result is the first minus the second.
+//! Q4_K and Q5_K weights (256 per block: f16 d and dmin, twelve bytes of 6-bit scales and mins,
+//! 4-bit quants, and for Q5_K a fifth bit per value) against Q8_K activations, with the
+//! arithmetic of ggml's repacked Q4_K gemv, `ggml_gemv_q4_K_8x8_q8_K` (what llama.cpp's x86 CPU
+//! backend runs for Q4_K weights on a single activation row), for every row whatever the number
+//! of rows. A row's dot product is made of exact integers per block, `Σ_j scale_j Σ q·a` and
+//! `Σ_j min_j q8s_j` (`q8s_j` the activation's sum over sub-block `j`), each taken into its own
+//! f32 accumulator by one fused multiply-add per block (256 values) with `d·da` and `dmin·da`;
+//! the row's result is the first minus the second. Q5_K's quants (0..31) are a Q4_K quant plus
+//! 16 times its fifth bit, so it runs the same kernels with the same order of steps, its fifth
+//! bits or'ed into each step's nibbles as they are unpacked.
 //!
 //! The weight is interleaved at load, sixteen rows per group (as Q8_0): per block the sixteen d,
 //! the sixteen dmin, the scales and mins unpacked to bytes, then 32 steps of sixteen rows × four
-//! quant bytes. One VNNI instruction multiplies four quants of all sixteen rows (low nibbles:
-//! sub-block `2c`; high nibbles: `2c + 1`) by the same four activation values, so every integer
-//! ends in its row's lane with no horizontal adds.
+//! quant bytes (and for Q5_K eight registers of sixteen rows × four bytes of fifth bits). One
+//! VNNI instruction multiplies four quants of all sixteen rows (low nibbles: sub-block `2c`; high
+//! nibbles: `2c + 1`) by the same four activation values, so every integer ends in its row's
+//! lane with no horizontal adds.
 
 use half::f16;
 
@@ -20,29 +24,42 @@ use super::with_act_rows;
 use super::{Isa, Kernel, TileOut};
 
 pub(crate) const BLOCK_ELEMS: usize = 256;
-/// A GGUF block.
-pub(crate) const GGUF_BLOCK_BYTES: usize = 144;
-/// Bytes per row and block in the interleaved layout (the scales and mins take a byte each).
-pub(crate) const BLOCK_BYTES: usize = 148;
 const GROUP: usize = 16;
-const GROUP_BLOCK: usize = GROUP * BLOCK_BYTES;
 /// Offsets in a group block: sixteen f16 d, sixteen f16 dmin, scale `j` of row `r` at
-/// `SCALES + 16 j + r`, mins `2m, 2m + 1` of row `r` at `MINS + 32 m + 2 r`, and step `t` (quant
-/// bytes `4t..4t + 4` of every row) at `QS + 64 t`.
+/// `SCALES + 16 j + r`, mins `2m, 2m + 1` of row `r` at `MINS + 32 m + 2 r`, step `t` (quant
+/// bytes `4t..4t + 4` of every row) at `QS + 64 t`, and for Q5_K the fifth bits: GGUF `qh`
+/// bytes `4t..4t + 4` of every row at `QH + 64 t` (bit `j` of `qh[i]` is value `i` of sub-block
+/// `j`'s).
 const D: usize = 0;
 const DMIN: usize = 2 * GROUP;
 const SCALES: usize = 4 * GROUP;
 const MINS: usize = SCALES + 8 * GROUP;
 const QS: usize = MINS + 8 * GROUP;
+const QH: usize = QS + 128 * GROUP;
 
-/// Q4_K rows in the order of ggml's `ggml_gemv_q4_K_8x8_q8_K`.
-pub(crate) struct Q4K;
+/// Q4_K (`FIFTH_BIT` false) or Q5_K rows in the order of ggml's `ggml_gemv_q4_K_8x8_q8_K`.
+pub(crate) struct KQuant<const FIFTH_BIT: bool>;
+pub(crate) type Q4K = KQuant<false>;
+pub(crate) type Q5K = KQuant<true>;
 
-impl Kernel for Q4K {
+impl<const FIFTH_BIT: bool> KQuant<FIFTH_BIT> {
+    /// A GGUF block.
+    pub(crate) const GGUF_BLOCK_BYTES: usize = if FIFTH_BIT { 176 } else { 144 };
+    /// Where a GGUF block's nibbles start (after Q5_K's 32 bytes of fifth bits, `qh`).
+    const GGUF_QS: usize = if FIFTH_BIT { 48 } else { 16 };
+    /// Where a Q5_K GGUF block's fifth bits start.
+    const GGUF_QH: usize = 16;
+    /// Bytes per row and block in the interleaved layout (the scales and mins take a byte
+    /// each).
+    pub(crate) const BLOCK_BYTES: usize = Self::GGUF_BLOCK_BYTES + 4;
+    const GROUP_BLOCK: usize = GROUP * Self::BLOCK_BYTES;
+}
+
+impl<const FIFTH_BIT: bool> Kernel for KQuant<FIFTH_BIT> {
     type Batched = Self;
     type Act = Q8KBlock;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
-    const BLOCK_BYTES: usize = BLOCK_BYTES;
+    const BLOCK_BYTES: usize = Self::BLOCK_BYTES;
     const ROW_GROUP: usize = GROUP;
 
     fn quantize(_isa: Isa, x: &[f32], out: &mut [Q8KBlock]) {
@@ -50,7 +67,7 @@ impl Kernel for Q4K {
     }
 
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
-        scalar(w, acts, nb, out);
+        scalar::<FIFTH_BIT>(w, acts, nb, out);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -60,10 +77,10 @@ impl Kernel for Q4K {
         unsafe {
             match isa {
                 Isa::Avx512 => {
-                    with_act_rows!(na, x86::avx512_rows(w, acts, nb, out))
+                    with_act_rows!(na, x86::avx512_rows[FIFTH_BIT](w, acts, nb, out))
                 }
-                _ if na == 1 => x86::avx2_rows_few::<1>(w, acts, nb, out),
-                _ => with_act_rows!(na, x86::avx2_rows(w, acts, nb, out)),
+                _ if na == 1 => x86::avx2_rows_few::<1, FIFTH_BIT>(w, acts, nb, out),
+                _ => with_act_rows!(na, x86::avx2_rows[FIFTH_BIT](w, acts, nb, out)),
             }
         }
     }
@@ -103,94 +120,114 @@ fn pack_scales_and_mins(sm: &[u8]) -> [u8; 12] {
     q
 }
 
-/// GGUF Q4_K rows (`out_dim` of them) in the interleaved layout, padded with zero rows to a
-/// whole group.
-pub(crate) fn interleave(gguf: &[u8], out_dim: usize) -> Vec<u8> {
-    let nb = gguf.len() / (out_dim * GGUF_BLOCK_BYTES);
-    let groups = out_dim.div_ceil(GROUP);
-    let mut packed = vec![0u8; groups * nb * GROUP_BLOCK];
-    for (gb, dst) in packed.chunks_exact_mut(GROUP_BLOCK).enumerate() {
-        let (g, b) = (gb / nb, gb % nb);
-        for r in 0..GROUP {
-            let row = g * GROUP + r;
-            if row >= out_dim {
-                continue;
-            }
-            let src = &gguf[(row * nb + b) * GGUF_BLOCK_BYTES..][..GGUF_BLOCK_BYTES];
-            dst[D + 2 * r..D + 2 * r + 2].copy_from_slice(&src[0..2]);
-            dst[DMIN + 2 * r..DMIN + 2 * r + 2].copy_from_slice(&src[2..4]);
-            let sm = scales_and_mins(src);
-            for j in 0..8 {
-                dst[SCALES + GROUP * j + r] = sm[j];
-                dst[MINS + 32 * (j / 2) + 2 * r + j % 2] = sm[8 + j];
-            }
-            for (i, &q) in src[16..].iter().enumerate() {
-                dst[QS + 64 * (i / 4) + 4 * r + i % 4] = q;
-            }
-        }
-    }
-    packed
-}
-
-/// Rows `rows` of an interleaved weight (`in_dim` wide) as GGUF blocks.
-pub(crate) fn gguf_rows(w: &[u8], in_dim: usize, rows: &[usize]) -> Vec<u8> {
-    let nb = in_dim / BLOCK_ELEMS;
-    let mut out = vec![0u8; rows.len() * nb * GGUF_BLOCK_BYTES];
-    for (dst, &row) in out.chunks_exact_mut(nb * GGUF_BLOCK_BYTES).zip(rows) {
-        let (g, r) = (row / GROUP, row % GROUP);
-        let group = &w[g * nb * GROUP_BLOCK..(g + 1) * nb * GROUP_BLOCK];
-        for (gb, dst) in group
-            .chunks_exact(GROUP_BLOCK)
-            .zip(dst.chunks_exact_mut(GGUF_BLOCK_BYTES))
-        {
-            dst[0..2].copy_from_slice(&gb[D + 2 * r..D + 2 * r + 2]);
-            dst[2..4].copy_from_slice(&gb[DMIN + 2 * r..DMIN + 2 * r + 2]);
-            let sm: [u8; 16] = std::array::from_fn(|k| {
-                if k < 8 {
-                    gb[SCALES + GROUP * k + r]
-                } else {
-                    gb[MINS + 32 * ((k - 8) / 2) + 2 * r + k % 2]
+impl<const FIFTH_BIT: bool> KQuant<FIFTH_BIT> {
+    /// GGUF rows (`out_dim` of them) in the interleaved layout, padded with zero rows to a
+    /// whole group.
+    pub(crate) fn interleave(gguf: &[u8], out_dim: usize) -> Vec<u8> {
+        let nb = gguf.len() / (out_dim * Self::GGUF_BLOCK_BYTES);
+        let groups = out_dim.div_ceil(GROUP);
+        let mut packed = vec![0u8; groups * nb * Self::GROUP_BLOCK];
+        for (gb, dst) in packed.chunks_exact_mut(Self::GROUP_BLOCK).enumerate() {
+            let (g, b) = (gb / nb, gb % nb);
+            for r in 0..GROUP {
+                let row = g * GROUP + r;
+                if row >= out_dim {
+                    continue;
                 }
-            });
-            dst[4..16].copy_from_slice(&pack_scales_and_mins(&sm));
-            for (i, q) in dst[16..].iter_mut().enumerate() {
-                *q = gb[QS + 64 * (i / 4) + 4 * r + i % 4];
+                let src =
+                    &gguf[(row * nb + b) * Self::GGUF_BLOCK_BYTES..][..Self::GGUF_BLOCK_BYTES];
+                dst[D + 2 * r..D + 2 * r + 2].copy_from_slice(&src[0..2]);
+                dst[DMIN + 2 * r..DMIN + 2 * r + 2].copy_from_slice(&src[2..4]);
+                let sm = scales_and_mins(src);
+                for j in 0..8 {
+                    dst[SCALES + GROUP * j + r] = sm[j];
+                    dst[MINS + 32 * (j / 2) + 2 * r + j % 2] = sm[8 + j];
+                }
+                for (i, &q) in src[Self::GGUF_QS..].iter().enumerate() {
+                    dst[QS + 64 * (i / 4) + 4 * r + i % 4] = q;
+                }
+                if FIFTH_BIT {
+                    for (i, &h) in src[Self::GGUF_QH..Self::GGUF_QS].iter().enumerate() {
+                        dst[QH + 64 * (i / 4) + 4 * r + i % 4] = h;
+                    }
+                }
             }
         }
+        packed
     }
-    out
+
+    /// Rows `rows` of an interleaved weight (`in_dim` wide) as GGUF blocks.
+    pub(crate) fn gguf_rows(w: &[u8], in_dim: usize, rows: &[usize]) -> Vec<u8> {
+        let nb = in_dim / BLOCK_ELEMS;
+        let (block, group_block) = (Self::GGUF_BLOCK_BYTES, Self::GROUP_BLOCK);
+        let mut out = vec![0u8; rows.len() * nb * block];
+        for (dst, &row) in out.chunks_exact_mut(nb * block).zip(rows) {
+            let (g, r) = (row / GROUP, row % GROUP);
+            let group = &w[g * nb * group_block..(g + 1) * nb * group_block];
+            for (gb, dst) in group
+                .chunks_exact(group_block)
+                .zip(dst.chunks_exact_mut(block))
+            {
+                dst[0..2].copy_from_slice(&gb[D + 2 * r..D + 2 * r + 2]);
+                dst[2..4].copy_from_slice(&gb[DMIN + 2 * r..DMIN + 2 * r + 2]);
+                let sm: [u8; 16] = std::array::from_fn(|k| {
+                    if k < 8 {
+                        gb[SCALES + GROUP * k + r]
+                    } else {
+                        gb[MINS + 32 * ((k - 8) / 2) + 2 * r + k % 2]
+                    }
+                });
+                dst[4..16].copy_from_slice(&pack_scales_and_mins(&sm));
+                for (i, q) in dst[Self::GGUF_QS..].iter_mut().enumerate() {
+                    *q = gb[QS + 64 * (i / 4) + 4 * r + i % 4];
+                }
+                if FIFTH_BIT {
+                    for (i, h) in dst[Self::GGUF_QH..Self::GGUF_QS].iter_mut().enumerate() {
+                        *h = gb[QH + 64 * (i / 4) + 4 * r + i % 4];
+                    }
+                }
+            }
+        }
+        out
+    }
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
+/// Value `i` (0..32) of sub-block `j` of row `r` of a group block: its nibble, and for Q5_K its
+/// fifth bit.
+fn quant<const FIFTH_BIT: bool>(gb: &[u8], r: usize, j: usize, i: usize) -> i32 {
+    let byte = 32 * (j / 2) + i;
+    let q = gb[QS + 64 * (byte / 4) + 4 * r + byte % 4];
+    let low = if j.is_multiple_of(2) { q & 0xf } else { q >> 4 };
+    let fifth = if FIFTH_BIT {
+        gb[QH + 64 * (i / 4) + 4 * r + i % 4] >> j & 1
+    } else {
+        0
+    };
+    (low | fifth << 4) as i32
+}
+
 /// The reference: ggml's repacked Q4_K gemv arithmetic, row by row.
-fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: TileOut<'_>) {
-    for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+fn scalar<const FIFTH_BIT: bool>(w: &[u8], acts: &[Q8KBlock], nb: usize, out: TileOut<'_>) {
+    let group_block = KQuant::<FIFTH_BIT>::GROUP_BLOCK;
+    for (g, group) in w.chunks_exact(nb * group_block).enumerate() {
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
             for r in 0..GROUP {
                 let (mut acc, mut acc_min) = (0f32, 0f32);
-                for (gb, ab) in group.chunks_exact(GROUP_BLOCK).zip(arow) {
+                for (gb, ab) in group.chunks_exact(group_block).zip(arow) {
                     let d = f16_at(gb, D + 2 * r) * ab.d;
                     let dmin = f16_at(gb, DMIN + 2 * r) * ab.d;
                     let (mut isum, mut msum) = (0i32, 0i32);
-                    for c in 0..4 {
-                        // Sub-blocks 2c and 2c + 1: the low and high nibbles of quant bytes
-                        // 32c..32c + 32.
-                        for (k, j) in [2 * c, 2 * c + 1].into_iter().enumerate() {
-                            let sub: i32 = (0..32)
-                                .map(|i| {
-                                    let byte = 32 * c + i;
-                                    let q = gb[QS + 64 * (byte / 4) + 4 * r + byte % 4];
-                                    let q = if k == 0 { q & 0xf } else { q >> 4 };
-                                    q as i32 * ab.qs[32 * j + i] as i32
-                                })
-                                .sum();
-                            isum += gb[SCALES + GROUP * j + r] as i32 * sub;
-                            let min = gb[MINS + 32 * c + 2 * r + k];
-                            msum += min as i32 * ab.sums32[j] as i32;
-                        }
+                    for j in 0..8 {
+                        let sub: i32 = (0..32)
+                            .map(|i| quant::<FIFTH_BIT>(gb, r, j, i) * ab.qs[32 * j + i] as i32)
+                            .sum();
+                        isum += gb[SCALES + GROUP * j + r] as i32 * sub;
+                        let min = gb[MINS + 32 * (j / 2) + 2 * r + j % 2];
+                        msum += min as i32 * ab.sums32[j] as i32;
                     }
                     acc = (isum as f32).mul_add(d, acc);
                     acc_min = (msum as f32).mul_add(dmin, acc_min);
@@ -205,7 +242,68 @@ fn scalar(w: &[u8], acts: &[Q8KBlock], nb: usize, out: TileOut<'_>) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Q8KBlock, TileOut, D, DMIN, GROUP, GROUP_BLOCK, MINS, QS, SCALES};
+    use super::{KQuant, Q8KBlock, TileOut, D, DMIN, GROUP, MINS, QH, QS, SCALES};
+
+    /// Step `step` of half `h` (rows `8h..8h + 8`) of the group block at `p`: four quant bytes
+    /// of each row as the values of sub-block `2c` (low nibbles) and `2c + 1` (high nibbles),
+    /// `c = step / 8`, with Q5_K's fifth bits.
+    ///
+    /// # Safety
+    /// `p` points to a whole group block.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn step_avx2<const FIFTH_BIT: bool>(
+        p: *const u8,
+        step: usize,
+        h: usize,
+    ) -> (__m256i, __m256i) {
+        let m4 = _mm256_set1_epi8(0xf);
+        // SAFETY: step `step` of half `h` is 32 bytes inside the block.
+        let q = unsafe { _mm256_loadu_si256(p.add(QS + 64 * step + 32 * h) as *const __m256i) };
+        let lo = _mm256_and_si256(q, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+        if !FIFTH_BIT {
+            return (lo, hi);
+        }
+        // SAFETY: the fifth bits of the step's values, half `h`, are 32 bytes inside the block.
+        let qh =
+            unsafe { _mm256_loadu_si256(p.add(QH + 64 * (step % 8) + 32 * h) as *const __m256i) };
+        // Bits 2c and 2c + 1 of every byte down to bits 0 and 1 (a 16-bit shift by at most 6
+        // brings no bit of the other byte below bit 2).
+        let bits = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * (step / 8) as i32));
+        let fifth_lo = _mm256_slli_epi16::<4>(_mm256_and_si256(bits, _mm256_set1_epi8(1)));
+        let fifth_hi = _mm256_slli_epi16::<3>(_mm256_and_si256(bits, _mm256_set1_epi8(2)));
+        (_mm256_or_si256(lo, fifth_lo), _mm256_or_si256(hi, fifth_hi))
+    }
+
+    /// [`step_avx2`] for all sixteen rows.
+    ///
+    /// # Safety
+    /// `p` points to a whole group block.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step_avx512<const FIFTH_BIT: bool>(p: *const u8, step: usize) -> (__m512i, __m512i) {
+        let m4 = _mm512_set1_epi8(0xf);
+        // SAFETY: step `step` is 64 bytes inside the group block.
+        let q = unsafe { _mm512_loadu_si512(p.add(QS + 64 * step) as *const __m512i) };
+        let lo = _mm512_and_si512(q, m4);
+        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+        if !FIFTH_BIT {
+            return (lo, hi);
+        }
+        // SAFETY: the fifth bits of the step's values are 64 bytes inside the group block.
+        let qh = unsafe { _mm512_loadu_si512(p.add(QH + 64 * (step % 8)) as *const __m512i) };
+        let bit = 1u8 << (2 * (step / 8));
+        let (on_lo, on_hi) = (
+            _mm512_test_epi8_mask(qh, _mm512_set1_epi8(bit as i8)),
+            _mm512_test_epi8_mask(qh, _mm512_set1_epi8((bit << 1) as i8)),
+        );
+        let sixteen = _mm512_set1_epi8(16);
+        (
+            _mm512_mask_add_epi8(lo, on_lo, lo, sixteen),
+            _mm512_mask_add_epi8(hi, on_hi, hi, sixteen),
+        )
+    }
 
     /// Four activation values (from byte `at`) as one i32, broadcast.
     #[inline(always)]
@@ -264,21 +362,21 @@ mod x86 {
     /// exact in i16), then by the sub-block's scale through `madd` (the scale twice per row
     /// lane), straight into the row's integer sum.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2_rows<const NA: usize>(
+    pub(super) unsafe fn avx2_rows<const NA: usize, const FIFTH_BIT: bool>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
         out: TileOut<'_>,
     ) {
-        let m4 = _mm256_set1_epi8(0xf);
+        let group_block = KQuant::<FIFTH_BIT>::GROUP_BLOCK;
         // A loop LLVM does not unroll: unrolled, it hoists the steps' quants ahead of their
         // uses and spills them.
         let steps = std::hint::black_box(32usize);
-        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+        for (g, group) in w.chunks_exact(nb * group_block).enumerate() {
             for h in 0..2 {
                 let mut acc = [_mm256_setzero_ps(); NA];
                 let mut acc_min = [_mm256_setzero_ps(); NA];
-                for (b, gb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+                for (b, gb) in group.chunks_exact(group_block).enumerate() {
                     let p = gb.as_ptr();
                     let ab: [&Q8KBlock; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
                     // Sub-block `j`'s scale of rows 8h.., in both i16 halves of the row's lane.
@@ -293,12 +391,8 @@ mod x86 {
                     for step in 0..steps {
                         let step = step & 31;
                         let (c, t) = (step / 8, step % 8);
-                        // SAFETY: step `step` of half `h` is 32 bytes inside the block.
-                        let q = unsafe {
-                            _mm256_loadu_si256(p.add(QS + 64 * step + 32 * h) as *const __m256i)
-                        };
-                        let lo = _mm256_and_si256(q, m4);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                        // SAFETY: `p` is a whole group block.
+                        let (lo, hi) = unsafe { step_avx2::<FIFTH_BIT>(p, step, h) };
                         for (isum, ab) in isum.iter_mut().zip(ab) {
                             let x = _mm256_set1_epi32(four(ab, 64 * c + 4 * t));
                             let l = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), sc[2 * c]);
@@ -341,19 +435,19 @@ mod x86 {
     /// The same integers for few activation rows: each activation row's sub-block sums kept
     /// apart and scaled once per sub-block (faster for one row, where nothing is shared).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2_rows_few<const NA: usize>(
+    pub(super) unsafe fn avx2_rows_few<const NA: usize, const FIFTH_BIT: bool>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
         out: TileOut<'_>,
     ) {
-        let m4 = _mm256_set1_epi8(0xf);
+        let group_block = KQuant::<FIFTH_BIT>::GROUP_BLOCK;
         let ones = _mm256_set1_epi16(1);
-        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+        for (g, group) in w.chunks_exact(nb * group_block).enumerate() {
             for h in 0..2 {
                 let mut acc = [_mm256_setzero_ps(); NA];
                 let mut acc_min = [_mm256_setzero_ps(); NA];
-                for (b, gb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+                for (b, gb) in group.chunks_exact(group_block).enumerate() {
                     let p = gb.as_ptr();
                     // SAFETY: d and dmin of rows 8h.. are inside the block.
                     let (dw, dminw) = unsafe {
@@ -369,14 +463,8 @@ mod x86 {
                     for c in 0..4 {
                         let mut sub = [[_mm256_setzero_si256(); 2]; NA];
                         for t in 0..8 {
-                            // SAFETY: step 8c + t of half `h` is 32 bytes inside the block.
-                            let q = unsafe {
-                                _mm256_loadu_si256(
-                                    p.add(QS + 64 * (8 * c + t) + 32 * h) as *const __m256i
-                                )
-                            };
-                            let lo = _mm256_and_si256(q, m4);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                            // SAFETY: `p` is a whole group block.
+                            let (lo, hi) = unsafe { step_avx2::<FIFTH_BIT>(p, 8 * c + t, h) };
                             for (a, sub) in sub.iter_mut().enumerate() {
                                 let ab = &acts[a * nb + b];
                                 for (k, q) in [lo, hi].into_iter().enumerate() {
@@ -428,23 +516,23 @@ mod x86 {
     /// A whole group per register. Few activation rows get more partial sums per sub-block, so
     /// the VNNI chains stay short enough to overlap.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512_rows<const NA: usize>(
+    pub(super) unsafe fn avx512_rows<const NA: usize, const FIFTH_BIT: bool>(
         w: &[u8],
         acts: &[Q8KBlock],
         nb: usize,
         out: TileOut<'_>,
     ) {
+        let group_block = KQuant::<FIFTH_BIT>::GROUP_BLOCK;
         // Partial sums per sub-block and activation row: at least eight VNNI chains.
         let chains = match NA {
             1 => 4,
             2 => 2,
             _ => 1,
         };
-        let m4 = _mm512_set1_epi8(0xf);
-        for (g, group) in w.chunks_exact(nb * GROUP_BLOCK).enumerate() {
+        for (g, group) in w.chunks_exact(nb * group_block).enumerate() {
             let mut acc = [_mm512_setzero_ps(); NA];
             let mut acc_min = [_mm512_setzero_ps(); NA];
-            for (b, gb) in group.chunks_exact(GROUP_BLOCK).enumerate() {
+            for (b, gb) in group.chunks_exact(group_block).enumerate() {
                 let p = gb.as_ptr();
                 // SAFETY: d and dmin are inside the group block.
                 let (dw, dminw) = unsafe {
@@ -462,12 +550,8 @@ mod x86 {
                     macro_rules! step {
                         ($t:expr, $chain:expr) => {{
                             let t = $t;
-                            // SAFETY: step 8c + t is 64 bytes inside the group block.
-                            let q = unsafe {
-                                _mm512_loadu_si512(p.add(QS + 64 * (8 * c + t)) as *const __m512i)
-                            };
-                            let lo = _mm512_and_si512(q, m4);
-                            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+                            // SAFETY: `p` is a whole group block.
+                            let (lo, hi) = unsafe { step_avx512::<FIFTH_BIT>(p, 8 * c + t) };
                             for (a, sub) in sub.iter_mut().enumerate() {
                                 let ab = &acts[a * nb + b];
                                 let x = _mm512_set1_epi32(four(ab, 64 * c + 4 * t));
@@ -530,27 +614,57 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::{check_paths_agree, Rng};
-    use super::super::WeightFormat;
+    use super::super::test_util::{
+        check_dequantized_as_candle, check_paths_agree, random_gguf, Rng,
+    };
+    use super::super::{matmul, prepare, WeightFormat};
     use super::*;
 
-    fn random_weights(rng: &mut Rng, rows: usize, nb: usize) -> Vec<u8> {
-        let mut w = Vec::with_capacity(rows * nb * GGUF_BLOCK_BYTES);
-        for _ in 0..rows * nb {
-            w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
-            w.extend_from_slice(&f16::from_f32(rng.uniform() * 0.01).to_le_bytes());
-            // Every bit pattern of scales and quants is a valid block.
-            w.extend((0..140).map(|_| rng.next() as u8));
-        }
-        w
+    /// Random GGUF blocks of Q4_K (`FIFTH_BIT` false) or Q5_K.
+    fn random_weights<const FIFTH_BIT: bool>(rng: &mut Rng, rows: usize, nb: usize) -> Vec<u8> {
+        let format = if FIFTH_BIT {
+            WeightFormat::Q5K
+        } else {
+            WeightFormat::Q4K
+        };
+        random_gguf(format, rows * nb, rng)
     }
 
     #[test]
     fn simd_paths_equal_scalar_reference_bit_for_bit() {
         let mut rng = Rng::new(4);
-        for (rows, nb) in [(1, 1), (5, 3), (16, 2), (37, 2)] {
-            let w = random_weights(&mut rng, rows, nb);
-            check_paths_agree(WeightFormat::Q4K, &w, nb * BLOCK_ELEMS, rows, &mut rng);
+        for format in [WeightFormat::Q4K, WeightFormat::Q5K] {
+            for (rows, nb) in [(1, 1), (5, 3), (16, 2), (37, 2)] {
+                let w = random_gguf(format, rows * nb, &mut rng);
+                check_paths_agree(format, &w, nb * BLOCK_ELEMS, rows, &mut rng);
+            }
+        }
+    }
+
+    /// The largest Q5_K products (every quant 31, every scale 63, activations ±127) stay exact
+    /// on every path, in i16 pairs as in the blocks' i32 sums.
+    #[test]
+    fn q5_k_extreme_values_stay_exact() {
+        let (rows, nb) = (16, 2);
+        let mut w = Vec::new();
+        for _ in 0..rows * nb {
+            w.extend_from_slice(&f16::from_f32(0.01).to_le_bytes());
+            w.extend_from_slice(&f16::from_f32(0.02).to_le_bytes());
+            w.extend_from_slice(&[0xff; 172]);
+        }
+        let w = prepare(WeightFormat::Q5K, w, rows);
+        let in_dim = nb * BLOCK_ELEMS;
+        for sign in [1.0f32, -1.0] {
+            let x = vec![sign; 9 * in_dim];
+            let reference = matmul(WeightFormat::Q5K, Isa::Scalar, &w, in_dim, rows, &x);
+            // Every row and column the same value, of `sign`'s sign.
+            assert!(reference
+                .iter()
+                .all(|&v| v == reference[0] && v * sign > 0.0));
+            for isa in Isa::available() {
+                let got = matmul(WeightFormat::Q5K, isa, &w, in_dim, rows, &x);
+                assert_eq!(got, reference, "{isa:?} {sign}");
+            }
         }
     }
 
@@ -568,9 +682,10 @@ mod tests {
 
     /// The kernel's formula written directly on GGUF blocks and activation quants: one
     /// multiply-add per block for the scaled quants and one for the mins.
-    fn straightforward(wrow: &[u8], arow: &[Q8KBlock]) -> f32 {
+    fn straightforward<const FIFTH_BIT: bool>(wrow: &[u8], arow: &[Q8KBlock]) -> f32 {
         let (mut acc, mut acc_min) = (0f32, 0f32);
-        for (wb, ab) in wrow.chunks_exact(GGUF_BLOCK_BYTES).zip(arow) {
+        let block = KQuant::<FIFTH_BIT>::GGUF_BLOCK_BYTES;
+        for (wb, ab) in wrow.chunks_exact(block).zip(arow) {
             let d = f16::from_le_bytes([wb[0], wb[1]]).to_f32();
             let dmin = f16::from_le_bytes([wb[2], wb[3]]).to_f32();
             let (mut isum, mut msum) = (0i32, 0i32);
@@ -578,9 +693,13 @@ mod tests {
                 let (scale, min) = scale_min_k4(j, &wb[4..16]);
                 let mut dot = 0i32;
                 for i in 0..32 {
-                    // Value 32j + i: byte 32 (j / 2) + i, low nibble for even j.
-                    let byte = wb[16 + 32 * (j / 2) + i];
-                    let q = if j % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                    // Value 32j + i: byte 32 (j / 2) + i of the nibbles, low nibble for even j;
+                    // Q5_K's fifth bit is bit j of qh[i] (ggml's `dequantize_row_q5_K`).
+                    let byte = wb[KQuant::<FIFTH_BIT>::GGUF_QS + 32 * (j / 2) + i];
+                    let mut q = if j % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                    if FIFTH_BIT {
+                        q |= (wb[16 + i] >> j & 1) << 4;
+                    }
                     dot += q as i32 * ab.qs[32 * j + i] as i32;
                 }
                 isum += scale * dot;
@@ -593,23 +712,23 @@ mod tests {
         acc - acc_min
     }
 
-    #[test]
-    fn scalar_reference_is_the_repacked_ggml_formula() {
-        let mut rng = Rng::new(14);
+    fn check_scalar_reference<const FIFTH_BIT: bool>(seed: u64) {
+        let mut rng = Rng::new(seed);
         let (rows, nb, na) = (21, 3, 3);
-        let w = random_weights(&mut rng, rows, nb);
+        let w = random_weights::<FIFTH_BIT>(&mut rng, rows, nb);
         let x: Vec<f32> = (0..na * nb * BLOCK_ELEMS)
             .map(|i| rng.uniform() * (1 + i % 5) as f32)
             .collect();
         let mut acts = vec![Q8KBlock::default(); na * nb];
         quantize_q8_k(&x, &mut acts);
-        let packed = interleave(&w, rows);
-        let stride = packed.len() / (nb * BLOCK_BYTES);
+        let packed = KQuant::<FIFTH_BIT>::interleave(&w, rows);
+        let stride = packed.len() / (nb * KQuant::<FIFTH_BIT>::BLOCK_BYTES);
         let mut out = vec![0f32; na * stride];
-        scalar(&packed, &acts, nb, TileOut::buffer(&mut out, na, stride));
+        scalar::<FIFTH_BIT>(&packed, &acts, nb, TileOut::buffer(&mut out, na, stride));
+        let block = KQuant::<FIFTH_BIT>::GGUF_BLOCK_BYTES;
         for (a, arow) in acts.chunks_exact(nb).enumerate() {
-            for (r, wrow) in w.chunks_exact(nb * GGUF_BLOCK_BYTES).enumerate() {
-                let want = straightforward(wrow, arow);
+            for (r, wrow) in w.chunks_exact(nb * block).enumerate() {
+                let want = straightforward::<FIFTH_BIT>(wrow, arow);
                 assert_eq!(
                     out[a * stride + r].to_bits(),
                     want.to_bits(),
@@ -620,20 +739,40 @@ mod tests {
     }
 
     #[test]
-    fn interleaving_keeps_every_row() {
-        let mut rng = Rng::new(15);
+    fn scalar_reference_is_the_repacked_ggml_formula() {
+        check_scalar_reference::<false>(14);
+        check_scalar_reference::<true>(16);
+    }
+
+    fn check_interleaving<const FIFTH_BIT: bool>(seed: u64) {
+        let mut rng = Rng::new(seed);
         let (rows, nb) = (19, 2);
-        let w = random_weights(&mut rng, rows, nb);
-        let packed = interleave(&w, rows);
-        assert_eq!(packed.len(), 2 * GROUP * nb * BLOCK_BYTES);
+        let w = random_weights::<FIFTH_BIT>(&mut rng, rows, nb);
+        let packed = KQuant::<FIFTH_BIT>::interleave(&w, rows);
+        assert_eq!(
+            packed.len(),
+            2 * GROUP * nb * KQuant::<FIFTH_BIT>::BLOCK_BYTES
+        );
         let picked = [18, 0, 7, 16, 7];
-        let back = gguf_rows(&packed, nb * BLOCK_ELEMS, &picked);
+        let back = KQuant::<FIFTH_BIT>::gguf_rows(&packed, nb * BLOCK_ELEMS, &picked);
+        let row = nb * KQuant::<FIFTH_BIT>::GGUF_BLOCK_BYTES;
         for (i, &r) in picked.iter().enumerate() {
-            let row = nb * GGUF_BLOCK_BYTES;
             assert_eq!(back[i * row..(i + 1) * row], w[r * row..(r + 1) * row]);
         }
         // Padding rows are zero blocks.
-        let pad = gguf_rows(&packed, nb * BLOCK_ELEMS, &[31]);
+        let pad = KQuant::<FIFTH_BIT>::gguf_rows(&packed, nb * BLOCK_ELEMS, &[31]);
         assert!(pad.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn interleaving_keeps_every_row() {
+        check_interleaving::<false>(15);
+        check_interleaving::<true>(17);
+    }
+
+    #[test]
+    fn reads_gguf_blocks_as_candle_does() {
+        check_dequantized_as_candle(WeightFormat::Q4K, &mut Rng::new(18));
+        check_dequantized_as_candle(WeightFormat::Q5K, &mut Rng::new(19));
     }
 }

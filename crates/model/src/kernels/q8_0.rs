@@ -1,9 +1,10 @@
-//! Weights whose blocks of 32 values pair with Q8_0 activations: Q8_0 (f16 scale + 32 i8) and
-//! Q5_0 (f16 scale + 32 five-bit values, see `q5_0`): one f32 accumulator per (row, column),
-//! taking each block's exact integer dot product `Σ w_i a_i` (32 values) by one fused
-//! multiply-add, `acc = fma(dw·da, Σ w a, acc)`, blocks in order. (Until issue 11 this kernel
-//! kept ggml's order, eight f32 lanes per row and `hsum_float_8`, which took eight conversions
-//! and multiply-adds per block where this takes one: batched matmuls ran about 1.4x slower.)
+//! Weights whose blocks of 32 values pair with Q8_0 activations: Q8_0 (f16 scale + 32 i8), Q5_0
+//! and Q4_0 (f16 scale + 32 five- or four-bit values, see `q5_0`): one f32 accumulator per
+//! (row, column), taking each block's exact integer dot product `Σ w_i a_i` (32 values) by one
+//! fused multiply-add, `acc = fma(dw·da, Σ w a, acc)`, blocks in order. (Until issue 11 this
+//! kernel kept ggml's order, eight f32 lanes per row and `hsum_float_8`, which took eight
+//! conversions and multiply-adds per block where this takes one: batched matmuls ran about 1.4x
+//! slower.)
 //!
 //! The weight is interleaved at load: sixteen rows per group, each block stored as the sixteen
 //! f16 scales, then the quants in the format's own packing ([`Format`]), which the kernels
@@ -12,10 +13,11 @@
 //! each row's integer sum ends in its own lane, with no horizontal adds: AVX-512 VNNI takes
 //! sixteen rows per instruction, from a starting value that takes `128 Σ a` back out; AVX2
 //! eight, through ggml's sign trick (batches of 16 rows or more widen each slice to 16-bit
-//! pairs instead, see `q8_0_pairs`; Q5_0 batches to bytes `w + 16`, [`FiveBitBytes`]; against
-//! pair-bound activations the stored bytes serve as they are, [`Q8_0PairBound`]). The integer
-//! sum of a block is exact whatever the order of its steps, so every path gives the scalar
-//! reference's bits, and a Q5_0 weight gives the bits its values would give as Q8_0.
+//! pairs instead, see `q8_0_pairs`; Q5_0 and Q4_0 batches to bytes `w + 16`, [`FiveBitBytes`];
+//! against pair-bound activations the stored bytes serve as they are, [`Q8_0PairBound`]). The
+//! integer sum of a block is exact whatever the order of its steps, so every path gives the
+//! scalar reference's bits, and a Q5_0 or Q4_0 weight gives the bits its values would give as
+//! Q8_0.
 
 use std::marker::PhantomData;
 
@@ -148,9 +150,10 @@ impl<const PAIR_BOUND: bool> Format for Q8_0<PAIR_BOUND> {
     }
 }
 
-/// Five-bit quants (Q5_0's, widened for batches) stored one per byte as `w + 16`, in Q8_0's
-/// layout: four steps' products `(w + 16)·a` add up in i16 (`4 · 2 · 31 · 127 < 2^15`) before
-/// one widening to i32, where Q8_0's bytes take ggml's sign trick and a widening every step.
+/// Five-bit quants (Q5_0's or Q4_0's, widened for batches) stored one per byte as `w + 16`, in
+/// Q8_0's layout: four steps' products `(w + 16)·a` add up in i16 (`4 · 2 · 31 · 127 < 2^15`)
+/// before one widening to i32, where Q8_0's bytes take ggml's sign trick and a widening every
+/// step.
 pub(crate) struct FiveBitBytes;
 
 impl Format for FiveBitBytes {

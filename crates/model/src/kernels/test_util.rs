@@ -13,7 +13,8 @@ use super::activations::{
 };
 use half::f16;
 
-use super::{matmul, prepare, q4_k, q5_0, q6_k, q8_0, Isa, WeightFormat};
+use super::q8_0::Format;
+use super::{dequantize_rows, matmul, prepare, q4_k, q5_0, q6_k, q8_0, Isa, WeightFormat};
 
 /// xorshift64*: deterministic test data without a dependency.
 pub(crate) struct Rng(u64);
@@ -40,8 +41,10 @@ impl Rng {
 pub(crate) fn random_gguf(format: WeightFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
     let (bytes, scales): (usize, &[usize]) = match format {
         WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound => (q8_0::BLOCK_BYTES, &[0]),
-        WeightFormat::Q5_0 => (q5_0::BLOCK_BYTES, &[0]),
-        WeightFormat::Q4K => (q4_k::GGUF_BLOCK_BYTES, &[0, 2]),
+        WeightFormat::Q5_0 => (q5_0::Q5_0::GGUF_BLOCK_BYTES, &[0]),
+        WeightFormat::Q4_0 => (q5_0::Q4_0::GGUF_BLOCK_BYTES, &[0]),
+        WeightFormat::Q4K => (q4_k::Q4K::GGUF_BLOCK_BYTES, &[0, 2]),
+        WeightFormat::Q5K => (q4_k::Q5K::GGUF_BLOCK_BYTES, &[0, 2]),
         WeightFormat::Q6K => (q6_k::BLOCK_BYTES, &[208]),
     };
     let mut w: Vec<u8> = (0..blocks * bytes).map(|_| rng.next() as u8).collect();
@@ -56,7 +59,10 @@ pub(crate) fn random_gguf(format: WeightFormat, blocks: usize, rng: &mut Rng) ->
 /// The activations as the kernels see them, dequantized.
 fn dequantized_activations(format: WeightFormat, x: &[f32]) -> Vec<f64> {
     match format {
-        WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound | WeightFormat::Q5_0 => {
+        WeightFormat::Q8_0
+        | WeightFormat::Q8_0PairBound
+        | WeightFormat::Q5_0
+        | WeightFormat::Q4_0 => {
             let mut q = vec![Q8_0Block::default(); x.len() / 32];
             if format == WeightFormat::Q8_0PairBound {
                 quantize_q8_0_pair_bound(Isa::Scalar, x, &mut q);
@@ -67,7 +73,7 @@ fn dequantized_activations(format: WeightFormat, x: &[f32]) -> Vec<f64> {
                 .flat_map(|b| b.qs.iter().map(move |&v| b.d as f64 * v as f64))
                 .collect()
         }
-        WeightFormat::Q4K | WeightFormat::Q6K => {
+        WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => {
             let mut q = vec![Q8KBlock::default(); x.len() / 256];
             quantize_q8_k(x, &mut q);
             q.iter()
@@ -81,7 +87,9 @@ fn dequantized_weight(format: WeightFormat, w: &[u8], in_dim: usize, out_dim: us
     let dtype = match format {
         WeightFormat::Q8_0 | WeightFormat::Q8_0PairBound => GgmlDType::Q8_0,
         WeightFormat::Q5_0 => GgmlDType::Q5_0,
+        WeightFormat::Q4_0 => GgmlDType::Q4_0,
         WeightFormat::Q4K => GgmlDType::Q4K,
+        WeightFormat::Q5K => GgmlDType::Q5K,
         WeightFormat::Q6K => GgmlDType::Q6K,
     };
     let storage = QStorage::from_data(Cow::Borrowed(w), &Device::Cpu, dtype).expect("storage");
@@ -106,7 +114,7 @@ pub(crate) fn check_paths_agree(
     let w = &prepare(format, w.to_vec(), out_dim)[..];
     // 16, 17 and 25 rows: batches that run on widened weights whatever the format (Q8_0's
     // AVX2 batches from 16 rows).
-    for rows in [1, 2, 3, 4, 5, 7, 9, 16, 17, 25] {
+    for rows in (1..=9).chain([16, 17, 25]) {
         // Rows of different magnitudes, one of them all zero.
         let mut x: Vec<f32> = (0..rows * in_dim)
             .map(|i| rng.uniform() * (1 + i / in_dim) as f32)
@@ -144,5 +152,56 @@ pub(crate) fn check_paths_agree(
                 );
             }
         }
+    }
+}
+
+/// The values of GGUF blocks of `F` as GGUF Q8_0 blocks.
+pub(crate) fn as_q8_0<F: Format>(w: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for b in w.chunks_exact(F::BLOCK_BYTES) {
+        out.extend_from_slice(&b[..2]);
+        out.extend((0..32).map(|i| F::gguf_quant(b, i) as u8));
+    }
+    out
+}
+
+/// A weight of `F` (`format`) gives, on every path, the bits its values give stored as Q8_0,
+/// and dequantizes to the same values.
+pub(crate) fn check_bits_as_q8_0<F: Format>(format: WeightFormat, rng: &mut Rng) {
+    let (rows, nb) = (40, 4);
+    let w = random_gguf(format, rows * nb, rng);
+    let ours = prepare(format, w.clone(), rows);
+    let q8 = prepare(WeightFormat::Q8_0, as_q8_0::<F>(&w), rows);
+    let x: Vec<f32> = (0..6 * nb * 32).map(|_| rng.uniform()).collect();
+    for isa in Isa::available() {
+        assert_eq!(
+            matmul(format, isa, &ours, nb * 32, rows, &x),
+            matmul(WeightFormat::Q8_0, isa, &q8, nb * 32, rows, &x),
+            "{format:?} {isa:?}"
+        );
+    }
+    let picked = [39, 0, 17];
+    let dims = (nb * 32, rows);
+    assert_eq!(
+        dequantize_rows(format, &ours, dims, &picked).expect("ours"),
+        dequantize_rows(WeightFormat::Q8_0, &q8, dims, &picked).expect("q8_0")
+    );
+}
+
+/// Rows of a prepared weight dequantize to candle's values for its GGUF blocks.
+pub(crate) fn check_dequantized_as_candle(format: WeightFormat, rng: &mut Rng) {
+    let (rows, nb) = (19, 2);
+    let in_dim = nb * format.block_elems();
+    let w = random_gguf(format, rows * nb, rng);
+    let candle = dequantized_weight(format, &w, in_dim, rows);
+    let picked = [18, 0, 7, 16, 7];
+    let ours = dequantize_rows(format, &prepare(format, w, rows), (in_dim, rows), &picked)
+        .expect("dequantize");
+    for (i, &r) in picked.iter().enumerate() {
+        assert_eq!(
+            ours[i * in_dim..(i + 1) * in_dim],
+            candle[r * in_dim..(r + 1) * in_dim],
+            "{format:?} row {r}"
+        );
     }
 }
