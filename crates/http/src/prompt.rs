@@ -260,24 +260,7 @@ mod tests {
     use temper_engine::BeamSearch;
 
     use super::*;
-    use crate::validation::{validate_chat, Limits};
-
-    fn ok(extra: serde_json::Value) -> ChatParams {
-        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
-        body.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        let limits = Limits {
-            vocab_size: 1000,
-            max_logprobs: Some(20),
-            max_n: 8,
-            trust_request_chat_template: false,
-            max_model_len: 100,
-            priority_scheduling: false,
-            tool_calls: false,
-        };
-        validate_chat(serde_json::from_value(body).unwrap(), &limits).unwrap()
-    }
+    use crate::validation::tests::ok;
 
     #[test]
     fn generation_request_carries_everything() {

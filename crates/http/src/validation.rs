@@ -441,7 +441,7 @@ pub fn convert_messages(messages: &[RequestMessage]) -> Result<Vec<ChatMessage>,
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use serde_json::{json, Value};
 
     use super::*;
@@ -464,7 +464,8 @@ mod tests {
         serde_json::from_value(body).unwrap()
     }
 
-    fn ok(extra: Value) -> ChatParams {
+    /// A chat request of one user message with `extra`'s fields, validated.
+    pub(crate) fn ok(extra: Value) -> ChatParams {
         validate_chat(request(extra), &LIMITS).unwrap()
     }
 
@@ -939,135 +940,117 @@ mod tests {
                   "top_logprobs": 2, "prompt_logprobs": 1, "stream": false}),
         );
     }
-}
 
-/// The extension and prompt fields of `extras`, through the one validation step.
-#[cfg(test)]
-mod extras_tests {
-    use serde_json::{json, Value};
+    /// The extension and prompt fields of `extras`, through the one validation step.
+    mod extras_fields {
+        use super::*;
+        use crate::protocol::ServiceTier;
 
-    use super::*;
-    use crate::protocol::ServiceTier;
-
-    const LIMITS: Limits = Limits {
-        vocab_size: 1000,
-        max_logprobs: Some(20),
-        max_n: 8,
-        trust_request_chat_template: false,
-        max_model_len: 100,
-        priority_scheduling: false,
-        tool_calls: false,
-    };
-
-    fn validate(extra: Value) -> Result<ChatParams, ApiError> {
-        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
+        fn validate(extra: Value) -> Result<ChatParams, ApiError> {
+            validate_chat(request(extra), &LIMITS)
         }
-        let req: ChatCompletionRequest = serde_json::from_value(body).unwrap();
-        validate_chat(req, &LIMITS)
-    }
 
-    fn param(extra: Value) -> String {
-        let e = validate(extra.clone()).expect_err(&extra.to_string());
-        serde_json::to_value(e.envelope()).unwrap()["error"]["param"]
-            .as_str()
-            .unwrap()
-            .to_owned()
-    }
+        fn param(extra: Value) -> String {
+            let e = validate(extra.clone()).expect_err(&extra.to_string());
+            serde_json::to_value(e.envelope()).unwrap()["error"]["param"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        }
 
-    #[test]
-    fn prompt_fields_become_typed() {
-        let p = validate(json!({
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-            "documents": [{"title": "t", "text": "x"}],
-            "reasoning_effort": "medium",
-        }))
-        .unwrap();
-        assert_eq!(p.prompt.tools.as_ref().unwrap()[0].function.name, "f");
-        assert_eq!(p.prompt.documents.as_ref().unwrap()[0]["text"], "x");
-        assert_eq!(p.prompt.reasoning_effort, Some(ReasoningEffort::Medium));
-        let p = validate(json!({})).unwrap();
-        assert!(p.prompt.tools.is_none() && p.prompt.documents.is_none());
-        assert_eq!(p.prompt.reasoning_effort, None);
-        assert_eq!(param(json!({"tools": []})), "tools");
-        assert_eq!(
-            param(json!({"reasoning_effort": "none"})),
-            "reasoning_effort"
-        );
-        assert_eq!(
-            param(json!({"documents": [{"text": ["x"]}]})),
-            "documents[0].text"
-        );
-    }
-
-    #[test]
-    fn truncation_and_echo() {
-        assert_eq!(validate(json!({})).unwrap().truncate_prompt_tokens, None);
-        let p = validate(json!({"truncate_prompt_tokens": -1})).unwrap();
-        assert_eq!(p.truncate_prompt_tokens, Some(100));
-        let p = validate(json!({"truncate_prompt_tokens": 100})).unwrap();
-        assert_eq!(p.truncate_prompt_tokens, Some(100));
-        for k in [101, 0, -2] {
+        #[test]
+        fn prompt_fields_become_typed() {
+            let p = validate(json!({
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                "documents": [{"title": "t", "text": "x"}],
+                "reasoning_effort": "medium",
+            }))
+            .unwrap();
+            assert_eq!(p.prompt.tools.as_ref().unwrap()[0].function.name, "f");
+            assert_eq!(p.prompt.documents.as_ref().unwrap()[0]["text"], "x");
+            assert_eq!(p.prompt.reasoning_effort, Some(ReasoningEffort::Medium));
+            let p = validate(json!({})).unwrap();
+            assert!(p.prompt.tools.is_none() && p.prompt.documents.is_none());
+            assert_eq!(p.prompt.reasoning_effort, None);
+            assert_eq!(param(json!({"tools": []})), "tools");
             assert_eq!(
-                param(json!({"truncate_prompt_tokens": k})),
-                "truncate_prompt_tokens"
+                param(json!({"reasoning_effort": "none"})),
+                "reasoning_effort"
+            );
+            assert_eq!(
+                param(json!({"documents": [{"text": ["x"]}]})),
+                "documents[0].text"
             );
         }
-        let prefill = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "He"}, {"type": "text", "text": "l"}]}]);
-        let p = validate(json!({"messages": prefill, "echo": true,
-            "continue_final_message": true, "add_generation_prompt": false}))
-        .unwrap();
-        assert_eq!(p.echo.as_deref(), Some("Hel"));
-        assert_eq!(
-            validate(json!({"messages": prefill, "add_generation_prompt": false}))
-                .unwrap()
-                .echo,
-            None
-        );
-        assert_eq!(validate(json!({"echo": true})).unwrap().echo, None);
-    }
 
-    #[test]
-    fn extension_fields() {
-        let p = validate(json!({
-            "cache_salt": "s", "kv_transfer_params": {"a": {"b": 1}},
-            "engine_xargs": {"s": "x", "n": 1.5, "l": ["a", 2]},
-            "service_tier": "priority", "parallel_tool_calls": false,
-            "mm_processor_kwargs": {}, "include_reasoning": false,
-        }))
-        .unwrap();
-        assert_eq!(p.extras.cache_salt.as_deref(), Some("s"));
-        assert_eq!(p.extras.kv_transfer_params.unwrap()["a"]["b"], 1);
-        assert_eq!(p.extras.engine_xargs["l"], json!(["a", 2]));
-        assert_eq!(p.extras.service_tier, Some(ServiceTier::Priority));
-        assert!(!p.extras.parallel_tool_calls && !p.include_reasoning);
-        let d = validate(json!({})).unwrap();
-        assert_eq!(
-            d.extras,
-            RequestExtras {
-                parallel_tool_calls: true,
-                ..RequestExtras::default()
+        #[test]
+        fn truncation_and_echo() {
+            assert_eq!(validate(json!({})).unwrap().truncate_prompt_tokens, None);
+            let p = validate(json!({"truncate_prompt_tokens": -1})).unwrap();
+            assert_eq!(p.truncate_prompt_tokens, Some(100));
+            let p = validate(json!({"truncate_prompt_tokens": 100})).unwrap();
+            assert_eq!(p.truncate_prompt_tokens, Some(100));
+            for k in [101, 0, -2] {
+                assert_eq!(
+                    param(json!({"truncate_prompt_tokens": k})),
+                    "truncate_prompt_tokens"
+                );
             }
-        );
-        assert!(d.include_reasoning);
-        assert_eq!(param(json!({"cache_salt": ""})), "cache_salt");
-        assert_eq!(
-            param(json!({"engine_xargs": {"x": null}})),
-            "engine_xargs.x"
-        );
-        assert_eq!(
-            param(json!({"engine_xargs": {"x": [[1]]}})),
-            "engine_xargs.x"
-        );
-        assert_eq!(
-            param(json!({"engine_xargs": {"x": false}})),
-            "engine_xargs.x"
-        );
-        assert_eq!(
-            param(json!({"mm_processor_kwargs": {"a": 1}})),
-            "mm_processor_kwargs"
-        );
-        assert_eq!(param(json!({"service_tier": "fast"})), "service_tier");
+            let prefill = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "He"}, {"type": "text", "text": "l"}]}]);
+            let p = validate(json!({"messages": prefill, "echo": true,
+                "continue_final_message": true, "add_generation_prompt": false}))
+            .unwrap();
+            assert_eq!(p.echo.as_deref(), Some("Hel"));
+            assert_eq!(
+                validate(json!({"messages": prefill, "add_generation_prompt": false}))
+                    .unwrap()
+                    .echo,
+                None
+            );
+            assert_eq!(validate(json!({"echo": true})).unwrap().echo, None);
+        }
+
+        #[test]
+        fn extension_fields() {
+            let p = validate(json!({
+                "cache_salt": "s", "kv_transfer_params": {"a": {"b": 1}},
+                "engine_xargs": {"s": "x", "n": 1.5, "l": ["a", 2]},
+                "service_tier": "priority", "parallel_tool_calls": false,
+                "mm_processor_kwargs": {}, "include_reasoning": false,
+            }))
+            .unwrap();
+            assert_eq!(p.extras.cache_salt.as_deref(), Some("s"));
+            assert_eq!(p.extras.kv_transfer_params.unwrap()["a"]["b"], 1);
+            assert_eq!(p.extras.engine_xargs["l"], json!(["a", 2]));
+            assert_eq!(p.extras.service_tier, Some(ServiceTier::Priority));
+            assert!(!p.extras.parallel_tool_calls && !p.include_reasoning);
+            let d = validate(json!({})).unwrap();
+            assert_eq!(
+                d.extras,
+                RequestExtras {
+                    parallel_tool_calls: true,
+                    ..RequestExtras::default()
+                }
+            );
+            assert!(d.include_reasoning);
+            assert_eq!(param(json!({"cache_salt": ""})), "cache_salt");
+            assert_eq!(
+                param(json!({"engine_xargs": {"x": null}})),
+                "engine_xargs.x"
+            );
+            assert_eq!(
+                param(json!({"engine_xargs": {"x": [[1]]}})),
+                "engine_xargs.x"
+            );
+            assert_eq!(
+                param(json!({"engine_xargs": {"x": false}})),
+                "engine_xargs.x"
+            );
+            assert_eq!(
+                param(json!({"mm_processor_kwargs": {"a": 1}})),
+                "mm_processor_kwargs"
+            );
+            assert_eq!(param(json!({"service_tier": "fast"})), "service_tier");
+        }
     }
 }

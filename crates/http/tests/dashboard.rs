@@ -6,9 +6,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{options, TestServer};
+use common::TestServer;
 use serde_json::{json, Value};
-use temper_http::{CatalogOptions, TrainingOptions};
 
 async fn get(server: &TestServer, path: &str) -> Value {
     let resp = server.get(path).await;
@@ -21,13 +20,7 @@ async fn get(server: &TestServer, path: &str) -> Value {
 #[tokio::test]
 async fn page_is_public_and_the_routes_it_reads_answer_what_it_reads() {
     let data = tempfile::tempdir().unwrap();
-    let server = TestServer::tiny_training(
-        options(),
-        CatalogOptions::new(data.path()),
-        TrainingOptions::default(),
-        None,
-    )
-    .await;
+    let server = TestServer::tiny_training_in(data.path()).await;
     server.state.training().unwrap().spawn_worker().unwrap();
 
     // The page: no key needed, HTML, confined to this server.

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use common::{options, TestServer};
 use serde_json::{json, Value};
-use temper_http::{CatalogOptions, TrainingOptions};
 
 /// The scraped text, after checking the answer's status and content type.
 async fn scrape(server: &TestServer) -> String {
@@ -112,13 +111,7 @@ async fn serving_series_add_up_to_the_responses() {
 #[tokio::test]
 async fn training_series_count_a_finished_job() {
     let data = tempfile::tempdir().unwrap();
-    let s = TestServer::tiny_training(
-        options(),
-        CatalogOptions::new(data.path()),
-        TrainingOptions::default(),
-        None,
-    )
-    .await;
+    let s = TestServer::tiny_training_in(data.path()).await;
     s.state.training().unwrap().spawn_worker().unwrap();
     let text = scrape(&s).await;
     assert_eq!(

@@ -565,9 +565,11 @@ fn trajectory_groups() -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_responses_match_the_documented_schemas() {
     let data = tempfile::tempdir().unwrap();
-    let mut training = TrainingOptions::default();
-    training.max_queued_jobs_per_team = Some(1);
-    training.max_body_bytes = 1 << 20;
+    let training = TrainingOptions {
+        max_queued_jobs_per_team: Some(1),
+        max_body_bytes: 1 << 20,
+        ..TrainingOptions::default()
+    };
     let server_options = ServerOptions {
         enable_tool_calls: true,
         max_body_bytes: 64 << 10,

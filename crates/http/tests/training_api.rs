@@ -604,8 +604,10 @@ async fn job_reads_events_and_cancel() {
 #[tokio::test]
 async fn training_routes_have_their_own_body_limit() {
     let data = tempfile::tempdir().unwrap();
-    let mut training = TrainingOptions::default();
-    training.max_body_bytes = 2000;
+    let training = TrainingOptions {
+        max_body_bytes: 2000,
+        ..TrainingOptions::default()
+    };
     let server = TestServer::tiny_training(
         ServerOptions {
             max_body_bytes: 500,

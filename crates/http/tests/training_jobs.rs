@@ -15,8 +15,10 @@ use temper_http::{CatalogOptions, TrainingOptions};
 /// A server over a store in `data` (kept by the caller, so a second server can reopen it), with
 /// the job worker running.
 async fn server(data: &Path, max_seq_len: usize) -> TestServer {
-    let mut training = TrainingOptions::default();
-    training.max_seq_len = max_seq_len;
+    let training = TrainingOptions {
+        max_seq_len,
+        ..TrainingOptions::default()
+    };
     let server =
         TestServer::tiny_training(options(), CatalogOptions::new(data), training, None).await;
     server.state.training().unwrap().spawn_worker().unwrap();
@@ -313,13 +315,7 @@ fn job_body(model_id: &str, reward: f64) -> Value {
 async fn idempotency_keys_replay_conflict_and_survive_a_restart() {
     let data = tempfile::tempdir().unwrap();
     // No worker: jobs stay queued, so cancelling them is possible at any time.
-    let server = TestServer::tiny_training(
-        options(),
-        CatalogOptions::new(data.path()),
-        TrainingOptions::default(),
-        None,
-    )
-    .await;
+    let server = TestServer::tiny_training_in(data.path()).await;
     let s = &server;
     let post_with = |path: &'static str, key: &'static str, body: Value| async move {
         call(s, "POST", path, KEY, Some(key), Some(&body)).await
@@ -471,13 +467,7 @@ async fn idempotency_keys_replay_conflict_and_survive_a_restart() {
 
     // After a restart on the same data directory: the same answers, the same conflicts.
     drop(server);
-    let server = TestServer::tiny_training(
-        options(),
-        CatalogOptions::new(data.path()),
-        TrainingOptions::default(),
-        None,
-    )
-    .await;
+    let server = TestServer::tiny_training_in(data.path()).await;
     let (status, again, replayed) = call(
         &server,
         "POST",

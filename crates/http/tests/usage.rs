@@ -10,17 +10,10 @@ use std::time::{Duration, Instant};
 use common::{check_stream, options, TestServer, KEY};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use temper_http::{CatalogOptions, TrainingOptions};
 
 async fn server() -> (TestServer, tempfile::TempDir) {
     let data = tempfile::tempdir().unwrap();
-    let server = TestServer::tiny_training(
-        options(),
-        CatalogOptions::new(data.path()),
-        TrainingOptions::default(),
-        None,
-    )
-    .await;
+    let server = TestServer::tiny_training_in(data.path()).await;
     (server, data)
 }
 

@@ -67,6 +67,17 @@ impl TestServer {
         server
     }
 
+    /// [`TestServer::tiny_training`] with the default options and a store in `data`.
+    pub async fn tiny_training_in(data: &Path) -> TestServer {
+        Self::tiny_training(
+            options(),
+            CatalogOptions::new(data),
+            TrainingOptions::default(),
+            None,
+        )
+        .await
+    }
+
     async fn start(spec: &ModelSpec, options: ServerOptions) -> TestServer {
         let model = ServedModel::load(spec).unwrap();
         Self::serve(AppState::new(vec![model], options).unwrap()).await
