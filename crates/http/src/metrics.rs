@@ -71,7 +71,7 @@ type HistogramOf = fn(&RequestMetrics) -> &HistogramSnapshot;
 fn serving(state: &AppState, out: &mut Exposition) {
     let models = state.models();
     let label = |i: usize| [("model_name", models[i].name.as_str())];
-    let gauges: [Series<&dyn Fn(usize) -> f64>; 3] = [
+    let gauges: [Series<&dyn Fn(usize) -> f64>; 5] = [
         (
             "vllm:num_requests_running",
             "Requests admitted to the batch and not finished.",
@@ -90,6 +90,21 @@ fn serving(state: &AppState, out: &mut Exposition) {
                 let kv = models[i].engine.kv_cache_stats();
                 let used = kv.capacity_blocks.saturating_sub(kv.available_blocks());
                 used as f64 / kv.capacity_blocks.max(1) as f64
+            },
+        ),
+        (
+            "temper:model_weight_bytes",
+            "Bytes of the model's weights as loaded (quantized as in the file): its projections \
+             and output head.",
+            &|i| models[i].model.decode_weight_bytes() as f64,
+        ),
+        (
+            "temper:kv_cache_capacity_bytes",
+            "The model's KV cache budget (--kv-cache-mb), in whole blocks; blocks are touched \
+             as they are first used.",
+            &|i| {
+                let kv = models[i].engine.kv_cache_stats();
+                (kv.capacity_blocks * kv.block_bytes) as f64
             },
         ),
     ];

@@ -102,6 +102,8 @@ async fn serving_series_add_up_to_the_responses() {
     assert_eq!(value(&text, &format!("vllm:num_requests_waiting{m}")), 0.0);
     let kv = value(&text, &format!("vllm:kv_cache_usage_perc{m}"));
     assert!((0.0..=1.0).contains(&kv), "{kv}");
+    assert!(value(&text, &format!("temper:model_weight_bytes{m}")) > 0.0);
+    assert!(value(&text, &format!("temper:kv_cache_capacity_bytes{m}")) > 0.0);
     assert!(
         !text.contains("temper:training_jobs"),
         "no training series without the training service"

@@ -115,6 +115,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             tracing::info!(
                 model = %name,
                 max_model_len = model.max_model_len,
+                weights_mb = model.model.decode_weight_bytes() >> 20,
                 kv_cache_mb = cfg.kv_cache_bytes >> 20,
                 kernels = temper_model::selected_isa().unwrap_or("?"),
                 "loaded"
