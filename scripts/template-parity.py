@@ -94,8 +94,6 @@ CASES = [
         ],
     },
     {
-        # Some templates (Qwen3's) test the assistant's content as a string: clients that send
-        # "" instead of null get a prompt from them.
         "name": "tool_round_empty_content",
         "tools": [WEATHER],
         "messages": [
@@ -122,11 +120,14 @@ CASES = [
 
 
 def template_view(messages):
-    """Tool-call arguments parsed into dicts, as temper (and vLLM) hand them to templates."""
+    """Messages as temper (and vLLM) hand them to templates: tool-call arguments parsed into
+    dicts, and a tool-call message's null content an empty string."""
     out = []
     for m in messages:
         m = dict(m)
         if m.get("tool_calls"):
+            if m.get("content") is None:
+                m["content"] = ""
             calls = []
             for c in m["tool_calls"]:
                 c = json.loads(json.dumps(c))

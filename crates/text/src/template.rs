@@ -428,6 +428,11 @@ fn neutralize_generation_tags(source: &str) -> String {
     out
 }
 
+/// The content a template sees for an assistant's tool-call message sent with `content: null`
+/// (as OpenAI clients send it): an empty string, as vLLM gives it. Templates that test the
+/// content as a string (Qwen 3's) refuse a null one.
+static EMPTY_CONTENT: MessageContent = MessageContent::Text(String::new());
+
 /// A message as the template receives it: tool-call arguments parsed into a dict (as vLLM
 /// does, since templates index into them or pass them to `tojson`).
 #[derive(Serialize)]
@@ -462,7 +467,10 @@ impl<'a> MessageView<'a> {
     fn new(m: &'a ChatMessage) -> Self {
         MessageView {
             role: &m.role,
-            content: m.content.as_ref(),
+            content: match (&m.content, &m.tool_calls) {
+                (None, Some(_)) => Some(&EMPTY_CONTENT),
+                (content, _) => content.as_ref(),
+            },
             name: m.name.as_deref(),
             tool_calls: m.tool_calls.as_ref().map(|calls| {
                 calls
