@@ -10,7 +10,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
 use serde_json::{Map, Value};
-use temper_text::tool_calls::{self, FunctionSchema};
+use temper_text::tool_calls::{self, FunctionSchema, ToolCallFormat};
 use temper_text::{TokenKind, Tokenizer};
 
 /// What a request's output must match (validated shape; compiled by `GrammarCompiler`).
@@ -32,9 +32,10 @@ pub enum OutputConstraint {
         structures: Vec<TagStructure>,
         options: JsonOptions,
     },
-    /// Tool calls in `temper_text::tool_calls`' format and nothing else: one or more calls (one
-    /// unless `parallel`), each of one of `functions` with arguments matching its schema.
+    /// Tool calls in the model's `format` and nothing else: one or more calls (one unless
+    /// `parallel`), each of one of `functions` with arguments matching its schema.
     ToolCalls {
+        format: ToolCallFormat,
         functions: Vec<FunctionSchema>,
         parallel: bool,
     },
@@ -281,6 +282,7 @@ fn top_level_grammar(constraint: &OutputConstraint) -> Result<TopLevelGrammar, G
             options,
         } => TopLevelGrammar::from_lark(structural_tag_lark(triggers, structures, options)?),
         OutputConstraint::ToolCalls {
+            format,
             functions,
             parallel,
         } => {
@@ -296,7 +298,7 @@ fn top_level_grammar(constraint: &OutputConstraint) -> Result<TopLevelGrammar, G
                     })
                 })
                 .collect::<Result<Vec<_>, GrammarError>>()?;
-            TopLevelGrammar::from_lark(tool_calls::grammar(&functions, *parallel))
+            TopLevelGrammar::from_lark(tool_calls::grammar(*format, &functions, *parallel))
         }
     })
 }

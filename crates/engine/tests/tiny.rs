@@ -1265,10 +1265,10 @@ fn json_schema_output_parses_and_validates() {
 }
 
 /// `tool_choice` "required": a random model's output is always calls that parse, of the given
-/// functions, with arguments matching their schemas; one call unless parallel.
+/// functions, with arguments matching their schemas; one call unless parallel; in each format.
 #[test]
 fn tool_call_constraint_gives_calls_that_parse_and_match_their_schemas() {
-    use temper_text::tool_calls::{FunctionSchema, ToolCallParser};
+    use temper_text::tool_calls::{FunctionSchema, ToolCallFormat, ToolCallParser};
     let e = default_engine();
     let functions = vec![
         FunctionSchema {
@@ -1287,7 +1287,8 @@ fn tool_call_constraint_gives_calls_that_parse_and_match_their_schemas() {
     let names: Vec<String> = functions.iter().map(|f| f.name.clone()).collect();
     let mut seen = std::collections::HashSet::new();
     let mut parallel_calls = 0;
-    for parallel in [false, true] {
+    let formats = [ToolCallFormat::Hermes, ToolCallFormat::Llama3Json];
+    for (format, parallel) in formats.into_iter().flat_map(|f| [(f, false), (f, true)]) {
         for seed in 0..8 {
             let req = constrained(
                 &e,
@@ -1295,13 +1296,15 @@ fn tool_call_constraint_gives_calls_that_parse_and_match_their_schemas() {
                 300,
                 seeded(seed),
                 OutputConstraint::ToolCalls {
+                    format,
                     functions: functions.clone(),
                     parallel,
                 },
             );
             let c = run(&e, req).remove(0);
             let max_calls = if parallel { usize::MAX } else { 1 };
-            let (content, calls) = ToolCallParser::new(names.clone(), max_calls).split(&c.text);
+            let (content, calls) =
+                ToolCallParser::new(format, names.clone(), max_calls).split(&c.text);
             if !parallel {
                 assert_eq!(c.reason, Some(FinishReason::Stop), "{:?}", c.text);
             }

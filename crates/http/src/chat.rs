@@ -669,6 +669,7 @@ fn sse_response(
 mod tests {
     use serde_json::{json, Value};
     use temper_engine::TokenLogprob;
+    use temper_text::tool_calls::ToolCallFormat;
     use tokio::sync::mpsc::unbounded_channel;
 
     use super::*;
@@ -906,7 +907,11 @@ mod tests {
     #[test]
     fn calls_stream_as_whole_tool_call_deltas_and_finish_with_tool_calls() {
         let c = Completion {
-            tool_parser: Some(ToolCallParser::new(vec!["f".into()], usize::MAX)),
+            tool_parser: Some(ToolCallParser::new(
+                ToolCallFormat::Hermes,
+                vec!["f".into()],
+                usize::MAX,
+            )),
             ..completion(1, false, false)
         };
         let out = run(

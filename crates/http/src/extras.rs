@@ -5,7 +5,7 @@
 
 use serde_json::{json, Value};
 use temper_engine::OutputConstraint;
-use temper_text::tool_calls::{FunctionSchema, ToolCallParser};
+use temper_text::tool_calls::{FunctionSchema, ToolCallFormat, ToolCallParser};
 use temper_text::{ChatMessage, ToolDef};
 
 use crate::error::ApiError;
@@ -94,29 +94,30 @@ pub struct ToolCalling {
 
 /// `tool_choice` against the request's validated `tools`. "none" (also the default without
 /// the server flag) leaves the output alone; the tools still reach the template, as in vLLM.
-/// The other forms need `enabled` (`--enable-tool-calls`), as vLLM's need
-/// `--enable-auto-tool-choice`; with it, a request with tools and no `tool_choice` is "auto".
+/// The other forms need `format` (`--enable-tool-calls`: the format the model's template asks
+/// for), as vLLM's need `--enable-auto-tool-choice`; with it, a request with tools and no
+/// `tool_choice` is "auto".
 pub fn tool_choice(
     choice: Option<Value>,
     tools: Option<&[ToolDef]>,
     parallel: bool,
-    enabled: bool,
+    format: Option<ToolCallFormat>,
 ) -> Result<ToolCalling, ApiError> {
     let choice = match choice {
-        None | Some(Value::Null) if enabled && tools.is_some() => Value::from("auto"),
+        None | Some(Value::Null) if format.is_some() && tools.is_some() => Value::from("auto"),
         None | Some(Value::Null) => return Ok(ToolCalling::default()),
         Some(c) => c,
     };
     if choice.as_str() == Some("none") {
         return Ok(ToolCalling::default());
     }
-    if !enabled {
+    let Some(format) = format else {
         return Err(ApiError::bad(
             "tool_choice",
             "The only supported `tool_choice` is \"none\": \"auto\", \"required\" and named \
              functions need the server to be started with --enable-tool-calls.",
         ));
-    }
+    };
     let tools = match choice.as_str() {
         Some("auto" | "required") | None => tools.ok_or_else(|| {
             ApiError::bad(
@@ -169,6 +170,7 @@ pub fn tool_choice(
     let constraint = (choice.as_str() != Some("auto")).then(|| RequestedConstraint {
         param: "tools",
         constraint: OutputConstraint::ToolCalls {
+            format,
             functions: callable
                 .iter()
                 .map(|t| FunctionSchema {
@@ -183,7 +185,7 @@ pub fn tool_choice(
         },
     });
     Ok(ToolCalling {
-        parser: Some(ToolCallParser::new(names, max_calls)),
+        parser: Some(ToolCallParser::new(format, names, max_calls)),
         constraint,
     })
 }

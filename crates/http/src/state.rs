@@ -8,6 +8,7 @@ use std::sync::Arc;
 use temper_catalog::{BaseModel, Catalog};
 use temper_engine::{Engine, EngineConfig, Scheduling};
 use temper_store::{Checkpoint, Store};
+use temper_text::tool_calls::ToolCallFormat;
 use temper_train::service::TrainingService;
 
 use crate::error::ApiError;
@@ -330,7 +331,12 @@ impl AppState {
             trust_request_chat_template: self.inner.options.trust_request_chat_template,
             max_model_len: model.max_model_len,
             priority_scheduling: model.scheduling == Scheduling::Priority,
-            tool_calls: self.inner.options.enable_tool_calls,
+            tool_calls: self.inner.options.enable_tool_calls.then(|| {
+                model
+                    .chat_template
+                    .as_ref()
+                    .map_or(ToolCallFormat::default(), |t| t.tool_call_format())
+            }),
         }
     }
 }

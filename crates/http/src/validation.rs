@@ -3,7 +3,7 @@
 //! Nothing downstream re-checks or sees the raw JSON.
 
 use temper_engine::{BeamSearch, SamplingParams, StopParams};
-use temper_text::tool_calls::ToolCallParser;
+use temper_text::tool_calls::{ToolCallFormat, ToolCallParser};
 use temper_text::{ChatMessage, ContentPart, FunctionCall, MessageContent, ToolCall, ToolDef};
 
 use crate::error::ApiError;
@@ -29,8 +29,9 @@ pub struct Limits {
     pub max_model_len: usize,
     /// The model is served with `--scheduling priority`: `priority` may be non-zero.
     pub priority_scheduling: bool,
-    /// `--enable-tool-calls`: `tool_choice` may be other than "none".
-    pub tool_calls: bool,
+    /// `--enable-tool-calls`: `tool_choice` may be other than "none", and calls are found and
+    /// constrained in this format (the model template's; a request template decides its own).
+    pub tool_calls: Option<ToolCallFormat>,
 }
 
 /// A validated chat completion request.
@@ -224,7 +225,11 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         req.tool_choice,
         tools.as_deref(),
         request_extras.parallel_tool_calls,
-        limits.tool_calls,
+        limits.tool_calls.map(|model_format| {
+            chat_template
+                .as_deref()
+                .map_or(model_format, ToolCallFormat::of_template)
+        }),
     )?;
 
     let constraint = match (
@@ -453,7 +458,7 @@ pub(crate) mod tests {
         trust_request_chat_template: false,
         max_model_len: 100,
         priority_scheduling: false,
-        tool_calls: false,
+        tool_calls: None,
     };
 
     fn request(extra: Value) -> ChatCompletionRequest {
@@ -660,7 +665,7 @@ pub(crate) mod tests {
     }
 
     const TOOLS: Limits = Limits {
-        tool_calls: true,
+        tool_calls: Some(ToolCallFormat::Hermes),
         ..LIMITS
     };
 
@@ -692,6 +697,7 @@ pub(crate) mod tests {
                     temper_engine::OutputConstraint::ToolCalls {
                         functions,
                         parallel,
+                        ..
                     },
             }) => (
                 functions.iter().map(|f| f.name.clone()).collect(),

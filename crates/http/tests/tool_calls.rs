@@ -109,6 +109,46 @@ async fn required_output_is_always_valid_calls() {
     assert!(called(&v).iter().all(|calls| !calls.is_empty()));
 }
 
+/// A Llama 3.x template asks for bare JSON calls (`{"name", "parameters"}`): calls are
+/// constrained and found in that format, here through a request's template.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama3_templates_get_llama3_json_calls() {
+    let template = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../text/tests/fixtures/templates/llama3.1.jinja"
+    ))
+    .unwrap();
+    let s = TestServer::tiny(
+        ServerOptions {
+            trust_request_chat_template: true,
+            ..tool_options()
+        },
+        None,
+    )
+    .await;
+    for parallel in [false, true] {
+        let (status, v) = s
+            .chat(&body(
+                json!({"tool_choice": "required", "chat_template": template,
+                "parallel_tool_calls": parallel, "temperature": 1, "seed": 3, "n": 3,
+                "return_token_ids": true}),
+            ))
+            .await;
+        assert_eq!(status, 200, "{v}");
+        for (calls, choice) in called(&v).iter().zip(v["choices"].as_array().unwrap()) {
+            assert!(
+                !calls.is_empty() && (parallel || calls.len() == 1),
+                "{choice}"
+            );
+            // The raw output is the bare JSON answer, not `<tool_call>` blocks.
+            let ids: Vec<u32> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
+            let text = s.post_ok("/detokenize", &json!({"tokens": ids})).await;
+            let text = text["prompt"].as_str().unwrap();
+            assert!(text.starts_with("{\"name\": "), "{text:?}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_named_function_is_the_only_one_called() {
     let s = TestServer::tiny(tool_options(), None).await;

@@ -119,6 +119,7 @@ pub struct ChatTemplate {
     bos_token: Option<String>,
     eos_token: Option<String>,
     marks_thinking: bool,
+    tool_call_format: crate::tool_calls::ToolCallFormat,
 }
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -284,6 +285,7 @@ impl ChatTemplate {
             bos_token,
             eos_token,
             marks_thinking: source.contains(crate::THINK_START),
+            tool_call_format: crate::tool_calls::ToolCallFormat::of_template(source),
         })
     }
 
@@ -291,6 +293,11 @@ impl ChatTemplate {
     /// the output goes through the reasoning parser.
     pub fn marks_thinking(&self) -> bool {
         self.marks_thinking
+    }
+
+    /// How the template's model writes tool calls.
+    pub fn tool_call_format(&self) -> crate::tool_calls::ToolCallFormat {
+        self.tool_call_format
     }
 
     /// Renders the prompt. `TextError::Template` carries `raise_exception`'s message as is.

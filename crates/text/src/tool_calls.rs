@@ -1,8 +1,9 @@
-//! The tool-call format: how the shipped Gemma 3 template writes an assistant's calls, the Lark
-//! grammar that constrains output to calls, and the parser that finds calls in output. The three
-//! must agree (tests render calls with the template and parse them back).
+//! The tool-call formats: how a chat template writes an assistant's calls, the Lark grammar
+//! that constrains output to calls, and the parser that finds calls in output. The three must
+//! agree (tests render calls with the templates and parse them back).
 //!
-//! A call is Hermes-style, one block per call, blocks separated by a line break:
+//! [`ToolCallFormat::Hermes`] (the shipped Gemma 3 template, Qwen 2.5 / 3, SmolLM3): one block
+//! per call, blocks separated by a line break:
 //!
 //! ```text
 //! <tool_call>
@@ -13,6 +14,10 @@
 //! Plain tags and one JSON object are easy for a small base model to copy from the prompt, easy
 //! to constrain (the envelope is literal text around one JSON value) and easy to find in free
 //! text.
+//!
+//! [`ToolCallFormat::Llama3Json`] (Llama 3.1 / 3.2 / 3.3): the whole answer is the call,
+//! `{"name": "get_weather", "parameters": {"city": "Paris"}}`, calls separated by `; `,
+//! optionally after `<|python_tag|>`.
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -21,6 +26,33 @@ pub const CALL_OPEN: &str = "<tool_call>";
 pub const CALL_CLOSE: &str = "</tool_call>";
 /// Between consecutive calls.
 pub const CALL_SEPARATOR: &str = "\n";
+/// What Llama 3.x may write before its JSON calls.
+pub const PYTHON_TAG: &str = "<|python_tag|>";
+/// Between consecutive Llama 3.x calls.
+pub const JSON_CALL_SEPARATOR: &str = "; ";
+
+/// How a model writes its tool calls (decided by its chat template).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ToolCallFormat {
+    /// `<tool_call>` blocks around `{"name", "arguments"}`.
+    #[default]
+    Hermes,
+    /// The answer is `{"name", "parameters"}` objects and nothing else.
+    Llama3Json,
+}
+
+impl ToolCallFormat {
+    /// The format a template asks its model for: Llama 3.x's templates describe the JSON answer
+    /// (`"parameters": dictionary of argument name and its value`) and have no `<tool_call>`
+    /// tags; everything else gets the tags.
+    pub fn of_template(source: &str) -> ToolCallFormat {
+        if !source.contains(CALL_OPEN) && source.contains(r#""parameters": dictionary"#) {
+            ToolCallFormat::Llama3Json
+        } else {
+            ToolCallFormat::Hermes
+        }
+    }
+}
 
 /// One call found in output. `arguments` is the arguments' JSON text exactly as generated.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,28 +68,42 @@ pub struct FunctionSchema {
     pub parameters: serde_json::Value,
 }
 
-/// A Lark grammar whose sentences are calls of `functions` (at least one; at most one when
-/// `parallel` is false), separated by `CALL_SEPARATOR`, with nothing around them. Each call is
-/// the template's exact envelope around JSON matching the function's schema, embedded as given
-/// (the caller adds its JSON whitespace options).
-pub fn grammar(functions: &[FunctionSchema], parallel: bool) -> String {
+/// A Lark grammar whose sentences are calls of `functions` in `format` (at least one; at most
+/// one when `parallel` is false), with nothing around them. Each call is the template's exact
+/// envelope around JSON matching the function's schema, embedded as given (the caller adds its
+/// JSON whitespace options).
+pub fn grammar(format: ToolCallFormat, functions: &[FunctionSchema], parallel: bool) -> String {
     let literal = |s: &str| serde_json::Value::String(s.to_owned()).to_string();
+    let (open, key, close, separator) = match format {
+        ToolCallFormat::Hermes => (
+            format!("{CALL_OPEN}\n"),
+            "arguments",
+            format!("}}\n{CALL_CLOSE}"),
+            CALL_SEPARATOR,
+        ),
+        ToolCallFormat::Llama3Json => (
+            String::new(),
+            "parameters",
+            "}".to_owned(),
+            JSON_CALL_SEPARATOR,
+        ),
+    };
     let mut rules = Vec::with_capacity(functions.len());
     for (i, f) in functions.iter().enumerate() {
-        let open = format!(
-            "{CALL_OPEN}\n{{\"name\": {}, \"arguments\": ",
+        let head = format!(
+            "{open}{{\"name\": {}, \"{key}\": ",
             serde_json::Value::String(f.name.clone())
         );
         rules.push(format!(
             "call_{i}: {} %json {} {}",
-            literal(&open),
+            literal(&head),
             f.parameters,
-            literal(&format!("}}\n{CALL_CLOSE}"))
+            literal(&close)
         ));
     }
     let calls: Vec<String> = (0..functions.len()).map(|i| format!("call_{i}")).collect();
     let start = if parallel {
-        format!("start: call ({} call)*", literal(CALL_SEPARATOR))
+        format!("start: call ({} call)*", literal(separator))
     } else {
         "start: call".to_owned()
     };
@@ -94,6 +140,7 @@ pub struct ToolCallDelta {
 /// blocks are content.
 #[derive(Debug, Clone)]
 pub struct ToolCallParser {
+    format: ToolCallFormat,
     names: Vec<String>,
     max_calls: usize,
     calls: usize,
@@ -105,11 +152,16 @@ pub struct ToolCallParser {
     space_before: String,
     /// The last thing resolved was a call: leading whitespace is dropped.
     after_call: bool,
+    /// Llama 3.x: the output does not start as a call, so all of it is content.
+    plain: bool,
 }
 
 impl ToolCallParser {
-    pub fn new(names: Vec<String>, max_calls: usize) -> Self {
+    /// Llama 3.x's calls are found in the whole output, at its end (`Llama3Json` output that
+    /// starts like a call is held back until then); Hermes blocks as each closes.
+    pub fn new(format: ToolCallFormat, names: Vec<String>, max_calls: usize) -> Self {
         ToolCallParser {
+            format,
             names,
             max_calls,
             calls: 0,
@@ -117,6 +169,7 @@ impl ToolCallParser {
             in_call: false,
             space_before: String::new(),
             after_call: false,
+            plain: false,
         }
     }
 
@@ -132,6 +185,56 @@ impl ToolCallParser {
     }
 
     pub fn push(&mut self, text: &str) -> ToolCallDelta {
+        match self.format {
+            ToolCallFormat::Hermes => self.push_blocks(text),
+            ToolCallFormat::Llama3Json => self.push_json(text),
+        }
+    }
+
+    /// Llama 3.x: holds the output while it may still be a call (empty, whitespace, a prefix
+    /// of `<|python_tag|>`, or starting with `{` after them); once it cannot be, all of it is
+    /// content as it comes.
+    fn push_json(&mut self, text: &str) -> ToolCallDelta {
+        if self.plain || self.max_calls == 0 {
+            return ToolCallDelta {
+                content: text.to_owned(),
+                calls: Vec::new(),
+            };
+        }
+        self.held.push_str(text);
+        let start = self.held.trim_start();
+        let may_be_call = match start.strip_prefix(PYTHON_TAG) {
+            Some(rest) => rest.trim_start().is_empty() || rest.trim_start().starts_with('{'),
+            None => PYTHON_TAG.starts_with(start) || start.starts_with('{'),
+        };
+        if may_be_call {
+            return ToolCallDelta::default();
+        }
+        self.plain = true;
+        ToolCallDelta {
+            content: std::mem::take(&mut self.held),
+            calls: Vec::new(),
+        }
+    }
+
+    /// Llama 3.x: the held output as calls, when all of it is calls of known functions
+    /// separated by `;` (at most `max_calls`).
+    fn json_calls(&self) -> Option<Vec<ParsedCall>> {
+        let start = self.held.trim();
+        let mut rest = start.strip_prefix(PYTHON_TAG).unwrap_or(start).trim_start();
+        let mut calls = Vec::new();
+        while !rest.is_empty() {
+            let mut values = serde_json::Deserializer::from_str(rest).into_iter::<CallBody<'_>>();
+            let body = values.next()?.ok()?;
+            let used = values.byte_offset();
+            calls.push(self.known(body)?);
+            rest = rest[used..].trim_start();
+            rest = rest.strip_prefix(';').unwrap_or(rest).trim_start();
+        }
+        (!calls.is_empty() && calls.len() <= self.max_calls).then_some(calls)
+    }
+
+    fn push_blocks(&mut self, text: &str) -> ToolCallDelta {
         self.held.push_str(text);
         let mut out = ToolCallDelta::default();
         loop {
@@ -201,6 +304,21 @@ impl ToolCallParser {
     /// The end of the output: held text is content (an unfinished block included), except
     /// whitespace after a call.
     pub fn finish(&mut self) -> ToolCallDelta {
+        if self.format == ToolCallFormat::Llama3Json {
+            return match self.json_calls() {
+                Some(calls) => {
+                    self.held.clear();
+                    ToolCallDelta {
+                        content: String::new(),
+                        calls,
+                    }
+                }
+                None => ToolCallDelta {
+                    content: std::mem::take(&mut self.held),
+                    calls: Vec::new(),
+                },
+            };
+        }
         let mut content = std::mem::take(&mut self.space_before);
         if self.in_call {
             content.push_str(CALL_OPEN);
@@ -217,7 +335,11 @@ impl ToolCallParser {
     }
 
     fn call(&self, body: &str) -> Option<ParsedCall> {
-        let body: CallBody<'_> = serde_json::from_str(body.trim()).ok()?;
+        self.known(serde_json::from_str(body.trim()).ok()?)
+    }
+
+    /// A call of one of the request's functions.
+    fn known(&self, body: CallBody<'_>) -> Option<ParsedCall> {
         self.names.contains(&body.name).then(|| ParsedCall {
             name: body.name,
             arguments: body.arguments.get().to_owned(),
@@ -238,7 +360,11 @@ mod tests {
     use super::*;
 
     fn parser() -> ToolCallParser {
-        ToolCallParser::new(vec!["f".into(), "g".into()], usize::MAX)
+        ToolCallParser::new(
+            ToolCallFormat::Hermes,
+            vec!["f".into(), "g".into()],
+            usize::MAX,
+        )
     }
 
     fn call(name: &str, arguments: &str) -> ParsedCall {
@@ -305,7 +431,8 @@ mod tests {
         assert_eq!(parser().split(&text).0.as_deref(), Some("Let me look."));
         assert_eq!(parser().split(&text).1.len(), 2);
         // One call allowed: the second block is content.
-        let (content, calls) = ToolCallParser::new(vec!["f".into(), "g".into()], 1).split(two);
+        let (content, calls) =
+            ToolCallParser::new(ToolCallFormat::Hermes, vec!["f".into(), "g".into()], 1).split(two);
         assert_eq!(calls, vec![call("f", "{\"a\": 1}")]);
         assert!(content.unwrap().starts_with("<tool_call>\n{\"arguments\""));
         assert_eq!(
@@ -354,11 +481,96 @@ mod tests {
             },
         ];
         assert_eq!(
-            grammar(&functions, true),
+            grammar(ToolCallFormat::Hermes, &functions, true),
             "start: call (\"\\n\" call)*\ncall: call_0 | call_1\n\
              call_0: \"<tool_call>\\n{\\\"name\\\": \\\"f\\\", \\\"arguments\\\": \" %json {\"type\":\"object\"} \"}\\n</tool_call>\"\n\
              call_1: \"<tool_call>\\n{\\\"name\\\": \\\"g\\\\\\\"\\\", \\\"arguments\\\": \" %json true \"}\\n</tool_call>\"\n"
         );
-        assert!(grammar(&functions[..1], false).starts_with("start: call\ncall: call_0\n"));
+        assert!(grammar(ToolCallFormat::Hermes, &functions[..1], false)
+            .starts_with("start: call\ncall: call_0\n"));
+    }
+
+    fn llama() -> ToolCallParser {
+        ToolCallParser::new(
+            ToolCallFormat::Llama3Json,
+            vec!["f".into(), "g".into()],
+            usize::MAX,
+        )
+    }
+
+    #[test]
+    fn llama3_answers_that_are_calls_become_calls() {
+        let one = r#"{"name": "f", "parameters": {"city": "Paris"}}"#;
+        assert_eq!(
+            llama().split(one),
+            (None, vec![call("f", r#"{"city": "Paris"}"#)])
+        );
+        let tagged = format!("{PYTHON_TAG}{one}");
+        assert_eq!(
+            llama().split(&tagged).1,
+            vec![call("f", r#"{"city": "Paris"}"#)]
+        );
+        let two = r#" {"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": 1}} "#;
+        assert_eq!(
+            llama().split(two),
+            (None, vec![call("f", "{}"), call("g", r#"{"x": 1}"#)])
+        );
+        for text in [one, tagged.as_str(), two] {
+            streamed_agrees(&llama(), text);
+        }
+    }
+
+    #[test]
+    fn llama3_anything_else_is_content() {
+        for text in [
+            "Paris is sunny.",
+            r#"{"name": "unknown", "parameters": {}}"#,
+            r#"{"name": "f", "parameters": {}} and then some words"#,
+            r#"{"name": "f", "parameters": "#,
+            "  <|python",
+            "",
+        ] {
+            assert_eq!(
+                llama().split(text),
+                (Some(text.to_owned()), vec![]),
+                "{text}"
+            );
+            streamed_agrees(&llama(), text);
+        }
+        // Past `max_calls` the answer is content.
+        let two = r#"{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}"#;
+        let one_call =
+            ToolCallParser::new(ToolCallFormat::Llama3Json, vec!["f".into(), "g".into()], 1);
+        assert_eq!(one_call.split(two), (Some(two.to_owned()), vec![]));
+    }
+
+    #[test]
+    fn the_template_decides_the_format() {
+        assert_eq!(
+            ToolCallFormat::of_template(crate::ChatTemplate::GEMMA3),
+            ToolCallFormat::Hermes
+        );
+        let llama = r#"Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}."#;
+        assert_eq!(
+            ToolCallFormat::of_template(llama),
+            ToolCallFormat::Llama3Json
+        );
+        assert_eq!(
+            ToolCallFormat::of_template("{{ '<tool_call>' }} \"parameters\": dictionary"),
+            ToolCallFormat::Hermes
+        );
+    }
+
+    #[test]
+    fn llama3_grammar_is_its_answer_shape() {
+        let functions = [FunctionSchema {
+            name: "f".into(),
+            parameters: serde_json::json!({"type": "object"}),
+        }];
+        assert_eq!(
+            grammar(ToolCallFormat::Llama3Json, &functions, true),
+            "start: call (\"; \" call)*\ncall: call_0\n\
+             call_0: \"{\\\"name\\\": \\\"f\\\", \\\"parameters\\\": \" %json {\"type\":\"object\"} \"}\"\n"
+        );
     }
 }

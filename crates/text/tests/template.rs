@@ -336,7 +336,7 @@ fn gemma3_describes_tools_writes_calls_and_wraps_tool_results() {
 /// What the template writes for an assistant's calls is what the output parser reads back.
 #[test]
 fn gemma3_calls_parse_back_to_the_same_calls() {
-    use temper_text::tool_calls::{ParsedCall, ToolCallParser};
+    use temper_text::tool_calls::{ParsedCall, ToolCallFormat, ToolCallParser};
     let kw = no_kwargs();
     let calls = vec![
         call("a", "get_weather", r#"{"city": "Paris", "days": [1, 2]}"#),
@@ -362,6 +362,7 @@ fn gemma3_calls_parse_back_to_the_same_calls() {
             .and_then(|t| t.strip_suffix("<end_of_turn>\n"))
             .expect("an assistant turn");
         let parser = ToolCallParser::new(
+            ToolCallFormat::Hermes,
             vec!["get_weather".into(), "get_time".into(), "ping".into()],
             usize::MAX,
         );
