@@ -8,7 +8,7 @@ use candle_core::quantized::gguf_file::Value as GgufValue;
 use serde_json::Value as Json;
 
 use crate::bytelevel::{ByteLevelBpe, FromGguf};
-use crate::merge::{FxMap, MergeRule};
+use crate::merge::{FxMap, MergeRule, RankMerges};
 use crate::partition::{SpecialPiece, SpecialPieces};
 use crate::tokenizer::{
     byte_piece_value, Model, PrefixMode, SplitBehavior, SpmModel, TextRules, TokenKind, Tokenizer,
@@ -253,9 +253,9 @@ impl Tokenizer {
                 None => None,
             };
             let FromGguf { bpe, add_bos } = ByteLevelBpe::from_gguf(pre, &pieces, &merges)?;
-            (Model::ByteLevel(bpe), add_bos)
+            (Model::ByteLevel(Box::new(bpe)), add_bos)
         } else {
-            (Model::Spm(gguf_spm(md, &ids, n)?), true)
+            (Model::Spm(Box::new(gguf_spm(md, &ids, n)?)), true)
         };
         let specials = SpecialPieces::new(pieces.iter().zip(&kinds).enumerate().filter_map(
             |(i, (p, k))| {
@@ -420,7 +420,7 @@ impl Tokenizer {
         let (model, add_bos) = if byte_level {
             let pre = root.get("pre_tokenizer").unwrap_or(&Json::Null);
             let bpe = ByteLevelBpe::from_json(root.get("normalizer"), pre, model)?;
-            (Model::ByteLevel(bpe), post_bos.is_some())
+            (Model::ByteLevel(Box::new(bpe)), post_bos.is_some())
         } else {
             let spm = SpmModel {
                 scores: vec![0.0; n],
@@ -429,7 +429,7 @@ impl Tokenizer {
                 text: json_text_rules(&root, model, byte_fallback)?,
             };
             // SentencePiece-style models (Gemma, Llama 2) want BOS.
-            (Model::Spm(spm), true)
+            (Model::Spm(Box::new(spm)), true)
         };
         let specials = SpecialPieces::new(added.iter().map(|a| {
             (
@@ -495,10 +495,7 @@ fn json_post_bos(root: &Json, ids: &FxMap<String, u32>) -> Option<u32> {
 }
 
 /// A tokenizer.json BPE's merges: `(left id, right id) -> (rank, merged id)`.
-fn json_rank_merges(
-    model: &Json,
-    ids: &FxMap<String, u32>,
-) -> Result<FxMap<(u32, u32), (u32, u32)>, TextError> {
+fn json_rank_merges(model: &Json, ids: &FxMap<String, u32>) -> Result<RankMerges, TextError> {
     let bad = |msg: &str| TextError::TokenizerJson(msg.to_string());
     let mut merges = FxMap::default();
     if let Some(list) = model.get("merges").and_then(Json::as_array) {

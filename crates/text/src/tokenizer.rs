@@ -162,8 +162,9 @@ pub(crate) struct SpmModel {
 
 /// How the text between special pieces becomes ids.
 pub(crate) enum Model {
-    Spm(SpmModel),
-    ByteLevel(ByteLevelBpe),
+    // Boxed: both are large, and the tokenizer is built once.
+    Spm(Box<SpmModel>),
+    ByteLevel(Box<ByteLevelBpe>),
 }
 
 /// A BPE tokenizer, SentencePiece-style or byte-level. Immutable once built; share it as
