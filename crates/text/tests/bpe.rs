@@ -206,3 +206,29 @@ fn unknown_pre_tokenizers_and_missing_merges_are_load_errors() {
         "Hello, world! 12345"
     );
 }
+
+#[test]
+fn a_byte_level_tokenizer_json_beside_the_model_is_used() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(
+        fixture("qwen2.tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .expect("copy tokenizer.json");
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"bos_token": null, "eos_token": "<|im_end|>"}"#,
+    )
+    .expect("write tokenizer_config.json");
+    let tok = temper_text::load_tokenizer(&metadata("qwen2"), &dir.path().join("model.gguf"))
+        .expect("tokenizer beside the model");
+    assert_eq!(tok.eos_token(), Some("<|im_end|>"));
+    // The config names no BOS: the GGUF's.
+    assert_eq!(tok.bos_token(), Some("<|endoftext|>"));
+    assert!(!tok.add_bos());
+    let case = cases("qwen2")
+        .into_iter()
+        .find(|c| c.parse_special && c.text.starts_with("<|im_start|>"))
+        .expect("a chat case");
+    assert_eq!(tok.encode(&case.text, case.parse_special), case.ids);
+}
