@@ -259,9 +259,8 @@ impl ByteLevelBpe {
         // backtracking limit ends its matches there and leaves the rest one word.
         let _ = self.pre.pre_tokenize(&mut words);
         for (word, _, _) in words.get_splits(OffsetReferential::Original, OffsetType::None) {
-            // Every byte's character is in a byte-level vocabulary, so merging finds ids for
-            // all of a word; a malformed vocabulary without some loses those bytes, as in
-            // Hugging Face.
+            // BPE without dropout has no error path (a character missing from a malformed
+            // vocabulary is skipped, as in Hugging Face).
             if let Ok(tokens) = self.bpe.tokenize(word) {
                 out.extend(tokens.iter().map(|t| t.id));
             }
