@@ -16,23 +16,26 @@ use crate::{FinishReason, GenerationEvent, GenerationRequest, StopReason, TokenL
 /// Tokens that end generation like EOS does (unless `ignore_eos`).
 pub(crate) struct EndTokens {
     eos: Option<u32>,
-    end_of_turn: Option<u32>,
+    /// The family's end-of-turn tokens (`<end_of_turn>`, `<|im_end|>`, `<|eot_id|>`…).
+    end_of_turn: Vec<u32>,
 }
 
 impl EndTokens {
     pub(crate) fn of(tokenizer: &Tokenizer) -> Self {
         EndTokens {
             eos: tokenizer.eos_id(),
-            end_of_turn: tokenizer.token_id("<end_of_turn>"),
+            end_of_turn: tokenizer.end_of_turn_ids().to_vec(),
         }
     }
 
     pub(crate) fn contains(&self, id: u32) -> bool {
-        self.eos == Some(id) || self.end_of_turn == Some(id)
+        self.eos == Some(id) || self.end_of_turn.contains(&id)
     }
 
     pub(crate) fn ids(&self) -> Vec<u32> {
-        self.eos.into_iter().chain(self.end_of_turn).collect()
+        let mut ids: Vec<u32> = self.eos.into_iter().collect();
+        ids.extend(self.end_of_turn.iter().filter(|&&id| Some(id) != self.eos));
+        ids
     }
 }
 

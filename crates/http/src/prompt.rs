@@ -174,9 +174,10 @@ pub fn reasoning_parser(
     Some(ReasoningParser::new(text.trim_end().ends_with(THINK_START)))
 }
 
-/// `add_special_tokens`: BOS in front, as Hugging Face tokenizers of these models add it.
+/// `add_special_tokens`: BOS in front where the model wants it ([`Tokenizer::add_bos`]), as
+/// Hugging Face tokenizers of these models add it (Qwen's never do).
 pub fn prepend_bos(tok: &Tokenizer, ids: &mut Vec<u32>) {
-    if let Some(bos) = tok.bos_id() {
+    if let Some(bos) = tok.bos_id().filter(|_| tok.add_bos()) {
         ids.insert(0, bos);
     }
 }

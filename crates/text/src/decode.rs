@@ -25,7 +25,8 @@ impl Default for DecodeOptions {
 }
 
 /// Incremental detokenizer: each `step` returns only text made of complete UTF-8 characters,
-/// holding back a partial multi-byte sequence (from `<0xNN>` byte tokens) until it completes.
+/// holding back a partial multi-byte sequence (from `<0xNN>` byte tokens or byte-level pieces)
+/// until it completes.
 #[derive(Debug, Clone)]
 pub struct DecodeStream {
     opts: DecodeOptions,

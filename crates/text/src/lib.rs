@@ -1,6 +1,7 @@
-//! Text side of temper: the SentencePiece-BPE tokenizer (from GGUF metadata or a Hugging Face
-//! `tokenizer.json`), the streaming detokenizer and Jinja chat templates.
+//! Text side of temper: the tokenizer, SentencePiece-style or byte-level BPE (from GGUF metadata
+//! or a Hugging Face `tokenizer.json`), the streaming detokenizer and Jinja chat templates.
 
+mod bytelevel;
 mod decode;
 mod load;
 mod merge;

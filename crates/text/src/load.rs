@@ -7,10 +7,11 @@ use std::sync::OnceLock;
 use candle_core::quantized::gguf_file::Value as GgufValue;
 use serde_json::Value as Json;
 
-use crate::merge::{FxMap, MergeRule};
+use crate::bytelevel::{ByteLevelBpe, FromGguf};
+use crate::merge::{FxMap, MergeRule, RankMerges};
 use crate::partition::{SpecialPiece, SpecialPieces};
 use crate::tokenizer::{
-    byte_piece_value, PrefixMode, SplitBehavior, TextRules, TokenKind, Tokenizer,
+    byte_piece_value, Model, PrefixMode, SplitBehavior, SpmModel, TextRules, TokenKind, Tokenizer,
 };
 use crate::TextError;
 
@@ -30,6 +31,30 @@ const EOG_TEXTS: &[&str] = &[
     "<|end_of_text|>",
     "<end_of_utterance>",
 ];
+
+/// Texts of the tokens that end an assistant turn in the families we know.
+const END_OF_TURN_TEXTS: &[&str] = &[
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+];
+
+/// `explicit` (ids the file names) and the vocabulary's [`END_OF_TURN_TEXTS`], sorted.
+fn end_of_turn(explicit: impl IntoIterator<Item = u32>, ids: &FxMap<String, u32>) -> Vec<u32> {
+    let mut out: Vec<u32> = explicit
+        .into_iter()
+        .chain(
+            END_OF_TURN_TEXTS
+                .iter()
+                .filter_map(|t| ids.get(*t).copied()),
+        )
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
 
 fn md_err(msg: impl Into<String>) -> TextError {
     TextError::Metadata(msg.into())
@@ -82,6 +107,25 @@ fn gguf_array<'a>(
     }
 }
 
+fn gguf_strings(md: &HashMap<String, GgufValue>, key: &str) -> Result<Vec<String>, TextError> {
+    gguf_array(md, key)?
+        .ok_or_else(|| md_err(format!("{key} is missing")))?
+        .iter()
+        .map(|t| match t {
+            GgufValue::String(s) => Ok(s.clone()),
+            _ => Err(md_err(format!("{key} holds a non-string"))),
+        })
+        .collect()
+}
+
+fn gguf_bool(md: &HashMap<String, GgufValue>, key: &str) -> Result<Option<bool>, TextError> {
+    match md.get(key) {
+        None => Ok(None),
+        Some(GgufValue::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(md_err(format!("{key} is not a bool"))),
+    }
+}
+
 fn gguf_id(md: &HashMap<String, GgufValue>, key: &str, n: usize) -> Option<u32> {
     md.get(key)
         .and_then(gguf_u32)
@@ -119,42 +163,62 @@ fn id_map(pieces: &[String]) -> FxMap<String, u32> {
     ids
 }
 
+/// The SentencePiece-style half of a `llama` GGUF vocabulary: scores and add_space_prefix.
+fn gguf_spm(
+    md: &HashMap<String, GgufValue>,
+    ids: &FxMap<String, u32>,
+    n: usize,
+) -> Result<SpmModel, TextError> {
+    let scores = match gguf_array(md, "tokenizer.ggml.scores")? {
+        Some(a) if a.len() == n => a
+            .iter()
+            .map(|v| gguf_f32(v).ok_or_else(|| md_err("tokenizer.ggml.scores holds a non-number")))
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(_) => return Err(md_err("tokenizer.ggml.scores length differs from tokens")),
+        None => vec![0.0; n],
+    };
+    // llama.cpp's default for SentencePiece vocabularies.
+    let add_space_prefix = gguf_bool(md, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+    Ok(SpmModel {
+        scores,
+        byte_ids: byte_ids(ids),
+        rule: MergeRule::Scores,
+        text: TextRules {
+            space: Some("\u{2581}".to_string()),
+            prefix: if add_space_prefix {
+                PrefixMode::Always
+            } else {
+                PrefixMode::Never
+            },
+            splits: Vec::new(),
+            ignore_merges: false,
+            byte_fallback: true,
+            fuse_unk: false,
+        },
+    })
+}
+
 impl Tokenizer {
-    /// From GGUF metadata (`tokenizer.ggml.model == "llama"`: tokens, scores, token_type,
-    /// bos/eos/unknown ids, add_space_prefix).
+    /// From GGUF metadata: tokens, token_type, bos/eos/eot/eom/unknown ids, add_bos_token, and
+    /// for `tokenizer.ggml.model == "llama"` (SentencePiece-style) scores and add_space_prefix,
+    /// for `"gpt2"` (byte-level BPE) merges and the pre-tokenizer `tokenizer.ggml.pre`.
     pub fn from_gguf_metadata(md: &HashMap<String, GgufValue>) -> Result<Self, TextError> {
-        match md.get("tokenizer.ggml.model") {
-            Some(GgufValue::String(m)) if m == "llama" => {}
+        let byte_level = match md.get("tokenizer.ggml.model") {
+            Some(GgufValue::String(m)) if m == "llama" => false,
+            Some(GgufValue::String(m)) if m == "gpt2" => true,
             Some(GgufValue::String(m)) => {
                 return Err(TextError::Unsupported(format!(
-                    "tokenizer.ggml.model {m:?} (only \"llama\" SentencePiece-BPE is implemented)"
+                    "tokenizer.ggml.model {m:?} (\"llama\" SentencePiece-style and \"gpt2\" \
+                     byte-level BPE are implemented)"
                 )))
             }
             _ => return Err(md_err("tokenizer.ggml.model is missing")),
-        }
-        let tokens = gguf_array(md, "tokenizer.ggml.tokens")?
-            .ok_or_else(|| md_err("tokenizer.ggml.tokens is missing"))?;
-        let pieces = tokens
-            .iter()
-            .map(|t| match t {
-                GgufValue::String(s) => Ok(s.clone()),
-                _ => Err(md_err("tokenizer.ggml.tokens holds a non-string")),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        };
+        let pieces = gguf_strings(md, "tokenizer.ggml.tokens")?;
         let n = pieces.len();
         if n == 0 {
             return Err(md_err("tokenizer.ggml.tokens is empty"));
         }
-        let scores = match gguf_array(md, "tokenizer.ggml.scores")? {
-            Some(a) if a.len() == n => a
-                .iter()
-                .map(|v| {
-                    gguf_f32(v).ok_or_else(|| md_err("tokenizer.ggml.scores holds a non-number"))
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-            Some(_) => return Err(md_err("tokenizer.ggml.scores length differs from tokens")),
-            None => vec![0.0; n],
-        };
         let mut kinds = match gguf_array(md, "tokenizer.ggml.token_type")? {
             Some(a) if a.len() == n => a
                 .iter()
@@ -180,13 +244,19 @@ impl Tokenizer {
                 *kind = TokenKind::Control;
             }
         }
-        let add_space_prefix = match md.get("tokenizer.ggml.add_space_prefix") {
-            Some(GgufValue::Bool(b)) => *b,
-            Some(_) => return Err(md_err("tokenizer.ggml.add_space_prefix is not a bool")),
-            // llama.cpp's default for SentencePiece vocabularies.
-            None => true,
-        };
         let ids = id_map(&pieces);
+        let (model, add_bos) = if byte_level {
+            let merges = gguf_strings(md, "tokenizer.ggml.merges")?;
+            let pre = match md.get("tokenizer.ggml.pre") {
+                Some(GgufValue::String(p)) => Some(p.as_str()),
+                Some(_) => return Err(md_err("tokenizer.ggml.pre is not a string")),
+                None => None,
+            };
+            let FromGguf { bpe, add_bos } = ByteLevelBpe::from_gguf(pre, &pieces, &merges)?;
+            (Model::ByteLevel(Box::new(bpe)), add_bos)
+        } else {
+            (Model::Spm(Box::new(gguf_spm(md, &ids, n)?)), true)
+        };
         let specials = SpecialPieces::new(pieces.iter().zip(&kinds).enumerate().filter_map(
             |(i, (p, k))| {
                 let needs_parse_special = match k {
@@ -205,37 +275,28 @@ impl Tokenizer {
                 ))
             },
         ));
+        let explicit_end = ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
+            .iter()
+            .filter_map(|k| gguf_id(md, k, n));
         Ok(Tokenizer {
-            byte_ids: byte_ids(&ids),
             unk_id: gguf_id(md, "tokenizer.ggml.unknown_token_id", n),
             bos_id: gguf_id(md, "tokenizer.ggml.bos_token_id", n),
             eos_id: gguf_id(md, "tokenizer.ggml.eos_token_id", n),
-            rule: MergeRule::Scores,
-            text: TextRules {
-                space: Some("\u{2581}".to_string()),
-                prefix: if add_space_prefix {
-                    PrefixMode::Always
-                } else {
-                    PrefixMode::Never
-                },
-                splits: Vec::new(),
-                ignore_merges: false,
-                byte_fallback: true,
-                fuse_unk: false,
-            },
+            add_bos: gguf_bool(md, "tokenizer.ggml.add_bos_token")?.unwrap_or(add_bos),
+            end_of_turn: end_of_turn(explicit_end, &ids),
+            model,
             specials,
             logprob_ids: OnceLock::new(),
             pieces,
-            scores,
             kinds,
             ids,
         })
     }
 
     /// From a Hugging Face `tokenizer.json` with a BPE model (vocab + merges, byte fallback,
-    /// added tokens) and the SentencePiece-style space handling (`Replace`/`Prepend`
-    /// normalizers, `Metaspace`/`Split` pre-tokenizers). Byte-level (GPT-2 style) and regex
-    /// pre-tokenizers are not supported.
+    /// added tokens) and either the SentencePiece-style space handling (`Replace`/`Prepend`
+    /// normalizers, `Metaspace`/`Split` pre-tokenizers) or a `ByteLevel` pre-tokenizer, which
+    /// makes it byte-level BPE run with the file's own normalizer and pre-tokenizers.
     pub fn from_tokenizer_json(json: &str) -> Result<Self, TextError> {
         let root: Json = serde_json::from_str(json)?;
         let bad = |msg: &str| TextError::TokenizerJson(msg.to_string());
@@ -348,33 +409,28 @@ impl Tokenizer {
             };
         }
         let ids = id_map(&pieces);
-        let mut merges = FxMap::default();
-        if let Some(list) = model.get("merges").and_then(Json::as_array) {
-            merges.reserve(list.len());
-            for (rank, m) in list.iter().enumerate() {
-                let (l, r) = match m {
-                    Json::String(s) => s
-                        .split_once(' ')
-                        .ok_or_else(|| bad("merge without a space"))?,
-                    Json::Array(pair) => match pair.as_slice() {
-                        [Json::String(l), Json::String(r)] => (l.as_str(), r.as_str()),
-                        _ => return Err(bad("merge is not a pair of strings")),
-                    },
-                    _ => return Err(bad("merge is neither a string nor a pair")),
-                };
-                let id = |p: &str| {
-                    ids.get(p)
-                        .copied()
-                        .ok_or_else(|| bad(&format!("merge names {p:?}, not in the vocab")))
-                };
-                let merged = id(&format!("{l}{r}"))?;
-                // The first (lowest-rank) occurrence of a pair counts.
-                merges
-                    .entry((id(l)?, id(r)?))
-                    .or_insert((rank as u32, merged));
-            }
+        let mut pre = Vec::new();
+        if let Some(p) = root.get("pre_tokenizer") {
+            flatten(p, "pretokenizers", &mut pre);
         }
-        let text = json_text_rules(&root, model, byte_fallback)?;
+        let byte_level = pre
+            .iter()
+            .any(|p| p.get("type").and_then(Json::as_str) == Some("ByteLevel"));
+        let post_bos = json_post_bos(&root, &ids);
+        let (model, add_bos) = if byte_level {
+            let pre = root.get("pre_tokenizer").unwrap_or(&Json::Null);
+            let bpe = ByteLevelBpe::from_json(root.get("normalizer"), pre, model)?;
+            (Model::ByteLevel(Box::new(bpe)), post_bos.is_some())
+        } else {
+            let spm = SpmModel {
+                scores: vec![0.0; n],
+                byte_ids: byte_ids(&ids),
+                rule: MergeRule::Ranks(json_rank_merges(model, &ids)?),
+                text: json_text_rules(&root, model, byte_fallback)?,
+            };
+            // SentencePiece-style models (Gemma, Llama 2) want BOS.
+            (Model::Spm(Box::new(spm)), true)
+        };
         let specials = SpecialPieces::new(added.iter().map(|a| {
             (
                 a.content.as_str(),
@@ -386,20 +442,23 @@ impl Tokenizer {
                 },
             )
         }));
-        let bos_id = json_bos(&root, &ids);
+        let bos_id = post_bos.or_else(|| {
+            ["<bos>", "<s>", "<|begin_of_text|>"]
+                .iter()
+                .find_map(|t| ids.get(*t).copied())
+        });
         let eos_id = ["<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>"]
             .iter()
             .find_map(|t| ids.get(*t).copied());
         Ok(Tokenizer {
-            byte_ids: byte_ids(&ids),
             unk_id,
             bos_id,
             eos_id,
-            rule: MergeRule::Ranks(merges),
-            text,
+            add_bos,
+            end_of_turn: end_of_turn([], &ids),
+            model,
             specials,
             logprob_ids: OnceLock::new(),
-            scores: vec![0.0; n],
             pieces,
             kinds,
             ids,
@@ -407,8 +466,8 @@ impl Tokenizer {
     }
 }
 
-/// BOS: the special token the post-processor puts before the text, else a well-known name.
-fn json_bos(root: &Json, ids: &FxMap<String, u32>) -> Option<u32> {
+/// BOS: the special token the post-processor puts before the text.
+fn json_post_bos(root: &Json, ids: &FxMap<String, u32>) -> Option<u32> {
     let single = root.get("post_processor").and_then(|p| {
         p.get("single").or_else(|| {
             p.get("processors")?
@@ -432,9 +491,39 @@ fn json_bos(root: &Json, ids: &FxMap<String, u32>) -> Option<u32> {
             }
         }
     }
-    ["<bos>", "<s>", "<|begin_of_text|>"]
-        .iter()
-        .find_map(|t| ids.get(*t).copied())
+    None
+}
+
+/// A tokenizer.json BPE's merges: `(left id, right id) -> (rank, merged id)`.
+fn json_rank_merges(model: &Json, ids: &FxMap<String, u32>) -> Result<RankMerges, TextError> {
+    let bad = |msg: &str| TextError::TokenizerJson(msg.to_string());
+    let mut merges = FxMap::default();
+    if let Some(list) = model.get("merges").and_then(Json::as_array) {
+        merges.reserve(list.len());
+        for (rank, m) in list.iter().enumerate() {
+            let (l, r) = match m {
+                Json::String(s) => s
+                    .split_once(' ')
+                    .ok_or_else(|| bad("merge without a space"))?,
+                Json::Array(pair) => match pair.as_slice() {
+                    [Json::String(l), Json::String(r)] => (l.as_str(), r.as_str()),
+                    _ => return Err(bad("merge is not a pair of strings")),
+                },
+                _ => return Err(bad("merge is neither a string nor a pair")),
+            };
+            let id = |p: &str| {
+                ids.get(p)
+                    .copied()
+                    .ok_or_else(|| bad(&format!("merge names {p:?}, not in the vocab")))
+            };
+            let merged = id(&format!("{l}{r}"))?;
+            // The first (lowest-rank) occurrence of a pair counts.
+            merges
+                .entry((id(l)?, id(r)?))
+                .or_insert((rank as u32, merged));
+        }
+    }
+    Ok(merges)
 }
 
 /// Flattens `Sequence` components into their parts.

@@ -11,12 +11,15 @@ use crate::partition::FxHasher;
 
 pub(crate) type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
+/// Hugging Face BPE merges: `(left id, right id) -> (rank, merged id)`.
+pub(crate) type RankMerges = FxMap<(u32, u32), (u32, u32)>;
+
 /// Where the priority of merging two adjacent symbols comes from.
 pub(crate) enum MergeRule {
     /// SentencePiece: the joined piece must be in the vocabulary; its score decides (higher first).
     Scores,
-    /// Hugging Face BPE: `(left id, right id) -> (rank, merged id)`; lower rank first.
-    Ranks(FxMap<(u32, u32), (u32, u32)>),
+    /// Hugging Face BPE merges; lower rank first.
+    Ranks(RankMerges),
 }
 
 /// The vocabulary view the merge loop needs.

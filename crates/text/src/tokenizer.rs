@@ -1,9 +1,11 @@
-//! The tokenizer proper: vocabulary, encoding (special-piece partition, whitespace escaping,
-//! pair merging, byte fallback) and the per-token bytes decoding builds on.
+//! The tokenizer proper: vocabulary, encoding (special-piece partition, then SentencePiece-style
+//! whitespace escaping, pair merging and byte fallback, or byte-level BPE) and the per-token bytes
+//! decoding builds on.
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
 
+use crate::bytelevel::{piece_bytes, ByteLevelBpe};
 use crate::decode::{DecodeOptions, DecodeStream};
 use crate::merge::{FxMap, MergeRule, MergeVocab};
 use crate::partition::{Fragment, SpecialPieces};
@@ -107,6 +109,32 @@ fn split_words(
     out
 }
 
+/// Escapes spaces and adds the prefix a SentencePiece-style model wants.
+fn normalize_into(rules: &TextRules, raw: &str, at_start: bool, buf: &mut String) {
+    match &rules.space {
+        Some(rep) => {
+            let present = raw.starts_with(' ') || raw.starts_with(rep.as_str());
+            let prefix = match rules.prefix {
+                PrefixMode::Never => false,
+                PrefixMode::Always => true,
+                PrefixMode::UnlessPresent => !present,
+                PrefixMode::First => at_start && !present,
+            };
+            if prefix {
+                buf.push_str(rep);
+            }
+            for ch in raw.chars() {
+                if ch == ' ' {
+                    buf.push_str(rep);
+                } else {
+                    buf.push(ch);
+                }
+            }
+        }
+        None => buf.push_str(raw),
+    }
+}
+
 /// How raw text becomes merge input.
 pub(crate) struct TextRules {
     /// What a space becomes (`▁`); `None` leaves spaces alone.
@@ -123,18 +151,35 @@ pub(crate) struct TextRules {
     pub fuse_unk: bool,
 }
 
-/// A SentencePiece-style BPE tokenizer. Immutable once built; share it as `Arc<Tokenizer>`.
+/// SentencePiece-style BPE: spaces escaped (`▁`), pairs merged by score (GGUF) or rank
+/// (tokenizer.json), pieces without a token as `<0xNN>` byte tokens.
+pub(crate) struct SpmModel {
+    pub scores: Vec<f32>,
+    pub byte_ids: [Option<u32>; 256],
+    pub rule: MergeRule,
+    pub text: TextRules,
+}
+
+/// How the text between special pieces becomes ids.
+pub(crate) enum Model {
+    // Boxed: both are large, and the tokenizer is built once.
+    Spm(Box<SpmModel>),
+    ByteLevel(Box<ByteLevelBpe>),
+}
+
+/// A BPE tokenizer, SentencePiece-style or byte-level. Immutable once built; share it as
+/// `Arc<Tokenizer>`.
 pub struct Tokenizer {
     pub(crate) pieces: Vec<String>,
-    pub(crate) scores: Vec<f32>,
     pub(crate) kinds: Vec<TokenKind>,
     pub(crate) ids: FxMap<String, u32>,
-    pub(crate) byte_ids: [Option<u32>; 256],
     pub(crate) unk_id: Option<u32>,
     pub(crate) bos_id: Option<u32>,
     pub(crate) eos_id: Option<u32>,
-    pub(crate) rule: MergeRule,
-    pub(crate) text: TextRules,
+    pub(crate) add_bos: bool,
+    /// Sorted, without duplicates.
+    pub(crate) end_of_turn: Vec<u32>,
+    pub(crate) model: Model,
     pub(crate) specials: SpecialPieces,
     /// Bytes → the id [`Tokenizer::id_of_logprob_token`] answers; built on first use.
     pub(crate) logprob_ids: OnceLock<FxMap<Vec<u8>, u32>>,
@@ -161,58 +206,38 @@ impl Tokenizer {
                 Fragment::Special(id) => out.push(id),
                 Fragment::Text(start, end) => {
                     let raw = &text[start..end];
-                    buf.clear();
-                    self.normalize_into(raw, start == 0, &mut buf);
-                    self.encode_words(&buf, &mut out);
+                    match &self.model {
+                        Model::Spm(m) => {
+                            buf.clear();
+                            normalize_into(&m.text, raw, start == 0, &mut buf);
+                            self.encode_words(m, &buf, &mut out);
+                        }
+                        Model::ByteLevel(b) => b.encode(raw, &mut out),
+                    }
                 }
             }
         }
         out
     }
 
-    fn normalize_into(&self, raw: &str, at_start: bool, buf: &mut String) {
-        match &self.text.space {
-            Some(rep) => {
-                let present = raw.starts_with(' ') || raw.starts_with(rep.as_str());
-                let prefix = match self.text.prefix {
-                    PrefixMode::Never => false,
-                    PrefixMode::Always => true,
-                    PrefixMode::UnlessPresent => !present,
-                    PrefixMode::First => at_start && !present,
-                };
-                if prefix {
-                    buf.push_str(rep);
-                }
-                for ch in raw.chars() {
-                    if ch == ' ' {
-                        buf.push_str(rep);
-                    } else {
-                        buf.push(ch);
-                    }
-                }
-            }
-            None => buf.push_str(raw),
-        }
-    }
-
-    fn encode_words(&self, text: &str, out: &mut Vec<u32>) {
-        if self.text.splits.is_empty() {
-            return self.encode_word(text, out);
+    fn encode_words(&self, m: &SpmModel, text: &str, out: &mut Vec<u32>) {
+        if m.text.splits.is_empty() {
+            return self.encode_word(m, text, out);
         }
         let mut words = vec![(0, text.len())];
-        for (delim, how) in &self.text.splits {
+        for (delim, how) in &m.text.splits {
             words = split_words(text, &words, delim, *how);
         }
         for (s, e) in words {
-            self.encode_word(&text[s..e], out);
+            self.encode_word(m, &text[s..e], out);
         }
     }
 
-    fn encode_word(&self, word: &str, out: &mut Vec<u32>) {
+    fn encode_word(&self, m: &SpmModel, word: &str, out: &mut Vec<u32>) {
         if word.is_empty() {
             return;
         }
-        if self.text.ignore_merges {
+        if m.text.ignore_merges {
             if let Some(&id) = self.ids.get(word) {
                 out.push(id);
                 return;
@@ -220,27 +245,26 @@ impl Tokenizer {
         }
         let vocab = MergeVocab {
             ids: &self.ids,
-            scores: &self.scores,
-            rule: &self.rule,
+            scores: &m.scores,
+            rule: &m.rule,
         };
         vocab.merge(word, |piece| match piece {
             Ok(id) => out.push(id),
             Err((start, end)) => {
                 for &b in &word.as_bytes()[start..end] {
-                    let id = if self.text.byte_fallback {
-                        self.byte_ids[b as usize].or(self.unk_id)
+                    let id = if m.text.byte_fallback {
+                        m.byte_ids[b as usize].or(self.unk_id)
                     } else {
                         self.unk_id
                     };
                     if let Some(id) = id {
-                        let fused = self.text.fuse_unk
-                            && Some(id) == self.unk_id
-                            && out.last() == Some(&id);
+                        let fused =
+                            m.text.fuse_unk && Some(id) == self.unk_id && out.last() == Some(&id);
                         if !fused {
                             out.push(id);
                         }
                     }
-                    if !self.text.byte_fallback {
+                    if !m.text.byte_fallback {
                         // Without byte fallback the whole unknown piece is one unknown token.
                         break;
                     }
@@ -249,8 +273,9 @@ impl Tokenizer {
         });
     }
 
-    /// Decodes ids to text. Bytes from `<0xNN>` tokens are joined before UTF-8 decoding; only
-    /// truly invalid sequences become U+FFFD. Ids outside the vocabulary are ignored.
+    /// Decodes ids to text. Bytes of `<0xNN>` and byte-level tokens are joined before UTF-8
+    /// decoding; only truly invalid sequences become U+FFFD. Ids outside the vocabulary are
+    /// ignored.
     pub fn decode(&self, ids: &[u32], opts: DecodeOptions) -> String {
         let mut stream = DecodeStream::new(opts);
         let mut text = String::new();
@@ -261,8 +286,8 @@ impl Tokenizer {
         text
     }
 
-    /// The raw bytes a token stands for: `▁` becomes a space, `<0xNN>` that byte, control and
-    /// user-defined tokens their text.
+    /// The raw bytes a token stands for: `▁` becomes a space, `<0xNN>` that byte, a byte-level
+    /// piece the bytes its characters map back to; control and user-defined tokens their text.
     pub fn token_bytes(&self, id: u32) -> Option<Cow<'_, [u8]>> {
         let piece = self.pieces.get(id as usize)?;
         let kind = self.kinds[id as usize];
@@ -271,11 +296,14 @@ impl Tokenizer {
                 Some(b) => Cow::Owned(vec![b]),
                 None => Cow::Borrowed(piece.as_bytes()),
             },
-            TokenKind::Normal => match &self.text.space {
-                Some(rep) if piece.contains(rep.as_str()) => {
-                    Cow::Owned(piece.replace(rep.as_str(), " ").into_bytes())
-                }
-                _ => Cow::Borrowed(piece.as_bytes()),
+            TokenKind::Normal => match &self.model {
+                Model::Spm(m) => match &m.text.space {
+                    Some(rep) if piece.contains(rep.as_str()) => {
+                        Cow::Owned(piece.replace(rep.as_str(), " ").into_bytes())
+                    }
+                    _ => Cow::Borrowed(piece.as_bytes()),
+                },
+                Model::ByteLevel(_) => Cow::Owned(piece_bytes(piece)),
             },
             _ => Cow::Borrowed(piece.as_bytes()),
         })
@@ -333,7 +361,10 @@ impl Tokenizer {
     /// Whether decoding should drop one leading space from the first token: the encoder put a
     /// space replacement in front of the text.
     pub(crate) fn strips_prefix_space(&self) -> bool {
-        self.text.space.is_some() && self.text.prefix != PrefixMode::Never
+        match &self.model {
+            Model::Spm(m) => m.text.space.is_some() && m.text.prefix != PrefixMode::Never,
+            Model::ByteLevel(_) => false,
+        }
     }
 
     pub fn piece(&self, id: u32) -> Option<&str> {
@@ -359,9 +390,20 @@ impl Tokenizer {
     /// The most bytes of input text one token can stand for, so that a text of `b` bytes
     /// encodes to at least `b / max_text_bytes_per_token()` tokens: what lets a server refuse
     /// a prompt far past the context without tokenizing it. A space-replacement character
-    /// counts as the one space it replaces, a `<0xNN>` piece as one byte.
+    /// counts as the one space it replaces, a `<0xNN>` piece as one byte, a byte-level
+    /// character as the byte it stands for.
     pub fn max_text_bytes_per_token(&self) -> usize {
-        let space_extra = self
+        let m = match &self.model {
+            Model::Spm(m) => m,
+            Model::ByteLevel(_) => {
+                return (0..self.pieces.len() as u32)
+                    .filter_map(|id| self.token_bytes(id).map(|b| b.len()))
+                    .max()
+                    .unwrap_or(1)
+                    .max(1)
+            }
+        };
+        let space_extra = m
             .text
             .space
             .as_ref()
@@ -371,7 +413,7 @@ impl Tokenizer {
             .map(|piece| match byte_piece_value(piece) {
                 Some(_) => 1,
                 None if space_extra > 0 => {
-                    let rep = self.text.space.as_deref().unwrap_or_default();
+                    let rep = m.text.space.as_deref().unwrap_or_default();
                     piece.len() - piece.matches(rep).count() * space_extra
                 }
                 None => piece.len(),
@@ -395,6 +437,20 @@ impl Tokenizer {
 
     pub fn unk_id(&self) -> Option<u32> {
         self.unk_id
+    }
+
+    /// Whether the model expects BOS in front of a prompt (`tokenizer.ggml.add_bos_token`, else
+    /// the vocabulary type's and pre-tokenizer's default, as llama.cpp: SentencePiece and
+    /// Llama 3 yes, Qwen 2, SmolLM and GPT-2 no).
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// Tokens that end an assistant turn besides EOS: the GGUF's `eot_token_id` and
+    /// `eom_token_id`, and the family markers in the vocabulary (`<end_of_turn>`,
+    /// `<|eot_id|>`, `<|eom_id|>`, `<|im_end|>`, `<|end|>`). Sorted.
+    pub fn end_of_turn_ids(&self) -> &[u32] {
+        &self.end_of_turn
     }
 
     pub fn bos_token(&self) -> Option<&str> {
