@@ -11,7 +11,7 @@ use crate::attention::{self, HeadColumns, KvElem};
 use crate::cache::KvView;
 use crate::kernels::Isa;
 use crate::lora::LoraTarget;
-use crate::model::{add_assign, AdapterSpan, Gemma3, SeqInput};
+use crate::model::{add_assign, AdapterSpan, Decoder, SeqInput};
 use crate::ops::{self, RopeTable};
 use crate::{ModelConfig, ModelError};
 
@@ -71,7 +71,7 @@ pub(crate) trait LayerKv {
     /// every query row over its own sequence.
     fn store_and_attend(
         &mut self,
-        model: &Gemma3,
+        model: &Decoder,
         layer: usize,
         q: &[f32],
         k: &[f32],
@@ -80,7 +80,7 @@ pub(crate) trait LayerKv {
     ) -> Vec<f32>;
 }
 
-/// Serving: each sequence's paged cache (blocks reserved by `Gemma3::forward`).
+/// Serving: each sequence's paged cache (blocks reserved by `Decoder::forward`).
 pub(crate) struct CacheKv<'a, 'b> {
     pub(crate) batch: &'a mut [SeqInput<'b>],
 }
@@ -88,7 +88,7 @@ pub(crate) struct CacheKv<'a, 'b> {
 impl LayerKv for CacheKv<'_, '_> {
     fn store_and_attend(
         &mut self,
-        model: &Gemma3,
+        model: &Decoder,
         layer: usize,
         q: &[f32],
         k: &[f32],
@@ -110,7 +110,7 @@ impl LayerKv for CacheKv<'_, '_> {
 }
 
 /// Training: the packed segments' keys and values, rounded to f16 as the serving cache stores
-/// them (or kept in f32, `Gemma3::set_smooth`).
+/// them (or kept in f32, `Decoder::set_smooth`).
 pub(crate) struct PackedKv<'a> {
     pub(crate) segments: &'a [std::ops::Range<usize>],
 }
@@ -118,7 +118,7 @@ pub(crate) struct PackedKv<'a> {
 impl LayerKv for PackedKv<'_> {
     fn store_and_attend(
         &mut self,
-        model: &Gemma3,
+        model: &Decoder,
         layer: usize,
         q: &[f32],
         k: &[f32],
@@ -153,7 +153,7 @@ fn segment_views<'a, T>(
         .collect()
 }
 
-impl Gemma3 {
+impl Decoder {
     /// Decoder layer `li` over the batch rows `x`: attention (norm, q/k/v with each span's
     /// adapter, q/k norms, rope, attention through `kv`, o, post-norm, residual), then the
     /// feed-forward (norm, gate and up, GELU, down, post-norm, residual). With `record`, also

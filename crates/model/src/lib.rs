@@ -26,13 +26,13 @@ pub use config::ModelConfig;
 pub use kernels::selected_isa;
 pub use loader::load_gguf;
 pub use lora::{LoraAdapter, LoraConfig, LoraGrads, LoraTarget};
-pub use model::{Gemma3, Logits, SeqInput};
+pub use model::{Decoder, Logits, SeqInput};
 pub use train::{PackedSequence, TokenScores, TrainTape};
 
 /// A model loaded from a GGUF file, with the file's metadata (the caller builds the tokenizer
 /// from it).
 pub struct LoadedModel {
-    pub model: Gemma3,
+    pub model: Decoder,
     pub metadata: HashMap<String, gguf_file::Value>,
 }
 

@@ -8,7 +8,7 @@ use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
 
 use crate::linear::{GgufWeight, Linear};
-use crate::model::{Embedding, Gemma3, Layer};
+use crate::model::{Embedding, Decoder, Layer};
 use crate::{LoadedModel, ModelConfig, ModelError};
 
 /// Loads a Gemma 3 GGUF (quantized weights stay quantized; norms become f32).
@@ -76,7 +76,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     };
     let lm_head = lm_head.with_pair_bound_activations();
 
-    let model = Gemma3 {
+    let model = Decoder {
         cfg,
         embed,
         lm_head,

@@ -101,18 +101,18 @@ pub(crate) enum Embedding {
     Table(Arc<QTensor>),
 }
 
-/// Gemma 3 text model over quantized GGUF weights.
-pub struct Gemma3 {
+/// A decoder-only transformer (the architectures `ModelConfig` reads) over quantized GGUF weights.
+pub struct Decoder {
     pub(crate) cfg: ModelConfig,
     pub(crate) embed: Embedding,
     pub(crate) lm_head: Linear,
     pub(crate) layers: Vec<Layer>,
     pub(crate) final_norm: Vec<f32>,
-    /// See [`Gemma3::set_smooth`].
+    /// See [`Decoder::set_smooth`].
     pub(crate) smooth: bool,
 }
 
-impl Gemma3 {
+impl Decoder {
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use crate::layer::{BatchLayout, LayerTape, PackedKv, Ropes};
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
-use crate::model::{add_assign, AdapterSpan, Gemma3, Layer};
+use crate::model::{add_assign, AdapterSpan, Decoder, Layer};
 use crate::ops;
 use crate::ModelError;
 
@@ -56,7 +56,7 @@ pub struct TrainTape {
     head_grad: Vec<f32>,
 }
 
-impl Gemma3 {
+impl Decoder {
     /// Forward only: the same numbers the serving path returns for these tokens (same kernels).
     pub fn score(
         &self,

@@ -3,9 +3,9 @@
 mod common;
 
 use common::{tiny_model, tokens, trained_adapter};
-use temper_model::{Gemma3, Logits, LoraAdapter, LoraConfig, ModelError, SeqInput};
+use temper_model::{Decoder, Logits, LoraAdapter, LoraConfig, ModelError, SeqInput};
 
-fn run_alone(model: &Gemma3, toks: &[u32], adapter: Option<&LoraAdapter>) -> Logits {
+fn run_alone(model: &Decoder, toks: &[u32], adapter: Option<&LoraAdapter>) -> Logits {
     let mut cache = model.new_cache();
     model
         .forward(&mut [SeqInput {

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{tiny_model, tiny_model_f32, tokens, trained_adapter};
-use temper_model::{Gemma3, LoraAdapter, ModelError, PackedSequence, SeqInput, TokenScores};
+use temper_model::{Decoder, LoraAdapter, ModelError, PackedSequence, SeqInput, TokenScores};
 
 /// Scored flags: every token but each segment's first.
 fn scored_all(segment_lens: &[usize]) -> Vec<bool> {
@@ -16,7 +16,7 @@ fn scored_all(segment_lens: &[usize]) -> Vec<bool> {
 /// The serving forward's log-softmax (and entropy, in f64) of each next token of `toks`, one
 /// segment alone, computed from its full logits: the first token a prompt, every later one a sampled
 /// token (as `scored_all` marks them), so each row is computed as its decode step was.
-fn serving_scores(model: &Gemma3, toks: &[u32], adapter: Option<&LoraAdapter>) -> TokenScores {
+fn serving_scores(model: &Decoder, toks: &[u32], adapter: Option<&LoraAdapter>) -> TokenScores {
     let mut cache = model.new_cache();
     let logits = model
         .forward(&mut [SeqInput {
@@ -69,7 +69,7 @@ fn diffs(a: &[f32], b: &[f32]) -> (f32, f64) {
 /// Scores two segments packed together and compares them with each segment served alone.
 /// Returns the (max, mean) |logprob diff|.
 fn compare_with_serving(
-    model: &Gemma3,
+    model: &Decoder,
     segs: &[Vec<u32>],
     adapter: Option<&LoraAdapter>,
 ) -> (f32, f64) {
