@@ -382,7 +382,7 @@ impl Mlp {
         norm_if(&self.post_norm, &mut down_normed, step.eps);
         let (x_in, mut out) = step.keep(x);
         add_assign(&mut out, &down_normed);
-        let tape = step.record.then(|| MlpTape {
+        let tape = step.record.then_some(MlpTape {
             x_in,
             normed,
             gate,

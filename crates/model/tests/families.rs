@@ -11,10 +11,8 @@ use std::path::PathBuf;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{check_finite_differences, compare_with_serving, diffs, trained_adapter};
-use temper_model::{
-    load_gguf, Activation, Arch, Decoder, ModelError, PackedSequence, RopeLayout, SeqInput,
-};
+use common::{check_finite_differences, compare_with_serving, diffs, run_alone, trained_adapter};
+use temper_model::{load_gguf, Activation, Arch, Decoder, ModelError, PackedSequence, RopeLayout};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -53,33 +51,13 @@ fn reference(family: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
     (tokens, logits)
 }
 
-fn log_softmax(row: &[f32]) -> Vec<f32> {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max
-        + row
-            .iter()
-            .map(|&x| (x as f64 - max).exp())
-            .sum::<f64>()
-            .ln();
-    row.iter().map(|&x| (x as f64 - lse) as f32).collect()
-}
-
 /// The serving forward's logits (keys and values through the f16 cache) against
 /// transformers'; then the scoring forward in f32 (`set_smooth`) against transformers'
 /// log-softmax, which leaves only f32 rounding. Returns the two max |diff|s.
 fn compare_with_transformers(family: &str) -> (f32, f32) {
     let mut model = model(family);
     let (tokens, want) = reference(family);
-    let mut cache = model.new_cache();
-    let got = model
-        .forward(&mut [SeqInput {
-            tokens: &tokens,
-            cache: &mut cache,
-            all_logits: true,
-            adapter: None,
-        }])
-        .expect("forward")
-        .remove(0);
+    let got = run_alone(&model, &tokens, None);
     let want_flat: Vec<f32> = want.concat();
     let (served, _) = diffs(&got.data, &want_flat);
 
@@ -97,7 +75,10 @@ fn compare_with_transformers(family: &str) -> (f32, f32) {
         )
         .expect("score");
     let want_lp: Vec<f32> = (1..tokens.len())
-        .map(|t| log_softmax(&want[t - 1])[tokens[t] as usize])
+        .map(|t| {
+            let row = &want[t - 1];
+            (row[tokens[t] as usize] as f64 - temper_model::softmax::log_sum_exp(row)) as f32
+        })
         .collect();
     let (exact, _) = diffs(&scores.logprobs, &want_lp);
     let spread = diffs(&want_flat, &vec![0.0; want_flat.len()]).1;

@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use temper_model::{
-    load_gguf, tiny, Decoder, LoraAdapter, LoraConfig, ModelError, PackedSequence, SeqInput,
-    TokenScores,
+    load_gguf, tiny, Decoder, Logits, LoraAdapter, LoraConfig, ModelError, PackedSequence,
+    SeqInput, TokenScores,
 };
 
 /// The tiny random model through the real GGUF writer and loader.
@@ -52,6 +52,20 @@ pub fn tokens(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Every row's logits of `toks` served alone, from an empty cache.
+pub fn run_alone(model: &Decoder, toks: &[u32], adapter: Option<&LoraAdapter>) -> Logits {
+    let mut cache = model.new_cache();
+    model
+        .forward(&mut [SeqInput {
+            tokens: toks,
+            cache: &mut cache,
+            all_logits: true,
+            adapter,
+        }])
+        .expect("forward")
+        .remove(0)
+}
+
 /// Scored flags: every token but each segment's first.
 pub fn scored_all(segment_lens: &[usize]) -> Vec<bool> {
     segment_lens
@@ -64,16 +78,7 @@ pub fn scored_all(segment_lens: &[usize]) -> Vec<bool> {
 /// segment alone, computed from its full logits: the first token a prompt, every later one a sampled
 /// token (as `scored_all` marks them), so each row is computed as its decode step was.
 pub fn serving_scores(model: &Decoder, toks: &[u32], adapter: Option<&LoraAdapter>) -> TokenScores {
-    let mut cache = model.new_cache();
-    let logits = model
-        .forward(&mut [SeqInput {
-            tokens: toks,
-            cache: &mut cache,
-            all_logits: true,
-            adapter,
-        }])
-        .expect("forward")
-        .remove(0);
+    let logits = run_alone(model, toks, adapter);
     let mut out = TokenScores {
         logprobs: Vec::new(),
         entropies: Vec::new(),
