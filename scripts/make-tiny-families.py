@@ -70,13 +70,19 @@ def families():
             tie_word_embeddings=True,
             rope_parameters=dict(rope_type="linear", rope_theta=1000000.0, factor=2.0),
         ),
-        # q/k norms, a head size apart from hidden / heads (4 x 32 = 128 > 64), a tied head.
+        # q/k norms, a head size apart from hidden / heads (4 x 32 = 128 > 64), a tied head,
+        # YaRN (factor 4 from 64 positions: pairs 0-4 on its ramp, the others scaled).
         "qwen3": Qwen3Config(
             **COMMON,
             head_dim=32,
             rms_norm_eps=1e-6,
             tie_word_embeddings=True,
-            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+            ),
         ),
     }
 

@@ -55,6 +55,17 @@ pub enum Activation {
     Silu,
 }
 
+/// YaRN's blend of scaled and original RoPE frequencies (ggml's `rope_yarn`, ramp factor 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    /// Pairs below `low` keep their original angle, pairs above `high` take the scaled one, and
+    /// a linear ramp blends those between.
+    pub low: f32,
+    pub high: f32,
+    /// The scale of cos and sin: `attn_factor · (1 + 0.1 ln(factor))`.
+    pub mscale: f32,
+}
+
 /// Hyper-parameters of a model, and which of the family's optional parts it has.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -73,6 +84,8 @@ pub struct ModelConfig {
     /// Divisors of each frequency's angle, `head_dim / 2` of them (the `rope_freqs` tensor:
     /// Llama 3's frequency smoothing).
     pub rope_freq_factors: Option<Vec<f32>>,
+    /// YaRN on the global layers, where the file's scaling type says so.
+    pub rope_yarn: Option<Yarn>,
     pub rope_layout: RopeLayout,
     /// A token on a local layer sees the last `sliding_window` positions, itself included.
     pub sliding_window: usize,
@@ -161,6 +174,13 @@ impl ModelConfig {
             &key("rope.freq_base"),
             if gemma { 1_000_000.0 } else { 10_000.0 },
         )?;
+        let (rope_freq_scale, yarn) = rope_freq_scale(md, &key)?;
+        let rope_yarn = yarn
+            .then(|| {
+                let dims = (head_dim, rope_base_global, rope_freq_scale);
+                read_yarn(md, &key, dims, context_length)
+            })
+            .transpose()?;
         let cfg = ModelConfig {
             arch,
             vocab_size,
@@ -177,8 +197,9 @@ impl ModelConfig {
             } else {
                 rope_base_global
             },
-            rope_freq_scale: rope_freq_scale(md, &key)?,
+            rope_freq_scale,
             rope_freq_factors: None,
+            rope_yarn,
             rope_layout: match arch {
                 Arch::Llama => RopeLayout::Interleaved,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeLayout::HalfSplit,
@@ -240,13 +261,13 @@ impl ModelConfig {
     }
 }
 
-/// The global layers' angle scale, read as llama.cpp does: the scaling type defaults to
-/// linear and the factor to none; the old `rope.scale_linear` key stands in for a missing
-/// factor.
+/// The global layers' angle scale and whether it is YaRN's, read as llama.cpp does: the scaling
+/// type defaults to linear and the factor to none; the old `rope.scale_linear` key stands in for
+/// a missing factor.
 fn rope_freq_scale(
     md: &HashMap<String, Value>,
     key: &dyn Fn(&str) -> String,
-) -> Result<f32, ModelError> {
+) -> Result<(f32, bool), ModelError> {
     let type_key = key("rope.scaling.type");
     let kind = match md.get(&type_key) {
         None => "linear",
@@ -260,19 +281,60 @@ fn rope_freq_scale(
     } else {
         get_f32_or(md, &key("rope.scale_linear"), 0.0)?
     };
-    match kind {
-        "none" => Ok(1.0),
-        "linear" if factor == 0.0 => Ok(1.0),
-        "linear" if factor.is_finite() && factor > 0.0 => Ok(1.0 / factor),
-        "linear" => Err(meta_err(&factor_key, format!("{factor} is not a scale"))),
-        other => Err(meta_err(
-            &type_key,
-            format!(
-                "RoPE scaling {other:?} is not supported (none and linear are, and Llama 3's \
-                 rope_freqs tensor)"
-            ),
-        )),
+    let yarn = match kind {
+        "none" => return Ok((1.0, false)),
+        "linear" => false,
+        "yarn" => true,
+        other => {
+            return Err(meta_err(
+                &type_key,
+                format!(
+                    "RoPE scaling {other:?} is not supported (none, linear and yarn are, and \
+                     Llama 3's rope_freqs tensor)"
+                ),
+            ))
+        }
+    };
+    let valid = factor.is_finite() && if yarn { factor >= 1.0 } else { factor > 0.0 };
+    if factor == 0.0 && !yarn {
+        Ok((1.0, false))
+    } else if valid {
+        Ok((1.0 / factor, yarn))
+    } else {
+        Err(meta_err(&factor_key, format!("{factor} is not a scale")))
     }
+}
+
+/// YaRN's ramp and scale as llama.cpp sets them for these families (`ggml_rope_yarn_corr_dims`,
+/// and `attn_factor` after `llama_context` cancels its own `get_mscale`): `dims` are the head
+/// size, the RoPE base and the frequency scale.
+fn read_yarn(
+    md: &HashMap<String, Value>,
+    key: &dyn Fn(&str) -> String,
+    (head_dim, base, freq_scale): (usize, f32, f32),
+    context_length: usize,
+) -> Result<Yarn, ModelError> {
+    for k in [
+        "rope.scaling.yarn_log_multiplier",
+        "rope.scaling.yarn_ext_factor",
+    ] {
+        if md.contains_key(&key(k)) {
+            return Err(meta_err(&key(k), "not supported".into()));
+        }
+    }
+    let orig = opt_usize(md, &key("rope.scaling.original_context_length"))?
+        .unwrap_or(context_length) as f32;
+    let beta_fast = get_f32_or(md, &key("rope.scaling.yarn_beta_fast"), 32.0)?;
+    let beta_slow = get_f32_or(md, &key("rope.scaling.yarn_beta_slow"), 1.0)?;
+    let n = head_dim as f32;
+    let corr_dim =
+        |beta: f32| n * (orig / (beta * 2.0 * std::f32::consts::PI)).ln() / (2.0 * base.ln());
+    let attn_factor = get_f32_or(md, &key("rope.scaling.attn_factor"), 1.0)?;
+    Ok(Yarn {
+        low: corr_dim(beta_fast).floor().max(0.0),
+        high: corr_dim(beta_slow).ceil().min(n - 1.0),
+        mscale: attn_factor * (1.0 + 0.1 * (1.0 / freq_scale).ln()),
+    })
 }
 
 fn meta_err(key: &str, reason: String) -> ModelError {

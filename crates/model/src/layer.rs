@@ -25,7 +25,7 @@ pub(crate) struct BatchLayout {
 }
 
 /// Rotary tables of the batch's positions, for the global layers and (in a family that has
-/// them) the local ones. As llama.cpp, linear scaling applies to the global layers only.
+/// them) the local ones. As llama.cpp, linear scaling and YaRN apply to the global layers only.
 pub(crate) struct Ropes {
     local: Option<RopeTable>,
     global: RopeTable,
@@ -34,11 +34,18 @@ pub(crate) struct Ropes {
 impl Ropes {
     pub(crate) fn new(pos: &[usize], cfg: &ModelConfig) -> Self {
         let factors = cfg.rope_freq_factors.as_deref();
-        let table =
-            |base, scale| RopeTable::new(pos, cfg.head_dim, base, scale, factors, cfg.rope_layout);
+        let table = |base, scale, yarn| {
+            RopeTable::new(
+                pos,
+                cfg.head_dim,
+                base,
+                (scale, factors, yarn),
+                cfg.rope_layout,
+            )
+        };
         Ropes {
-            local: (cfg.global_every > 1).then(|| table(cfg.rope_base_local, 1.0)),
-            global: table(cfg.rope_base_global, cfg.rope_freq_scale),
+            local: (cfg.global_every > 1).then(|| table(cfg.rope_base_local, 1.0, None)),
+            global: table(cfg.rope_base_global, cfg.rope_freq_scale, cfg.rope_yarn),
         }
     }
 

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use candle_core::quantized::gguf_file;
 
 pub use cache::{KvArena, KvBlock, SeqCache, BLOCK_TOKENS};
-pub use config::{Activation, Arch, ModelConfig, RopeLayout};
+pub use config::{Activation, Arch, ModelConfig, RopeLayout, Yarn};
 pub use kernels::selected_isa;
 pub use loader::load_gguf;
 pub use lora::{LoraAdapter, LoraConfig, LoraGrads, LoraTarget};

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use half::f16;
 
 use crate::kernels::Isa;
-use crate::{Activation, RopeLayout};
+use crate::{Activation, RopeLayout, Yarn};
 
 /// Independent accumulators so the reduction vectorises (f32 addition is not associative, so
 /// the compiler will not reorder a single running sum).
@@ -81,15 +81,15 @@ pub(crate) struct RopeTable {
 }
 
 impl RopeTable {
-    /// As ggml's rope without YaRN: pair `i`'s angle is `freq_scale · (θ_i / factors[i])`
-    /// (linear scaling, Llama 3's per-frequency divisors); a scale of 1 and no factors leave
+    /// As ggml's rope: pair `i`'s angle is `freq_scale · (θ_i / factors[i])` (linear scaling,
+    /// Llama 3's per-frequency divisors), or with `yarn` that angle blended with the unscaled
+    /// one along YaRN's ramp and cos and sin scaled; a scale of 1, no factors and no YaRN leave
     /// the plain angle's bits.
     pub(crate) fn new(
         positions: &[usize],
         head_dim: usize,
         base: f32,
-        freq_scale: f32,
-        factors: Option<&[f32]>,
+        (freq_scale, factors, yarn): (f32, Option<&[f32]>, Option<Yarn>),
         layout: RopeLayout,
     ) -> Self {
         let half = head_dim / 2;
@@ -99,9 +99,21 @@ impl RopeTable {
         for &p in positions {
             let mut theta = p as f32;
             for i in 0..half {
-                let angle = freq_scale * (theta / factors.map_or(1.0, |f| f[i]));
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+                let extrap = theta / factors.map_or(1.0, |f| f[i]);
+                let interp = freq_scale * extrap;
+                match yarn {
+                    None => {
+                        cos.push(interp.cos());
+                        sin.push(interp.sin());
+                    }
+                    Some(y) => {
+                        let ramp = (i as f32 - y.low) / (y.high - y.low).max(0.001);
+                        let mix = 1.0 - ramp.clamp(0.0, 1.0);
+                        let angle = interp * (1.0 - mix) + extrap * mix;
+                        cos.push(angle.cos() * y.mscale);
+                        sin.push(angle.sin() * y.mscale);
+                    }
+                }
                 theta *= theta_scale;
             }
         }

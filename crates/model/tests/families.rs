@@ -136,6 +136,11 @@ fn config_comes_from_each_familys_metadata() {
     assert_eq!(cfg.arch, Arch::Qwen3);
     assert_eq!((cfg.hidden_size, cfg.num_heads, cfg.head_dim), (64, 4, 32));
     assert!(cfg.qk_norm && !cfg.qkv_bias && !cfg.post_norms);
+    // YaRN from 64 positions, base 10k, head 32: the ramp spans pairs 0 to 5.
+    let yarn = cfg.rope_yarn.expect("yarn");
+    assert_eq!((yarn.low, yarn.high, cfg.rope_freq_scale), (0.0, 5.0, 0.25));
+    assert!((yarn.mscale - (1.0 + 0.1 * 4f32.ln())).abs() < 1e-6);
+    assert!(llama.config().rope_yarn.is_none() && qwen2.config().rope_yarn.is_none());
 }
 
 /// Two segments packed, with and without an adapter: the training forward's logprobs are the
@@ -251,18 +256,18 @@ fn an_unknown_architecture_is_refused_with_the_supported_ones() {
 }
 
 #[test]
-fn an_unread_tensor_or_unsupported_rope_scaling_is_refused() {
+fn an_unread_tensor_or_an_unsupported_rope_scaling_is_refused() {
     let e = load_error_of_edited("bias", |_| {}, &["blk.0.attn_output.bias"]);
     assert!(
         matches!(&e, ModelError::UnexpectedTensor { name, arch: "llama" } if name == "blk.0.attn_output.bias"),
         "{e}"
     );
     let e = load_error_of_edited(
-        "yarn",
+        "longrope",
         |md| {
             md.insert(
                 "llama.rope.scaling.type".into(),
-                Value::String("yarn".into()),
+                Value::String("longrope".into()),
             );
         },
         &[],
