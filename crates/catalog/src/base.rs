@@ -4,14 +4,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use temper_model::Gemma3;
+use temper_model::Decoder;
 use temper_text::{ChatTemplate, Tokenizer};
 
 /// One base model by its served name.
 pub struct BaseModel {
     pub name: String,
     /// Read-only, shared by the serving engine and the trainer.
-    pub model: Arc<Gemma3>,
+    pub model: Arc<Decoder>,
     pub tokenizer: Arc<Tokenizer>,
     /// `None` when neither the operator, the file nor the architecture gives one: such a model
     /// needs a request `chat_template` and cannot be trained on.

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use temper_model::{Gemma3, KvArena, KvBlock, SeqCache, BLOCK_TOKENS};
+use temper_model::{Decoder, KvArena, KvBlock, SeqCache, BLOCK_TOKENS};
 
 /// The hash of a prefix (all tokens up to a block's end, chained from the key's seed); 128 bits
 /// from two keyed hashes, so that a collision is out of reach.
@@ -95,7 +95,7 @@ pub(crate) struct SeqKv {
 
 impl KvManager {
     /// A pool of `capacity_bytes` (at least one block) for `model`'s caches.
-    pub(crate) fn new(model: &Gemma3, capacity_bytes: usize) -> KvManager {
+    pub(crate) fn new(model: &Decoder, capacity_bytes: usize) -> KvManager {
         let arena = KvArena::new(model.config());
         let capacity_blocks = (capacity_bytes / arena.block_bytes()).max(1);
         KvManager(Arc::new(Pool {
@@ -296,7 +296,7 @@ mod tests {
 
     /// A forward of `toks` with every row's logits, as the scheduler runs one: allocate, run,
     /// publish.
-    fn run(model: &Gemma3, kv: &KvManager, seq: &mut SeqKv, toks: &[u32]) -> Logits {
+    fn run(model: &Decoder, kv: &KvManager, seq: &mut SeqKv, toks: &[u32]) -> Logits {
         kv.allocate(seq, toks.len()).expect("room in the pool");
         let logits = model
             .forward(&mut [SeqInput {

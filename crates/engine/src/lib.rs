@@ -1,5 +1,5 @@
 //! temper-engine: one scheduler thread per served model doing continuous batching over
-//! `Gemma3::forward`, beside its roles: the KV block manager (`kv_manager`: the pool, prefix
+//! `Decoder::forward`, beside its roles: the KV block manager (`kv_manager`: the pool, prefix
 //! cache and allocation), the sampler and logits processors, and the output processor
 //! (`output`: stop handling and detokenizing).
 //!
@@ -31,7 +31,7 @@ pub use structured::{
     TagStructure, TokenMask,
 };
 
-use temper_model::{Gemma3, LoraAdapter, ModelConfig};
+use temper_model::{Decoder, LoraAdapter, ModelConfig};
 use temper_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -403,7 +403,7 @@ pub struct Engine {
 impl Engine {
     /// Spawns the scheduler thread for `model`. It runs until every handle is dropped and its
     /// work is done.
-    pub fn start(model: Arc<Gemma3>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Engine {
+    pub fn start(model: Arc<Decoder>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Engine {
         let model_config = model.config().clone();
         let model_cfg = &model_config;
         let vocab_size = model_cfg.vocab_size;

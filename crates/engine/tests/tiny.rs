@@ -11,13 +11,13 @@ use temper_engine::{
     GenerationRequest, GrammarError, JsonOptions, OutputConstraint, PromptLogprob,
     RepetitionDetection, SamplingParams, Scheduling, StopParams, StopReason, TokenLogprob,
 };
-use temper_model::{Gemma3, LoraAdapter, LoraConfig};
+use temper_model::{Decoder, LoraAdapter, LoraConfig};
 use temper_text::{DecodeOptions, Tokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 struct Tiny {
     metadata: HashMap<String, gguf_file::Value>,
-    model: Arc<Gemma3>,
+    model: Arc<Decoder>,
     tokenizer: Arc<Tokenizer>,
 }
 
@@ -350,7 +350,7 @@ fn adapters_apply_per_request_in_a_shared_batch() {
 }
 
 /// Issue 4 item 6: the logprobs the engine returns for sampled tokens are the trainer's
-/// (`Gemma3::score`) for the same tokens and adapter.
+/// (`Decoder::score`) for the same tokens and adapter.
 #[test]
 fn sampled_logprobs_equal_the_trainers_scores() {
     let e = default_engine();

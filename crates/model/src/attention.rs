@@ -21,7 +21,7 @@ const STEP: usize = 32;
 const LANES: usize = 8;
 
 /// An element of a key or value row: f16 in the serving cache, f32 in the trainer's smooth
-/// mode (`Gemma3::set_exact_kv`).
+/// mode (`Decoder::set_smooth`).
 pub(crate) trait KvElem: Copy + Send + Sync {
     fn get(self) -> f32;
 }

@@ -96,7 +96,7 @@ pub struct SeqCache {
     len: usize,
     /// The tokens at positions `0..len`.
     tokens: Vec<u32>,
-    /// Whether `Gemma3::forward` allocates the blocks an append lacks; a managed cache gets its
+    /// Whether `Decoder::forward` allocates the blocks an append lacks; a managed cache gets its
     /// blocks only through `SeqCache::reserve`, so its manager's budget holds.
     grows: bool,
 }

@@ -4,9 +4,72 @@ use candle_core::quantized::gguf_file::Value;
 
 use crate::ModelError;
 
-/// Hyper-parameters of a Gemma 3 model.
+/// The model families the decoder runs: each is a setting of the switches in [`ModelConfig`],
+/// not code of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 2 and 3.x, SmolLM2, Mistral-style models without a sliding window.
+    Llama,
+    /// Qwen 2 and 2.5.
+    Qwen2,
+    Qwen3,
+    Gemma3,
+}
+
+impl Arch {
+    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+
+    /// The GGUF `general.architecture` (and the prefix of its other keys).
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+
+    /// Every supported name, for the error that refuses another.
+    pub fn names() -> String {
+        Arch::ALL.map(Arch::name).join(", ")
+    }
+}
+
+/// Which dimensions of a head RoPE rotates together. llama.cpp's converter permutes Llama's
+/// q/k rows so that GGUF `llama` pairs neighbours (ggml's "normal" rope); the other families
+/// keep Hugging Face's halves (NEOX).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Dimensions `2i` and `2i + 1`.
+    Interleaved,
+    /// Dimensions `i` and `i + head_dim / 2`.
+    HalfSplit,
+}
+
+/// The gated MLP's `act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// Tanh-approximated GELU (Gemma).
+    Gelu,
+    /// SiLU (SwiGLU: Llama, Qwen).
+    Silu,
+}
+
+/// YaRN's blend of scaled and original RoPE frequencies (ggml's `rope_yarn`, ramp factor 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    /// Pairs below `low` keep their original angle, pairs above `high` take the scaled one, and
+    /// a linear ramp blends those between.
+    pub low: f32,
+    pub high: f32,
+    /// The scale of cos and sin: `attn_factor · (1 + 0.1 ln(factor))`.
+    pub mscale: f32,
+}
+
+/// Hyper-parameters of a model, and which of the family's optional parts it has.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
+    pub arch: Arch,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -16,12 +79,30 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub rope_base_global: f32,
     pub rope_base_local: f32,
+    /// Linear RoPE scaling of the global layers' angles: `1 / rope.scaling.factor`, 1 for none.
+    pub rope_freq_scale: f32,
+    /// Divisors of each frequency's angle, `head_dim / 2` of them (the `rope_freqs` tensor:
+    /// Llama 3's frequency smoothing).
+    pub rope_freq_factors: Option<Vec<f32>>,
+    /// YaRN on the global layers, where the file's scaling type says so.
+    pub rope_yarn: Option<Yarn>,
+    pub rope_layout: RopeLayout,
     /// A token on a local layer sees the last `sliding_window` positions, itself included.
     pub sliding_window: usize,
-    /// Layer `i` is global when `i % global_every == global_every - 1`.
+    /// Layer `i` is global when `i % global_every == global_every - 1`; 1 (every layer global)
+    /// for the families without local layers.
     pub global_every: usize,
     pub rms_eps: f32,
     pub context_length: usize,
+    pub activation: Activation,
+    /// Embedding rows times `sqrt(hidden_size)` (Gemma).
+    pub scale_embeddings: bool,
+    /// RMSNorms of each head's queries and keys before RoPE (Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// Biases on the q, k and v projections (Qwen2).
+    pub qkv_bias: bool,
+    /// RMSNorms of the attention's and the MLP's outputs before their residual adds (Gemma).
+    pub post_norms: bool,
 }
 
 impl ModelConfig {
@@ -29,58 +110,117 @@ impl ModelConfig {
         layer % self.global_every == self.global_every - 1
     }
 
-    /// Reads the `gemma3.*` keys; `vocab_size` comes from the embedding tensor, not from here.
+    /// Reads the `{arch}.*` keys; `vocab_size` comes from the embedding tensor, not from here,
+    /// and `rope_freq_factors` from the `rope_freqs` tensor (the loader's).
     pub(crate) fn from_metadata(
         md: &HashMap<String, Value>,
         vocab_size: usize,
     ) -> Result<Self, ModelError> {
-        let arch = md
+        let name = md
             .get("general.architecture")
             .and_then(|v| v.to_string().ok())
             .cloned()
             .unwrap_or_default();
-        if arch != "gemma3" {
-            return Err(ModelError::Architecture(arch));
-        }
-        let hidden_size = get_usize(md, "gemma3.embedding_length")?;
-        let num_heads = get_usize(md, "gemma3.attention.head_count")?;
-        let num_kv_heads = get_usize(md, "gemma3.attention.head_count_kv")?;
-        let head_dim = if md.contains_key("gemma3.attention.key_length") {
-            get_usize(md, "gemma3.attention.key_length")?
-        } else {
-            hidden_size / num_heads.max(1)
+        let arch = Arch::ALL
+            .into_iter()
+            .find(|a| a.name() == name)
+            .ok_or(ModelError::Architecture(name))?;
+        let gemma = arch == Arch::Gemma3;
+        let key = |k: &str| format!("{}.{k}", arch.name());
+        let hidden_size = get_usize(md, &key("embedding_length"))?;
+        let num_heads = get_usize(md, &key("attention.head_count"))?;
+        let num_kv_heads = opt_usize(md, &key("attention.head_count_kv"))?.unwrap_or(num_heads);
+        let head_dim =
+            opt_usize(md, &key("attention.key_length"))?.unwrap_or(hidden_size / num_heads.max(1));
+        let same_as_head = |k: &str, what: &str| -> Result<(), ModelError> {
+            match opt_usize(md, &key(k))? {
+                Some(v) if v != head_dim => Err(meta_err(
+                    &key(k),
+                    format!("{v} differs from the key length {head_dim} ({what})"),
+                )),
+                _ => Ok(()),
+            }
         };
-        if md.contains_key("gemma3.attention.value_length") {
-            let v = get_usize(md, "gemma3.attention.value_length")?;
-            if v != head_dim {
-                return Err(meta_err(
-                    "gemma3.attention.value_length",
-                    format!("{v} differs from the key length {head_dim}"),
-                ));
+        same_as_head("attention.value_length", "not supported")?;
+        same_as_head(
+            "rope.dimension_count",
+            "partial rotary embeddings are not supported",
+        )?;
+        for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if get_f32_or(md, &key(k), 0.0)? != 0.0 {
+                return Err(meta_err(&key(k), "soft-capping is not supported".into()));
             }
         }
-        // llama.cpp hard-codes the pattern 6 for Gemma 3; the key lets smaller models (the tiny
-        // test model) have a global layer.
-        let global_every = if md.contains_key("gemma3.attention.sliding_window_pattern") {
-            get_usize(md, "gemma3.attention.sliding_window_pattern")?
+        let context_length = get_usize(md, &key("context_length"))?;
+        let (sliding_window, global_every) = if gemma {
+            // llama.cpp hard-codes the pattern 6 for Gemma 3; the key lets smaller models (the
+            // tiny test model) have a global layer.
+            let every = opt_usize(md, &key("attention.sliding_window_pattern"))?.unwrap_or(6);
+            (get_usize(md, &key("attention.sliding_window"))?, every)
         } else {
-            6
+            if opt_usize(md, &key("attention.sliding_window"))?.is_some_and(|w| w > 0) {
+                return Err(meta_err(
+                    &key("attention.sliding_window"),
+                    format!(
+                        "sliding-window attention is not supported on {}",
+                        arch.name()
+                    ),
+                ));
+            }
+            (context_length, 1)
         };
+        let rope_base_global = get_f32_or(
+            md,
+            &key("rope.freq_base"),
+            if gemma { 1_000_000.0 } else { 10_000.0 },
+        )?;
+        let (rope_freq_scale, yarn) = rope_freq_scale(md, &key)?;
+        let rope_yarn = yarn
+            .then(|| {
+                let dims = (head_dim, rope_base_global, rope_freq_scale);
+                read_yarn(md, &key, dims, context_length)
+            })
+            .transpose()?;
         let cfg = ModelConfig {
+            arch,
             vocab_size,
             hidden_size,
-            intermediate_size: get_usize(md, "gemma3.feed_forward_length")?,
-            num_layers: get_usize(md, "gemma3.block_count")?,
+            intermediate_size: get_usize(md, &key("feed_forward_length"))?,
+            num_layers: get_usize(md, &key("block_count"))?,
             num_heads,
             num_kv_heads,
             head_dim,
-            rope_base_global: get_f32_or(md, "gemma3.rope.freq_base", 1_000_000.0)?,
-            // Not stored in the file: Gemma 3 uses 10k on its sliding-window layers.
-            rope_base_local: 10_000.0,
-            sliding_window: get_usize(md, "gemma3.attention.sliding_window")?,
+            rope_base_global,
+            // Gemma 3 uses 10k on its sliding-window layers (newer files say so).
+            rope_base_local: if gemma {
+                get_f32_or(md, &key("rope.freq_base_swa"), 10_000.0)?
+            } else {
+                rope_base_global
+            },
+            rope_freq_scale,
+            rope_freq_factors: None,
+            rope_yarn,
+            rope_layout: match arch {
+                Arch::Llama => RopeLayout::Interleaved,
+                Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeLayout::HalfSplit,
+            },
+            sliding_window,
             global_every,
-            rms_eps: get_f32_or(md, "gemma3.attention.layer_norm_rms_epsilon", 1e-6)?,
-            context_length: get_usize(md, "gemma3.context_length")?,
+            rms_eps: if gemma {
+                get_f32_or(md, &key("attention.layer_norm_rms_epsilon"), 1e-6)?
+            } else {
+                get_f32(md, &key("attention.layer_norm_rms_epsilon"))?
+            },
+            context_length,
+            activation: if gemma {
+                Activation::Gelu
+            } else {
+                Activation::Silu
+            },
+            scale_embeddings: gemma,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qkv_bias: arch == Arch::Qwen2,
+            post_norms: gemma,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -115,10 +255,86 @@ impl ModelConfig {
             ),
         ];
         match checks.iter().find(|(ok, _)| !ok) {
-            Some((_, reason)) => Err(meta_err("gemma3", (*reason).to_string())),
+            Some((_, reason)) => Err(meta_err(self.arch.name(), (*reason).to_string())),
             None => Ok(()),
         }
     }
+}
+
+/// The global layers' angle scale and whether it is YaRN's, read as llama.cpp does: the scaling
+/// type defaults to linear and the factor to none; the old `rope.scale_linear` key stands in for
+/// a missing factor.
+fn rope_freq_scale(
+    md: &HashMap<String, Value>,
+    key: &dyn Fn(&str) -> String,
+) -> Result<(f32, bool), ModelError> {
+    let type_key = key("rope.scaling.type");
+    let kind = match md.get(&type_key) {
+        None => "linear",
+        Some(v) => v
+            .to_string()
+            .map_err(|_| meta_err(&type_key, format!("expected a string, got {v:?}")))?,
+    };
+    let factor_key = key("rope.scaling.factor");
+    let factor = if md.contains_key(&factor_key) {
+        get_f32(md, &factor_key)?
+    } else {
+        get_f32_or(md, &key("rope.scale_linear"), 0.0)?
+    };
+    let yarn = match kind {
+        "none" => return Ok((1.0, false)),
+        "linear" => false,
+        "yarn" => true,
+        other => {
+            return Err(meta_err(
+                &type_key,
+                format!(
+                    "RoPE scaling {other:?} is not supported (none, linear and yarn are, and \
+                     Llama 3's rope_freqs tensor)"
+                ),
+            ))
+        }
+    };
+    let valid = factor.is_finite() && if yarn { factor >= 1.0 } else { factor > 0.0 };
+    if factor == 0.0 && !yarn {
+        Ok((1.0, false))
+    } else if valid {
+        Ok((1.0 / factor, yarn))
+    } else {
+        Err(meta_err(&factor_key, format!("{factor} is not a scale")))
+    }
+}
+
+/// YaRN's ramp and scale as llama.cpp sets them for these families (`ggml_rope_yarn_corr_dims`,
+/// and `attn_factor` after `llama_context` cancels its own `get_mscale`): `dims` are the head
+/// size, the RoPE base and the frequency scale.
+fn read_yarn(
+    md: &HashMap<String, Value>,
+    key: &dyn Fn(&str) -> String,
+    (head_dim, base, freq_scale): (usize, f32, f32),
+    context_length: usize,
+) -> Result<Yarn, ModelError> {
+    for k in [
+        "rope.scaling.yarn_log_multiplier",
+        "rope.scaling.yarn_ext_factor",
+    ] {
+        if md.contains_key(&key(k)) {
+            return Err(meta_err(&key(k), "not supported".into()));
+        }
+    }
+    let orig = opt_usize(md, &key("rope.scaling.original_context_length"))?
+        .unwrap_or(context_length) as f32;
+    let beta_fast = get_f32_or(md, &key("rope.scaling.yarn_beta_fast"), 32.0)?;
+    let beta_slow = get_f32_or(md, &key("rope.scaling.yarn_beta_slow"), 1.0)?;
+    let n = head_dim as f32;
+    let corr_dim =
+        |beta: f32| n * (orig / (beta * 2.0 * std::f32::consts::PI)).ln() / (2.0 * base.ln());
+    let attn_factor = get_f32_or(md, &key("rope.scaling.attn_factor"), 1.0)?;
+    Ok(Yarn {
+        low: corr_dim(beta_fast).floor().max(0.0),
+        high: corr_dim(beta_slow).ceil().min(n - 1.0),
+        mscale: attn_factor * (1.0 + 0.1 * (1.0 / freq_scale).ln()),
+    })
 }
 
 fn meta_err(key: &str, reason: String) -> ModelError {
@@ -129,9 +345,13 @@ fn meta_err(key: &str, reason: String) -> ModelError {
 }
 
 fn get_usize(md: &HashMap<String, Value>, key: &str) -> Result<usize, ModelError> {
-    let v = md
-        .get(key)
-        .ok_or_else(|| meta_err(key, "missing".to_string()))?;
+    opt_usize(md, key)?.ok_or_else(|| meta_err(key, "missing".to_string()))
+}
+
+fn opt_usize(md: &HashMap<String, Value>, key: &str) -> Result<Option<usize>, ModelError> {
+    let Some(v) = md.get(key) else {
+        return Ok(None);
+    };
     let n: i128 = match v {
         Value::U8(x) => (*x).into(),
         Value::I8(x) => (*x).into(),
@@ -143,7 +363,16 @@ fn get_usize(md: &HashMap<String, Value>, key: &str) -> Result<usize, ModelError
         Value::I64(x) => (*x).into(),
         other => return Err(meta_err(key, format!("expected an integer, got {other:?}"))),
     };
-    usize::try_from(n).map_err(|_| meta_err(key, format!("{n} is out of range")))
+    usize::try_from(n)
+        .map(Some)
+        .map_err(|_| meta_err(key, format!("{n} is out of range")))
+}
+
+fn get_f32(md: &HashMap<String, Value>, key: &str) -> Result<f32, ModelError> {
+    match md.get(key) {
+        None => Err(meta_err(key, "missing".to_string())),
+        Some(_) => get_f32_or(md, key, 0.0),
+    }
 }
 
 fn get_f32_or(md: &HashMap<String, Value>, key: &str, default: f32) -> Result<f32, ModelError> {

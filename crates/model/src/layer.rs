@@ -1,7 +1,8 @@
-//! The decoder layer: one function for serving and training. Serving runs it over a batch whose
-//! keys and values go to each sequence's paged cache; the trainer runs it over packed segments
-//! whose keys and values stay with the forward, and asks it to record what the backward needs.
-//! The arithmetic is the same code, so served and trained logprobs cannot drift apart.
+//! The decoder layer's forward, module by module (attention, MLP): one code path for serving and
+//! training. Serving runs it over a batch whose keys and values go to each sequence's paged
+//! cache; the trainer runs it over packed segments whose keys and values stay with the forward,
+//! and asks it to record what the backward (`train.rs`, the same modules) needs. The arithmetic
+//! is the same code, so served and trained logprobs cannot drift apart.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -10,8 +11,9 @@ use rayon::prelude::*;
 use crate::attention::{self, HeadColumns, KvElem};
 use crate::cache::KvView;
 use crate::kernels::Isa;
+use crate::linear::Linear;
 use crate::lora::LoraTarget;
-use crate::model::{add_assign, AdapterSpan, Gemma3, SeqInput};
+use crate::model::{add_assign, norm_if, AdapterSpan, Decoder, Mlp, RmsNorm, SeqInput};
 use crate::ops::{self, RopeTable};
 use crate::{ModelConfig, ModelError};
 
@@ -22,33 +24,49 @@ pub(crate) struct BatchLayout {
     pub(crate) pos: Vec<usize>,
 }
 
-/// Rotary tables of the batch's positions, for the local and the global layers.
+/// Rotary tables of the batch's positions, for the global layers and (in a family that has
+/// them) the local ones. As llama.cpp, linear scaling and YaRN apply to the global layers only.
 pub(crate) struct Ropes {
-    local: RopeTable,
+    local: Option<RopeTable>,
     global: RopeTable,
 }
 
 impl Ropes {
     pub(crate) fn new(pos: &[usize], cfg: &ModelConfig) -> Self {
+        let factors = cfg.rope_freq_factors.as_deref();
+        let table = |base, scale, yarn| {
+            RopeTable::new(
+                pos,
+                cfg.head_dim,
+                base,
+                (scale, factors, yarn),
+                cfg.rope_layout,
+            )
+        };
         Ropes {
-            local: RopeTable::new(pos, cfg.head_dim, cfg.rope_base_local),
-            global: RopeTable::new(pos, cfg.head_dim, cfg.rope_base_global),
+            local: (cfg.global_every > 1).then(|| table(cfg.rope_base_local, 1.0, None)),
+            global: table(cfg.rope_base_global, cfg.rope_freq_scale, cfg.rope_yarn),
         }
     }
 
     pub(crate) fn get(&self, global: bool) -> &RopeTable {
-        if global {
-            &self.global
-        } else {
-            &self.local
+        match &self.local {
+            Some(local) if !global => local,
+            _ => &self.global,
         }
     }
 }
 
-/// One layer's activations, each `[tokens, width]`, kept by a training forward.
+/// One layer's activations, each `[tokens, width]`, kept by a training forward; the inputs of
+/// norms a layer lacks stay empty.
 pub(crate) struct LayerTape {
+    pub(crate) attn: AttentionTape,
+    pub(crate) mlp: MlpTape,
+}
+
+pub(crate) struct AttentionTape {
     pub(crate) x_in: Vec<f32>,
-    pub(crate) attn_normed: Vec<f32>,
+    pub(crate) normed: Vec<f32>,
     pub(crate) q_pre: Vec<f32>,
     pub(crate) k_pre: Vec<f32>,
     /// After norm and rope.
@@ -57,12 +75,71 @@ pub(crate) struct LayerTape {
     pub(crate) v: Vec<f32>,
     pub(crate) attn: Vec<f32>,
     pub(crate) o: Vec<f32>,
-    pub(crate) x_mid: Vec<f32>,
-    pub(crate) ffn_normed: Vec<f32>,
+}
+
+pub(crate) struct MlpTape {
+    pub(crate) x_in: Vec<f32>,
+    pub(crate) normed: Vec<f32>,
     pub(crate) gate: Vec<f32>,
     pub(crate) up: Vec<f32>,
     pub(crate) act: Vec<f32>,
     pub(crate) down: Vec<f32>,
+}
+
+/// What the modules of one layer's forward share: the layer's index (its adapters' pairs),
+/// the adapter spans of the batch's rows, and whether to record a tape.
+pub(crate) struct Step<'a, 'b> {
+    pub(crate) layer: usize,
+    pub(crate) spans: &'a [AdapterSpan<'b>],
+    pub(crate) eps: f32,
+    pub(crate) record: bool,
+}
+
+impl Step<'_, '_> {
+    /// A pair of (the value kept for the backward, the value the forward goes on with).
+    fn keep(&self, v: Vec<f32>) -> (Vec<f32>, Vec<f32>) {
+        if self.record {
+            (v.clone(), v)
+        } else {
+            (Vec::new(), v)
+        }
+    }
+
+    /// [`Step::keep`] for a norm's input, kept only where the layer has that norm.
+    fn keep_for(&self, norm: &Option<RmsNorm>, v: Vec<f32>) -> (Vec<f32>, Vec<f32>) {
+        match norm {
+            Some(_) => self.keep(v),
+            None => (Vec::new(), v),
+        }
+    }
+
+    /// `linear`, projection `target` of this layer, over all rows of `x` (one batched base
+    /// matmul and its bias, a frozen part of the base), plus each span's adapter term on its
+    /// own rows.
+    fn project(
+        &self,
+        linear: &Linear,
+        bias: &Option<Vec<f32>>,
+        target: LoraTarget,
+        x: &[f32],
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut y = linear.forward(x)?;
+        if let Some(bias) = bias {
+            for row in y.chunks_exact_mut(bias.len()) {
+                add_assign(row, bias);
+            }
+        }
+        let (din, dout) = (linear.in_dim(), linear.out_dim());
+        for s in self.spans {
+            s.adapter.apply(
+                self.layer,
+                target,
+                &x[s.rows.start * din..s.rows.end * din],
+                &mut y[s.rows.start * dout..s.rows.end * dout],
+            );
+        }
+        Ok(y)
+    }
 }
 
 /// Where a layer's keys and values go, and what its attention reads.
@@ -71,7 +148,7 @@ pub(crate) trait LayerKv {
     /// every query row over its own sequence.
     fn store_and_attend(
         &mut self,
-        model: &Gemma3,
+        model: &Decoder,
         layer: usize,
         q: &[f32],
         k: &[f32],
@@ -80,7 +157,7 @@ pub(crate) trait LayerKv {
     ) -> Vec<f32>;
 }
 
-/// Serving: each sequence's paged cache (blocks reserved by `Gemma3::forward`).
+/// Serving: each sequence's paged cache (blocks reserved by `Decoder::forward`).
 pub(crate) struct CacheKv<'a, 'b> {
     pub(crate) batch: &'a mut [SeqInput<'b>],
 }
@@ -88,7 +165,7 @@ pub(crate) struct CacheKv<'a, 'b> {
 impl LayerKv for CacheKv<'_, '_> {
     fn store_and_attend(
         &mut self,
-        model: &Gemma3,
+        model: &Decoder,
         layer: usize,
         q: &[f32],
         k: &[f32],
@@ -110,7 +187,7 @@ impl LayerKv for CacheKv<'_, '_> {
 }
 
 /// Training: the packed segments' keys and values, rounded to f16 as the serving cache stores
-/// them (or kept in f32, `Gemma3::set_smooth`).
+/// them (or kept in f32, `Decoder::set_smooth`).
 pub(crate) struct PackedKv<'a> {
     pub(crate) segments: &'a [std::ops::Range<usize>],
 }
@@ -118,7 +195,7 @@ pub(crate) struct PackedKv<'a> {
 impl LayerKv for PackedKv<'_> {
     fn store_and_attend(
         &mut self,
-        model: &Gemma3,
+        model: &Decoder,
         layer: usize,
         q: &[f32],
         k: &[f32],
@@ -153,11 +230,9 @@ fn segment_views<'a, T>(
         .collect()
 }
 
-impl Gemma3 {
-    /// Decoder layer `li` over the batch rows `x`: attention (norm, q/k/v with each span's
-    /// adapter, q/k norms, rope, attention through `kv`, o, post-norm, residual), then the
-    /// feed-forward (norm, gate and up, GELU, down, post-norm, residual). With `record`, also
-    /// returns every intermediate the backward needs.
+impl Decoder {
+    /// Decoder block `li` over the batch rows `x`: its attention, then its MLP. With `record`,
+    /// also returns every intermediate the backward needs.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn layer_forward(
         &self,
@@ -169,58 +244,65 @@ impl Gemma3 {
         kv: &mut dyn LayerKv,
         record: bool,
     ) -> Result<(Vec<f32>, Option<LayerTape>), ModelError> {
-        let cfg = &self.cfg;
-        let layer = &self.layers[li];
-        let eps = cfg.rms_eps;
-        let global = cfg.is_global(li);
-        // A pair of (the value kept for the backward, the value the forward goes on with).
-        let keep = |v: Vec<f32>| {
-            if record {
-                (v.clone(), v)
-            } else {
-                (Vec::new(), v)
-            }
+        let step = Step {
+            layer: li,
+            spans,
+            eps: self.cfg.rms_eps,
+            record,
         };
+        let (x_mid, attn) = self.attention_forward(&step, x, layout, ropes, kv)?;
+        let (out, mlp) = self.layers[li].mlp.forward(&step, x_mid, !self.smooth)?;
+        Ok((
+            out,
+            attn.zip(mlp).map(|(attn, mlp)| LayerTape { attn, mlp }),
+        ))
+    }
 
-        let mut attn_normed = x.to_vec();
-        ops::rms_norm(&mut attn_normed, &layer.attn_norm, eps);
+    /// The attention block of layer `step.layer`: norm, q/k/v (with their biases and each
+    /// span's adapter), q/k norms, rope, attention through `kv`, o, post-norm, residual; the
+    /// family's switches leave out what it lacks.
+    fn attention_forward(
+        &self,
+        step: &Step<'_, '_>,
+        x: &[f32],
+        layout: &BatchLayout,
+        ropes: &Ropes,
+        kv: &mut dyn LayerKv,
+    ) -> Result<(Vec<f32>, Option<AttentionTape>), ModelError> {
+        let cfg = &self.cfg;
+        let a = &self.layers[step.layer].attn;
+        let eps = step.eps;
+        let mut normed = x.to_vec();
+        a.norm.forward(&mut normed, eps);
         // Projections of one input run side by side: while one's last tasks finish, the other
         // threads take the next one's instead of waiting at its join.
-        let project = |target| layer.project(li, target, &attn_normed, spans);
         let ((q, k), v) = rayon::join(
-            || rayon::join(|| project(LoraTarget::Q), || project(LoraTarget::K)),
-            || project(LoraTarget::V),
+            || {
+                rayon::join(
+                    || step.project(&a.q, &a.q_bias, LoraTarget::Q, &normed),
+                    || step.project(&a.k, &a.k_bias, LoraTarget::K, &normed),
+                )
+            },
+            || step.project(&a.v, &a.v_bias, LoraTarget::V, &normed),
         );
-        let (q_pre, mut q) = keep(q?);
-        let (k_pre, mut k) = keep(k?);
+        let (q_pre, mut q) = step.keep_for(&a.q_norm, q?);
+        let (k_pre, mut k) = step.keep_for(&a.k_norm, k?);
         let v = v?;
-        ops::rms_norm(&mut q, &layer.q_norm, eps);
-        ops::rms_norm(&mut k, &layer.k_norm, eps);
-        let rope = ropes.get(global);
+        norm_if(&a.q_norm, &mut q, eps);
+        norm_if(&a.k_norm, &mut k, eps);
+        let rope = ropes.get(cfg.is_global(step.layer));
         rope.apply(&mut q, cfg.num_heads);
         rope.apply(&mut k, cfg.num_kv_heads);
-        let attn = kv.store_and_attend(self, li, &q, &k, &v, layout);
+        let attn = kv.store_and_attend(self, step.layer, &q, &k, &v, layout);
 
-        let (o, mut o_normed) = keep(layer.project(li, LoraTarget::O, &attn, spans)?);
-        ops::rms_norm(&mut o_normed, &layer.post_attn_norm, eps);
-        let mut x_mid = x.to_vec();
-        add_assign(&mut x_mid, &o_normed);
-
-        let mut ffn_normed = x_mid.clone();
-        ops::rms_norm(&mut ffn_normed, &layer.ffn_norm, eps);
-        let project = |target| layer.project(li, target, &ffn_normed, spans);
-        let (gate, up) = rayon::join(|| project(LoraTarget::Gate), || project(LoraTarget::Up));
-        let (gate, mut act) = keep(gate?);
-        let up = up?;
-        ops::gelu_mul(&mut act, &up, !self.smooth);
-        let (down, mut down_normed) = keep(layer.project(li, LoraTarget::Down, &act, spans)?);
-        ops::rms_norm(&mut down_normed, &layer.post_ffn_norm, eps);
-        let (x_mid, mut output) = keep(x_mid);
-        add_assign(&mut output, &down_normed);
-
-        let tape = record.then(|| LayerTape {
+        let o = step.project(&a.o, &None, LoraTarget::O, &attn)?;
+        let (o, mut o_normed) = step.keep_for(&a.post_norm, o);
+        norm_if(&a.post_norm, &mut o_normed, eps);
+        let mut out = x.to_vec();
+        add_assign(&mut out, &o_normed);
+        let tape = step.record.then(|| AttentionTape {
             x_in: x.to_vec(),
-            attn_normed,
+            normed,
             q_pre,
             k_pre,
             q,
@@ -228,14 +310,8 @@ impl Gemma3 {
             v,
             attn,
             o,
-            x_mid,
-            ffn_normed,
-            gate,
-            up,
-            act,
-            down,
         });
-        Ok((output, tape))
+        Ok((out, tape))
     }
 
     /// Causal attention of every query row against its own sequence's keys and values
@@ -287,5 +363,40 @@ impl Gemma3 {
                 attention::attend_group(isa, queries, scale, view, (lo, pos + 1), head, o, scores);
             });
         out
+    }
+}
+
+impl Mlp {
+    /// Norm, gate and up (with each span's adapter), the activation (GELU from its f16 table
+    /// with `table`), down, post-norm, residual.
+    fn forward(
+        &self,
+        step: &Step<'_, '_>,
+        x: Vec<f32>,
+        table: bool,
+    ) -> Result<(Vec<f32>, Option<MlpTape>), ModelError> {
+        let mut normed = x.clone();
+        self.norm.forward(&mut normed, step.eps);
+        let (gate, up) = rayon::join(
+            || step.project(&self.gate, &None, LoraTarget::Gate, &normed),
+            || step.project(&self.up, &None, LoraTarget::Up, &normed),
+        );
+        let (gate, mut act) = step.keep(gate?);
+        let up = up?;
+        ops::act_mul(self.activation, &mut act, &up, table);
+        let down = step.project(&self.down, &None, LoraTarget::Down, &act)?;
+        let (down, mut down_normed) = step.keep_for(&self.post_norm, down);
+        norm_if(&self.post_norm, &mut down_normed, step.eps);
+        let (x_in, mut out) = step.keep(x);
+        add_assign(&mut out, &down_normed);
+        let tape = step.record.then_some(MlpTape {
+            x_in,
+            normed,
+            gate,
+            up,
+            act,
+            down,
+        });
+        Ok((out, tape))
     }
 }

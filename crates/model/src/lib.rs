@@ -1,5 +1,6 @@
-//! Gemma 3 on candle tensors (CPU): GGUF loading, a batched ragged forward pass over per-sequence
-//! KV caches, and a tiny random model writer for tests.
+//! One decoder for the Llama, Qwen 2/3 and Gemma 3 families on candle tensors (CPU): GGUF
+//! loading configured from the file's metadata, a batched ragged forward pass over per-sequence
+//! KV caches, training over the same layer, and a tiny random model writer for tests.
 
 mod attention;
 mod cache;
@@ -22,17 +23,17 @@ use std::collections::HashMap;
 use candle_core::quantized::gguf_file;
 
 pub use cache::{KvArena, KvBlock, SeqCache, BLOCK_TOKENS};
-pub use config::ModelConfig;
+pub use config::{Activation, Arch, ModelConfig, RopeLayout, Yarn};
 pub use kernels::selected_isa;
 pub use loader::load_gguf;
 pub use lora::{LoraAdapter, LoraConfig, LoraGrads, LoraTarget};
-pub use model::{Gemma3, Logits, SeqInput};
+pub use model::{Decoder, Logits, SeqInput};
 pub use train::{PackedSequence, TokenScores, TrainTape};
 
 /// A model loaded from a GGUF file, with the file's metadata (the caller builds the tokenizer
 /// from it).
 pub struct LoadedModel {
-    pub model: Gemma3,
+    pub model: Decoder,
     pub metadata: HashMap<String, gguf_file::Value>,
 }
 
@@ -46,12 +47,14 @@ pub enum ModelError {
     },
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),
-    #[error("unsupported architecture {0:?} (expected gemma3)")]
+    #[error("unsupported architecture {0:?} (supported: {names})", names = Arch::names())]
     Architecture(String),
     #[error("metadata key {key}: {reason}")]
     Metadata { key: String, reason: String },
     #[error("tensor {0} is missing from the model file")]
     MissingTensor(String),
+    #[error("tensor {name} is not part of the {arch} layout this decoder runs")]
+    UnexpectedTensor { name: String, arch: &'static str },
     #[error("tensor {name} has shape {got:?}, expected {expected:?}")]
     TensorShape {
         name: String,

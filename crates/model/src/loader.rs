@@ -1,3 +1,4 @@
+use std::collections::HashSet;
 use std::fs::File;
 use std::io::{BufReader, SeekFrom};
 use std::panic::AssertUnwindSafe;
@@ -8,10 +9,11 @@ use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
 
 use crate::linear::{GgufWeight, Linear};
-use crate::model::{Embedding, Gemma3, Layer};
+use crate::model::{Attention, Decoder, Embedding, Layer, Mlp, RmsNorm};
 use crate::{LoadedModel, ModelConfig, ModelError};
 
-/// Loads a Gemma 3 GGUF (quantized weights stay quantized; norms become f32).
+/// Loads a GGUF of one of the supported architectures ([`crate::Arch`]), configured from its
+/// metadata (quantized weights stay quantized; norms and biases become f32).
 pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let io_err = |source| ModelError::Io {
         path: path.display().to_string(),
@@ -22,10 +24,11 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let mut weights = Weights {
         content: &content,
         reader: &mut reader,
+        used: HashSet::new(),
     };
 
     let (vocab_size, hidden) = weights.info("token_embd.weight")?.shape.dims2()?;
-    let cfg = ModelConfig::from_metadata(&content.metadata, vocab_size)?;
+    let mut cfg = ModelConfig::from_metadata(&content.metadata, vocab_size)?;
     if hidden != cfg.hidden_size {
         return Err(shape_err(
             "token_embd.weight",
@@ -45,24 +48,37 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let mut layers = Vec::new();
     for i in 0..cfg.num_layers {
         let p = format!("blk.{i}");
+        let (bias, qk_norm, post, head) = (cfg.qkv_bias, cfg.qk_norm, cfg.post_norms, cfg.head_dim);
         layers.push(Layer {
-            attn_norm: weights.vector(&format!("{p}.attn_norm.weight"), hd)?,
-            q: weights.linear(&format!("{p}.attn_q.weight"), q_dim, hd)?,
-            k: weights.linear(&format!("{p}.attn_k.weight"), kv_dim, hd)?,
-            v: weights.linear(&format!("{p}.attn_v.weight"), kv_dim, hd)?,
-            q_norm: weights.vector(&format!("{p}.attn_q_norm.weight"), cfg.head_dim)?,
-            k_norm: weights.vector(&format!("{p}.attn_k_norm.weight"), cfg.head_dim)?,
-            o: weights.linear(&format!("{p}.attn_output.weight"), hd, q_dim)?,
-            post_attn_norm: weights.vector(&format!("{p}.post_attention_norm.weight"), hd)?,
-            ffn_norm: weights.vector(&format!("{p}.ffn_norm.weight"), hd)?,
-            gate: weights.linear(&format!("{p}.ffn_gate.weight"), ffn, hd)?,
-            up: weights.linear(&format!("{p}.ffn_up.weight"), ffn, hd)?,
-            down: weights.linear(&format!("{p}.ffn_down.weight"), hd, ffn)?,
-            post_ffn_norm: weights.vector(&format!("{p}.post_ffw_norm.weight"), hd)?,
+            attn: Attention {
+                norm: RmsNorm(weights.vector(&format!("{p}.attn_norm.weight"), hd)?),
+                q: weights.linear(&format!("{p}.attn_q.weight"), q_dim, hd)?,
+                k: weights.linear(&format!("{p}.attn_k.weight"), kv_dim, hd)?,
+                v: weights.linear(&format!("{p}.attn_v.weight"), kv_dim, hd)?,
+                q_bias: weights.vector_if(bias, &format!("{p}.attn_q.bias"), q_dim)?,
+                k_bias: weights.vector_if(bias, &format!("{p}.attn_k.bias"), kv_dim)?,
+                v_bias: weights.vector_if(bias, &format!("{p}.attn_v.bias"), kv_dim)?,
+                q_norm: weights.norm_if(qk_norm, &format!("{p}.attn_q_norm.weight"), head)?,
+                k_norm: weights.norm_if(qk_norm, &format!("{p}.attn_k_norm.weight"), head)?,
+                o: weights.linear(&format!("{p}.attn_output.weight"), hd, q_dim)?,
+                post_norm: weights.norm_if(post, &format!("{p}.post_attention_norm.weight"), hd)?,
+            },
+            mlp: Mlp {
+                norm: RmsNorm(weights.vector(&format!("{p}.ffn_norm.weight"), hd)?),
+                gate: weights.linear(&format!("{p}.ffn_gate.weight"), ffn, hd)?,
+                up: weights.linear(&format!("{p}.ffn_up.weight"), ffn, hd)?,
+                down: weights.linear(&format!("{p}.ffn_down.weight"), hd, ffn)?,
+                activation: cfg.activation,
+                post_norm: weights.norm_if(post, &format!("{p}.post_ffw_norm.weight"), hd)?,
+            },
         });
     }
-    let final_norm = weights.vector("output_norm.weight", hd)?;
-    // Gemma ties the LM head to the embedding; honour a separate `output.weight` if a file has one.
+    let final_norm = RmsNorm(weights.vector("output_norm.weight", hd)?);
+    // Llama 3's frequency smoothing: one divisor per rotated pair, shared by every layer.
+    let has_factors = content.tensor_infos.contains_key("rope_freqs.weight");
+    cfg.rope_freq_factors =
+        weights.vector_if(has_factors, "rope_freqs.weight", cfg.head_dim / 2)?;
+    // Tied to the embedding when the file has no `output.weight` (Gemma, small Llamas and Qwens).
     let (lm_head, embed) = if content.tensor_infos.contains_key("output.weight") {
         (
             weights.linear("output.weight", vocab_size, hd)?,
@@ -74,9 +90,20 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
             Embedding::Tied,
         )
     };
+    // A tensor this layout does not read would change the model's numbers if it were skipped.
+    if let Some(name) = content
+        .tensor_infos
+        .keys()
+        .find(|n| !weights.used.contains(n.as_str()))
+    {
+        return Err(ModelError::UnexpectedTensor {
+            name: name.clone(),
+            arch: cfg.arch.name(),
+        });
+    }
     let lm_head = lm_head.with_pair_bound_activations();
 
-    let model = Gemma3 {
+    let model = Decoder {
         cfg,
         embed,
         lm_head,
@@ -110,18 +137,31 @@ fn read_content(reader: &mut BufReader<File>) -> Result<gguf_file::Content, Mode
 struct Weights<'a, R> {
     content: &'a gguf_file::Content,
     reader: &'a mut R,
+    /// The tensors read so far.
+    used: HashSet<&'a str>,
 }
 
-impl<R: std::io::Read + std::io::Seek> Weights<'_, R> {
-    fn info(&self, name: &str) -> Result<&gguf_file::TensorInfo, ModelError> {
+impl<'a, R: std::io::Read + std::io::Seek> Weights<'a, R> {
+    fn info(&self, name: &str) -> Result<&'a gguf_file::TensorInfo, ModelError> {
         self.content
             .tensor_infos
             .get(name)
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
 
+    /// The tensor `name`, marked read.
+    fn take(&mut self, name: &str) -> Result<&'a gguf_file::TensorInfo, ModelError> {
+        let content = self.content;
+        let (key, info) = content
+            .tensor_infos
+            .get_key_value(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        self.used.insert(key.as_str());
+        Ok(info)
+    }
+
     fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>, ModelError> {
-        self.info(name)?;
+        self.take(name)?;
         Ok(Arc::new(self.content.tensor(
             self.reader,
             name,
@@ -132,7 +172,7 @@ impl<R: std::io::Read + std::io::Seek> Weights<'_, R> {
     /// A matrix's bytes as stored, read straight into the buffer the kernels' layout is made
     /// in (candle's reader holds a second copy while it builds its tensor).
     fn linear(&mut self, name: &str, out_dim: usize, in_dim: usize) -> Result<Linear, ModelError> {
-        let info = self.info(name)?;
+        let info = self.take(name)?;
         check_shape(name, info.shape.dims(), &[out_dim, in_dim])?;
         let dtype = info.ggml_dtype;
         let elems = out_dim * in_dim;
@@ -173,6 +213,26 @@ impl<R: std::io::Read + std::io::Seek> Weights<'_, R> {
         let t = self.qtensor(name)?;
         check_shape(name, t.shape().dims(), &[len])?;
         Ok(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
+    }
+
+    /// A vector the layout has only when `present`.
+    fn vector_if(
+        &mut self,
+        present: bool,
+        name: &str,
+        len: usize,
+    ) -> Result<Option<Vec<f32>>, ModelError> {
+        present.then(|| self.vector(name, len)).transpose()
+    }
+
+    /// An RMSNorm the layout has only when `present`.
+    fn norm_if(
+        &mut self,
+        present: bool,
+        name: &str,
+        len: usize,
+    ) -> Result<Option<RmsNorm>, ModelError> {
+        Ok(self.vector_if(present, name, len)?.map(RmsNorm))
     }
 }
 

@@ -8,7 +8,7 @@ use crate::layer::{BatchLayout, CacheKv, Ropes};
 use crate::linear::Linear;
 use crate::lora::{LoraAdapter, LoraTarget};
 use crate::ops;
-use crate::{ModelConfig, ModelError};
+use crate::{Activation, ModelConfig, ModelError};
 
 /// One sequence of a batched forward: `tokens` are appended at positions `cache.len()..`.
 pub struct SeqInput<'a> {
@@ -34,20 +34,70 @@ impl Logits {
     }
 }
 
-pub(crate) struct Layer {
-    pub(crate) attn_norm: Vec<f32>,
+/// An RMSNorm's weight (GGUF stores Gemma's `1 + w` already).
+pub(crate) struct RmsNorm(pub(crate) Vec<f32>);
+
+impl RmsNorm {
+    pub(crate) fn forward(&self, x: &mut [f32], eps: f32) {
+        ops::rms_norm(x, &self.0, eps);
+    }
+
+    /// The gradient of the input rows `x` from that of the output, `dy`.
+    pub(crate) fn backward(&self, x: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+        ops::rms_norm_backward(x, &self.0, eps, dy)
+    }
+}
+
+/// A norm some families have: the identity where the layer lacks it.
+pub(crate) fn norm_if(norm: &Option<RmsNorm>, x: &mut [f32], eps: f32) {
+    if let Some(norm) = norm {
+        norm.forward(x, eps);
+    }
+}
+
+/// Backward of [`norm_if`] at input `x`.
+pub(crate) fn norm_if_backward(
+    norm: &Option<RmsNorm>,
+    x: &[f32],
+    eps: f32,
+    dy: &[f32],
+) -> Vec<f32> {
+    match norm {
+        Some(norm) => norm.backward(x, eps, dy),
+        None => dy.to_vec(),
+    }
+}
+
+/// The attention block: `x + post_norm(o(attend(rope(q_norm(q)), rope(k_norm(k)), v)))` over
+/// `norm(x)`; the optional parts are the family's (`ModelConfig`'s switches).
+pub(crate) struct Attention {
+    pub(crate) norm: RmsNorm,
     pub(crate) q: Linear,
     pub(crate) k: Linear,
     pub(crate) v: Linear,
-    pub(crate) q_norm: Vec<f32>,
-    pub(crate) k_norm: Vec<f32>,
+    pub(crate) q_bias: Option<Vec<f32>>,
+    pub(crate) k_bias: Option<Vec<f32>>,
+    pub(crate) v_bias: Option<Vec<f32>>,
+    pub(crate) q_norm: Option<RmsNorm>,
+    pub(crate) k_norm: Option<RmsNorm>,
     pub(crate) o: Linear,
-    pub(crate) post_attn_norm: Vec<f32>,
-    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) post_norm: Option<RmsNorm>,
+}
+
+/// The gated MLP block: `x + post_norm(down(act(gate(norm(x))) * up(norm(x))))`.
+pub(crate) struct Mlp {
+    pub(crate) norm: RmsNorm,
     pub(crate) gate: Linear,
     pub(crate) up: Linear,
     pub(crate) down: Linear,
-    pub(crate) post_ffn_norm: Vec<f32>,
+    pub(crate) activation: Activation,
+    pub(crate) post_norm: Option<RmsNorm>,
+}
+
+/// One decoder block.
+pub(crate) struct Layer {
+    pub(crate) attn: Attention,
+    pub(crate) mlp: Mlp,
 }
 
 /// Rows of a concatenated batch that apply one adapter.
@@ -59,60 +109,38 @@ pub(crate) struct AdapterSpan<'a> {
 impl Layer {
     pub(crate) fn linear(&self, target: LoraTarget) -> &Linear {
         match target {
-            LoraTarget::Q => &self.q,
-            LoraTarget::K => &self.k,
-            LoraTarget::V => &self.v,
-            LoraTarget::O => &self.o,
-            LoraTarget::Gate => &self.gate,
-            LoraTarget::Up => &self.up,
-            LoraTarget::Down => &self.down,
+            LoraTarget::Q => &self.attn.q,
+            LoraTarget::K => &self.attn.k,
+            LoraTarget::V => &self.attn.v,
+            LoraTarget::O => &self.attn.o,
+            LoraTarget::Gate => &self.mlp.gate,
+            LoraTarget::Up => &self.mlp.up,
+            LoraTarget::Down => &self.mlp.down,
         }
-    }
-
-    /// One projection of layer `index` over all rows of `x` (one batched base matmul), plus
-    /// each span's adapter term on its own rows.
-    pub(crate) fn project(
-        &self,
-        index: usize,
-        target: LoraTarget,
-        x: &[f32],
-        spans: &[AdapterSpan<'_>],
-    ) -> Result<Vec<f32>, ModelError> {
-        let linear = self.linear(target);
-        let mut y = linear.forward(x)?;
-        let (din, dout) = (linear.in_dim(), linear.out_dim());
-        for s in spans {
-            s.adapter.apply(
-                index,
-                target,
-                &x[s.rows.start * din..s.rows.end * din],
-                &mut y[s.rows.start * dout..s.rows.end * dout],
-            );
-        }
-        Ok(y)
     }
 }
 
 /// The token embedding table.
 pub(crate) enum Embedding {
-    /// The LM head's weight (Gemma ties them): one copy, read through `Linear::rows`.
+    /// The LM head's weight (a file without `output.weight` ties them): one copy, read through
+    /// `Linear::rows`.
     Tied,
     /// A separate table (a file with its own `output.weight`).
     Table(Arc<QTensor>),
 }
 
-/// Gemma 3 text model over quantized GGUF weights.
-pub struct Gemma3 {
+/// A decoder-only transformer (the architectures `ModelConfig` reads) over quantized GGUF weights.
+pub struct Decoder {
     pub(crate) cfg: ModelConfig,
     pub(crate) embed: Embedding,
     pub(crate) lm_head: Linear,
     pub(crate) layers: Vec<Layer>,
-    pub(crate) final_norm: Vec<f32>,
-    /// See [`Gemma3::set_smooth`].
+    pub(crate) final_norm: RmsNorm,
+    /// See [`Decoder::set_smooth`].
     pub(crate) smooth: bool,
 }
 
-impl Gemma3 {
+impl Decoder {
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
@@ -258,7 +286,7 @@ impl Gemma3 {
             rows.extend_from_slice(&x[first * hidden..(off + n) * hidden]);
             off += n;
         }
-        ops::rms_norm(&mut rows, &self.final_norm, self.cfg.rms_eps);
+        self.final_norm.forward(&mut rows, self.cfg.rms_eps);
         // Each sequence's logits are written in place: copied out of one product they took a
         // serial ~2% of a 32-row step.
         let counts: Vec<usize> = batch
@@ -274,7 +302,8 @@ impl Gemma3 {
             .collect())
     }
 
-    /// Embedding rows (dequantized one row at a time) times sqrt(hidden), an f32 scale.
+    /// Embedding rows (dequantized one row at a time), times sqrt(hidden) as an f32 where the
+    /// family scales them (Gemma).
     pub(crate) fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         let mut x = match &self.embed {
             Embedding::Tied => {
@@ -286,9 +315,11 @@ impl Gemma3 {
                 table.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?
             }
         };
-        let scale = (self.cfg.hidden_size as f32).sqrt();
-        for v in x.iter_mut() {
-            *v *= scale;
+        if self.cfg.scale_embeddings {
+            let scale = (self.cfg.hidden_size as f32).sqrt();
+            for v in x.iter_mut() {
+                *v *= scale;
+            }
         }
         Ok(x)
     }

@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use half::f16;
 
 use crate::kernels::Isa;
+use crate::{Activation, RopeLayout, Yarn};
 
 /// Independent accumulators so the reduction vectorises (f32 addition is not associative, so
 /// the compiler will not reorder a single running sum).
@@ -74,59 +75,86 @@ pub(crate) fn rms_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32])
 /// angle advanced by repeated f32 multiplication) so angles match llama.cpp's bit for bit.
 pub(crate) struct RopeTable {
     half: usize,
+    layout: RopeLayout,
     cos: Vec<f32>,
     sin: Vec<f32>,
 }
 
 impl RopeTable {
-    pub(crate) fn new(positions: &[usize], head_dim: usize, base: f32) -> Self {
+    /// As ggml's rope: pair `i`'s angle is `freq_scale · (θ_i / factors[i])` (linear scaling,
+    /// Llama 3's per-frequency divisors), or with `yarn` that angle blended with the unscaled
+    /// one along YaRN's ramp and cos and sin scaled; a scale of 1, no factors and no YaRN leave
+    /// the plain angle's bits.
+    pub(crate) fn new(
+        positions: &[usize],
+        head_dim: usize,
+        base: f32,
+        (freq_scale, factors, yarn): (f32, Option<&[f32]>, Option<Yarn>),
+        layout: RopeLayout,
+    ) -> Self {
         let half = head_dim / 2;
         let theta_scale = base.powf(-2.0 / head_dim as f32);
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
         for &p in positions {
             let mut theta = p as f32;
-            for _ in 0..half {
-                cos.push(theta.cos());
-                sin.push(theta.sin());
+            for i in 0..half {
+                let extrap = theta / factors.map_or(1.0, |f| f[i]);
+                let interp = freq_scale * extrap;
+                match yarn {
+                    None => {
+                        cos.push(interp.cos());
+                        sin.push(interp.sin());
+                    }
+                    Some(y) => {
+                        let ramp = (i as f32 - y.low) / (y.high - y.low).max(0.001);
+                        let mix = 1.0 - ramp.clamp(0.0, 1.0);
+                        let angle = interp * (1.0 - mix) + extrap * mix;
+                        cos.push(angle.cos() * y.mscale);
+                        sin.push(angle.sin() * y.mscale);
+                    }
+                }
                 theta *= theta_scale;
             }
         }
-        Self { half, cos, sin }
+        Self {
+            half,
+            layout,
+            cos,
+            sin,
+        }
     }
 
-    /// Rotates `x` = `[tokens, heads, head_dim]` in place, NEOX style (pairs `i`, `i + half`),
-    /// token `t` at the table's `t`-th position.
+    /// Rotates `x` = `[tokens, heads, head_dim]` in place, token `t` at the table's `t`-th
+    /// position.
     pub(crate) fn apply(&self, x: &mut [f32], heads: usize) {
-        let d = 2 * self.half;
-        for (t, tok) in x.chunks_exact_mut(heads * d).enumerate() {
-            let cos = &self.cos[t * self.half..(t + 1) * self.half];
-            let sin = &self.sin[t * self.half..(t + 1) * self.half];
-            for head in tok.chunks_exact_mut(d) {
-                let (lo, hi) = head.split_at_mut(self.half);
-                for i in 0..self.half {
-                    // GCC contracts ggml's `x0*cos - x1*sin` and `x0*sin + x1*cos` this way.
-                    let (x0, x1) = (lo[i], hi[i]);
-                    lo[i] = x0.mul_add(cos[i], -(x1 * sin[i]));
-                    hi[i] = x0.mul_add(sin[i], x1 * cos[i]);
-                }
-            }
-        }
+        // GCC contracts ggml's `x0*cos - x1*sin` and `x0*sin + x1*cos` this way.
+        self.rotate(x, heads, |x0, x1, cos, sin| {
+            (x0.mul_add(cos, -(x1 * sin)), x0.mul_add(sin, x1 * cos))
+        });
     }
 
     /// Backward of [`RopeTable::apply`]: the rotation is orthogonal, so its gradient is the
     /// inverse rotation.
     pub(crate) fn apply_inverse(&self, x: &mut [f32], heads: usize) {
-        let d = 2 * self.half;
+        self.rotate(x, heads, |y0, y1, cos, sin| {
+            (y0 * cos + y1 * sin, -y0 * sin + y1 * cos)
+        });
+    }
+
+    /// `f(x0, x1, cos, sin)` on every rotated pair of every head, in place.
+    fn rotate(&self, x: &mut [f32], heads: usize, f: impl Fn(f32, f32, f32, f32) -> (f32, f32)) {
+        let (half, d) = (self.half, 2 * self.half);
         for (t, tok) in x.chunks_exact_mut(heads * d).enumerate() {
-            let cos = &self.cos[t * self.half..(t + 1) * self.half];
-            let sin = &self.sin[t * self.half..(t + 1) * self.half];
+            let cos = &self.cos[t * half..(t + 1) * half];
+            let sin = &self.sin[t * half..(t + 1) * half];
             for head in tok.chunks_exact_mut(d) {
-                let (lo, hi) = head.split_at_mut(self.half);
-                for i in 0..self.half {
-                    let (y0, y1) = (lo[i], hi[i]);
-                    lo[i] = y0 * cos[i] + y1 * sin[i];
-                    hi[i] = -y0 * sin[i] + y1 * cos[i];
+                for i in 0..half {
+                    let (a, b) = match self.layout {
+                        RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                        RopeLayout::HalfSplit => (i, i + half),
+                    };
+                    (head[a], head[b]) = f(head[a], head[b], cos[i], sin[i]);
                 }
             }
         }
@@ -136,13 +164,26 @@ impl RopeTable {
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const COEF_A: f32 = 0.044_715;
 
+/// `gate <- act(gate) * up`: the MLP's gated activation.
+pub(crate) fn act_mul(act: Activation, gate: &mut [f32], up: &[f32], f16_table: bool) {
+    match act {
+        Activation::Gelu => gelu_mul(gate, up, f16_table),
+        // In f32, element by element: a row's values depend on nothing else.
+        Activation::Silu => elementwise(gate, up, |gate, up| {
+            for (g, u) in gate.iter_mut().zip(up) {
+                *g = silu_and_slope(*g).0 * u;
+            }
+        }),
+    }
+}
+
 /// `gate <- gelu_tanh(gate) * up`. With `f16_table` (serving and training), through a table of
 /// every f16 value (ggml's): the gate rounded to f16, its GELU looked up (computed once in f32
 /// and rounded to f16); 0 below -10 and the identity above 10; much cheaper than a `tanh` per
 /// value. Without, in f32: smooth, for gradient checks.
-pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32], f16_table: bool) {
+fn gelu_mul(gate: &mut [f32], up: &[f32], f16_table: bool) {
     let isa = Isa::detect();
-    let piece = |gate: &mut [f32], up: &[f32]| {
+    elementwise(gate, up, |gate, up| {
         if !f16_table {
             for (g, u) in gate.iter_mut().zip(up) {
                 *g = gelu(*g) * u;
@@ -150,7 +191,12 @@ pub(crate) fn gelu_mul(gate: &mut [f32], up: &[f32], f16_table: bool) {
         } else {
             gelu_mul_table(isa, gate, up);
         }
-    };
+    });
+}
+
+/// `piece` over `gate` and `up` in pieces of `ELEMS_PER_TASK`, in parallel when there are
+/// several.
+fn elementwise(gate: &mut [f32], up: &[f32], piece: impl Fn(&mut [f32], &[f32]) + Sync) {
     if gate.len() <= ELEMS_PER_TASK {
         piece(gate, up);
     } else {
@@ -234,9 +280,18 @@ fn gelu_table() -> &'static [f32] {
     })
 }
 
-/// Backward of [`gelu_mul`] at inputs `gate`, `up` for output gradient `dy`: returns
+/// Backward of [`act_mul`] at inputs `gate`, `up` for output gradient `dy`: returns
 /// (d gate, d up).
-pub(crate) fn gelu_mul_backward(gate: &[f32], up: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn act_mul_backward(
+    act: Activation,
+    gate: &[f32],
+    up: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let grad = match act {
+        Activation::Gelu => gelu_and_slope,
+        Activation::Silu => silu_and_slope,
+    };
     let mut dg = vec![0f32; gate.len()];
     let mut du = vec![0f32; gate.len()];
     dg.par_chunks_mut(ELEMS_PER_TASK)
@@ -246,15 +301,27 @@ pub(crate) fn gelu_mul_backward(gate: &[f32], up: &[f32], dy: &[f32]) -> (Vec<f3
             let at = i * ELEMS_PER_TASK;
             let inputs = gate[at..].iter().zip(&up[at..]).zip(&dy[at..]);
             for ((dg, du), ((&x, &u), &d)) in dg.iter_mut().zip(du.iter_mut()).zip(inputs) {
-                let t = (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh();
-                let gelu = 0.5 * x * (1.0 + t);
-                let dgelu = 0.5 * (1.0 + t)
-                    + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF_A * x * x);
-                *dg = d * u * dgelu;
-                *du = d * gelu;
+                let (value, slope) = grad(x);
+                *dg = d * u * slope;
+                *du = d * value;
             }
         });
     (dg, du)
+}
+
+/// GELU (tanh approximation) and its derivative at `x`.
+fn gelu_and_slope(x: f32) -> (f32, f32) {
+    let t = (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh();
+    let gelu = 0.5 * x * (1.0 + t);
+    let slope =
+        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF_A * x * x);
+    (gelu, slope)
+}
+
+/// SiLU `x·σ(x)` and its derivative `σ(x)·(1 + x·(1 - σ(x)))` at `x`.
+fn silu_and_slope(x: f32) -> (f32, f32) {
+    let s = 1.0 / (1.0 + (-x).exp());
+    (x * s, s * (1.0 + x * (1.0 - s)))
 }
 
 /// Softmax over `x` in place.

@@ -1,7 +1,7 @@
 //! Scoring and LoRA training over packed sequences.
 //!
 //! The forward runs the serving kernels (the quantized `Linear::forward`, the same norm, rope,
-//! attention and gelu arithmetic, the same per-row adapter term), so the trainer's logprobs are
+//! attention and activation arithmetic, the same per-row adapter term), so the trainer's logprobs are
 //! the server's. The backward is written by hand on f32 slices: gradients reach the input of a
 //! frozen linear through its weight (activation quantization in the forward is treated as
 //! identity, the usual straight-through choice), as int8 dot products with a transposed Q8_0
@@ -11,9 +11,9 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::layer::{BatchLayout, LayerTape, PackedKv, Ropes};
+use crate::layer::{AttentionTape, BatchLayout, LayerTape, MlpTape, PackedKv, Ropes};
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
-use crate::model::{add_assign, AdapterSpan, Gemma3, Layer};
+use crate::model::{add_assign, norm_if_backward, AdapterSpan, Decoder, Layer, Mlp};
 use crate::ops;
 use crate::ModelError;
 
@@ -56,7 +56,7 @@ pub struct TrainTape {
     head_grad: Vec<f32>,
 }
 
-impl Gemma3 {
+impl Decoder {
     /// Forward only: the same numbers the serving path returns for these tokens (same kernels).
     pub fn score(
         &self,
@@ -176,7 +176,7 @@ impl Gemma3 {
             head_in.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }
         let mut head_normed = head_in.clone();
-        ops::rms_norm(&mut head_normed, &self.final_norm, cfg.rms_eps);
+        self.final_norm.forward(&mut head_normed, cfg.rms_eps);
 
         let mut scores = TokenScores {
             logprobs: Vec::with_capacity(targets.len()),
@@ -261,8 +261,9 @@ impl Gemma3 {
                 *v *= g;
             }
         }
-        let d_head_in =
-            ops::rms_norm_backward(&tape.head_in, &self.final_norm, cfg.rms_eps, &d_normed);
+        let d_head_in = self
+            .final_norm
+            .backward(&tape.head_in, cfg.rms_eps, &d_normed);
         let mut dx = vec![0f32; n * hidden];
         for (&r, d) in tape.head_rows.iter().zip(d_head_in.chunks_exact(hidden)) {
             add_assign(&mut dx[r * hidden..(r + 1) * hidden], d);
@@ -270,73 +271,62 @@ impl Gemma3 {
 
         let ropes = Ropes::new(&tape.layout.pos, cfg);
         for (li, lt) in tape.layers.iter().enumerate().rev() {
-            dx = self.layer_backward(li, lt, &tape, &ropes, adapter, &mut grads, dx, li > 0)?;
+            let mut lin = LinearGrads {
+                layer: &self.layers[li],
+                index: li,
+                adapter,
+                grads: &mut grads,
+            };
+            let d_mid = self.layers[li]
+                .mlp
+                .backward(&lt.mlp, cfg.rms_eps, &mut lin, dx)?;
+            dx = self.attention_backward(li, &lt.attn, &tape, &ropes, &mut lin, d_mid, li > 0)?;
         }
         Ok(grads)
     }
 
+    /// Backward of `attention_forward` (layer `li`) from the gradient of its output `d_out`:
+    /// `x_mid = x_in + post_norm(o(attend(rope(q_norm(q)), rope(k_norm(k)), v)))`, the frozen
+    /// biases passing gradients through. The gradient reaching `x_in` through the norm only
+    /// `with_input` (the first layer's input is the embedding, which trains nothing).
     #[allow(clippy::too_many_arguments)]
-    fn layer_backward(
+    fn attention_backward(
         &self,
         li: usize,
-        lt: &LayerTape,
+        lt: &AttentionTape,
         tape: &TrainTape,
         ropes: &Ropes,
-        adapter: &LoraAdapter,
-        grads: &mut LoraGrads,
+        lin: &mut LinearGrads<'_>,
         d_out: Vec<f32>,
-        need_input_grad: bool,
+        with_input: bool,
     ) -> Result<Vec<f32>, ModelError> {
         let cfg = &self.cfg;
-        let layer = &self.layers[li];
+        let a = &self.layers[li].attn;
         let eps = cfg.rms_eps;
-        let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
-        let mut lin = |target, x: &[f32], dy: &[f32]| -> Result<Vec<f32>, ModelError> {
-            linear_backward(layer, li, target, adapter, grads, x, dy)
-        };
-
-        // Feed-forward branch: out = x_mid + norm(down(gelu(gate) * up)).
-        let d_down = ops::rms_norm_backward(&lt.down, &layer.post_ffn_norm, eps, &d_out);
-        let d_act = lin(LoraTarget::Down, &lt.act, &d_down)?;
-        let (d_gate, d_up) = ops::gelu_mul_backward(&lt.gate, &lt.up, &d_act);
-        let mut d_ffn_normed = lin(LoraTarget::Gate, &lt.ffn_normed, &d_gate)?;
-        add_assign(
-            &mut d_ffn_normed,
-            &lin(LoraTarget::Up, &lt.ffn_normed, &d_up)?,
-        );
-        let mut d_mid = d_out;
-        add_assign(
-            &mut d_mid,
-            &ops::rms_norm_backward(&lt.x_mid, &layer.ffn_norm, eps, &d_ffn_normed),
-        );
-
-        // Attention branch: x_mid = x_in + norm(o(attention(rope(norm(q)), rope(norm(k)), v))).
-        let d_o = ops::rms_norm_backward(&lt.o, &layer.post_attn_norm, eps, &d_mid);
-        let d_attn = lin(LoraTarget::O, &lt.attn, &d_o)?;
+        let d_o = norm_if_backward(&a.post_norm, &lt.o, eps, &d_out);
+        let d_attn = lin.backward(LoraTarget::O, &lt.attn, &d_o)?;
         let global = cfg.is_global(li);
         let window = (!global).then_some(cfg.sliding_window);
         let (mut dq, mut dk, dv) = self.attend_backward(lt, tape, window, &d_attn)?;
         let rope = ropes.get(global);
-        rope.apply_inverse(&mut dq, h);
-        rope.apply_inverse(&mut dk, hkv);
-        let dq_pre = ops::rms_norm_backward(&lt.q_pre, &layer.q_norm, eps, &dq);
-        let dk_pre = ops::rms_norm_backward(&lt.k_pre, &layer.k_norm, eps, &dk);
-        let mut d_attn_normed = lin(LoraTarget::Q, &lt.attn_normed, &dq_pre)?;
+        rope.apply_inverse(&mut dq, cfg.num_heads);
+        rope.apply_inverse(&mut dk, cfg.num_kv_heads);
+        let dq_pre = norm_if_backward(&a.q_norm, &lt.q_pre, eps, &dq);
+        let dk_pre = norm_if_backward(&a.k_norm, &lt.k_pre, eps, &dk);
+        let mut d_normed = lin.backward(LoraTarget::Q, &lt.normed, &dq_pre)?;
         add_assign(
-            &mut d_attn_normed,
-            &lin(LoraTarget::K, &lt.attn_normed, &dk_pre)?,
+            &mut d_normed,
+            &lin.backward(LoraTarget::K, &lt.normed, &dk_pre)?,
         );
         add_assign(
-            &mut d_attn_normed,
-            &lin(LoraTarget::V, &lt.attn_normed, &dv)?,
+            &mut d_normed,
+            &lin.backward(LoraTarget::V, &lt.normed, &dv)?,
         );
-        if need_input_grad {
-            add_assign(
-                &mut d_mid,
-                &ops::rms_norm_backward(&lt.x_in, &layer.attn_norm, eps, &d_attn_normed),
-            );
+        let mut dx = d_out;
+        if with_input {
+            add_assign(&mut dx, &a.norm.backward(&lt.x_in, eps, &d_normed));
         }
-        Ok(d_mid)
+        Ok(dx)
     }
 
     /// Gradients of causal (windowed, segment-isolated) attention to q, k and v. The softmax is
@@ -347,7 +337,7 @@ impl Gemma3 {
     /// part runs at gemm speed and skips what the causal mask and the window hide.
     fn attend_backward(
         &self,
-        lt: &LayerTape,
+        lt: &AttentionTape,
         tape: &TrainTape,
         window: Option<usize>,
         d_attn: &[f32],
@@ -452,43 +442,78 @@ impl Gemma3 {
 /// Query tokens per tile of the attention backward's matrix products.
 const QUERY_TILE: usize = 256;
 
-/// Backward of `layer.project(target)` at input rows `x` with output gradient `dy`: adds the
-/// adapter's grads and returns d x (through the frozen weight and the adapter).
-/// With `t = x·Aᵀ`, `y += s·t·Bᵀ`: `dB = s·dyᵀ·t`, `dt = s·dy·B`, `dA = dtᵀ·x`, `dx += dt·A`.
-fn linear_backward(
-    layer: &Layer,
-    li: usize,
-    target: LoraTarget,
-    adapter: &LoraAdapter,
-    grads: &mut LoraGrads,
-    x: &[f32],
-    dy: &[f32],
-) -> Result<Vec<f32>, ModelError> {
-    let linear = layer.linear(target);
-    let mut dx = linear.backward_input(dy)?;
-    let pair = adapter.pair(li, target);
-    let rank = adapter.config().rank;
-    let s = adapter.scale();
-    let (din, dout) = (pair.in_dim, pair.out_dim);
-    let rows = x.len() / din;
-    let cpu = &Device::Cpu;
-    let x_t = Tensor::from_slice(x, (rows, din), cpu)?;
-    let dy_t = Tensor::from_slice(dy, (rows, dout), cpu)?;
-    let a = Tensor::from_slice(&pair.a, (rank, din), cpu)?;
-    let b = Tensor::from_slice(&pair.b, (dout, rank), cpu)?;
-    let t = x_t.matmul(&a.t()?)?; // [rows, rank]
-    let dt = (dy_t.matmul(&b)? * s as f64)?; // [rows, rank]
-    let db = (dy_t.t()?.matmul(&t)? * s as f64)?; // [out, rank]
-    let da = dt.t()?.matmul(&x_t)?; // [rank, in]
-    let dx_lora = dt.matmul(&a)?.flatten_all()?.to_vec1::<f32>()?;
-    add_assign(&mut dx, &dx_lora);
-    let base = (li * LoraTarget::ALL.len() + target as usize) * 2;
-    add_assign(&mut grads.grads[base], &da.flatten_all()?.to_vec1::<f32>()?);
-    add_assign(
-        &mut grads.grads[base + 1],
-        &db.flatten_all()?.to_vec1::<f32>()?,
-    );
-    Ok(dx)
+impl Mlp {
+    /// Backward of `Mlp::forward` from the gradient of its output `d_out`:
+    /// `out = x_in + post_norm(down(act(gate) * up))` over `norm(x_in)`.
+    fn backward(
+        &self,
+        lt: &MlpTape,
+        eps: f32,
+        lin: &mut LinearGrads<'_>,
+        d_out: Vec<f32>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let d_down = norm_if_backward(&self.post_norm, &lt.down, eps, &d_out);
+        let d_act = lin.backward(LoraTarget::Down, &lt.act, &d_down)?;
+        let (d_gate, d_up) = ops::act_mul_backward(self.activation, &lt.gate, &lt.up, &d_act);
+        let mut d_normed = lin.backward(LoraTarget::Gate, &lt.normed, &d_gate)?;
+        add_assign(
+            &mut d_normed,
+            &lin.backward(LoraTarget::Up, &lt.normed, &d_up)?,
+        );
+        let mut dx = d_out;
+        add_assign(&mut dx, &self.norm.backward(&lt.x_in, eps, &d_normed));
+        Ok(dx)
+    }
+}
+
+/// One layer's projections in the backward: where their adapters' gradients go.
+struct LinearGrads<'a> {
+    layer: &'a Layer,
+    index: usize,
+    adapter: &'a LoraAdapter,
+    grads: &'a mut LoraGrads,
+}
+
+impl LinearGrads<'_> {
+    /// Backward of projection `target` at input rows `x` with output gradient `dy`: adds the
+    /// adapter's grads and returns d x (through the frozen weight and the adapter).
+    /// With `t = x·Aᵀ`, `y += s·t·Bᵀ`: `dB = s·dyᵀ·t`, `dt = s·dy·B`, `dA = dtᵀ·x`, `dx += dt·A`.
+    fn backward(
+        &mut self,
+        target: LoraTarget,
+        x: &[f32],
+        dy: &[f32],
+    ) -> Result<Vec<f32>, ModelError> {
+        let (li, adapter) = (self.index, self.adapter);
+        let linear = self.layer.linear(target);
+        let mut dx = linear.backward_input(dy)?;
+        let pair = adapter.pair(li, target);
+        let rank = adapter.config().rank;
+        let s = adapter.scale();
+        let (din, dout) = (pair.in_dim, pair.out_dim);
+        let rows = x.len() / din;
+        let cpu = &Device::Cpu;
+        let x_t = Tensor::from_slice(x, (rows, din), cpu)?;
+        let dy_t = Tensor::from_slice(dy, (rows, dout), cpu)?;
+        let a = Tensor::from_slice(&pair.a, (rank, din), cpu)?;
+        let b = Tensor::from_slice(&pair.b, (dout, rank), cpu)?;
+        let t = x_t.matmul(&a.t()?)?; // [rows, rank]
+        let dt = (dy_t.matmul(&b)? * s as f64)?; // [rows, rank]
+        let db = (dy_t.t()?.matmul(&t)? * s as f64)?; // [out, rank]
+        let da = dt.t()?.matmul(&x_t)?; // [rank, in]
+        let dx_lora = dt.matmul(&a)?.flatten_all()?.to_vec1::<f32>()?;
+        add_assign(&mut dx, &dx_lora);
+        let base = (li * LoraTarget::ALL.len() + target as usize) * 2;
+        add_assign(
+            &mut self.grads.grads[base],
+            &da.flatten_all()?.to_vec1::<f32>()?,
+        );
+        add_assign(
+            &mut self.grads.grads[base + 1],
+            &db.flatten_all()?.to_vec1::<f32>()?,
+        );
+        Ok(dx)
+    }
 }
 
 /// Log-sum-exp and entropy of one row of logits. The log-sum-exp is the server's

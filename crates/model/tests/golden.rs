@@ -1,7 +1,7 @@
 //! Gemma 3 270M against llama.cpp (see `tests/fixtures/README.md`): logits close to its
 //! library's (printed), greedy decoding against llama-server's golden output.
 
-use temper_model::{load_gguf, Gemma3, SeqCache, SeqInput};
+use temper_model::{load_gguf, Decoder, SeqCache, SeqInput};
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
@@ -20,7 +20,7 @@ fn lines(text: &str) -> Vec<serde_json::Value> {
 
 /// Feeds `tokens` as one forward and returns the last row's logits, as llama.cpp's
 /// `llama_decode` of a batch does.
-fn step(model: &Gemma3, cache: &mut SeqCache, tokens: &[u32]) -> Vec<f32> {
+fn step(model: &Decoder, cache: &mut SeqCache, tokens: &[u32]) -> Vec<f32> {
     let logits = model
         .forward(&mut [SeqInput {
             tokens,
@@ -53,7 +53,7 @@ fn log_softmax(row: &[f32]) -> Vec<f64> {
     row.iter().map(|&x| x as f64 - lse).collect()
 }
 
-fn model() -> Option<Gemma3> {
+fn model() -> Option<Decoder> {
     let path = temper_model::paths::real_model_for_tests()?;
     Some(load_gguf(&path).expect("load").model)
 }

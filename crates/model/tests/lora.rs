@@ -2,21 +2,8 @@
 
 mod common;
 
-use common::{tiny_model, tokens, trained_adapter};
-use temper_model::{Gemma3, Logits, LoraAdapter, LoraConfig, ModelError, SeqInput};
-
-fn run_alone(model: &Gemma3, toks: &[u32], adapter: Option<&LoraAdapter>) -> Logits {
-    let mut cache = model.new_cache();
-    model
-        .forward(&mut [SeqInput {
-            tokens: toks,
-            cache: &mut cache,
-            all_logits: true,
-            adapter,
-        }])
-        .expect("forward")
-        .remove(0)
-}
+use common::{run_alone, tiny_model, tokens, trained_adapter};
+use temper_model::{Logits, LoraAdapter, LoraConfig, ModelError, SeqInput};
 
 #[test]
 fn fresh_adapter_is_the_base_model_and_trained_one_is_not() {

@@ -3,9 +3,9 @@
 //! blocks until they write. (The prefix cache and the pool's budget are the engine's block
 //! manager's, tested there.)
 
-use temper_model::{tiny, Gemma3, KvArena, Logits, ModelError, SeqCache, SeqInput, BLOCK_TOKENS};
+use temper_model::{tiny, Decoder, KvArena, Logits, ModelError, SeqCache, SeqInput, BLOCK_TOKENS};
 
-fn tiny_model() -> Gemma3 {
+fn tiny_model() -> Decoder {
     tiny::load_tiny(7).expect("tiny model").model
 }
 
@@ -15,12 +15,12 @@ fn tokens(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-fn run(model: &Gemma3, toks: &[u32], cache: &mut SeqCache, all: bool) -> Logits {
+fn run(model: &Decoder, toks: &[u32], cache: &mut SeqCache, all: bool) -> Logits {
     run_with(model, toks, cache, all).expect("forward")
 }
 
 fn run_with(
-    model: &Gemma3,
+    model: &Decoder,
     toks: &[u32],
     cache: &mut SeqCache,
     all: bool,
@@ -36,7 +36,7 @@ fn run_with(
 }
 
 /// The logits rows of `toks` computed in forwards of the given sizes (cycled).
-fn chunked_rows(model: &Gemma3, toks: &[u32], sizes: &[usize]) -> Vec<f32> {
+fn chunked_rows(model: &Decoder, toks: &[u32], sizes: &[usize]) -> Vec<f32> {
     let mut cache = model.new_cache();
     let mut rows = Vec::new();
     let mut at = 0;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use candle_core::quantized::gguf_file;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use temper_model::{load_gguf, tiny, Gemma3, Logits, ModelError, SeqInput};
+use temper_model::{load_gguf, tiny, Decoder, Logits, ModelError, SeqInput};
 
 fn tiny_path(name: &str, seed: u64) -> PathBuf {
     let path = std::env::temp_dir().join(format!(
@@ -16,7 +16,7 @@ fn tiny_path(name: &str, seed: u64) -> PathBuf {
     path
 }
 
-fn tiny_model(name: &str) -> Gemma3 {
+fn tiny_model(name: &str) -> Decoder {
     let path = tiny_path(name, 7);
     let model = load_gguf(&path).expect("load tiny model").model;
     let _ = std::fs::remove_file(&path);
@@ -41,7 +41,7 @@ fn tokens(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-fn run(model: &Gemma3, toks: &[u32], cache: &mut temper_model::SeqCache, all: bool) -> Logits {
+fn run(model: &Decoder, toks: &[u32], cache: &mut temper_model::SeqCache, all: bool) -> Logits {
     model
         .forward(&mut [SeqInput {
             tokens: toks,

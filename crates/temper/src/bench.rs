@@ -16,7 +16,7 @@ use temper_engine::{
     Engine, EngineConfig, EngineStats, GenerationEvent, GenerationRequest, Grammar, GrammarMatcher,
     JsonOptions, OutputConstraint, SamplingParams, StopParams,
 };
-use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
+use temper_model::{Decoder, LoraAdapter, LoraConfig, PackedSequence, SeqInput};
 use temper_text::{ChatTemplate, DecodeOptions, Tokenizer};
 use temper_train::{
     AdamW, ExperimentalConfig, TrainEvent, TrainerConfig, TrainerPool, TrainerThreads,
@@ -156,7 +156,7 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
 /// rows; returns the engine's counters.
 fn serving_rows(
     args: &BenchArgs,
-    model: &Arc<Gemma3>,
+    model: &Arc<Decoder>,
     tokenizer: &Arc<Tokenizer>,
     template: &ChatTemplate,
     repeat: usize,
@@ -328,7 +328,7 @@ impl Timed for Generation {
     }
 }
 
-fn prefill(model: &Gemma3, prompt: &[u32]) -> Result<Duration, String> {
+fn prefill(model: &Decoder, prompt: &[u32]) -> Result<Duration, String> {
     let mut cache = model.new_cache();
     let started = Instant::now();
     model
@@ -428,7 +428,7 @@ const STORY: &str = "Once upon a time, in a small fishing village at the edge of
 /// and off: tok/s of each, their ratio and the share of drafts accepted. The output is the same
 /// both ways.
 fn prompt_lookup_row(
-    model: &Arc<Gemma3>,
+    model: &Arc<Decoder>,
     tokenizer: &Arc<Tokenizer>,
     repeat: usize,
     what: &str,
@@ -641,7 +641,7 @@ impl Timed for TrainStep {
 /// clipping and AdamW update of the adapter (`temper_train::apply_gradients`, the code `run_job`
 /// runs). The optimizer's state is made before the clock starts, as a job makes it once; the
 /// peak RSS is measured from the step's start.
-fn train_step(model: &Gemma3, prompt: &[u32], seqs: usize) -> Result<TrainStep, String> {
+fn train_step(model: &Decoder, prompt: &[u32], seqs: usize) -> Result<TrainStep, String> {
     let tokens: Vec<u32> = prompt.repeat(seqs);
     let lens = vec![prompt.len(); seqs];
     let scored: Vec<bool> = (0..tokens.len()).map(|i| i % prompt.len() != 0).collect();
@@ -702,7 +702,7 @@ impl Timed for TrainJob {
 
 /// One `temper bench --train-jobs` row: a whole job of `shape` (TRAJECTORIESxANSWER_TOKENS).
 fn train_job_row(
-    model: &Gemma3,
+    model: &Decoder,
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
     shape: &str,
@@ -786,7 +786,7 @@ fn with_checkpoint_path<T>(
 /// its next step once `cancel` is set; `on_start` is called when its first step begins), the
 /// checkpoint written to `checkpoint`. The peak RSS is measured from the job's start.
 fn train_job(
-    model: &Gemma3,
+    model: &Decoder,
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
     request: &TrainingRequest,
@@ -827,7 +827,7 @@ fn train_job(
 
 /// The training that runs beside the decoding stream of [`decode_beside_training_row`].
 struct TrainingBeside<'a> {
-    model: &'a Gemma3,
+    model: &'a Decoder,
     tokenizer: &'a Tokenizer,
     template: &'a ChatTemplate,
     /// TRAJECTORIESxANSWER_TOKENS, as `--train-jobs`.

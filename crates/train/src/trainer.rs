@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::Serialize;
-use temper_model::{Gemma3, LoraAdapter, LoraConfig, PackedSequence};
+use temper_model::{Decoder, LoraAdapter, LoraConfig, PackedSequence};
 
 use crate::request::{ImportanceSamplingLevel, LossConfig};
 use crate::tokenize::{TokenizedJob, TokenizedSftJob};
@@ -350,7 +350,7 @@ fn pearson(x: &[f64], y: &[f64]) -> Option<f64> {
 /// Runs one job from `start` and returns the new adapter, or `None` (with an `Ended` event
 /// saying why) when nothing can be learned. `cancel` is checked before every step.
 pub fn run_job(
-    model: &Gemma3,
+    model: &Decoder,
     start: &LoraAdapter,
     job: &TokenizedJob,
     cfg: &TrainerConfig,
@@ -532,7 +532,7 @@ pub fn run_job(
 /// longer than `max_seq_len` is split into packs whose gradients add up before the step.
 /// `cancel` is checked before every pack.
 pub fn run_sft_job(
-    model: &Gemma3,
+    model: &Decoder,
     start: &LoraAdapter,
     job: &TokenizedSftJob,
     cfg: &TrainerConfig,

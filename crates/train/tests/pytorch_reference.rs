@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use temper_model::{Gemma3, LoraAdapter, LoraConfig, LoraTarget, PackedSequence};
+use temper_model::{Decoder, LoraAdapter, LoraConfig, LoraTarget, PackedSequence};
 use temper_train::{sequence_loss, ExperimentalConfig, LossConfig};
 
 const FIXTURE: &str = concat!(
@@ -82,7 +82,7 @@ fn check_batch() -> CheckBatch {
 
 /// The default LoRA (temper's rank, alpha and init of A) with a B of about `B_SCALE` instead of
 /// zeros, so that every A and B gets a gradient.
-fn check_adapter(model: &Gemma3) -> LoraAdapter {
+fn check_adapter(model: &Decoder) -> LoraAdapter {
     const B_SCALE: f32 = 0.01;
     let mut adapter = LoraAdapter::new(model.config(), LoraConfig::default(), 13);
     // params alternate A, B; B gets a Weyl sequence in [-B_SCALE, B_SCALE).
@@ -102,7 +102,7 @@ fn check_adapter(model: &Gemma3) -> LoraAdapter {
 }
 
 /// Names of the adapter's tensors (as `LoraAdapter::save` writes them), parallel to `params()`.
-fn param_names(model: &Gemma3) -> Vec<String> {
+fn param_names(model: &Decoder) -> Vec<String> {
     (0..model.config().num_layers)
         .flat_map(|l| {
             LoraTarget::ALL
@@ -121,7 +121,7 @@ struct TemperValues {
 
 /// The trainer's step on the batch (as `run_job` takes it): the packed training forward, the
 /// loss and d loss / d logprob from `sequence_loss`, weighted and normalised, and the backward.
-fn temper_values(model: &Gemma3, batch: &CheckBatch, adapter: &LoraAdapter) -> TemperValues {
+fn temper_values(model: &Decoder, batch: &CheckBatch, adapter: &LoraAdapter) -> TemperValues {
     let tokens: Vec<u32> = batch
         .segments
         .iter()

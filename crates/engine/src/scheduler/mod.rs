@@ -1,4 +1,4 @@
-//! The scheduler thread: continuous batching over one `Gemma3::forward` call per step.
+//! The scheduler thread: continuous batching over one `Decoder::forward` call per step.
 //!
 //! This file is the scheduler itself: the loop, admission and preemption, and each step as a
 //! plan (which rows run, how many tokens each feeds, their KV blocks reserved through the
@@ -41,7 +41,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 use tracing::{debug, trace, warn};
 
-use temper_model::{Gemma3, Logits};
+use temper_model::{Decoder, Logits};
 use temper_text::Tokenizer;
 
 use crate::kv_manager::{KvManager, PrefixKey, SeqKv};
@@ -74,7 +74,7 @@ const PROMPT_LOGPROB_ROWS: usize = 64;
 const MASK_THREADS: usize = 2;
 
 pub(crate) struct Scheduler {
-    model: Arc<Gemma3>,
+    model: Arc<Decoder>,
     kv: KvManager,
     output: OutputProcessor,
     config: EngineConfig,
@@ -101,7 +101,7 @@ struct SampleJob<'a> {
 
 impl Scheduler {
     pub(crate) fn new(
-        model: Arc<Gemma3>,
+        model: Arc<Decoder>,
         kv: KvManager,
         tokenizer: Arc<Tokenizer>,
         config: EngineConfig,

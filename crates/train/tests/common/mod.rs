@@ -3,11 +3,11 @@
 
 #![allow(dead_code)] // each test binary uses a different part of this module
 
-use temper_model::Gemma3;
+use temper_model::Decoder;
 use temper_text::{ChatMessage, ChatTemplate, TemplateInput, Tokenizer};
 
 pub struct Tiny {
-    pub model: Gemma3,
+    pub model: Decoder,
     pub tokenizer: Tokenizer,
     pub template: ChatTemplate,
 }
