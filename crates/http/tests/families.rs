@@ -1,0 +1,97 @@
+//! A Qwen2-shaped model served end to end through HTTP: a random tiny `qwen2` GGUF with a
+//! byte-level BPE vocabulary (Qwen's pre-tokenizer and special tokens) and Qwen 2.5's chat
+//! template (`scripts/make-tiny-served.py`). Its prompt renders and tokenizes to exactly the ids
+//! transformers and the Hugging Face tokenizer give; chat completions stream and end at
+//! `<|im_end|>`'s id; forced tool calls come back in Qwen's `<tool_call>` format and parse.
+
+mod common;
+
+use common::{check_stream, options, TestServer};
+use serde_json::{json, Value};
+use temper_http::ServerOptions;
+
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-qwen2-bpe");
+
+fn expected() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(format!("{FIXTURE}.json")).unwrap()).unwrap()
+}
+
+async fn server() -> TestServer {
+    let options = ServerOptions {
+        enable_tool_calls: true,
+        ..options()
+    };
+    TestServer::model("tiny-qwen2", format!("{FIXTURE}.gguf").as_ref(), options).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen2_bpe_model_tokenizes_its_template_as_transformers_does() {
+    let s = server().await;
+    let want = expected();
+    let v = s
+        .post_ok(
+            "/tokenize",
+            &json!({"messages": want["messages"], "tools": want["tools"],
+                "add_generation_prompt": true}),
+        )
+        .await;
+    assert_eq!(v["tokens"], want["prompt_ids"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen2_bpe_model_answers_streams_and_calls_tools() {
+    let s = server().await;
+    let want = expected();
+    let body = json!({"messages": want["messages"], "max_completion_tokens": 12,
+        "temperature": 0, "logprobs": true, "return_token_ids": true});
+    let (status, v) = s.chat(&body).await;
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    let prompt = s
+        .post_ok("/tokenize", &json!({"messages": want["messages"]}))
+        .await;
+    assert_eq!(v["usage"]["prompt_tokens"], prompt["count"]);
+    let ids = choice["token_ids"].as_array().unwrap();
+    assert!(!ids.is_empty() && ids.len() <= 12, "{choice}");
+    assert_eq!(
+        choice["logprobs"]["content"].as_array().unwrap().len(),
+        ids.len()
+    );
+    // Streamed, the same greedy answer.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (choices, _) = check_stream(&s.chat_stream(&streamed).await, 1);
+    assert_eq!(
+        choices[0].content,
+        choice["message"]["content"].as_str().unwrap()
+    );
+
+    // `tool_choice: required`: calls in Qwen's format, parsed into tool_calls.
+    let (status, v) = s
+        .chat(
+            &json!({"messages": want["messages"], "tools": want["tools"],
+            "tool_choice": "required", "parallel_tool_calls": false, "temperature": 1,
+            "seed": 5, "n": 3, "max_completion_tokens": 200, "return_token_ids": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    for choice in v["choices"].as_array().unwrap() {
+        assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{choice}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!((1..=7).contains(&args["days"].as_u64().unwrap()), "{args}");
+        let raw = s
+            .post_ok("/detokenize", &json!({"tokens": choice["token_ids"]}))
+            .await;
+        assert!(
+            raw["prompt"]
+                .as_str()
+                .unwrap()
+                .starts_with("<tool_call>\n{\"name\": "),
+            "{raw}"
+        );
+    }
+}
