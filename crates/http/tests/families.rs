@@ -2,13 +2,17 @@
 //! byte-level BPE vocabulary (Qwen's pre-tokenizer and special tokens) and Qwen 2.5's chat
 //! template (`scripts/make-tiny-served.py`). Its prompt renders and tokenizes to exactly the ids
 //! transformers and the Hugging Face tokenizer give; chat completions stream and end at
-//! `<|im_end|>`'s id; forced tool calls come back in Qwen's `<tool_call>` format and parse.
+//! `<|im_end|>`'s id; forced tool calls come back in Qwen's `<tool_call>` format and parse. And
+//! beside a Gemma-shaped model in one server, an RL round on it: roll out, train, serve the
+//! checkpoint by name.
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use common::{check_stream, options, TestServer};
 use serde_json::{json, Value};
-use temper_http::ServerOptions;
+use temper_http::{CatalogOptions, ModelSpec, ServedModel, ServerOptions, TrainingOptions};
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-qwen2-bpe");
 
@@ -94,4 +98,86 @@ async fn a_qwen2_bpe_model_answers_streams_and_calls_tools() {
             "{raw}"
         );
     }
+}
+
+/// Two families in one server: `/v1/models` lists both; a model registered on the qwen2 base
+/// trains on rollouts from it (the job names its base), and its checkpoint serves by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen2_model_trains_beside_a_gemma_model() {
+    let data = tempfile::tempdir().unwrap();
+    let gemma_path = data.path().join("tiny-gemma.gguf");
+    temper_model::tiny::write_tiny_gguf(&gemma_path, 7).unwrap();
+    let models = [
+        ModelSpec::new("tiny-gemma", &gemma_path),
+        ModelSpec::new("tiny-qwen2", format!("{FIXTURE}.gguf")),
+    ]
+    .iter()
+    .map(|spec| ServedModel::load(spec).unwrap())
+    .collect();
+    let s = TestServer::with_training(
+        models,
+        options(),
+        CatalogOptions::new(data.path()),
+        TrainingOptions::default(),
+    )
+    .await;
+    s.state.training().unwrap().spawn_worker().unwrap();
+    let listed = s.get("/v1/models").await.json::<Value>().await.unwrap();
+    let ids: Vec<&str> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["tiny-gemma", "tiny-qwen2"]);
+
+    let model = s
+        .post_ok(
+            "/v1/preview/models",
+            &json!({"project": "proj", "name": "q", "base_model": "tiny-qwen2"}),
+        )
+        .await;
+    let user = json!({"role": "user", "content": "Weather in Paris?"});
+    let rollout = s
+        .post_ok(
+            "/v1/chat/completions",
+            &json!({"model": "tiny-qwen2", "messages": [user], "max_tokens": 4, "n": 2,
+                "temperature": 1.0, "seed": 5, "logprobs": true,
+                "return_tokens_as_token_ids": true}),
+        )
+        .await;
+    let trajectories: Vec<Value> = rollout["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, c)| json!({"messages_and_choices": [user, c], "reward": i as f64}))
+        .collect();
+    let job = s
+        .post_ok(
+            "/v1/preview/training-jobs",
+            &json!({"model_id": model["id"],
+                "trajectory_groups": [{"trajectories": trajectories}]}),
+        )
+        .await;
+    let path = format!("/v1/preview/training-jobs/{}", job["id"].as_str().unwrap());
+    let started = Instant::now();
+    let job = loop {
+        let job = s.get(&path).await.json::<Value>().await.unwrap();
+        if !matches!(job["status"].as_str(), Some("queued" | "running")) {
+            break job;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "{job}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (&job["status"], &job["step"]),
+        (&json!("succeeded"), &json!(1)),
+        "{job}"
+    );
+    let (status, v) = s
+        .chat(&json!({"model": "default/proj/q:step1", "messages": [user], "max_tokens": 4}))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["model"], "default/proj/q:step1");
 }

@@ -53,18 +53,26 @@ impl TestServer {
         let mut spec = ModelSpec::new("tiny", &path);
         spec.max_model_len = max_model_len;
         let model = ServedModel::load(&spec).unwrap();
-        let catalog = Catalog::open(vec![model.base.clone()], &catalog)
-            .await
-            .unwrap();
-        let catalog = Arc::new(catalog);
+        let mut server = Self::with_training(vec![model], options, catalog, training).await;
+        server._dir = Some(dir);
+        server
+    }
+
+    /// `models` with the catalog over a store in `catalog.data_dir` and the training service.
+    pub async fn with_training(
+        models: Vec<ServedModel>,
+        options: ServerOptions,
+        catalog: CatalogOptions,
+        training: TrainingOptions,
+    ) -> TestServer {
+        let bases = models.iter().map(|m| m.base.clone()).collect();
+        let catalog = Arc::new(Catalog::open(bases, &catalog).await.unwrap());
         let training = TrainingService::open(training, catalog.clone())
             .await
             .unwrap();
-        let state = AppState::with_catalog(vec![model], options, catalog, Some(Arc::new(training)))
-            .unwrap();
-        let mut server = Self::serve(state).await;
-        server._dir = Some(dir);
-        server
+        let state =
+            AppState::with_catalog(models, options, catalog, Some(Arc::new(training))).unwrap();
+        Self::serve(state).await
     }
 
     /// [`TestServer::tiny_training`] with the default options and a store in `data`.
