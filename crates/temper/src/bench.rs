@@ -435,7 +435,12 @@ fn prompt_lookup_row(
     text: &str,
     max_tokens: usize,
 ) -> Result<Row, String> {
-    let mut prompt: Vec<u32> = tokenizer.bos_id().into_iter().collect();
+    // BOS in front where the model's vocabulary adds it (not for Qwen's).
+    let mut prompt: Vec<u32> = tokenizer
+        .bos_id()
+        .filter(|_| tokenizer.add_bos())
+        .into_iter()
+        .collect();
     prompt.extend(tokenizer.encode(text, true));
     let k = EngineConfig::default().prompt_lookup_tokens;
     let mut measured = Vec::new();
