@@ -181,3 +181,53 @@ async fn a_qwen2_model_trains_beside_a_gemma_model() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["model"], "default/proj/q:step1");
 }
+
+/// Qwen 3's template marks thinking: output opening with `<think>` is split into `reasoning`
+/// (dropped with `include_reasoning: false`); with `enable_thinking: false` the template closes
+/// the thinking in the prompt and the output is content. The output is forced by a regex.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qwen3s_template_splits_thinking_into_reasoning() {
+    let template = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../text/tests/fixtures/templates/qwen3.jinja"
+    ))
+    .unwrap();
+    let s = TestServer::model(
+        "tiny-qwen2",
+        format!("{FIXTURE}.gguf").as_ref(),
+        ServerOptions {
+            trust_request_chat_template: true,
+            ..options()
+        },
+    )
+    .await;
+    let ask = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "Hi"}],
+            "chat_template": template, "max_completion_tokens": 40, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let thinking = json!({"structured_outputs": {"regex": "<think>\nab\n</think>\n\ncd"}});
+    let (status, v) = s.chat(&ask(thinking.clone())).await;
+    assert_eq!(status, 200, "{v}");
+    let message = &v["choices"][0]["message"];
+    // Unstripped, as vLLM's Qwen 3 reasoning parser leaves them.
+    assert_eq!(
+        (&message["reasoning"], &message["content"]),
+        (&json!("\nab\n"), &json!("\n\ncd")),
+        "{v}"
+    );
+    let mut hidden = thinking.clone();
+    hidden["include_reasoning"] = json!(false);
+    let (_, v) = s.chat(&ask(hidden)).await;
+    let message = &v["choices"][0]["message"];
+    assert!(message.get("reasoning").is_none_or(Value::is_null), "{v}");
+    assert_eq!(message["content"], "\n\ncd");
+    let off = json!({"structured_outputs": {"regex": "cd"},
+        "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, v) = s.chat(&ask(off)).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "cd", "{v}");
+}
