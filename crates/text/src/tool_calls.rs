@@ -146,7 +146,8 @@ pub struct ToolCallParser {
     calls: usize,
     /// Unresolved text: not yet known to be content or a call.
     held: String,
-    /// Inside a block: `held` is what follows `CALL_OPEN`.
+    /// Inside a block: `held` is what follows `CALL_OPEN` (Llama 3.x: `held` opens a JSON
+    /// object, so it is held to the end).
     in_call: bool,
     /// Whitespace seen right before the open block: content again if the block is not a call.
     space_before: String,
@@ -202,12 +203,20 @@ impl ToolCallParser {
             };
         }
         self.held.push_str(text);
+        // Once the answer opens a JSON object it is held to the end: no rescan per token.
+        if self.in_call {
+            return ToolCallDelta::default();
+        }
         let start = self.held.trim_start();
-        let may_be_call = match start.strip_prefix(PYTHON_TAG) {
-            Some(rest) => rest.trim_start().is_empty() || rest.trim_start().starts_with('{'),
-            None => PYTHON_TAG.starts_with(start) || start.starts_with('{'),
-        };
-        if may_be_call {
+        let start = start
+            .strip_prefix(PYTHON_TAG)
+            .map_or(start, str::trim_start);
+        if start.starts_with('{') {
+            self.in_call = true;
+            return ToolCallDelta::default();
+        }
+        // Nothing yet but whitespace, or a prefix of `<|python_tag|>`.
+        if start.is_empty() || PYTHON_TAG.starts_with(start) {
             return ToolCallDelta::default();
         }
         self.plain = true;
@@ -305,6 +314,7 @@ impl ToolCallParser {
     /// whitespace after a call.
     pub fn finish(&mut self) -> ToolCallDelta {
         if self.format == ToolCallFormat::Llama3Json {
+            self.in_call = false;
             return match self.json_calls() {
                 Some(calls) => {
                     self.held.clear();
