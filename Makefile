@@ -70,15 +70,17 @@ bench: fetch-model build
 # in one run on this host: one server at a time, same model and load client, each anchor at its
 # best -np per row, alternating rounds (docs/benchmarks.md). About 17 minutes on a quiet 2-core
 # host once the anchors are built; ARGS=--quick for a validation run of a few minutes,
-# ARGS="--anchor llama" against mainline only.
+# ARGS="--anchor llama" against mainline only. MODEL=PATH (a GGUF file) or MODEL=NAME (one of the
+# random-weight models at real sizes that `make bench-models` writes: qwen3-0.6b, qwen3-1.7b,
+# llama-3.2-1b, gemma-3-1b) measures that model instead of the default one.
 bench-compare: fetch-model
-	scripts/bench-compare.sh $(ARGS)
+	$(if $(MODEL),BENCH_MODEL=$(MODEL)) scripts/bench-compare.sh $(ARGS)
 
 # The same with all three on their AVX2 code paths (temper built for x86-64-v3 into target/avx2/
 # and run with TEMPER_ISA=avx2, the anchors built AVX2 only into bin-avx2/), to compare them
 # there on an AVX-512 host.
 bench-compare-avx2: fetch-model
-	scripts/bench-compare.sh --isa avx2 $(ARGS)
+	$(if $(MODEL),BENCH_MODEL=$(MODEL)) scripts/bench-compare.sh --isa avx2 $(ARGS)
 
 # temper's whole trainer step (forward, backward, AdamW) next to PyTorch + PEFT's variants (f32,
 # bf16 autocast, chunked log-softmax, SDPA or eager; a venv in $TEMPER_HOME/train-ref-venv) in one

