@@ -17,8 +17,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use common::{
     alone_and_batched, argmax, check_finite_differences, check_finite_differences_with_step,
-    compare_with_serving, diffs, greedy,
-    prefix_hit_rows, run_alone, trained_adapter,
+    compare_with_serving, diffs, greedy, prefix_hit_rows, run_alone, trained_adapter,
 };
 use temper_model::{
     load_gguf, Activation, Arch, Decoder, ModelError, PackedSequence, RopeLayout, BLOCK_TOKENS,
@@ -179,7 +178,11 @@ fn config_comes_from_each_familys_metadata() {
     let global: Vec<bool> = (0..cfg.num_layers).map(|l| cfg.is_global(l)).collect();
     assert_eq!(global, [false, false, false, false, false, true]);
     assert_eq!(
-        (cfg.rope_base_local, cfg.rope_base_global, cfg.rope_freq_scale),
+        (
+            cfg.rope_base_local,
+            cfg.rope_base_global,
+            cfg.rope_freq_scale
+        ),
         (10_000.0, 1_000_000.0, 0.125)
     );
     assert_eq!(cfg.activation, Activation::Gelu);
@@ -189,9 +192,15 @@ fn config_comes_from_each_familys_metadata() {
     // none for `llama`), base 1M, no scaling, 4 query heads per key/value head.
     let mistral = model("mistral");
     let cfg = mistral.config();
-    assert_eq!((cfg.arch, cfg.rope_layout), (Arch::Llama, RopeLayout::Interleaved));
+    assert_eq!(
+        (cfg.arch, cfg.rope_layout),
+        (Arch::Llama, RopeLayout::Interleaved)
+    );
     assert_eq!((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), (4, 1, 16));
-    assert_eq!((cfg.rope_base_global, cfg.rope_freq_scale), (1_000_000.0, 1.0));
+    assert_eq!(
+        (cfg.rope_base_global, cfg.rope_freq_scale),
+        (1_000_000.0, 1.0)
+    );
     assert!(cfg.rope_freq_factors.is_none() && cfg.rope_yarn.is_none());
     assert!((0..cfg.num_layers).all(|l| cfg.is_global(l)));
 }
@@ -482,7 +491,11 @@ fn check_variant(v: &Variant) {
         .position(|&g| g <= b.clear)
         .unwrap_or(v.gaps.len());
     let ours = greedy(&v.model, &v.prompt, v.greedy.len());
-    assert_eq!(ours[..free], v.greedy[..free], "{family} {ty}: greedy tokens");
+    assert_eq!(
+        ours[..free],
+        v.greedy[..free],
+        "{family} {ty}: greedy tokens"
+    );
     eprintln!(
         "{family} {ty}: argmax equal at {clear} clear positions of {}, at {clear_steps} clear \
          greedy steps of {}; greedy alone equal for its first {free}",

@@ -342,7 +342,11 @@ pub fn run_alone_into(model: &Decoder, toks: &[u32], cache: &mut SeqCache, all: 
 /// sequence takes `first`'s full blocks that hold a prefix of `second` (leaving at least its
 /// last token to compute) and computes the rest of `second`. Returns the positions found, the
 /// rows computed after them, and the same rows of `second` computed from an empty cache.
-pub fn prefix_hit_rows(model: &Decoder, first: &[u32], second: &[u32]) -> (usize, Vec<f32>, Vec<f32>) {
+pub fn prefix_hit_rows(
+    model: &Decoder,
+    first: &[u32],
+    second: &[u32],
+) -> (usize, Vec<f32>, Vec<f32>) {
     let mut published = model.new_cache();
     run_alone_into(model, first, &mut published, false);
     let mut reused = SeqCache::new(published.arena().clone());
