@@ -103,7 +103,14 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// RMSNorms of the attention's and the MLP's outputs before their residual adds (Gemma).
     pub post_norms: bool,
+    /// The attention scores' scale: 1/sqrt(head_dim), but for Gemma 3 27B 1/sqrt(hidden / heads)
+    /// (its `query_pre_attn_scalar` 168, not the head size 128; GGUF has no key for it, and
+    /// llama.cpp tells the 27B by its 62 layers, as here).
+    pub attention_scale: f32,
 }
+
+/// Gemma 3 27B's layer count, by which llama.cpp tells its attention scale.
+const GEMMA3_27B_LAYERS: usize = 62;
 
 impl ModelConfig {
     pub fn is_global(&self, layer: usize) -> bool {
@@ -181,12 +188,13 @@ impl ModelConfig {
                 read_yarn(md, &key, dims, context_length)
             })
             .transpose()?;
+        let num_layers = get_usize(md, &key("block_count"))?;
         let cfg = ModelConfig {
             arch,
             vocab_size,
             hidden_size,
             intermediate_size: get_usize(md, &key("feed_forward_length"))?,
-            num_layers: get_usize(md, &key("block_count"))?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -221,6 +229,11 @@ impl ModelConfig {
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             qkv_bias: arch == Arch::Qwen2,
             post_norms: gemma,
+            attention_scale: if gemma && num_layers == GEMMA3_27B_LAYERS {
+                1.0 / ((hidden_size / num_heads.max(1)) as f32).sqrt()
+            } else {
+                1.0 / (head_dim as f32).sqrt()
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -381,5 +394,38 @@ fn get_f32_or(md: &HashMap<String, Value>, key: &str, default: f32) -> Result<f3
         Some(Value::F32(x)) => Ok(*x),
         Some(Value::F64(x)) => Ok(*x as f32),
         Some(other) => Err(meta_err(key, format!("expected a float, got {other:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Gemma 3's shapes from its metadata: 27B (62 layers, width 5376, 32 heads of 128) scales
+    /// by 1/sqrt(168) as its `query_pre_attn_scalar`, the others by 1/sqrt(head size).
+    fn gemma3(layers: u32, width: u32, heads: u32) -> ModelConfig {
+        let md: HashMap<String, Value> = [
+            ("general.architecture", Value::String("gemma3".into())),
+            ("gemma3.embedding_length", Value::U32(width)),
+            ("gemma3.block_count", Value::U32(layers)),
+            ("gemma3.feed_forward_length", Value::U32(4 * width)),
+            ("gemma3.attention.head_count", Value::U32(heads)),
+            ("gemma3.attention.head_count_kv", Value::U32(heads / 2)),
+            ("gemma3.attention.key_length", Value::U32(128)),
+            ("gemma3.attention.value_length", Value::U32(128)),
+            ("gemma3.attention.sliding_window", Value::U32(1024)),
+            ("gemma3.context_length", Value::U32(131_072)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        ModelConfig::from_metadata(&md, 262_208).expect("config")
+    }
+
+    #[test]
+    fn gemma3_27b_scales_attention_by_its_query_pre_attn_scalar() {
+        assert_eq!(gemma3(62, 5376, 32).attention_scale, 1.0 / 168f32.sqrt());
+        // 12B: 48 layers, width 3840, 16 heads of 256 (here 128: what the scale reads).
+        assert_eq!(gemma3(48, 3840, 16).attention_scale, 1.0 / 128f32.sqrt());
     }
 }

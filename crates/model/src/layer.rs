@@ -329,7 +329,7 @@ impl Decoder {
         let (h, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let group = h / hkv;
         let window = (!cfg.is_global(layer)).then_some(cfg.sliding_window);
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = cfg.attention_scale;
         let isa = Isa::detect();
         // A task per token and key/value head; with fewer tokens than threads (a decode step)
         // the group's query heads are split between tasks too, so every thread works. Each

@@ -345,7 +345,7 @@ impl Decoder {
         let (h, hkv, d) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
         let group = h / hkv;
         let kv_width = hkv * d;
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = self.cfg.attention_scale;
         let pos = &tape.layout.pos;
         let cpu = &Device::Cpu;
         let mut dq = vec![0f32; lt.q.len()];

@@ -1,6 +1,9 @@
 //! On the real model, a sequence's logits do not depend on what else is in the batch: the same
 //! request gives the same tokens alone or batched (the engine's seed guarantee rests on this).
 
+mod common;
+
+use common::{alone_and_batched, argmax, diffs, greedy};
 use temper_model::{load_gguf, SeqInput};
 
 #[test]
@@ -15,70 +18,11 @@ fn batched_logits_equal_alone_bit_for_bit() {
     let b: Vec<u32> = vec![
         2, 105, 2364, 107, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799,
     ];
-    let mut alone = model.new_cache();
-    let solo = model
-        .forward(&mut [SeqInput {
-            tokens: &a,
-            cache: &mut alone,
-            all_logits: true,
-            adapter: None,
-        }])
-        .unwrap();
-    let (mut ca, mut cb) = (model.new_cache(), model.new_cache());
-    let both = model
-        .forward(&mut [
-            SeqInput {
-                tokens: &b,
-                cache: &mut cb,
-                all_logits: false,
-                adapter: None,
-            },
-            SeqInput {
-                tokens: &a,
-                cache: &mut ca,
-                all_logits: true,
-                adapter: None,
-            },
-        ])
-        .unwrap();
-    let diff = solo[0]
-        .data
-        .iter()
-        .zip(&both[1].data)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    assert_eq!(solo[0].data, both[1].data, "prefill: max abs diff {diff}");
-
+    let [prompt, step] = alone_and_batched(&model, &a, &b, (818, 4799));
+    let (_, mean) = diffs(&prompt.0, &prompt.1);
+    assert!(prompt.0 == prompt.1, "prefill: mean abs diff {mean}");
     // Decode: one row alone against the same row next to another sequence's.
-    let next = [818u32];
-    let solo = model
-        .forward(&mut [SeqInput {
-            tokens: &next,
-            cache: &mut alone,
-            all_logits: false,
-            adapter: None,
-        }])
-        .unwrap();
-    let both = model
-        .forward(&mut [
-            SeqInput {
-                tokens: &next,
-                cache: &mut ca,
-                all_logits: false,
-                adapter: None,
-            },
-            SeqInput {
-                tokens: &[4799],
-                cache: &mut cb,
-                all_logits: false,
-                adapter: None,
-            },
-        ])
-        .unwrap();
-    assert_eq!(
-        solo[0].data, both[0].data,
-        "decode: one row alone vs two rows"
-    );
+    assert!(step.0 == step.1, "decode: one row alone vs two rows");
 }
 
 /// Greedy decoding of the five golden prompts, each alone and all five as one batch.
@@ -100,38 +44,8 @@ fn greedy_batch_of_five_equals_alone() {
                 .collect()
         })
         .collect();
-    let argmax = |row: &[f32]| {
-        row.iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |b, (i, &x)| if x > b.1 { (i, x) } else { b },
-            )
-            .0 as u32
-    };
     let steps = 16;
-    let alone: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            let mut cache = model.new_cache();
-            let mut input = p.clone();
-            let mut out = Vec::new();
-            for _ in 0..steps {
-                let l = model
-                    .forward(&mut [SeqInput {
-                        tokens: &input,
-                        cache: &mut cache,
-                        all_logits: false,
-                        adapter: None,
-                    }])
-                    .unwrap();
-                let t = argmax(l[0].row(0));
-                out.push(t);
-                input = vec![t];
-            }
-            out
-        })
-        .collect();
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(&model, p, steps)).collect();
     let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
     let mut inputs = prompts.clone();
     let mut outs = vec![Vec::new(); prompts.len()];

@@ -1,7 +1,11 @@
-//! The Llama, Qwen2 and Qwen3 families on tiny random models that llama.cpp's converter wrote
-//! from transformers models (`fixtures/README.md`, `scripts/make-tiny-families.py`): logits
-//! against transformers' f32 forward, scoring equal to serving, and the backward against
-//! finite differences.
+//! The Llama, Qwen2, Qwen3, Gemma 3 and Mistral families on tiny random models that llama.cpp's
+//! converter wrote from transformers models (`fixtures/README.md`,
+//! `scripts/make-tiny-families.py`): logits against transformers' f32 forward, scoring equal to
+//! serving, and the backward against finite differences. Each family also as F16 and Q8_0 (the
+//! converter's) and, one layer 256 wide, as Q4_K_M, Q5_K_M and Q4_0 (llama-quantize's): logits
+//! against transformers' on the original and on the dequantized weights, greedy tokens against
+//! the dequantized model's, and a sequence's logits alone equal to batched and to after a
+//! prefix-cache hit.
 
 mod common;
 
@@ -11,8 +15,13 @@ use std::path::PathBuf;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{check_finite_differences, compare_with_serving, diffs, run_alone, trained_adapter};
-use temper_model::{load_gguf, Activation, Arch, Decoder, ModelError, PackedSequence, RopeLayout};
+use common::{
+    alone_and_batched, argmax, check_finite_differences, check_finite_differences_with_step,
+    compare_with_serving, diffs, greedy, prefix_hit_rows, run_alone, trained_adapter,
+};
+use temper_model::{
+    load_gguf, Activation, Arch, Decoder, ModelError, PackedSequence, RopeLayout, BLOCK_TOKENS,
+};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -26,29 +35,37 @@ fn model(family: &str) -> Decoder {
         .model
 }
 
-/// The fixture's token ids and transformers' logits for them, one row per position.
-fn reference(family: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let text = std::fs::read_to_string(fixture(&format!("tiny-{family}.json"))).expect("read");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
-    let tokens = v["tokens"]
-        .as_array()
-        .expect("tokens")
+const FAMILIES: [&str; 5] = ["llama", "qwen2", "qwen3", "gemma3", "mistral"];
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("ids")
         .iter()
         .map(|t| t.as_u64().expect("id") as u32)
-        .collect();
-    let logits = v["logits"]
-        .as_array()
-        .expect("logits")
+        .collect()
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .expect("floats")
         .iter()
-        .map(|row| {
-            row.as_array()
-                .expect("row")
-                .iter()
-                .map(|x| x.as_f64().expect("logit") as f32)
-                .collect()
-        })
-        .collect();
-    (tokens, logits)
+        .map(|x| x.as_f64().expect("float") as f32)
+        .collect()
+}
+
+fn rows(v: &serde_json::Value) -> Vec<Vec<f32>> {
+    v.as_array().expect("rows").iter().map(floats).collect()
+}
+
+fn json(stem: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture(&format!("{stem}.json"))).expect("read");
+    serde_json::from_str(&text).expect("json")
+}
+
+/// The fixture's token ids and transformers' logits for them, one row per position.
+fn reference(family: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let v = json(&format!("tiny-{family}"));
+    (ids(&v["tokens"]), rows(&v["logits"]))
 }
 
 /// The serving forward's logits (keys and values through the f16 cache) against
@@ -113,6 +130,16 @@ fn qwen3_matches_transformers() {
 }
 
 #[test]
+fn gemma3_matches_transformers() {
+    check_against_transformers("gemma3");
+}
+
+#[test]
+fn mistral_matches_transformers() {
+    check_against_transformers("mistral");
+}
+
+#[test]
 fn config_comes_from_each_familys_metadata() {
     let llama = model("llama");
     let cfg = llama.config();
@@ -141,6 +168,41 @@ fn config_comes_from_each_familys_metadata() {
     assert_eq!((yarn.low, yarn.high, cfg.rope_freq_scale), (0.0, 5.0, 0.25));
     assert!((yarn.mscale - (1.0 + 0.1 * 4f32.ln())).abs() < 1e-6);
     assert!(llama.config().rope_yarn.is_none() && qwen2.config().rope_yarn.is_none());
+
+    // Six layers of which the last is global (the converter writes no pattern: Gemma 3's 6),
+    // window 8; the local layers' base 10k unscaled, the global one's 1M scaled by 1/8.
+    let gemma = model("gemma3");
+    let cfg = gemma.config();
+    assert_eq!(cfg.arch, Arch::Gemma3);
+    assert_eq!((cfg.sliding_window, cfg.global_every), (8, 6));
+    let global: Vec<bool> = (0..cfg.num_layers).map(|l| cfg.is_global(l)).collect();
+    assert_eq!(global, [false, false, false, false, false, true]);
+    assert_eq!(
+        (
+            cfg.rope_base_local,
+            cfg.rope_base_global,
+            cfg.rope_freq_scale
+        ),
+        (10_000.0, 1_000_000.0, 0.125)
+    );
+    assert_eq!(cfg.activation, Activation::Gelu);
+    assert!(cfg.qk_norm && cfg.post_norms && cfg.scale_embeddings && !cfg.qkv_bias);
+
+    // Mistral is the llama architecture: no sliding window in the file (the converter writes
+    // none for `llama`), base 1M, no scaling, 4 query heads per key/value head.
+    let mistral = model("mistral");
+    let cfg = mistral.config();
+    assert_eq!(
+        (cfg.arch, cfg.rope_layout),
+        (Arch::Llama, RopeLayout::Interleaved)
+    );
+    assert_eq!((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), (4, 1, 16));
+    assert_eq!(
+        (cfg.rope_base_global, cfg.rope_freq_scale),
+        (1_000_000.0, 1.0)
+    );
+    assert!(cfg.rope_freq_factors.is_none() && cfg.rope_yarn.is_none());
+    assert!((0..cfg.num_layers).all(|l| cfg.is_global(l)));
 }
 
 /// Two segments packed, with and without an adapter: the training forward's logprobs are the
@@ -149,7 +211,7 @@ fn config_comes_from_each_familys_metadata() {
 /// a served sequence and the scored rows), where our kernels' rows never do.
 #[test]
 fn scoring_equals_serving_in_every_family() {
-    for family in ["llama", "qwen2", "qwen3"] {
+    for family in FAMILIES {
         let path = rewritten(family, "q8", |_| {}, true, &[]);
         let model = load_gguf(&path).expect("load").model;
         let _ = std::fs::remove_file(&path);
@@ -176,6 +238,19 @@ fn qwen2_backward_matches_finite_differences() {
 #[test]
 fn qwen3_backward_matches_finite_differences() {
     check_finite_differences(model("qwen3"), &[13, 11], 0, 3);
+}
+
+/// Past the sliding window (8) in both segments. Six layers leave about twice the two-layer
+/// models' f32 noise in the differences: with steps 5e-3, 1e-2 and 2e-2 the worst entry is 2.65,
+/// 1.29 and 0.60 of its bound (noise, falling as 1/step, not a wrong gradient), so 2e-2.
+#[test]
+fn gemma3_backward_matches_finite_differences() {
+    check_finite_differences_with_step(model("gemma3"), &[13, 11], 0, 3, 2e-2);
+}
+
+#[test]
+fn mistral_backward_matches_finite_differences() {
+    check_finite_differences(model("mistral"), &[13, 11], 0, 3);
 }
 
 /// The `family` fixture rewritten through candle's writer: its metadata changed by `edit`,
@@ -276,4 +351,230 @@ fn an_unread_tensor_or_an_unsupported_rope_scaling_is_refused() {
         matches!(&e, ModelError::Metadata { key, .. } if key == "llama.rope.scaling.type"),
         "{e}"
     );
+}
+
+/// A converted or quantized copy of a family's tiny model and transformers' references for it.
+struct Variant {
+    family: &'static str,
+    ty: &'static str,
+    model: Decoder,
+    tokens: Vec<u32>,
+    /// Transformers' f32 logits on the original weights.
+    original: Vec<Vec<f32>>,
+    /// Transformers' f32 logits on the weights dequantized by gguf-py.
+    dequantized: Vec<Vec<f32>>,
+    prompt: Vec<u32>,
+    /// Transformers' greedy tokens after `prompt` on the dequantized weights, and the gap
+    /// between the two largest logits at each step.
+    greedy: Vec<u32>,
+    gaps: Vec<f32>,
+}
+
+/// The small models' F16 and Q8_0 (`tiny-{family}-{ty}.gguf`) and the wide models' llama-quantize
+/// types (`tiny-{family}-wide-{ty}.gguf`).
+const SMALL_TYPES: [&str; 2] = ["f16", "q8_0"];
+const WIDE_TYPES: [&str; 3] = ["q4_k_m", "q5_k_m", "q4_0"];
+
+fn variant(family: &'static str, ty: &'static str) -> Variant {
+    let stem = if SMALL_TYPES.contains(&ty) {
+        format!("tiny-{family}")
+    } else {
+        format!("tiny-{family}-wide")
+    };
+    let v = json(&stem);
+    let r = &v["variants"][ty];
+    Variant {
+        family,
+        ty,
+        model: load_gguf(&fixture(&format!("{stem}-{ty}.gguf")))
+            .expect("load")
+            .model,
+        tokens: ids(&v["tokens"]),
+        original: rows(&v["logits"]),
+        dequantized: rows(&r["logits"]),
+        prompt: ids(&r["prompt"]),
+        greedy: ids(&r["greedy"]),
+        gaps: floats(&r["gaps"]),
+    }
+}
+
+/// Bounds on the served logits' differences from transformers', per type, from the measured
+/// ones (`cargo test --test families -- --nocapture` prints them) with a margin: (max, mean)
+/// |diff| from the original weights' logits (mostly the quantization's own error: the
+/// dequantized model's logits are nearly as far off), and from the dequantized weights' (what
+/// the kernels add: activations quantized to 8 bits per block as llama.cpp's, keys and values
+/// in f16). The logits spread about 4: a wrong scale, block or sub-block layout moves them by
+/// as much, far past every mean bound. `clear`: a top-2 gap in transformers' dequantized logits
+/// wide enough that the argmax cannot move, twice the max bound from them.
+struct Bounds {
+    original: (f32, f64),
+    dequantized: (f32, f64),
+    clear: f32,
+}
+
+fn bounds(ty: &str) -> Bounds {
+    // Measured (max, mean), worst of the five families: vs original / vs dequantized.
+    let (original, dequantized) = match ty {
+        // 0.015, 0.0027 / 0.0079, 0.0012
+        "f16" => ((0.03, 0.006), (0.02, 0.003)),
+        // 0.56, 0.093 / 0.38, 0.061
+        "q8_0" => ((1.0, 0.15), (0.6, 0.1)),
+        // 1.94, 0.36 / 0.42, 0.076
+        "q5_k_m" => ((3.0, 0.55), (0.6, 0.12)),
+        // 3.79, 0.63 / 0.40, 0.079
+        "q4_k_m" => ((6.0, 1.0), (0.6, 0.12)),
+        // 4.75, 0.90 / 0.30, 0.056
+        "q4_0" => ((7.0, 1.4), (0.5, 0.1)),
+        _ => unreachable!("{ty}"),
+    };
+    Bounds {
+        original,
+        dequantized,
+        clear: 2.0 * dequantized.0,
+    }
+}
+
+/// Whether the two largest of `row` are more than `gap` apart.
+fn clear_argmax(row: &[f32], gap: f32) -> bool {
+    let mut sorted = row.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    sorted[0] - sorted[1] > gap
+}
+
+/// The served logits against transformers' on the original and the dequantized weights; the
+/// argmax at every position of the fixture's ids and of transformers' greedy continuation
+/// (teacher-forced) where the dequantized model's is clear; and our own greedy continuation
+/// equal to transformers' up to its first step that is not.
+fn check_variant(v: &Variant) {
+    let (family, ty) = (v.family, v.ty);
+    let b = bounds(ty);
+    let got = run_alone(&v.model, &v.tokens, None);
+    let (max_o, mean_o) = diffs(&got.data, &v.original.concat());
+    let (max_d, mean_d) = diffs(&got.data, &v.dequantized.concat());
+    eprintln!(
+        "{family} {ty}: logits vs original max {max_o:.4} mean {mean_o:.4}; \
+         vs dequantized max {max_d:.4} mean {mean_d:.5}"
+    );
+    assert!(
+        max_o < b.original.0 && mean_o < b.original.1,
+        "{family} {ty}: off the original model's logits by max {max_o}, mean {mean_o}"
+    );
+    assert!(
+        max_d < b.dequantized.0 && mean_d < b.dequantized.1,
+        "{family} {ty}: off the dequantized model's logits by max {max_d}, mean {mean_d}"
+    );
+
+    let mut clear = 0;
+    for (t, want) in v.dequantized.iter().enumerate() {
+        if clear_argmax(want, b.clear) {
+            clear += 1;
+            assert_eq!(
+                argmax(got.row(t)),
+                argmax(want),
+                "{family} {ty}: argmax at position {t}"
+            );
+        }
+    }
+    let forced: Vec<u32> = [&v.prompt[..], &v.greedy[..]].concat();
+    let rows = run_alone(&v.model, &forced, None);
+    let mut clear_steps = 0;
+    for (i, (&want, &gap)) in v.greedy.iter().zip(&v.gaps).enumerate() {
+        if gap > b.clear {
+            clear_steps += 1;
+            let ours = argmax(rows.row(v.prompt.len() - 1 + i));
+            assert_eq!(ours, want, "{family} {ty}: greedy step {i}");
+        }
+    }
+    let free = v
+        .gaps
+        .iter()
+        .position(|&g| g <= b.clear)
+        .unwrap_or(v.gaps.len());
+    let ours = greedy(&v.model, &v.prompt, v.greedy.len());
+    assert_eq!(
+        ours[..free],
+        v.greedy[..free],
+        "{family} {ty}: greedy tokens"
+    );
+    eprintln!(
+        "{family} {ty}: argmax equal at {clear} clear positions of {}, at {clear_steps} clear \
+         greedy steps of {}; greedy alone equal for its first {free}",
+        v.tokens.len(),
+        v.greedy.len()
+    );
+    assert!(
+        clear + clear_steps >= 16,
+        "{family} {ty}: too few clear positions"
+    );
+}
+
+fn check_type(ty: &'static str) {
+    for family in FAMILIES {
+        check_variant(&variant(family, ty));
+    }
+}
+
+#[test]
+fn f16_matches_transformers_in_every_family() {
+    check_type("f16");
+}
+
+#[test]
+fn q8_0_matches_transformers_in_every_family() {
+    check_type("q8_0");
+}
+
+#[test]
+fn q4_k_m_matches_transformers_in_every_family() {
+    check_type("q4_k_m");
+}
+
+#[test]
+fn q5_k_m_matches_transformers_in_every_family() {
+    check_type("q5_k_m");
+}
+
+#[test]
+fn q4_0_matches_transformers_in_every_family() {
+    check_type("q4_0");
+}
+
+/// Every family and type: a sequence's logits alone equal to the same sequence batched after
+/// another (its prompt's rows and a decode step), and a second request after a prefix-cache hit
+/// (one block, 16 positions, past Gemma 3's window) equal to the same request computed whole.
+/// Bit for bit where our kernels do every product. The F32 and F16 files go through candle's,
+/// whose sums depend on how many rows they multiply; a last-bit difference in a key or value
+/// that crosses an f16 rounding boundary in the cache moves it by a step of 2^-11 relative
+/// (up to 6e-4 measured, Mistral's F32 prefix hit: one key/value head), hence 5e-3.
+#[test]
+fn batched_and_prefix_cached_logits_equal_alone_in_every_family_and_type() {
+    for family in FAMILIES {
+        let (tokens, _) = reference(family);
+        let other: Vec<u32> = tokens.iter().rev().map(|t| (t + 5) % 128).collect();
+        let mut second = tokens[..BLOCK_TOKENS + 3].to_vec();
+        second.extend(&other[..6]);
+        for ty in ["f32"].into_iter().chain(SMALL_TYPES).chain(WIDE_TYPES) {
+            let model = match ty {
+                "f32" => model(family),
+                _ => variant(family, ty).model,
+            };
+            let exact = !matches!(ty, "f32" | "f16");
+            let [prompt, step] = alone_and_batched(&model, &tokens, &other[..13], (7, 9));
+            let (hit, cached, fresh) = prefix_hit_rows(&model, &tokens, &second);
+            assert_eq!(hit, BLOCK_TOKENS);
+            for (what, (a, b)) in [
+                ("prompt batched", prompt),
+                ("step batched", step),
+                ("prefix hit", (cached, fresh)),
+            ] {
+                let (max, _) = diffs(&a, &b);
+                if exact {
+                    assert!(a == b, "{family} {ty} {what}: max |diff| {max}");
+                } else {
+                    eprintln!("{family} {ty} {what}: max |diff| {max:e}");
+                    assert!(max < 5e-3, "{family} {ty} {what}: max |diff| {max}");
+                }
+            }
+        }
+    }
 }

@@ -3,16 +3,13 @@
 //! blocks until they write. (The prefix cache and the pool's budget are the engine's block
 //! manager's, tested there.)
 
+mod common;
+
+use common::{chunked_rows, tokens};
 use temper_model::{tiny, Decoder, KvArena, Logits, ModelError, SeqCache, SeqInput, BLOCK_TOKENS};
 
 fn tiny_model() -> Decoder {
     tiny::load_tiny(7).expect("tiny model").model
-}
-
-fn tokens(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| 10 + (i * 37 + salt * 101) % 400)
-        .collect()
 }
 
 fn run(model: &Decoder, toks: &[u32], cache: &mut SeqCache, all: bool) -> Logits {
@@ -33,22 +30,6 @@ fn run_with(
             adapter: None,
         }])?
         .remove(0))
-}
-
-/// The logits rows of `toks` computed in forwards of the given sizes (cycled).
-fn chunked_rows(model: &Decoder, toks: &[u32], sizes: &[usize]) -> Vec<f32> {
-    let mut cache = model.new_cache();
-    let mut rows = Vec::new();
-    let mut at = 0;
-    for &size in sizes.iter().cycle() {
-        if at == toks.len() {
-            break;
-        }
-        let end = (at + size).min(toks.len());
-        rows.extend(run(model, &toks[at..end], &mut cache, true).data);
-        at = end;
-    }
-    rows
 }
 
 #[test]

@@ -1,11 +1,11 @@
-//! Helpers shared by the adapter and training tests.
+//! Helpers shared by the model's integration tests.
 #![allow(dead_code)] // each test binary uses its own subset
 
 use std::path::Path;
 
 use temper_model::{
     load_gguf, tiny, Decoder, Logits, LoraAdapter, LoraConfig, ModelError, PackedSequence,
-    SeqInput, TokenScores,
+    SeqCache, SeqInput, TokenScores,
 };
 
 /// The tiny random model through the real GGUF writer and loader.
@@ -164,11 +164,18 @@ pub fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
 /// Central differences of `Σ c_t · logprob_t` against the backward, for `samples` entries of
 /// every adapter tensor, with `c_t` zero for the first `unweighted` scored tokens.
 /// `model` has F32 weights; token ids wrap around its vocabulary.
-pub fn check_finite_differences(
+pub fn check_finite_differences(model: Decoder, lens: &[usize], unweighted: usize, samples: usize) {
+    check_finite_differences_with_step(model, lens, unweighted, samples, 1e-2);
+}
+
+/// [`check_finite_differences`] with central differences of step `eps` (the f32 noise of the
+/// differences grows as 1/`eps`, their truncation error as `eps`²).
+pub fn check_finite_differences_with_step(
     mut model: Decoder,
     lens: &[usize],
     unweighted: usize,
     samples: usize,
+    eps: f32,
 ) {
     // The f16 keys, values and GELU table would make the loss a step function at this scale too.
     model.set_smooth(true);
@@ -198,7 +205,6 @@ pub fn check_finite_differences(
     let (_, tape) = model.train_forward(&packed, &adapter).expect("forward");
     let grads = model.backward(tape, &adapter, &coef).expect("backward");
 
-    const EPS: f32 = 1e-2;
     let num_params = adapter.params().len();
     let mut worst = 0f64;
     let (mut err2, mut norm2) = (0f64, 0f64);
@@ -210,15 +216,15 @@ pub fn check_finite_differences(
         {
             let i = (((r + 1.0) / 2.0) * len as f32) as usize % len;
             let orig = adapter.params()[p][i];
-            adapter.params_mut()[p][i] = orig + EPS;
+            adapter.params_mut()[p][i] = orig + eps;
             let up = loss(&adapter);
-            adapter.params_mut()[p][i] = orig - EPS;
+            adapter.params_mut()[p][i] = orig - eps;
             let down = loss(&adapter);
             adapter.params_mut()[p][i] = orig;
-            let fd = (up - down) / (2.0 * EPS as f64);
+            let fd = (up - down) / (2.0 * eps as f64);
             let an = grads.grads[p][i] as f64;
             // Measured f32 noise of the differences is ~2e-4 (the loss sums 22 f32 logprobs of
-            // ~6 nats; its rounding divided by 2·EPS); 1e-3 absolute covers it, and 2% relative
+            // ~6 nats; its rounding divided by 2·eps); 1e-3 absolute covers it, and 2% relative
             // is far below what a wrong op gives (a factor, a sign, a missing term).
             let excess = (fd - an).abs() / (0.02 * an.abs() + 1e-3);
             if excess > worst {
@@ -234,4 +240,141 @@ pub fn check_finite_differences(
     assert!(norm2.sqrt() > 1e-2, "gradients are suspiciously small");
     assert!(rel < 1e-2, "overall relative error {rel}");
     assert!(worst < 1.0, "an entry is off by {worst:.2} times its bound");
+}
+
+/// The index of a row's largest logit (the first of equals).
+pub fn argmax(row: &[f32]) -> u32 {
+    row.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+        )
+        .0 as u32
+}
+
+/// `steps` greedy tokens after `prompt` as the server makes them: the prompt in one forward,
+/// then one forward per token through the cache.
+pub fn greedy(model: &Decoder, prompt: &[u32], steps: usize) -> Vec<u32> {
+    let mut cache = model.new_cache();
+    let mut input = prompt.to_vec();
+    let mut out = Vec::new();
+    for _ in 0..steps {
+        let l = model
+            .forward(&mut [SeqInput {
+                tokens: &input,
+                cache: &mut cache,
+                all_logits: false,
+                adapter: None,
+            }])
+            .expect("forward");
+        let t = argmax(l[0].row(0));
+        out.push(t);
+        input = vec![t];
+    }
+    out
+}
+
+/// The logits of `a` served alone and served in one batch after `b`: every row of its prompt,
+/// then one decode step of `next_a` (beside one step of `next_b`). Returns the (alone, batched)
+/// pairs of the prompt's rows and of the step's row.
+pub fn alone_and_batched(
+    model: &Decoder,
+    a: &[u32],
+    b: &[u32],
+    (next_a, next_b): (u32, u32),
+) -> [(Vec<f32>, Vec<f32>); 2] {
+    let mut alone = model.new_cache();
+    let solo = run_alone_into(model, a, &mut alone, true);
+    let (mut ca, mut cb) = (model.new_cache(), model.new_cache());
+    let both = model
+        .forward(&mut [
+            SeqInput {
+                tokens: b,
+                cache: &mut cb,
+                all_logits: false,
+                adapter: None,
+            },
+            SeqInput {
+                tokens: a,
+                cache: &mut ca,
+                all_logits: true,
+                adapter: None,
+            },
+        ])
+        .expect("forward");
+    let prompt = (solo.data, both[1].data.clone());
+
+    let solo = run_alone_into(model, &[next_a], &mut alone, false);
+    let both = model
+        .forward(&mut [
+            SeqInput {
+                tokens: &[next_a],
+                cache: &mut ca,
+                all_logits: false,
+                adapter: None,
+            },
+            SeqInput {
+                tokens: &[next_b],
+                cache: &mut cb,
+                all_logits: false,
+                adapter: None,
+            },
+        ])
+        .expect("forward");
+    [prompt, (solo.data, both[0].data.clone())]
+}
+
+/// One forward of `toks` into `cache`: every row's logits, or the last's.
+pub fn run_alone_into(model: &Decoder, toks: &[u32], cache: &mut SeqCache, all: bool) -> Logits {
+    model
+        .forward(&mut [SeqInput {
+            tokens: toks,
+            cache,
+            all_logits: all,
+            adapter: None,
+        }])
+        .expect("forward")
+        .remove(0)
+}
+
+/// A prefix-cache hit as the engine's block manager makes one: `first` served, then a new
+/// sequence takes `first`'s full blocks that hold a prefix of `second` (leaving at least its
+/// last token to compute) and computes the rest of `second`. Returns the positions found, the
+/// rows computed after them, and the same rows of `second` computed from an empty cache.
+pub fn prefix_hit_rows(
+    model: &Decoder,
+    first: &[u32],
+    second: &[u32],
+) -> (usize, Vec<f32>, Vec<f32>) {
+    let mut published = model.new_cache();
+    run_alone_into(model, first, &mut published, false);
+    let mut reused = SeqCache::new(published.arena().clone());
+    for (toks, block) in published.full_blocks() {
+        let at = reused.len();
+        if at + toks.len() >= second.len() || second[at..at + toks.len()] != *toks {
+            break;
+        }
+        reused.push_full_block(block.clone(), toks);
+    }
+    let hit = reused.len();
+    let cached = run_alone_into(model, &second[hit..], &mut reused, true).data;
+    let fresh = run_alone(model, second, None);
+    (hit, cached, fresh.data[hit * fresh.vocab..].to_vec())
+}
+
+/// The logits rows of `toks` computed in forwards of the given sizes (cycled).
+pub fn chunked_rows(model: &Decoder, toks: &[u32], sizes: &[usize]) -> Vec<f32> {
+    let mut cache = model.new_cache();
+    let mut rows = Vec::new();
+    let mut at = 0;
+    for &size in sizes.iter().cycle() {
+        if at == toks.len() {
+            break;
+        }
+        let end = (at + size).min(toks.len());
+        rows.extend(run_alone_into(model, &toks[at..end], &mut cache, true).data);
+        at = end;
+    }
+    rows
 }
