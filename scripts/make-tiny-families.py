@@ -102,6 +102,22 @@ def randomize(model, seed):
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
+def build(family):
+    """The f32 transformers model (eager attention) of `family`: the same weights on every run,
+    those the fixture's GGUF was converted from (scripts/train_reference.py --family rebuilds it
+    here for the PEFT reference of the trainer)."""
+    from transformers import AutoModelForCausalLM
+
+    configs = families()
+    seed = list(configs).index(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        configs[family], dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    randomize(model, 1000 + seed)
+    return model
+
+
 def tiny_vocab(self):
     """The converter's vocabulary step for a model without a tokenizer: placeholder pieces."""
     import gguf
@@ -143,14 +159,8 @@ def main():
     args = ap.parse_args()
     LLAMA_CPP = args.llama_cpp
 
-    from transformers import AutoModelForCausalLM
-
-    for seed, (family, config) in enumerate(families().items()):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-        randomize(model, 1000 + seed)
+    for family in families():
+        model = build(family)
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             convert(tmp, args.out / f"tiny-{family}.gguf")
