@@ -11,7 +11,9 @@ use std::path::PathBuf;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{check_finite_differences, compare_with_serving, diffs, run_alone, trained_adapter};
+use common::{
+    check_finite_differences, compare_with_serving, diffs, run_alone, scored_all, trained_adapter,
+};
 use temper_model::{load_gguf, Activation, Arch, Decoder, ModelError, PackedSequence, RopeLayout};
 
 fn fixture(name: &str) -> PathBuf {
@@ -143,22 +145,47 @@ fn config_comes_from_each_familys_metadata() {
     assert!(llama.config().rope_yarn.is_none() && qwen2.config().rope_yarn.is_none());
 }
 
-/// Two segments packed, with and without an adapter: the training forward's logprobs are the
-/// serving forward's bits. On Q8_0 copies of the fixtures: the F32 matrices go through candle's
-/// f32 product, whose bits depend on how many rows it multiplies (the LM head's differ between
-/// a served sequence and the scored rows), where our kernels' rows never do.
+/// The families of the tests below that take each in turn.
+const FAMILIES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
+/// Two segments packed, with and without an adapter: the logprobs the trainer computes (its
+/// training forward's, which are `score`'s) are the serving forward's bits. On Q8_0 copies of
+/// the fixtures: the F32 matrices go through candle's f32 product, whose bits depend on how
+/// many rows it multiplies (the LM head's differ between a served sequence and the scored
+/// rows), where our kernels' rows never do; on the F32 fixtures themselves the two differ by
+/// that rounding alone (measured at most 2.9e-6, mean 1.4e-7).
 #[test]
 fn scoring_equals_serving_in_every_family() {
-    for family in ["llama", "qwen2", "qwen3"] {
+    for family in FAMILIES {
         let path = rewritten(family, "q8", |_| {}, true, &[]);
-        let model = load_gguf(&path).expect("load").model;
+        let q8 = load_gguf(&path).expect("load").model;
         let _ = std::fs::remove_file(&path);
-        let adapter = trained_adapter(&model, 4, 0.05);
+        let adapter = trained_adapter(&q8, 4, 0.05);
         let (tokens, _) = reference(family);
         let segs = [tokens[..17].to_vec(), tokens[5..].to_vec()];
         for a in [None, Some(&adapter)] {
-            let (max, _) = compare_with_serving(&model, &segs, a);
+            let (max, _) = compare_with_serving(&q8, &segs, a);
             assert_eq!(max, 0.0, "{family}, adapter {}", a.is_some());
+        }
+        let (toks, lens) = (segs.concat(), [17, segs[1].len()]);
+        let scored = scored_all(&lens);
+        let packed = PackedSequence {
+            tokens: &toks,
+            segment_lens: &lens,
+            scored: &scored,
+        };
+        let (trained, _) = q8.train_forward(&packed, &adapter).expect("forward");
+        let scores = q8.score(&packed, Some(&adapter)).expect("score");
+        assert_eq!(trained, scores, "{family}: the training forward's logprobs");
+
+        let f32 = model(family);
+        for a in [None, Some(&trained_adapter(&f32, 4, 0.05))] {
+            let (max, mean) = compare_with_serving(&f32, &segs, a);
+            assert!(
+                max < 2e-5 && mean < 1e-6,
+                "{family} in F32, adapter {}: max |diff| {max}, mean {mean}",
+                a.is_some()
+            );
         }
     }
 }
@@ -277,3 +304,4 @@ fn an_unread_tensor_or_an_unsupported_rope_scaling_is_refused() {
         "{e}"
     );
 }
+
