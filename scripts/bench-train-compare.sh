@@ -100,7 +100,8 @@ if [[ $TINY == 1 ]]; then
         args=(--family "$family" --gguf "crates/model/tests/fixtures/tiny-$family.gguf"
             --check-dir "$dir" --threads "$THREADS")
         if [[ $WRITE_FIXTURE == 1 ]]; then
-            args+=(--write-fixture "crates/train/tests/fixtures/pytorch-reference-tiny-$family.safetensors")
+            args+=(--write-fixture
+                "crates/train/tests/fixtures/pytorch-reference-tiny-$family.safetensors")
         fi
         log "the PyTorch + PEFT reference on tiny $family"
         "$VENV/bin/python" -W ignore scripts/train_reference.py "${args[@]}"

@@ -304,4 +304,3 @@ fn an_unread_tensor_or_an_unsupported_rope_scaling_is_refused() {
         "{e}"
     );
 }
-
