@@ -25,11 +25,18 @@
 # reference's; rss: the largest peak RSS of temper's steps over the compared variant's).
 #
 # Usage: scripts/bench-train-compare.sh [--write-fixture] [--no-build] [--check-only]
+#                                       [--tiny-families]
 #   --write-fixture  also rewrite crates/train/tests/fixtures/pytorch-reference.safetensors from
 #                    the f32+sdpa reference, the values `cargo test -p temper-train --test
 #                    pytorch_reference` compares temper with
 #   --no-build       use target/release/temper as built
 #   --check-only     the agreement check and the variants' gate alone, no timed steps
+#   --tiny-families  instead, the check alone on each tiny random family of the model crate's
+#                    fixtures (crates/model/tests/fixtures/tiny-FAMILY.gguf, the families of
+#                    pytorch_reference.rs's tiny_families!), rebuilt in transformers by
+#                    scripts/make-tiny-families.py; with --write-fixture, rewrites
+#                    crates/train/tests/fixtures/pytorch-reference-tiny-FAMILY.safetensors
+#                    (needs neither the default model nor the temper binary)
 # Environment (optional): TEMPER_HOME (caches; default ~/.cache/temper; the venv with torch,
 # transformers, peft and gguf is $TEMPER_HOME/train-ref-venv, ~6 GB with the CUDA libraries
 # PyPI's torch wheel depends on, reused while its pinned versions stay the same), BENCH_MODEL
@@ -45,11 +52,13 @@ cd "$(dirname "$0")/.."
 WRITE_FIXTURE=0
 BUILD=1
 CHECK_ONLY=0
+TINY=0
 for a in "$@"; do
     case $a in
         --write-fixture) WRITE_FIXTURE=1 ;;
         --no-build) BUILD=0 ;;
         --check-only) CHECK_ONLY=1 ;;
+        --tiny-families) TINY=1 ;;
         -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
         *) echo "bench-train-compare: unknown argument $a (see --help)" >&2; exit 2 ;;
     esac
@@ -75,13 +84,35 @@ if [[ ! -x $VENV/bin/python || "$(cat "$VENV/requirements.txt" 2>/dev/null)" != 
     echo "$REQUIREMENTS" >"$VENV/requirements.txt"
 fi
 
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/bench-train-compare.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+
+if [[ $TINY == 1 ]]; then
+    log "temper's logprobs, loss and gradients on each tiny family's check batch"
+    if ! TEMPER_CHECK_DIR=$WORK RAYON_NUM_THREADS=$THREADS cargo test --release -p temper-train \
+        --test pytorch_reference -- --ignored --exact write_tiny_family_check_inputs \
+        >"$WORK/write-check-inputs.log" 2>&1; then
+        cat "$WORK/write-check-inputs.log" >&2
+        exit 1
+    fi
+    for dir in "$WORK"/*/; do
+        family=$(basename "$dir")
+        args=(--family "$family" --gguf "crates/model/tests/fixtures/tiny-$family.gguf"
+            --check-dir "$dir" --threads "$THREADS")
+        if [[ $WRITE_FIXTURE == 1 ]]; then
+            args+=(--write-fixture
+                "crates/train/tests/fixtures/pytorch-reference-tiny-$family.safetensors")
+        fi
+        log "the PyTorch + PEFT reference on tiny $family"
+        "$VENV/bin/python" -W ignore scripts/train_reference.py "${args[@]}"
+    done
+    exit 0
+fi
+
 MODEL=${BENCH_MODEL:-$(scripts/fetch-model.sh)}
 if [[ $BUILD == 1 ]]; then
     cargo build --release -p temper >&2
 fi
-
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/bench-train-compare.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
 
 # temper's side of the check: the batch, the adapter and temper's values on them.
 log "temper's logprobs, loss and gradients on the check batch"

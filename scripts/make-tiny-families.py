@@ -310,14 +310,25 @@ def variant_reference(model, path, llama_layout, original):
     }
 
 
-def make(conv, family, config, seed, out, stem, small):
+def build(family, small=True):
+    """The f32 transformers model (eager attention) of `family`: the same weights on every run,
+    those its fixture was converted from (scripts/train_reference.py --family rebuilds the small
+    ones here for the PEFT reference of the trainer). The seed is the family's position in
+    `families`, plus 100 for the wide models: add a family at the end."""
     from transformers import AutoModelForCausalLM
 
+    configs = families(SMALL, 16) if small else families(WIDE, 64)
+    seed = list(configs).index(family) + (0 if small else 100)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
+        configs[family], dtype=torch.float32, attn_implementation="eager"
     ).eval()
     randomize(model, 1000 + seed)
+    return model
+
+
+def make(conv, family, out, stem, small):
+    model = build(family, small)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     llama_layout = family in ("llama", "mistral")
     logits = logits_of(model, TOKENS)
@@ -368,10 +379,10 @@ def main():
     LLAMA_CPP, QUANTIZE = args.llama_cpp, args.quantize
     conv = patch_converter()
 
-    for seed, (family, config) in enumerate(families(SMALL, 16).items()):
-        make(conv, family, config, seed, args.out, f"tiny-{family}", small=True)
-    for seed, (family, config) in enumerate(families(WIDE, 64).items()):
-        make(conv, family, config, 100 + seed, args.out, f"tiny-{family}-wide", small=False)
+    for family in families(SMALL, 16):
+        make(conv, family, args.out, f"tiny-{family}", small=True)
+    for family in families(WIDE, 64):
+        make(conv, family, args.out, f"tiny-{family}-wide", small=False)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ Run by scripts/bench-train-compare.sh inside its venv.
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -168,7 +169,32 @@ def read_adapter(path):
     return tensors, rank, alpha
 
 
-def set_adapter(model, tensors, num_layers):
+class RowOrder:
+    """Where the GGUF's rows of a projection sit in the transformers model's: llama.cpp's
+    converter permutes the rows of Llama's q and k weights for ggml's interleaved rope, so
+    temper's B of those projections (`[out, rank]`, in the GGUF's row order) is transformers' B
+    with its rows permuted the same way, and so is its gradient. `perms[(layer, target)]`:
+    GGUF row i is transformers' row perms[...][i]; absent: the same order."""
+
+    def __init__(self, perms=None):
+        self.perms = perms or {}
+
+    def to_peft(self, layer, target, matrix, tensor):
+        perm = self.perms.get((layer, target))
+        if perm is None or matrix != "b":
+            return tensor
+        out = torch.empty_like(tensor)
+        out[perm] = tensor
+        return out
+
+    def to_temper(self, layer, target, matrix, tensor):
+        perm = self.perms.get((layer, target))
+        if perm is None or matrix != "b":
+            return tensor
+        return tensor[perm]
+
+
+def set_adapter(model, tensors, num_layers, rows=RowOrder()):
     params = dict(model.named_parameters())
     with torch.no_grad():
         for layer in range(num_layers):
@@ -177,7 +203,76 @@ def set_adapter(model, tensors, num_layers):
                     dst = params[peft_name(layer, target, matrix)]
                     src = tensors[temper_name(layer, target, matrix)]
                     assert dst.shape == src.shape, (layer, target, matrix, dst.shape, src.shape)
-                    dst.copy_(src)
+                    dst.copy_(rows.to_peft(layer, target, matrix, src))
+
+
+def tiny_families_module():
+    """scripts/make-tiny-families.py, imported (its name is not a module name)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make-tiny-families.py")
+    spec = importlib.util.spec_from_file_location("make_tiny_families", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_family(family, gguf_path, rank, alpha):
+    """A tiny family's fixture (crates/model/tests/fixtures/tiny-FAMILY.gguf) in transformers:
+    rebuilt by make-tiny-families.py from its seed (transformers reads neither the fixture's
+    placeholder vocabulary nor Llama 3's or YaRN's rope scaling from a GGUF), checked to be the
+    same weights: its logits on the fixture's tokens equal the `.json`'s bit for bit, and every
+    matrix of the GGUF equals the transformers tensor llama.cpp's name map gives, up to a
+    permutation of rows (recorded for the LoRA targets: see RowOrder). Returns the PEFT model
+    (a LoRA of temper's targets, as load_model) and its RowOrder."""
+    import gguf
+
+    model = tiny_families_module().build(family)
+    with open(os.path.splitext(gguf_path)[0] + ".json") as f:
+        fixture = json.load(f)
+    with torch.no_grad():
+        logits = model(torch.tensor([fixture["tokens"]])).logits[0]
+    assert torch.equal(logits, torch.tensor(fixture["logits"])), (
+        f"{family}: the rebuilt model's logits are not the fixture's; rerun "
+        "scripts/make-tiny-families.py"
+    )
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    layers = model.config.num_hidden_layers
+    names = gguf.get_tensor_name_map(arch, layers)
+    hf = {}
+    for name, tensor in model.state_dict().items():
+        mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if mapped is not None:
+            hf.setdefault(mapped, tensor)
+    perms, checked = {}, 0
+    for t in reader.tensors:
+        data = torch.from_numpy(t.data.copy())
+        if data.dim() != 2:
+            continue
+        assert t.name in hf, f"{family}: {t.name} has no transformers tensor"
+        want = hf[t.name]
+        assert data.dtype == torch.float32 and data.shape == want.shape, (t.name, data.shape)
+        rows = {row.numpy().tobytes(): i for i, row in enumerate(want)}
+        perm = torch.tensor([rows.get(row.numpy().tobytes(), -1) for row in data])
+        assert (perm >= 0).all(), f"{family}: {t.name} is not transformers' tensor"
+        checked += 1
+        layer, target = (t.name.split(".") + [""])[1:3]
+        if target in TARGETS and not torch.equal(perm, torch.arange(len(perm))):
+            perms[(int(layer), target)] = perm
+    print(
+        f"{family}: rebuilt by make-tiny-families.py; logits equal the fixture's, {checked} "
+        f"matrices equal the GGUF's ({len(perms)} with permuted rows: "
+        f"{', '.join(sorted({t for _, t in perms})) or 'none'})"
+    )
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=[m.split(".")[1] for m in TARGETS.values()],
+        bias="none",
+    )
+    return get_peft_model(model, lora), RowOrder(perms)
 
 
 @dataclass(frozen=True)
@@ -325,7 +420,7 @@ class Values:
     grads: dict
 
 
-def reference_values(model, batch, variant=REFERENCE):
+def reference_values(model, batch, variant=REFERENCE, rows=RowOrder()):
     use_attention(model, variant)
     model.zero_grad(set_to_none=True)
     # training.md's loss, not-PPO (CISPO) defaults: rho = exp(lp_new - lp_old), detached and
@@ -344,7 +439,9 @@ def reference_values(model, batch, variant=REFERENCE):
     loss.backward()
     params = dict(model.named_parameters())
     grads = {
-        temper_name(layer, target, matrix): params[peft_name(layer, target, matrix)].grad.detach()
+        temper_name(layer, target, matrix): rows.to_temper(
+            layer, target, matrix, params[peft_name(layer, target, matrix)].grad.detach()
+        )
         for layer in range(model.config.num_hidden_layers)
         for target in TARGETS
         for matrix in ("a", "b")
@@ -382,8 +479,16 @@ class Agreement:
                 broken.append(f"{label} {value:.3g}")
         return broken
 
-    def line(self):
+    def line(self, precise=False):
         worst = min(self.cosines, key=self.cosines.get)
+        if precise:
+            # The tiny f32 families: differences in exponent form, 1 - cosine.
+            return (
+                f"max |logprob diff| {self.max_lp_diff:.2e} nats (mean {self.mean_lp_diff:.2e}), "
+                f"relative loss diff {self.loss_rel:.2e}, gradient 1 - cosine max "
+                f"{1 - self.cosines[worst]:.2e} ({worst}) mean {1 - self.mean_cosine:.2e}, "
+                f"|norm ratio - 1| max {self.worst_norm:.2e}"
+            )
         return (
             f"max |logprob diff| {self.max_lp_diff:.3f} nats (mean {self.mean_lp_diff:.3f}), "
             f"relative loss diff {self.loss_rel:.1e}, gradient cosine min "
@@ -444,9 +549,12 @@ def quantize_activations(model):
     return handles
 
 
-def check(model, inputs_dir, fixture):
+def check(model, inputs_dir, fixture, family=None, rows=RowOrder()):
     """The agreement figures of issue 13 item 2; returns (their summary line, the batch, the f32
-    reference's values, temper's agreement with them)."""
+    reference's values, temper's agreement with them). `family`: a tiny family's fixture (issue
+    30; load_family, `rows` its RowOrder), whose f32 weights temper multiplies without rounding
+    the activations: no rounding yardstick, and the fixture keeps every layer's gradients in
+    f32."""
     with open(os.path.join(inputs_dir, "batch.json")) as f:
         batch_text = f.read()
     batch = json.loads(batch_text)
@@ -454,45 +562,57 @@ def check(model, inputs_dir, fixture):
     temper = Values(
         temper_file.pop("logprobs"), float(temper_file.pop("loss")[0]), temper_file
     )
-    reference = reference_values(model, batch)
-    # The yardstick: how far the reference itself moves when its activations are rounded as
-    # temper's (f32 weights otherwise): forward noise that a correct backward carries too.
-    handles = quantize_activations(model)
-    rounded = reference_values(model, batch)
-    for handle in handles:
-        handle.remove()
-
+    reference = reference_values(model, batch, rows=rows)
     ours = agreement(temper, reference)
     count = len(reference.logprobs)
-    print(
-        f"check batch: {len(batch['segments'])} segments, {count} trained tokens; "
-        f"loss reference ({REFERENCE.name}) {reference.loss:.6f}, temper {temper.loss:.6f}"
-    )
-    print(f"temper vs reference: {ours.line()}")
-    print(f"reference with temper's activation rounding vs reference: {agreement(rounded, reference).line()}")
-    # The cosine of every gradient tensor with the reference's, a line per layer.
-    print("  gradient cosine per tensor (lora_a/lora_b): " + ", ".join(TARGETS))
-    for layer in range(model.config.num_hidden_layers):
+    if family:
         print(
-            f"  layer {layer:2}: "
-            + "  ".join(
-                "/".join(f"{ours.cosines[temper_name(layer, t, m)]:.3f}" for m in ("a", "b"))
-                for t in TARGETS
-            )
+            f"{family} check batch: {len(batch['segments'])} segments, {count} trained tokens; "
+            f"loss reference ({REFERENCE.name}) {reference.loss:.8f}, temper {temper.loss:.8f}"
         )
+        print(f"{family}: temper vs reference: {ours.line(precise=True)}")
+    else:
+        rounded = rounded_reference(model, batch)
+        print(
+            f"check batch: {len(batch['segments'])} segments, {count} trained tokens; "
+            f"loss reference ({REFERENCE.name}) {reference.loss:.6f}, temper {temper.loss:.6f}"
+        )
+        print(f"temper vs reference: {ours.line()}")
+        print(
+            "reference with temper's activation rounding vs reference: "
+            f"{agreement(rounded, reference).line()}"
+        )
+        # The cosine of every gradient tensor with the reference's, a line per layer.
+        print("  gradient cosine per tensor (lora_a/lora_b): " + ", ".join(TARGETS))
+        for layer in range(model.config.num_hidden_layers):
+            print(
+                f"  layer {layer:2}: "
+                + "  ".join(
+                    "/".join(f"{ours.cosines[temper_name(layer, t, m)]:.3f}" for m in ("a", "b"))
+                    for t in TARGETS
+                )
+            )
 
     if fixture:
         tensors = {
             "logprobs": reference.logprobs.float(),
             "loss": torch.tensor([reference.loss], dtype=torch.float32),
         }
-        for layer in FIXTURE_LAYERS:
+        layers = range(model.config.num_hidden_layers) if family else FIXTURE_LAYERS
+        for layer in layers:
             for target in TARGETS:
                 for matrix in ("a", "b"):
                     name = temper_name(layer, target, matrix)
                     # bf16 keeps f32's range (single gradient entries are ~1e-7) with ~3
-                    # digits, far below the disagreement the test allows.
-                    tensors[name] = reference.grads[name].to(torch.bfloat16).contiguous()
+                    # digits, far below the disagreement the default model's test allows; the
+                    # tiny families' tests hold temper to far more digits.
+                    dtype = torch.float32 if family else torch.bfloat16
+                    tensors[name] = reference.grads[name].to(dtype).contiguous()
+        weights = (
+            f"tiny {family} rebuilt by scripts/make-tiny-families.py"
+            if family
+            else "GGUF dequantized to f32"
+        )
         save_file(
             tensors,
             fixture,
@@ -501,11 +621,21 @@ def check(model, inputs_dir, fixture):
                 "batch": batch_text,
                 "made_by": f"scripts/train_reference.py: torch {torch.__version__}, "
                 + f"transformers {sys.modules['transformers'].__version__}, "
-                + f"peft {sys.modules['peft'].__version__}; GGUF dequantized to f32",
+                + f"peft {sys.modules['peft'].__version__}; {weights}",
             },
         )
         print(f"wrote {fixture} ({os.path.getsize(fixture) / 1e6:.2f} MB)")
     return f"agreement with the reference: {ours.line()}", batch, reference, ours
+
+
+def rounded_reference(model, batch):
+    """The yardstick: how far the reference itself moves when its activations are rounded as
+    temper's (f32 weights otherwise): forward noise that a correct backward carries too."""
+    handles = quantize_activations(model)
+    rounded = reference_values(model, batch)
+    for handle in handles:
+        handle.remove()
+    return rounded
 
 
 @dataclass
@@ -764,6 +894,11 @@ def summary_line(rows, gates):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", required=True)
+    ap.add_argument(
+        "--family",
+        help="the GGUF is this tiny family's fixture (make-tiny-families.py): rebuild it in "
+        "transformers and run the check alone",
+    )
     ap.add_argument("--check-dir", required=True, help="where temper wrote the check batch")
     ap.add_argument("--write-fixture", metavar="PATH", help="write the Rust test's fixture here")
     ap.add_argument("--temper-bench", metavar="FILE", help="temper bench's output to compare with")
@@ -798,6 +933,11 @@ def main():
         f"{torch.get_num_threads()} threads; variants: {', '.join(v.name for v in variants)}"
     )
     adapter, rank, alpha = read_adapter(os.path.join(args.check_dir, "adapter.safetensors"))
+    if args.family:
+        model, rows = load_family(args.family, args.gguf, rank, alpha)
+        set_adapter(model, adapter, model.config.num_hidden_layers, rows)
+        check(model, args.check_dir, args.write_fixture, args.family, rows)
+        return
     started = time.perf_counter()
     model = load_model(args.gguf, rank, alpha)
     print(

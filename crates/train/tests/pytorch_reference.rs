@@ -5,9 +5,16 @@
 //! made by `scripts/bench-train-compare.sh --write-fixture` (`scripts/train_reference.py`: the
 //! GGUF dequantized to f32 in transformers, a PEFT LoRA loaded with this adapter's values) from
 //! what `write_check_inputs` below writes; so `make test` needs no PyTorch.
+//!
+//! The same check on each tiny random family of the model crate's fixtures (issue 30,
+//! `tiny_family_agrees_with_peft`): `fixtures/pytorch-reference-tiny-FAMILY.safetensors`, made
+//! by `scripts/bench-train-compare.sh --tiny-families --write-fixture` from what
+//! `write_tiny_family_check_inputs` writes (the reference rebuilds each model in transformers
+//! with `scripts/make-tiny-families.py`). Their weights are f32, which temper multiplies
+//! without rounding the activations, so the bounds there are orders of magnitude tighter.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use temper_model::{Decoder, LoraAdapter, LoraConfig, LoraTarget, PackedSequence};
 use temper_train::{sequence_loss, ExperimentalConfig, LossConfig};
@@ -16,6 +23,44 @@ const FIXTURE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/fixtures/pytorch-reference.safetensors"
 );
+
+/// The tiny families checked against PEFT, each a test `tiny_family_agrees_with_peft::FAMILY`
+/// on the model crate's `tiny-FAMILY.gguf`: adding a family (one that
+/// `scripts/make-tiny-families.py` builds) is its name here and its fixture.
+macro_rules! tiny_families {
+    ($($family:ident),* $(,)?) => {
+        const TINY_FAMILIES: &[&str] = &[$(stringify!($family)),*];
+
+        mod tiny_family_agrees_with_peft {
+            $(
+                #[test]
+                fn $family() {
+                    super::check_tiny_family(stringify!($family));
+                }
+            )*
+        }
+    };
+}
+
+tiny_families!(llama, qwen2, qwen3);
+
+fn tiny_model_path(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("../model/tests/fixtures/tiny-{family}.gguf"))
+}
+
+fn tiny_fixture(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!(
+        "tests/fixtures/pytorch-reference-tiny-{family}.safetensors"
+    ))
+}
+
+/// Two segments of ids below the tiny families' vocabulary of 128.
+fn tiny_segments() -> Vec<Vec<u32>> {
+    [(20, 3), (15, 8)]
+        .map(|(n, salt)| (0..n).map(|i| (i * 29 + salt * 41 + 5) % 128).collect())
+        .to_vec()
+}
 
 /// Two chat turns (Gemma 3 template, as the trainer sees them), every token but the first of
 /// each trained.
@@ -59,13 +104,14 @@ fn loss_config() -> LossConfig {
         .expect("the default config")
 }
 
-fn check_batch() -> CheckBatch {
-    let trained: Vec<usize> = SEGMENTS.iter().map(|s| s.len() - 1).collect();
+fn check_batch(segments: &[impl AsRef<[u32]>]) -> CheckBatch {
+    let trained: Vec<usize> = segments.iter().map(|s| s.as_ref().len() - 1).collect();
     let mean_trained = trained.iter().sum::<usize>() as f64 / trained.len() as f64;
     let loss = loss_config();
     CheckBatch {
-        segments: SEGMENTS
+        segments: segments
             .iter()
+            .map(AsRef::as_ref)
             .zip(&trained)
             .zip([1.0, -0.5])
             .map(|((tokens, &n), advantage)| Segment {
@@ -167,7 +213,6 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
         .zip(b)
         .map(|(&x, &y)| f64::from(x) * f64::from(y))
         .sum();
-    let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
     dot / (norm(a) * norm(b))
 }
 
@@ -175,10 +220,10 @@ fn norm(v: &[f32]) -> f64 {
     v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt()
 }
 
-/// The fixture's tensors as f32 (bf16 and f32 are what the reference script writes) and its
+/// A fixture's tensors as f32 (bf16 and f32 are what the reference script writes) and its
 /// metadata.
-fn read_fixture() -> (HashMap<String, Vec<f32>>, HashMap<String, String>) {
-    let bytes = std::fs::read(FIXTURE).expect("the fixture");
+fn read_fixture(path: &Path) -> (HashMap<String, Vec<f32>>, HashMap<String, String>) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).expect("its header");
     let tensors = file
@@ -203,21 +248,33 @@ fn read_fixture() -> (HashMap<String, Vec<f32>>, HashMap<String, String>) {
     (tensors, header.metadata().clone().unwrap_or_default())
 }
 
-#[test]
-fn agrees_with_the_pytorch_reference() {
-    let Some(path) = temper_model::paths::real_model_for_tests() else {
-        return;
-    };
-    let model = temper_model::load_gguf(&path).expect("load").model;
-    let batch = check_batch();
-    let (reference, metadata) = read_fixture();
+/// How far temper's values are from a reference fixture's.
+struct Agreement {
+    max_lp_diff: f32,
+    mean_lp_diff: f32,
+    loss: f64,
+    loss_ref: f64,
+    loss_rel: f64,
+    /// Over the fixture's gradient tensors.
+    tensors: usize,
+    min_cos: f64,
+    worst: String,
+    mean_cos: f64,
+    /// max |norm ratio - 1|.
+    worst_norm: f64,
+}
+
+/// temper's values on `batch` against the fixture at `path` (made for the same batch, which
+/// its metadata holds verbatim).
+fn agreement(model: &Decoder, batch: &CheckBatch, path: &Path, rewrite: &str) -> Agreement {
+    let (reference, metadata) = read_fixture(path);
     assert_eq!(
         metadata.get("batch").map(String::as_str),
-        Some(serde_json::to_string(&batch).unwrap().as_str()),
-        "the fixture was made for another batch: run scripts/bench-train-compare.sh \
-         --write-fixture"
+        Some(serde_json::to_string(batch).unwrap().as_str()),
+        "{} was made for another batch: run scripts/bench-train-compare.sh {rewrite}",
+        path.display()
     );
-    let ours = temper_values(&model, &batch, &check_adapter(&model));
+    let ours = temper_values(model, batch, &check_adapter(model));
 
     let lp_diffs: Vec<f32> = ours
         .logprobs
@@ -226,13 +283,11 @@ fn agrees_with_the_pytorch_reference() {
         .map(|(a, b)| (a - b).abs())
         .collect();
     assert_eq!(lp_diffs.len(), reference["logprobs"].len());
-    let max_lp_diff = lp_diffs.iter().copied().fold(0f32, f32::max);
-    let mean_lp_diff = lp_diffs.iter().sum::<f32>() / lp_diffs.len() as f32;
+    assert_eq!(ours.logprobs.len(), reference["logprobs"].len());
     let loss_ref = f64::from(reference["loss"][0]);
-    let loss_rel = (ours.loss - loss_ref).abs() / loss_ref.abs();
     let mut cosines = Vec::new();
     let mut norm_ratios = Vec::new();
-    for (name, grad) in param_names(&model).into_iter().zip(&ours.grads) {
+    for (name, grad) in param_names(model).into_iter().zip(&ours.grads) {
         if let Some(want) = reference.get(&name) {
             cosines.push((cosine(grad, want), name));
             norm_ratios.push(norm(grad) / norm(want));
@@ -241,25 +296,53 @@ fn agrees_with_the_pytorch_reference() {
     let (min_cos, worst) = cosines
         .iter()
         .min_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(c, name)| (*c, name.as_str()))
+        .map(|(c, name)| (*c, name.clone()))
         .expect("the fixture has gradients");
-    let mean_cos = cosines.iter().map(|c| c.0).sum::<f64>() / cosines.len() as f64;
-    let worst_norm = norm_ratios
-        .iter()
-        .map(|r| (r - 1.0).abs())
-        .fold(0f64, f64::max);
+    Agreement {
+        max_lp_diff: lp_diffs.iter().copied().fold(0f32, f32::max),
+        mean_lp_diff: lp_diffs.iter().sum::<f32>() / lp_diffs.len() as f32,
+        loss: ours.loss,
+        loss_ref,
+        loss_rel: (ours.loss - loss_ref).abs() / loss_ref.abs(),
+        tensors: cosines.len(),
+        min_cos,
+        worst,
+        mean_cos: cosines.iter().map(|c| c.0).sum::<f64>() / cosines.len() as f64,
+        worst_norm: norm_ratios
+            .iter()
+            .map(|r| (r - 1.0).abs())
+            .fold(0f64, f64::max),
+    }
+}
+
+#[test]
+fn agrees_with_the_pytorch_reference() {
+    let Some(path) = temper_model::paths::real_model_for_tests() else {
+        return;
+    };
+    let model = temper_model::load_gguf(&path).expect("load").model;
+    let a = agreement(
+        &model,
+        &check_batch(&SEGMENTS),
+        Path::new(FIXTURE),
+        "--write-fixture",
+    );
+    let Agreement {
+        max_lp_diff,
+        mean_lp_diff,
+        loss_rel,
+        min_cos,
+        mean_cos,
+        worst_norm,
+        ..
+    } = a;
     eprintln!(
-        "max |logprob diff| {max_lp_diff:.4} (mean {mean_lp_diff:.4}); loss {:.6} vs \
-         {loss_ref:.6} (rel {loss_rel:.2e}); gradient cosine over {} tensors min {min_cos:.5} \
-         ({worst}) mean {mean_cos:.5}; |norm ratio - 1| max {worst_norm:.4}",
-        ours.loss,
-        cosines.len()
+        "max |logprob diff| {max_lp_diff:.4} (mean {mean_lp_diff:.4}); loss {:.6} vs {:.6} (rel \
+         {loss_rel:.2e}); gradient cosine over {} tensors min {min_cos:.5} ({}) mean \
+         {mean_cos:.5}; |norm ratio - 1| max {worst_norm:.4}",
+        a.loss, a.loss_ref, a.tensors, a.worst
     );
-    assert_eq!(
-        cosines.len(),
-        56,
-        "the fixture's gradient tensors (4 layers)"
-    );
+    assert_eq!(a.tensors, 56, "the fixture's gradient tensors (4 layers)");
     // The reference runs f32 on the dequantized weights; temper rounds every matmul's input
     // activations to 8 bits (and keys, values and GELU to f16), and its backward takes the
     // input gradient through int8 dot products on a transposed Q8_0 copy of each weight. This
@@ -276,7 +359,7 @@ fn agrees_with_the_pytorch_reference() {
     assert!(max_lp_diff < 1.5, "max |logprob diff| {max_lp_diff}");
     assert!(mean_lp_diff < 0.25, "mean |logprob diff| {mean_lp_diff}");
     assert!(loss_rel < 0.1, "relative loss difference {loss_rel}");
-    assert!(min_cos > 0.9, "gradient cosine {min_cos} ({worst})");
+    assert!(min_cos > 0.9, "gradient cosine {min_cos} ({})", a.worst);
     assert!(mean_cos > 0.97, "mean gradient cosine {mean_cos}");
     assert!(
         worst_norm < 0.3,
@@ -284,23 +367,99 @@ fn agrees_with_the_pytorch_reference() {
     );
 }
 
-/// Writes the inputs of `scripts/train_reference.py` into `$TEMPER_CHECK_DIR`: the batch
-/// (`batch.json`), the adapter (`adapter.safetensors`) and temper's values on them
-/// (`temper.safetensors`: logprobs, loss, every gradient in f32). Run by
-/// `scripts/bench-train-compare.sh`.
-#[test]
-#[ignore = "writes the PyTorch reference's inputs; run by scripts/bench-train-compare.sh"]
-fn write_check_inputs() {
-    let dir = std::env::var_os("TEMPER_CHECK_DIR").expect("TEMPER_CHECK_DIR");
-    let dir = Path::new(&dir);
-    let path = temper_model::paths::real_model_for_tests().expect("the default model");
-    let model = temper_model::load_gguf(&path).expect("load").model;
-    let batch = check_batch();
-    let adapter = check_adapter(&model);
-    let ours = temper_values(&model, &batch, &adapter);
+/// `family`'s tiny fixture against its PEFT reference, every gradient tensor of every layer:
+/// as the trainer runs (keys and values rounded to f16, as the serving cache holds them), and
+/// in f32 throughout (`Decoder::set_smooth`).
+fn check_tiny_family(family: &str) {
+    let mut model = temper_model::load_gguf(&tiny_model_path(family))
+        .expect("load")
+        .model;
+    let batch = check_batch(&tiny_segments());
+    let fixture = tiny_fixture(family);
+    let rewrite = "--tiny-families --write-fixture";
+    let trained = agreement(&model, &batch, &fixture, rewrite);
+    model.set_smooth(true);
+    let smooth = agreement(&model, &batch, &fixture, rewrite);
+    for (mode, a) in [("as trained", &trained), ("in f32", &smooth)] {
+        eprintln!(
+            "{family} {mode}: max |logprob diff| {:.2e} (mean {:.2e}); loss {:.8} vs {:.8} (rel \
+             {:.2e}); gradient 1 - cosine over {} tensors max {:.2e} ({}) mean {:.2e}; |norm \
+             ratio - 1| max {:.2e}",
+            a.max_lp_diff,
+            a.mean_lp_diff,
+            a.loss,
+            a.loss_ref,
+            a.loss_rel,
+            a.tensors,
+            1.0 - a.min_cos,
+            a.worst,
+            1.0 - a.mean_cos,
+            a.worst_norm
+        );
+        assert_eq!(
+            a.tensors,
+            model.config().num_layers * 14,
+            "{family}: every layer's 7 A and 7 B"
+        );
+    }
+    // Measured (llama / qwen2 / qwen3). As trained: max |logprob diff| 3.8e-3 / 4.2e-3 / 3.8e-3
+    // nats (mean 1.2e-3 / 1.2e-3 / 1.1e-3), relative loss difference 8.8e-4 / 1.2e-3 / 9.5e-4,
+    // 1 - gradient cosine at most 4.2e-7 / 1.7e-6 / 2.3e-6 (mean <= 5.8e-7), norms within
+    // 1.1e-3 / 1.1e-3 / 1.7e-3: the f16 keys and values alone (the reference keeps f32). In
+    // f32: max |logprob diff| 7.6e-6 / 5.7e-6 / 9.5e-6 (mean <= 2.6e-6), loss 3.5e-7 / 2.0e-6 /
+    // 2.0e-6, 1 - cosine at most 4.7e-12 / 3.0e-12 / 4.9e-11, norms within 3.4e-6: summation
+    // order. The bounds leave each about ten times that (other CPUs sum in other orders); a
+    // wrong op of the backward moves a cosine by 1e-2 or more.
+    let bounds = [
+        (&trained, "as trained", 1.5e-2, 4e-3, 5e-3, 2e-5, 3e-6, 5e-3),
+        (&smooth, "in f32", 1e-4, 2e-5, 2e-5, 1e-9, 1e-10, 3e-5),
+    ];
+    for (a, mode, max_lp, mean_lp, loss, cos, mean_cos, norm) in bounds {
+        let ctx = format!("{family} {mode}");
+        assert!(
+            a.max_lp_diff < max_lp,
+            "{ctx}: max |logprob diff| {}",
+            a.max_lp_diff
+        );
+        assert!(
+            a.mean_lp_diff < mean_lp,
+            "{ctx}: mean |logprob diff| {}",
+            a.mean_lp_diff
+        );
+        assert!(
+            a.loss_rel < loss,
+            "{ctx}: relative loss difference {}",
+            a.loss_rel
+        );
+        assert!(
+            1.0 - a.min_cos < cos,
+            "{ctx}: gradient cosine {} ({})",
+            a.min_cos,
+            a.worst
+        );
+        assert!(
+            1.0 - a.mean_cos < mean_cos,
+            "{ctx}: mean gradient cosine {}",
+            a.mean_cos
+        );
+        assert!(
+            a.worst_norm < norm,
+            "{ctx}: a gradient's norm is off by {}x",
+            a.worst_norm
+        );
+    }
+}
+
+/// The values `scripts/train_reference.py` reads from `dir`: the batch (`batch.json`), the
+/// adapter (`adapter.safetensors`) and temper's values on them (`temper.safetensors`:
+/// logprobs, loss, every gradient in f32).
+fn write_inputs(dir: &Path, model: &Decoder, batch: &CheckBatch) {
+    std::fs::create_dir_all(dir).expect("the check directory");
+    let adapter = check_adapter(model);
+    let ours = temper_values(model, batch, &adapter);
     std::fs::write(
         dir.join("batch.json"),
-        serde_json::to_string(&batch).unwrap(),
+        serde_json::to_string(batch).unwrap(),
     )
     .expect("batch.json");
     adapter
@@ -313,7 +472,7 @@ fn write_check_inputs() {
         ("loss".to_owned(), &loss),
     ];
     tensors.extend(
-        param_names(&model)
+        param_names(model)
             .into_iter()
             .zip(ours.grads.iter().map(Vec::as_slice)),
     );
@@ -334,4 +493,34 @@ fn write_check_inputs() {
     });
     let file = safetensors::serialize(views, None).expect("serialize");
     std::fs::write(dir.join("temper.safetensors"), file).expect("temper.safetensors");
+}
+
+fn check_dir() -> PathBuf {
+    std::env::var_os("TEMPER_CHECK_DIR")
+        .expect("TEMPER_CHECK_DIR")
+        .into()
+}
+
+/// Writes the inputs of `scripts/train_reference.py` for the default model into
+/// `$TEMPER_CHECK_DIR` (`write_inputs`). Run by `scripts/bench-train-compare.sh`.
+#[test]
+#[ignore = "writes the PyTorch reference's inputs; run by scripts/bench-train-compare.sh"]
+fn write_check_inputs() {
+    let path = temper_model::paths::real_model_for_tests().expect("the default model");
+    let model = temper_model::load_gguf(&path).expect("load").model;
+    write_inputs(&check_dir(), &model, &check_batch(&SEGMENTS));
+}
+
+/// Writes them for every tiny family into `$TEMPER_CHECK_DIR/FAMILY`. Run by
+/// `scripts/bench-train-compare.sh --tiny-families`.
+#[test]
+#[ignore = "writes the PyTorch reference's inputs; run by scripts/bench-train-compare.sh"]
+fn write_tiny_family_check_inputs() {
+    let dir = check_dir();
+    for family in TINY_FAMILIES {
+        let model = temper_model::load_gguf(&tiny_model_path(family))
+            .expect("load")
+            .model;
+        write_inputs(&dir.join(family), &model, &check_batch(&tiny_segments()));
+    }
 }
