@@ -360,11 +360,11 @@ def expected(kind, enc, prompts):
     return rows
 
 
-def convert(kind, hf_dir, out_file, llama_cpp):
-    """convert_hf_to_gguf.py's model class for the tiny config, its vocabulary and hyper-parameter
-    steps, written without tensors. The converter imports torch at the top for its tensor code;
-    where torch is not installed a stand-in module takes its place (nothing of it is called by
-    these steps)."""
+def convert(hf_dir, out_file, llama_cpp):
+    """convert_hf_to_gguf.py DIR --vocab-only: the converter's model class for the tiny config,
+    its vocabulary step (`_set_vocab_gpt2`) and hyper-parameter keys, no tensors. The converter
+    imports torch at the top for its tensor code; where torch is not installed a stand-in module
+    takes its place (the vocabulary-only path calls nothing of it but `inference_mode()`)."""
     sys.path.insert(0, str(llama_cpp))
     sys.path.insert(0, str(llama_cpp / "gguf-py"))
     try:
@@ -373,35 +373,14 @@ def convert(kind, hf_dir, out_file, llama_cpp):
         from unittest import mock
 
         sys.modules["torch"] = mock.MagicMock(name="torch")
-    import gguf
-    import convert_hf_to_gguf as conv  # noqa: F401
-    from conversion import get_model_class, ModelBase
+    import convert_hf_to_gguf as conv
 
-    hparams = ModelBase.load_hparams(hf_dir, False)
-    arch = hparams["architectures"][0]
-    cls = get_model_class(arch, mmproj=False) if "mmproj" in get_model_class.__code__.co_varnames else get_model_class(arch)
-    model = cls.__new__(cls)
-    # The parts of ModelBase.__init__ these steps read, without indexing tensors.
-    model.dir_model = hf_dir
-    model.hparams = hparams
-    model.is_safetensors = True
-    model.model_name = None
-    model.metadata_override = None
-    model.dir_model_card = hf_dir
-    model.remote_hf_model_id = None
-    model.block_count = hparams["num_hidden_layers"]
-    model.tensor_map = gguf.get_tensor_name_map(cls.model_arch, model.block_count)
-    model.gguf_writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[cls.model_arch])
-    model.set_vocab()
-    model.set_gguf_parameters()
-    w = model.gguf_writer
-    w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(f"tiny {kind} tokenizer")
-    w.write_header_to_file(path=out_file)
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    sys.modules.pop("gguf", None)
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out_file), "--outtype", "f32", "--vocab-only"]
+    try:
+        conv.main()
+    finally:
+        sys.argv = argv
 
 
 def main():
@@ -425,7 +404,7 @@ def main():
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         print(f"{kind}: {hf_dir} ({len(rows)} reference cases)")
         if not args.hf_only:
-            convert(kind, hf_dir, out / f"{kind}.gguf", args.llama_cpp)
+            convert(hf_dir, out / f"{kind}.gguf", args.llama_cpp)
             print(f"{kind}: {out / f'{kind}.gguf'}")
 
 
