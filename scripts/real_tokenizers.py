@@ -6,7 +6,7 @@ converter, with tiktoken's ids for a corpus (read by crates/text/tests/real_toke
 Sources (pinned below, each file checked against its sha256):
 - Llama 3: `llama_models/llama3/tokenizer.model` (tiktoken ranks) of the `llama-models` wheel,
   and its `llama3/tokenizer.py`, whose `Tokenizer` gives the reference tiktoken Encoding: the
-  pattern and the 256 special tokens (`<|begin_of_text|>` 128000 ... `<|reserved_special_token_247|>`).
+  pattern and the 256 special tokens (`<|begin_of_text|>` 128000 ... `<|reserved_special_token_245|>` 128255).
 - Qwen: `dashscope/resources/qwen.tiktoken` of the `dashscope` wheel, and its
   `tokenizers/qwen_tokenizer.py`, whose `QwenTokenizer` gives the reference Encoding (its pattern,
   NFC before encoding, `<|endoftext|>` 151643, `<|im_start|>`, `<|im_end|>`). Qwen 2.5 and Qwen 3
@@ -29,8 +29,11 @@ OUT/wheels. Written under OUT (default ${TEMPER_HOME:-~/.cache/temper}/real-toke
                         merges, special ids, chat template) and its hyper-parameter keys; no
                         tensors (the converter's tensor code needs torch, which is left out)
     llama3.expected.jsonl, qwen.expected.jsonl
-                        per corpus string: tiktoken's ids (special tokens matched or not),
-                        and tiktoken's decoding of them
+                        per string of the corpus below and per chat-template prompt (`chat`:
+                        three conversations rendered by transformers with the directory's
+                        template), with special tokens matched or not (`parse_special`):
+                        tiktoken's ids and its decoding of them (`decoded`; for Qwen the text
+                        NFC-composed, as QwenTokenizer.encode composes it before encoding)
 
     python scripts/real_tokenizers.py [--out OUT] [--llama-cpp DIR] [--hf-only]
 
@@ -42,6 +45,7 @@ import argparse
 import hashlib
 import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -145,7 +149,8 @@ TEMPLATES = {
 }
 
 # Strings whose ids are compared: prose in several scripts, code, whitespace runs, digits,
-# emoji, apostrophes, decomposed accents, the special tokens, and the chat templates' output.
+# emoji, apostrophes, decomposed accents, the special tokens; then the seeded random strings
+# below and the chat templates' output.
 CORPUS = [
     "Hello, world!",
     "The quick brown fox jumps over the lazy dog. I'm sure they've said we'll go; you'd THINK it's what I'D do.",
@@ -173,7 +178,31 @@ CORPUS = [
     "------======= ******** ________ ~~~~~ ##### %%%% $$$ @@@@ |||| \\\\ //// {{{{ }}}}",
     "e\u0301 a\u0308 n\u0303 \u212b \ufb01 \uff21\uff22 \u2460 x\u00a0y\u2009z\u3000w \u200b\u200d",
     "\u00ff\u0100 \ud7ff \ue000 \U0001f9ec \U00010348 \U0001d11e",
+    "                    indented\n\t\t\t\ttabs\n  \n\n\n\n\nend",
+    "a" * 300 + " " + "9" * 40 + " " + "🙂" * 20 + " " + "ab" * 50,
+    "Don'T WON'T I'LL YOU'RE WE'VE SHE'S HE'D I'M it’s “quotes” ’tis",
+    "<|eot_id|><|im_end|><|endoftext|> <|start_header_id|>x<|end_header_id|> <think>y</think>",
+    "<|im_start|> <|im_start <|im_start|| <tool_call><tool_call> <|reserved_special_token_3|>",
 ]
+
+# Seeded random strings over an alphabet of the characters the pre-tokenizers treat apart.
+ALPHABET = (
+    list(" \t\n\r\u00a0\u3000'\"`.,;:!?-_=+*/\\|<>()[]{}#@$%^&~")
+    + list("0123456789٣४²")
+    + list("aAbBzZéÉßøñ")
+    + list("日本語中文한국어")
+    + list("абвЖЯαβγ")
+    + ["\u0301", "\u200d", "\ufe0f", "😀", "👍", "🏽", "🇫", "🇷", "\U0001f9ec"]
+    + ["'s", "'LL", "'re", "<|", "|>", "<|im_end|>", "<|eot_id|>", "<think>", "hello", " world", "  ", "\r\n"]
+)
+
+
+def random_strings(n=150, seed=30):
+    import random
+
+    rng = random.Random(seed)
+    return ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
 
 
 def sha256(path):
@@ -311,7 +340,8 @@ def hf_directory(kind, enc, src, out_dir, template):
 
 
 def chat_prompts(out_dir):
-    """The chat templates' output for a few conversations, rendered by transformers."""
+    """The chat templates' output for a few conversations, rendered by transformers (Llama's
+    with a fixed date_string, so that the prompts do not change with the day)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out_dir))
@@ -338,7 +368,10 @@ def chat_prompts(out_dir):
         ),
         ([{"role": "user", "content": "Weather in Paris?"}], {"tools": tools}),
     ]
-    return [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **kw) for m, kw in convs]
+    return [
+        tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True, date_string="26 Jul 2024", **kw)
+        for m, kw in convs
+    ]
 
 
 def expected(kind, enc, prompts):
@@ -346,7 +379,8 @@ def expected(kind, enc, prompts):
     non-special added tokens matched (Qwen's <think> etc., which Hugging Face matches always)."""
     always = {t for t, special in QWEN3_ADDED if not special} if kind == "qwen" else set()
     rows = []
-    for text in CORPUS + prompts:
+    texts = CORPUS + random_strings()
+    for chat, text in [(False, t) for t in texts] + [(True, t) for t in prompts]:
         for parse_special in (False, True):
             if kind == "qwen":
                 text_in = unicodedata.normalize("NFC", text)  # as QwenTokenizer.encode does
@@ -356,8 +390,20 @@ def expected(kind, enc, prompts):
             ids = enc.encode(text_in, allowed_special=allowed, disallowed_special=())
             decoded = enc.decode_bytes(ids).decode("utf-8")
             assert decoded == text_in, (text_in, decoded)
-            rows.append({"text": text, "parse_special": parse_special, "ids": ids, "decoded": decoded})
+            rows.append({"text": text, "parse_special": parse_special, "chat": chat, "ids": ids, "decoded": decoded})
     return rows
+
+
+def check_hf(hf_dir, rows):
+    """transformers' ids for the directory equal tiktoken's on every case (special tokens split
+    where they are not parsed)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    for row in rows:
+        ids = tok.encode(row["text"], add_special_tokens=False, split_special_tokens=not row["parse_special"])
+        if ids != row["ids"]:
+            sys.exit(f"{hf_dir}: transformers gives {ids} for {row['text']!r}, tiktoken {row['ids']}")
 
 
 def convert(hf_dir, out_file, llama_cpp):
@@ -381,6 +427,15 @@ def convert(hf_dir, out_file, llama_cpp):
         conv.main()
     finally:
         sys.argv = argv
+    md = {f.name: f.contents() for f in gguf_reader(out_file).fields.values() if f.name.startswith("tokenizer.ggml.")}
+    keys = ("pre", "bos_token_id", "eos_token_id", "padding_token_id", "add_bos_token")
+    return {k: md.get(f"tokenizer.ggml.{k}") for k in keys} | {"tokens": len(md["tokenizer.ggml.tokens"])}
+
+
+def gguf_reader(path):
+    import gguf
+
+    return gguf.GGUFReader(path)
 
 
 def main():
@@ -389,6 +444,9 @@ def main():
     ap.add_argument("--llama-cpp", type=Path, default=LLAMA_CPP)
     ap.add_argument("--hf-only", action="store_true", help="only the Hugging Face directories")
     args = ap.parse_args()
+    # The converter's basicConfig (INFO, which prints every token setting and the whole chat
+    # template) is a no-op once the root logger has a handler.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     src = fetch(out)
@@ -399,13 +457,19 @@ def main():
         template = (templates / TEMPLATES[kind]).read_text()
         hf_directory(kind, enc, src, hf_dir, template)
         rows = expected(kind, enc, chat_prompts(hf_dir))
+        check_hf(hf_dir, rows)
         with open(out / f"{kind}.expected.jsonl", "w") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        print(f"{kind}: {hf_dir} ({len(rows)} reference cases)")
+        print(f"{kind}: {hf_dir} (transformers' ids equal tiktoken's on {len(rows)} cases)")
         if not args.hf_only:
-            convert(hf_dir, out / f"{kind}.gguf", args.llama_cpp)
-            print(f"{kind}: {out / f'{kind}.gguf'}")
+            keys = convert(hf_dir, out / f"{kind}.gguf", args.llama_cpp)
+            print(f"{kind}: {out / f'{kind}.gguf'} {keys}")
+            # The converter names the pre-tokenizer by hashing the ids of its check string:
+            # these are the names llama.cpp lists for Llama 3 and Qwen 2/3.
+            want = {"llama3": "llama-bpe", "qwen": "qwen2"}[kind]
+            if keys["pre"] != want:
+                sys.exit(f"{kind}: the converter detected pre-tokenizer {keys['pre']!r}, expected {want!r}")
 
 
 if __name__ == "__main__":
