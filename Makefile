@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test system-deps test-cluster test-dashboard fuzz bench bench-compare bench-compare-avx2 bench-train-compare fetch-model build demo-rl soak
+.PHONY: serve test system-deps real-tokenizers test-cluster test-dashboard fuzz bench bench-compare bench-compare-avx2 bench-train-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -18,6 +18,12 @@ build:
 system-deps:
 	scripts/system-deps.sh
 
+# The real Llama 3 and Qwen tokenizers (from the vocabularies llama-models and dashscope ship on
+# PyPI) as Hugging Face directories and converter-written GGUFs, with tiktoken's ids, made once
+# into $TEMPER_HOME/real-tokenizers (crates/text/tests/real_tokenizers.rs reads them).
+real-tokenizers:
+	scripts/real-tokenizers.sh
+
 serve: fetch-model build
 	./target/release/temper serve $(ARGS)
 
@@ -28,8 +34,9 @@ serve: fetch-model build
 # openai SDK, the openpipe-art RL library, and the dashboard in headless Chromium (required here:
 # it fails, not skips, without chromium). The last line sums every test binary's result (cargo
 # prints one line per binary; each Python suite prints one in the same shape). On a fresh machine
-# it first installs PostgreSQL and Chromium (`make system-deps`).
-test: system-deps fetch-model build
+# it first installs PostgreSQL and Chromium (`make system-deps`), and makes the real tokenizers'
+# files (`make real-tokenizers`).
+test: system-deps fetch-model real-tokenizers build
 	mkdir -p target
 	TEMPER_REQUIRE_MODEL=1 TEMPER_REQUIRE_POSTGRES=1 TEMPER_REQUIRE_S3=1 \
 		scripts/with-postgres.sh scripts/with-s3.sh \
