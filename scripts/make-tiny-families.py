@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the tiny random model fixtures of crates/model/tests/families.rs.
 
-Per family (Llama, Qwen2, Qwen3, Gemma 3, Mistral): a small random model from transformers' own
+Per family (Llama, Qwen2, Qwen3, Gemma 3, Mistral, SmolLM3): a small random model from transformers' own
 config and model classes, saved with save_pretrained, converted to GGUF by llama.cpp's
 convert_hf_to_gguf.py (F32, and with --outtype f16 and q8_0), and the logits of transformers'
 f32 forward (eager attention) on fixed token ids. Only the converter's vocabulary step is
@@ -23,7 +23,7 @@ logits flat), and the norms and biases, which transformers initialises to ones a
 drawn too, so every part of the forward weighs in the logits.
 
     ~/.cache/temper/train-ref-venv/bin/python scripts/make-tiny-families.py \\
-        [--llama-cpp DIR] [--quantize BIN] [--out crates/model/tests/fixtures]
+        [--llama-cpp DIR] [--quantize BIN] [--out crates/model/tests/fixtures] [--family NAME]...
 """
 
 import argparse
@@ -79,6 +79,7 @@ def families(common, head_dim):
         MistralConfig,
         Qwen2Config,
         Qwen3Config,
+        SmolLM3Config,
     )
 
     # Head sizes apart from hidden / heads where the family allows it.
@@ -155,6 +156,21 @@ def families(common, head_dim):
             tie_word_embeddings=False,
             sliding_window=4096,
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        # Llama with no rope on every fourth layer (transformers' `no_rope_layer_interval` 4,
+        # which llama.cpp hard-codes: the converter writes no key for it), so the small model has
+        # 4 layers, the last without rope (the wide one's single layer has rope). The converter
+        # permutes q/k as Llama's (interleaved rope); a tied head, rope base 5M as SmolLM3-3B's.
+        "smollm3": SmolLM3Config(
+            **{**common, "num_hidden_layers": 1 if wide else 4},
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            no_rope_layer_interval=4,
+            # (Its default pad, bos and eos ids are the real vocabulary's.)
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+            rope_parameters=dict(rope_type="default", rope_theta=5000000.0),
         ),
     }
 
@@ -330,7 +346,7 @@ def build(family, small=True):
 def make(conv, family, out, stem, small):
     model = build(family, small)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    llama_layout = family in ("llama", "mistral")
+    llama_layout = family in ("llama", "mistral", "smollm3")
     logits = logits_of(model, TOKENS)
     # The small models' F32 logits bit for bit (the F32 file is compared at 1e-4 in logprobs).
     ref = {"tokens": TOKENS, "logits": logits.tolist() if small else rounded(logits), "variants": {}}
@@ -375,13 +391,19 @@ def main():
     ap.add_argument("--llama-cpp", type=Path, default=LLAMA_CPP)
     ap.add_argument("--quantize", type=Path, default=QUANTIZE)
     ap.add_argument("--out", type=Path, default=REPO / "crates/model/tests/fixtures")
+    ap.add_argument(
+        "--family",
+        action="append",
+        help="only this family (repeatable; default every one): the others' files stay as they are",
+    )
     args = ap.parse_args()
     LLAMA_CPP, QUANTIZE = args.llama_cpp, args.quantize
     conv = patch_converter()
 
-    for family in families(SMALL, 16):
+    chosen = args.family or list(families(SMALL, 16))
+    for family in chosen:
         make(conv, family, args.out, f"tiny-{family}", small=True)
-    for family in families(WIDE, 64):
+    for family in chosen:
         make(conv, family, args.out, f"tiny-{family}-wide", small=False)
 
 

@@ -14,10 +14,18 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
+    /// SmolLM3: Llama's layers, but every fourth one without RoPE.
+    Smollm3,
 }
 
 impl Arch {
-    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+    pub const ALL: [Arch; 5] = [
+        Arch::Llama,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Gemma3,
+        Arch::Smollm3,
+    ];
 
     /// The GGUF `general.architecture` (and the prefix of its other keys).
     pub fn name(self) -> &'static str {
@@ -26,6 +34,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Smollm3 => "smollm3",
         }
     }
 
@@ -92,6 +101,10 @@ pub struct ModelConfig {
     /// Layer `i` is global when `i % global_every == global_every - 1`; 1 (every layer global)
     /// for the families without local layers.
     pub global_every: usize,
+    /// Layer `i` rotates neither queries nor keys when `(i + 1) % n == 0` for `Some(n)`
+    /// (SmolLM3's 4, which llama.cpp hard-codes as `n_no_rope_layer_step` and the converter
+    /// writes no key for); `None`: every layer has RoPE.
+    pub no_rope_every: Option<usize>,
     pub rms_eps: f32,
     pub context_length: usize,
     pub activation: Activation,
@@ -112,9 +125,18 @@ pub struct ModelConfig {
 /// Gemma 3 27B's layer count, by which llama.cpp tells its attention scale.
 const GEMMA3_27B_LAYERS: usize = 62;
 
+/// SmolLM3's layers without RoPE: every fourth (transformers' `no_rope_layer_interval`, which
+/// llama.cpp hard-codes: GGUF has no key for it).
+const SMOLLM3_NO_ROPE_EVERY: usize = 4;
+
 impl ModelConfig {
     pub fn is_global(&self, layer: usize) -> bool {
         layer % self.global_every == self.global_every - 1
+    }
+
+    /// Whether `layer` applies RoPE to its queries and keys (see `no_rope_every`).
+    pub fn uses_rope(&self, layer: usize) -> bool {
+        self.no_rope_every.is_none_or(|n| (layer + 1) % n != 0)
     }
 
     /// Reads the `{arch}.*` keys; `vocab_size` comes from the embedding tensor, not from here,
@@ -209,11 +231,13 @@ impl ModelConfig {
             rope_freq_factors: None,
             rope_yarn,
             rope_layout: match arch {
-                Arch::Llama => RopeLayout::Interleaved,
+                // The converter permutes SmolLM3's q/k rows as Llama's.
+                Arch::Llama | Arch::Smollm3 => RopeLayout::Interleaved,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeLayout::HalfSplit,
             },
             sliding_window,
             global_every,
+            no_rope_every: (arch == Arch::Smollm3).then_some(SMOLLM3_NO_ROPE_EVERY),
             rms_eps: if gemma {
                 get_f32_or(md, &key("attention.layer_norm_rms_epsilon"), 1e-6)?
             } else {

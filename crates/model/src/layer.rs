@@ -49,10 +49,14 @@ impl Ropes {
         }
     }
 
-    pub(crate) fn get(&self, global: bool) -> &RopeTable {
+    /// `layer`'s table: the local or the global one, or none for a layer without RoPE.
+    pub(crate) fn get(&self, cfg: &ModelConfig, layer: usize) -> Option<&RopeTable> {
+        if !cfg.uses_rope(layer) {
+            return None;
+        }
         match &self.local {
-            Some(local) if !global => local,
-            _ => &self.global,
+            Some(local) if !cfg.is_global(layer) => Some(local),
+            _ => Some(&self.global),
         }
     }
 }
@@ -290,9 +294,10 @@ impl Decoder {
         let v = v?;
         norm_if(&a.q_norm, &mut q, eps);
         norm_if(&a.k_norm, &mut k, eps);
-        let rope = ropes.get(cfg.is_global(step.layer));
-        rope.apply(&mut q, cfg.num_heads);
-        rope.apply(&mut k, cfg.num_kv_heads);
+        if let Some(rope) = ropes.get(cfg, step.layer) {
+            rope.apply(&mut q, cfg.num_heads);
+            rope.apply(&mut k, cfg.num_kv_heads);
+        }
         let attn = kv.store_and_attend(self, step.layer, &q, &k, &v, layout);
 
         let o = step.project(&a.o, &None, LoraTarget::O, &attn)?;

@@ -308,9 +308,10 @@ impl Decoder {
         let global = cfg.is_global(li);
         let window = (!global).then_some(cfg.sliding_window);
         let (mut dq, mut dk, dv) = self.attend_backward(lt, tape, window, &d_attn)?;
-        let rope = ropes.get(global);
-        rope.apply_inverse(&mut dq, cfg.num_heads);
-        rope.apply_inverse(&mut dk, cfg.num_kv_heads);
+        if let Some(rope) = ropes.get(cfg, li) {
+            rope.apply_inverse(&mut dq, cfg.num_heads);
+            rope.apply_inverse(&mut dk, cfg.num_kv_heads);
+        }
         let dq_pre = norm_if_backward(&a.q_norm, &lt.q_pre, eps, &dq);
         let dk_pre = norm_if_backward(&a.k_norm, &lt.k_pre, eps, &dk);
         let mut d_normed = lin.backward(LoraTarget::Q, &lt.normed, &dq_pre)?;

@@ -42,7 +42,7 @@ macro_rules! tiny_families {
     };
 }
 
-tiny_families!(llama, qwen2, qwen3, gemma3, mistral);
+tiny_families!(llama, qwen2, qwen3, gemma3, mistral, smollm3);
 
 fn tiny_model_path(family: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
