@@ -187,9 +187,26 @@ async fn a_qwen2_model_trains_beside_a_gemma_model() {
 /// the thinking in the prompt and the output is content. The output is forced by a regex.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qwen3s_template_splits_thinking_into_reasoning() {
-    let template = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../text/tests/fixtures/templates/qwen3.jinja"
+    check_thinking_split("qwen3", &[]).await;
+}
+
+/// SmolLM3's the same way: thinking on by default (its `/think` mode: the model opens
+/// `<think>` itself after `<|im_start|>assistant\n`), off by `enable_thinking: false` or a
+/// system message's `/no_think` (the generation prompt then ends with an empty
+/// `<think>\n\n</think>\n`, after which the output is content).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smollm3s_template_splits_thinking_into_reasoning() {
+    let no_think = json!({"role": "system", "content": "Be brief. /no_think"});
+    check_thinking_split("smollm3", &[no_think]).await;
+}
+
+/// The reasoning split of a template of `crates/text/tests/fixtures/templates/` served with the
+/// tiny Qwen2 model; `off`: messages put in front of the user's that turn thinking off, each
+/// checked as `enable_thinking: false` is.
+async fn check_thinking_split(template: &str, off: &[Value]) {
+    let template = std::fs::read_to_string(format!(
+        "{}/../text/tests/fixtures/templates/{template}.jinja",
+        env!("CARGO_MANIFEST_DIR")
     ))
     .unwrap();
     let s = TestServer::model(
@@ -201,8 +218,9 @@ async fn qwen3s_template_splits_thinking_into_reasoning() {
         },
     )
     .await;
+    let user = json!({"role": "user", "content": "Hi"});
     let ask = |extra: Value| {
-        let mut body = json!({"messages": [{"role": "user", "content": "Hi"}],
+        let mut body = json!({"messages": [user],
             "chat_template": template, "max_completion_tokens": 40, "temperature": 0});
         for (k, v) in extra.as_object().unwrap() {
             body[k] = v.clone();
@@ -225,9 +243,18 @@ async fn qwen3s_template_splits_thinking_into_reasoning() {
     let message = &v["choices"][0]["message"];
     assert!(message.get("reasoning").is_none_or(Value::is_null), "{v}");
     assert_eq!(message["content"], "\n\ncd");
-    let off = json!({"structured_outputs": {"regex": "cd"},
-        "chat_template_kwargs": {"enable_thinking": false}});
-    let (status, v) = s.chat(&ask(off)).await;
-    assert_eq!(status, 200, "{v}");
-    assert_eq!(v["choices"][0]["message"]["content"], "cd", "{v}");
+    let content_only = json!({"structured_outputs": {"regex": "cd"}});
+    let mut offs = vec![json!({"chat_template_kwargs": {"enable_thinking": false}})];
+    offs.extend(off.iter().map(|m| json!({"messages": [m, user]})));
+    for extra in offs {
+        let mut body = ask(content_only.clone());
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, v) = s.chat(&body).await;
+        assert_eq!(status, 200, "{extra}: {v}");
+        let message = &v["choices"][0]["message"];
+        assert_eq!(message["content"], "cd", "{extra}: {v}");
+        assert!(message.get("reasoning").is_none_or(Value::is_null), "{extra}: {v}");
+    }
 }
