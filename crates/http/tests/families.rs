@@ -255,6 +255,9 @@ async fn check_thinking_split(template: &str, off: &[Value]) {
         assert_eq!(status, 200, "{extra}: {v}");
         let message = &v["choices"][0]["message"];
         assert_eq!(message["content"], "cd", "{extra}: {v}");
-        assert!(message.get("reasoning").is_none_or(Value::is_null), "{extra}: {v}");
+        assert!(
+            message.get("reasoning").is_none_or(Value::is_null),
+            "{extra}: {v}"
+        );
     }
 }

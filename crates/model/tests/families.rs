@@ -17,8 +17,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use common::{
     alone_and_batched, argmax, check_finite_differences, check_finite_differences_with_step,
-    compare_with_serving, diffs, greedy, prefix_hit_rows, run_alone, scored_all,
-    trained_adapter,
+    compare_with_serving, diffs, greedy, prefix_hit_rows, run_alone, scored_all, trained_adapter,
 };
 use temper_model::{
     load_gguf, Activation, Arch, Decoder, ModelError, PackedSequence, RopeLayout, BLOCK_TOKENS,
@@ -418,7 +417,8 @@ fn an_unknown_architecture_is_refused_with_the_supported_ones() {
         "{e}"
     );
     assert!(
-        e.to_string().contains("llama, qwen2, qwen3, gemma3, smollm3"),
+        e.to_string()
+            .contains("llama, qwen2, qwen3, gemma3, smollm3"),
         "{e}"
     );
 }
