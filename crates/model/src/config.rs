@@ -136,7 +136,8 @@ impl ModelConfig {
 
     /// Whether `layer` applies RoPE to its queries and keys (see `no_rope_every`).
     pub fn uses_rope(&self, layer: usize) -> bool {
-        self.no_rope_every.is_none_or(|n| (layer + 1) % n != 0)
+        self.no_rope_every
+            .is_none_or(|n| !(layer + 1).is_multiple_of(n))
     }
 
     /// Reads the `{arch}.*` keys; `vocab_size` comes from the embedding tensor, not from here,
