@@ -923,6 +923,11 @@ mod tests {
             (WeightFormat::Q5K, 1024, 3072, 16, 40),
             (WeightFormat::Q6K, 2048, 640, 1, 400),
             (WeightFormat::Q6K, 2048, 640, 128, 10),
+            // Qwen3-0.6B's tied LM head (Q6_K in Q4_K_M files) and its Q4_K layers' widths.
+            (WeightFormat::Q6K, 1024, 151_936, 1, 4),
+            (WeightFormat::Q4K, 1024, 151_936, 1, 4),
+            (WeightFormat::Q6K, 3072, 1024, 1, 400),
+            (WeightFormat::Q4K, 3072, 1024, 1, 400),
         ] {
             let label = format!("{format:?} {isa:?} {rows} x {in_dim} -> {out_dim}");
             if !label.contains(&std::env::var("KERNEL_BENCH").unwrap_or_default()) {

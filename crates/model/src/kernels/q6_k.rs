@@ -201,6 +201,24 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::row_pairs;
+
+    /// Rows between the one computed and the one prefetched (into L2). The rows as stored are
+    /// read one or two at a time with much work per byte, and from memory the hardware
+    /// prefetcher did not keep up: Qwen3-0.6B's LM head (151,936 rows of 1,024) took 6.7 ms a
+    /// token without it and 3.0 ms with it (`kernel_throughput`, AVX-512, alternated; two rows
+    /// ahead 3.4 ms, eight 3.8 ms).
+    const PREFETCH_ROWS_AHEAD: usize = 4;
+
+    /// Asks for the block of the row `PREFETCH_ROWS_AHEAD` rows after the one at `p` (a block
+    /// of the row being computed) to be brought into L2.
+    #[inline(always)]
+    fn prefetch_ahead(p: *const u8, row_bytes: usize) {
+        let ahead = p.wrapping_add(PREFETCH_ROWS_AHEAD * row_bytes);
+        for line in 0..BLOCK_BYTES.div_ceil(64) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * line) as *const i8) };
+        }
+    }
     use super::super::x86::pair;
     use super::{
         scale, Q8KBlock, TileOut, BLOCK_BYTES, QH, RUNS, SCALES, WIDE_D, WIDE_GROUP,
@@ -258,6 +276,8 @@ mod x86 {
                     w0[b * BLOCK_BYTES..].as_ptr(),
                     w1[b * BLOCK_BYTES..].as_ptr(),
                 ];
+                prefetch_ahead(p[0], nb * BLOCK_BYTES);
+                prefetch_ahead(p[1], nb * BLOCK_BYTES);
                 let dx = (scale(&w0[b * BLOCK_BYTES..]), scale(&w1[b * BLOCK_BYTES..]));
                 let mut sumi = [_mm512_setzero_si512(); NA];
                 for j in 0..2 {
@@ -367,6 +387,7 @@ mod x86 {
                 let wb = &wrow[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
                 let dx = scale(wb);
                 let p = wb.as_ptr();
+                prefetch_ahead(p, nb * BLOCK_BYTES);
                 let mut sumi = [_mm256_setzero_si256(); NA];
                 for j in 0..halves {
                     let j = j & 1;
