@@ -37,8 +37,8 @@
 #   --np LIST    the anchors' llama-server -np sweep (default "4 8 16 32", with --quick "4 16";
 #                env BENCH_NP); a shorter one only to validate the script
 # Environment (optional): TEMPER_HOME (caches; default ~/.cache/temper), BENCH_MODEL (GGUF path,
-# or the name of one of `make bench-models`' files; default: scripts/fetch-model.sh), BENCH_MAX_TOKENS, BENCH_REPS, BENCH_ECHO_TOKENS,
-# BENCH_AGENT_WORDS, BENCH_THREADS (default 2), BENCH_NP, TEMPER_SPEC_ARGS (temper serve
+# or the name of one of `make bench-models`' files; default: scripts/fetch-model.sh),
+# BENCH_MAX_TOKENS, BENCH_REPS, BENCH_ECHO_TOKENS, BENCH_AGENT_WORDS, BENCH_THREADS (default 2), BENCH_NP, TEMPER_SPEC_ARGS (temper serve
 # arguments that turn prompt-lookup speculative decoding on; default: detected from
 # `temper serve --help`), BENCH_KEEP_RESULTS (a directory to keep the JSON results and the
 # servers' logs in).
@@ -292,7 +292,8 @@ mkdir -p "$RUN_DIR"
 declare -A SERVER_ARGS BENCH_ARGS LOG_ARGS
 # The chat template: the file's own through jinja where it has one, else (the Gemma 3 files, whose
 # metadata carries none) the built-in gemma one, as temper falls back to.
-if head -c 64M "$MODEL" | grep -aq tokenizer.chat_template; then
+# (grep -c reads to the end: grep -q would stop head early, which pipefail takes as a failure.)
+if head -c 64M "$MODEL" | grep -ac tokenizer.chat_template >/dev/null; then
     TEMPLATE_ARGS="--jinja"
 else
     TEMPLATE_ARGS="--no-jinja --chat-template gemma"
