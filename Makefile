@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test system-deps real-tokenizers test-cluster test-dashboard fuzz bench bench-compare bench-compare-avx2 bench-train-compare fetch-model build demo-rl soak
+.PHONY: serve test system-deps real-tokenizers bench-models test-cluster test-dashboard fuzz bench bench-compare bench-compare-avx2 bench-train-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -72,6 +72,13 @@ fuzz:
 # temper's own throughput figures on this host (docs/benchmarks.md).
 bench: fetch-model build
 	./target/release/temper bench $(ARGS)
+
+# The random-weight models at real sizes that `make bench-compare MODEL=NAME` measures, written
+# once into $TEMPER_HOME/bench-models (scripts/bench-models.sh): qwen3-0.6b, qwen3-1.7b,
+# llama-3.2-1b and gemma-3-1b, each in its model's exact shapes, quantized to Q4_K_M by llama.cpp's
+# llama-quantize. ARGS=NAME,... makes only those.
+bench-models: fetch-model real-tokenizers
+	scripts/bench-models.sh $(ARGS)
 
 # temper next to two anchors, llama.cpp and ik_llama.cpp (pinned, built once into $TEMPER_HOME),
 # in one run on this host: one server at a time, same model and load client, each anchor at its

@@ -10,8 +10,11 @@ wrote). The tokenizer metadata (vocabulary, merges, special ids, chat template) 
 donor GGUF with the real vocabulary: Gemma 3's from the default model, Llama 3's and Qwen's from
 the files `scripts/real_tokenizers.py` builds from their tiktoken vocabularies.
 
-    ~/.cache/temper/train-ref-venv/bin/python scripts/make-bench-models.py \\
-        --out ~/.cache/temper/bench-models [--only qwen3-0.6b,...] \\
+`make bench-models` (scripts/bench-models.sh) runs it with the pinned venv of
+scripts/requirements-real-tokenizers.txt (numpy and gguf are all it needs):
+
+    python scripts/make-bench-models.py --out ~/.cache/temper/bench-models \\
+        [--only qwen3-0.6b,...] [--quantize PATH/llama-quantize] \\
         --tokenizer gemma=PATH --tokenizer llama3=PATH --tokenizer qwen=PATH
 """
 
