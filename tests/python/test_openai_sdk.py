@@ -15,7 +15,11 @@ import openai
 from openai import OpenAI
 
 KEY = "sdk-suite-key"
-MODEL = "gemma-3-270m"
+# The served model: the default one, or TEMPER_SUITE_MODEL=NAME=PATH (one of the tiny models of
+# every family that scripts/tiny-served.sh writes, with TEMPER_SUITE_FAMILY naming its family).
+SUITE_MODEL = os.environ.get("TEMPER_SUITE_MODEL")
+MODEL = SUITE_MODEL.split("=", 1)[0] if SUITE_MODEL else "gemma-3-270m"
+FAMILY = os.environ.get("TEMPER_SUITE_FAMILY", "default")
 BINARY = os.environ.get("TEMPER_BIN", os.path.join(os.path.dirname(__file__), "../../target/release/temper"))
 
 
@@ -27,7 +31,8 @@ class Server:
         env = dict(os.environ, RUST_LOG="info")
         env.pop("TEMPER_CONFIG", None)
         self.proc = subprocess.Popen(
-            [BINARY, "serve", "--port", "0", "--api-key", KEY, "--data-dir", self.data_dir.name, *extra_args],
+            [BINARY, "serve", "--port", "0", "--api-key", KEY, "--data-dir", self.data_dir.name,
+             *(["--model", SUITE_MODEL] if SUITE_MODEL else []), *extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
         self._log_lock = threading.Lock()
