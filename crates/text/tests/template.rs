@@ -399,7 +399,10 @@ fn qwen3_renders_the_reasoning_sent_back_under_either_name() {
             {"role": "tool", "tool_call_id": "c1", "content": "Sunny."}
         ]))
         .unwrap();
-        assert_eq!(messages[1].reasoning.as_deref(), Some("I should call the tool."));
+        assert_eq!(
+            messages[1].reasoning.as_deref(),
+            Some("I should call the tool.")
+        );
         let text = template.render(&input(&messages, &kw)).unwrap();
         assert!(
             text.contains("<|im_start|>assistant\n<think>\nI should call the tool.\n</think>\n\n"),
