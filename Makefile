@@ -4,7 +4,7 @@ ARGS ?=
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: serve test system-deps real-tokenizers bench-models test-cluster test-dashboard fuzz bench bench-compare bench-compare-avx2 bench-train-compare fetch-model build demo-rl soak
+.PHONY: serve test system-deps real-tokenizers tiny-served bench-models test-cluster test-dashboard fuzz bench bench-compare bench-compare-avx2 bench-train-compare fetch-model build demo-rl soak
 
 # Fetches (or reuses) the default model and prints its cached path.
 fetch-model:
@@ -24,6 +24,11 @@ system-deps:
 real-tokenizers:
 	scripts/real-tokenizers.sh
 
+# Tiny random models of every family (Llama 3, Qwen3, Qwen 2.5, Gemma 3; width 64) with the real
+# tokenizers and chat templates, made once into $TEMPER_HOME/tiny-served for the client suites.
+tiny-served: real-tokenizers fetch-model
+	scripts/tiny-served.sh
+
 serve: fetch-model build
 	./target/release/temper serve $(ARGS)
 
@@ -32,11 +37,14 @@ serve: fetch-model build
 # scripts/with-s3.sh's moto). Then the OpenAPI document's check against the OpenAPI 3.1 schema,
 # the cluster test (as `make test-cluster`), and the client suites against the built server: the
 # openai SDK, the openpipe-art RL library, and the dashboard in headless Chromium (required here:
-# it fails, not skips, without chromium). The last line sums every test binary's result (cargo
-# prints one line per binary; each Python suite prints one in the same shape). On a fresh machine
-# it first installs PostgreSQL and Chromium (`make system-deps`), and makes the real tokenizers'
-# files (`make real-tokenizers`).
-test: system-deps fetch-model real-tokenizers build
+# it fails, not skips, without chromium). The SDK suite and the art suite run on the default model,
+# then on the tiny model of each family (FAMILIES) with its real tokenizer and template. The last
+# line sums every test binary's result (cargo prints one line per binary; each Python suite prints
+# one in the same shape). On a fresh machine it first installs PostgreSQL and Chromium (`make
+# system-deps`), and makes the real tokenizers' files and the tiny family models (`make
+# real-tokenizers tiny-served`).
+FAMILIES := llama3 qwen3 qwen2.5 gemma3
+test: system-deps fetch-model real-tokenizers tiny-served build
 	mkdir -p target
 	TEMPER_REQUIRE_MODEL=1 TEMPER_REQUIRE_POSTGRES=1 TEMPER_REQUIRE_S3=1 \
 		scripts/with-postgres.sh scripts/with-s3.sh \
@@ -47,6 +55,11 @@ test: system-deps fetch-model real-tokenizers build
 		| tee -a target/test.log || status=1; \
 	scripts/python-sdk-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	scripts/art-tests.sh 2>&1 | tee -a target/test.log || status=1; \
+	export TEMPER_TINY_SERVED=$$(scripts/tiny-served.sh); \
+	for family in $(FAMILIES); do \
+		scripts/python-sdk-tests.sh --family $$family 2>&1 | tee -a target/test.log || status=1; \
+		scripts/art-tests.sh --family $$family 2>&1 | tee -a target/test.log || status=1; \
+	done; \
 	TEMPER_REQUIRE_CHROMIUM=1 scripts/dashboard-test.sh 2>&1 | tee -a target/test.log || status=1; \
 	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
 	exit $$status

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes crates/http/tests/fixtures/tiny-qwen2-bpe.gguf: a Qwen2-shaped random model served end
-to end by crates/http/tests/families.rs.
+to end by crates/http/tests/families.rs; with --families DIR, the tiny served models of every
+family with the real tokenizers instead (below).
 
 The weights are the tiny Qwen2 of crates/model/tests/fixtures (converted by llama.cpp from a
 transformers model), its embedding widened to the byte-level BPE vocabulary of
@@ -10,8 +11,26 @@ conversation with tools renders to through transformers and its token ids throug
 Face tokenizer, which temper's /tokenize must reproduce.
 
     ~/.cache/temper/train-ref-venv/bin/python scripts/make-tiny-served.py
+
+--families DIR (scripts/tiny-served.sh runs it into $TEMPER_HOME/tiny-served, for the client
+suites of `make test` on every family): the same widening of the tiny models of
+crates/model/tests/fixtures (width 64) to a real vocabulary, with its real chat template, one
+file per family:
+
+    llama3.gguf   tiny-llama (llama), the Llama 3 vocabulary (128256) and Llama 3.2's template
+                  (scripts/real-tokenizers.sh's llama3.gguf)
+    qwen3.gguf    tiny-qwen3 (qwen3), the Qwen vocabulary (151936) and Qwen3's template, thinking
+                  included (its qwen.gguf)
+    qwen2.5.gguf  tiny-qwen2 (qwen2), the same vocabulary (Qwen3's added tokens, a superset of
+                  Qwen 2.5's) and Qwen 2.5's template
+    gemma3.gguf   tiny-gemma3 (gemma3), the default model's tokenizer (262144 pieces) and, like
+                  that file, no template (temper serves the shipped Gemma 3 one)
+
+The added embedding rows (and output rows of an untied head) are F16, which halves the files
+(16-34 MB each).
 """
 
+import argparse
 import json
 from pathlib import Path
 
@@ -57,45 +76,90 @@ def field(reader, key):
     return reader.fields[key].contents()
 
 
-def main():
-    model = gguf.GGUFReader(MODEL)
-    vocab = gguf.GGUFReader(VOCAB)
+def write_served(model_path, vocab_path, template, out_path, context_length, seed=7, dtype=np.float32):
+    """The tiny model of `model_path` with the tokenizer of `vocab_path` and `template` (None: no
+    template): its embedding (and an untied output head) widened to the vocabulary with random
+    rows of the same spread. Returns the vocabulary size."""
+    model = gguf.GGUFReader(model_path)
+    vocab = gguf.GGUFReader(vocab_path)
     tokens = field(vocab, "tokenizer.ggml.tokens")
     n_vocab = len(tokens)
-    template = TEMPLATE.read_text()
+    arch = field(model, "general.architecture")
 
-    writer = gguf.GGUFWriter(OUT / "tiny-qwen2-bpe.gguf", "qwen2")
+    writer = gguf.GGUFWriter(out_path, arch)
     for key, f in model.fields.items():
         if key.startswith(("GGUF.", "tokenizer.", "general.architecture")):
             continue
         value = f.contents()
         vtype = f.types[0]
-        if key == "qwen2.context_length":
-            value = 2048  # room for a prompt with tools (rope has no learned positions)
+        if key == f"{arch}.context_length":
+            value = context_length  # room for a prompt with tools (rope has no learned positions)
+        if key == f"{arch}.vocab_size":
+            value = n_vocab
         if vtype == gguf.GGUFValueType.ARRAY:
             writer.add_array(key, value)
         else:
             writer.add_key_value(key, value, vtype)
     for key, f in vocab.fields.items():
-        if key.startswith("tokenizer."):
+        if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
             vtype = f.types[0]
             if vtype == gguf.GGUFValueType.ARRAY:
                 writer.add_array(key, f.contents())
             else:
                 writer.add_key_value(key, f.contents(), vtype)
-    writer.add_chat_template(template)
+    if template is not None:
+        writer.add_chat_template(template)
 
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     for t in model.tensors:
         data = np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if t.name == "token_embd.weight":
+        if t.name in ("token_embd.weight", "output.weight"):
             extra = rng.normal(0.0, float(data.std()), (n_vocab - data.shape[0], data.shape[1]))
-            data = np.concatenate([data, extra.astype(np.float32)])
+            data = np.concatenate([data, extra.astype(np.float32)]).astype(dtype)
         writer.add_tensor(t.name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return n_vocab
+
+
+def families(out, real_tokenizers, default_model):
+    """The --families files (see the module's doc)."""
+    out.mkdir(parents=True, exist_ok=True)
+    fixtures = REPO / "crates/model/tests/fixtures"
+    templates = REPO / "crates/text/tests/fixtures/templates"
+    qwen = real_tokenizers / "qwen.gguf"
+    made = [
+        ("llama3", "tiny-llama", real_tokenizers / "llama3.gguf", None),
+        ("qwen3", "tiny-qwen3", qwen, None),
+        ("qwen2.5", "tiny-qwen2", qwen, (templates / "qwen2.5.jinja").read_text()),
+        ("gemma3", "tiny-gemma3", default_model, None),
+    ]
+    for i, (name, tiny, vocab, template) in enumerate(made):
+        if template is None and name != "gemma3":
+            template = field(gguf.GGUFReader(vocab), "tokenizer.chat_template")
+        path = out / f"{name}.gguf"
+        tmp = path.with_suffix(".tmp")
+        n = write_served(fixtures / f"{tiny}.gguf", vocab, template, tmp, 4096, seed=7 + i,
+                         dtype=np.float16)
+        tmp.rename(path)
+        print(f"{path}: {tiny} with a vocabulary of {n}, {path.stat().st_size >> 20} MB")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--families", type=Path, help="write the real-tokenizer family models here")
+    ap.add_argument("--real-tokenizers", type=Path, default=Path.home() / ".cache/temper/real-tokenizers")
+    ap.add_argument("--default-model", type=Path,
+                    default=Path.home() / ".cache/temper/models/gemma-3-270m-q4_k_m.gguf")
+    args = ap.parse_args()
+    if args.families:
+        families(args.families, args.real_tokenizers, args.default_model)
+        return
+
+    template = TEMPLATE.read_text()
+    n_vocab = write_served(MODEL, VOCAB, template, OUT / "tiny-qwen2-bpe.gguf", 2048)
 
     prompt = render_jinja_template(
         conversations=[CONVERSATION["messages"]],

@@ -1,6 +1,12 @@
 """Client suite with the official `openai` package against the real `temper serve` binary on the
 default model (started once, on an ephemeral port, with an API key). Run by scripts/python-sdk-tests.sh
-(which `make test` calls); it prints a cargo-style `test result:` line the Makefile sums."""
+(which `make test` calls); it prints a cargo-style `test result:` line the Makefile sums.
+
+With TEMPER_SUITE_MODEL=NAME=PATH and TEMPER_SUITE_FAMILY=FAMILY it runs against that model
+instead: scripts/python-sdk-tests.sh --family FAMILY runs it on the tiny random model of that
+family with the real tokenizer and chat template (scripts/tiny-served.sh). No assertion depends on
+what the model knows; the family decides the tool-call format the template asks for (checked in
+the raw output and in the rendered prompt) and whether Qwen3's `<think>` reasoning is tested."""
 
 import json
 import os
@@ -10,12 +16,30 @@ import tempfile
 import threading
 import time
 import unittest
+import urllib.request
 
 import openai
 from openai import OpenAI
 
 KEY = "sdk-suite-key"
-MODEL = "gemma-3-270m"
+# The served model: the default one, or TEMPER_SUITE_MODEL=NAME=PATH (one of the tiny models of
+# every family that scripts/tiny-served.sh writes, with TEMPER_SUITE_FAMILY naming its family).
+SUITE_MODEL = os.environ.get("TEMPER_SUITE_MODEL")
+MODEL = SUITE_MODEL.split("=", 1)[0] if SUITE_MODEL else "gemma-3-270m"
+FAMILY = os.environ.get("TEMPER_SUITE_FAMILY", "default")
+# How each family's template writes a call of get_weather(city="Paris", days=1) (the shipped Gemma 3
+# template and Qwen's: Hermes tags; Llama 3.2's: the bare JSON answer with "parameters").
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n</tool_call>'
+CALLS_RENDERED = {
+    "default": HERMES_CALL, "gemma3": HERMES_CALL, "qwen2.5": HERMES_CALL, "qwen3": HERMES_CALL,
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 1}}',
+}
+# The start of a generated call of get_weather in the family's format.
+CALL_OPENERS = {
+    "default": '<tool_call>\n{"name": "get_weather", "arguments": ',
+    "llama3": '{"name": "get_weather", "parameters": ',
+}
+THINKS = FAMILY == "qwen3"
 BINARY = os.environ.get("TEMPER_BIN", os.path.join(os.path.dirname(__file__), "../../target/release/temper"))
 
 
@@ -27,7 +51,8 @@ class Server:
         env = dict(os.environ, RUST_LOG="info")
         env.pop("TEMPER_CONFIG", None)
         self.proc = subprocess.Popen(
-            [BINARY, "serve", "--port", "0", "--api-key", KEY, "--data-dir", self.data_dir.name, *extra_args],
+            [BINARY, "serve", "--port", "0", "--api-key", KEY, "--data-dir", self.data_dir.name,
+             *(["--model", SUITE_MODEL] if SUITE_MODEL else []), *extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
         self._log_lock = threading.Lock()
@@ -85,6 +110,36 @@ def client(server=None, **kwargs):
 
 def ask(text):
     return [{"role": "user", "content": text}]
+
+
+def post(server, path, body):
+    """POST to one of the server's own (not /v1) routes: /tokenize, /detokenize."""
+    root = server.base_url.removesuffix("/v1")
+    req = urllib.request.Request(root + path, data=json.dumps(body).encode(), method="POST", headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def prompt_ids(server, messages, **kwargs):
+    """The token ids `messages` render and tokenize to (/tokenize)."""
+    return post(server, "/tokenize", {"model": MODEL, "messages": messages, **kwargs})["tokens"]
+
+
+def text_ids(server, text):
+    """The token ids of `text` alone, special and added tokens recognised (/tokenize)."""
+    return post(server, "/tokenize", {"model": MODEL, "prompt": text, "add_special_tokens": False})["tokens"]
+
+
+def renders_to(server, messages, expected, at_end=False, **kwargs):
+    """Whether the prompt of `messages` holds `expected` (at its end with `at_end`), compared
+    in token ids: /detokenize joins special tokens with spaces (as vLLM's slow-tokenizer
+    decoding), so the text would not compare. Each `expected` here starts and ends at an added
+    token or a line break, where the pre-tokenizer splits anyway."""
+    ids, want = prompt_ids(server, messages, **kwargs), text_ids(server, expected)
+    if at_end:
+        return ids[-len(want):] == want
+    return any(ids[i:i + len(want)] == want for i in range(len(ids) - len(want) + 1))
 
 
 class Chat(unittest.TestCase):
@@ -363,6 +418,26 @@ class ToolCalls(unittest.TestCase):
                                                         temperature=0, tools=WEATHER, tool_choice="auto")
         self.assertIn(r.choices[0].finish_reason, ("stop", "length", "tool_calls"))
 
+    def test_calls_are_written_in_the_family_format(self):
+        # The raw output of a required call (its token ids, detokenized) is the template's format.
+        r = client(self.server).chat.completions.create(
+            model=MODEL, messages=ask("What is the weather in Paris?"), max_tokens=100, temperature=0,
+            tools=WEATHER, tool_choice="required", parallel_tool_calls=False,
+            extra_body={"return_token_ids": True})
+        self._check(r.choices[0].message.tool_calls[0])
+        ids = r.choices[0].model_dump()["token_ids"]
+        raw = post(self.server, "/detokenize", {"model": MODEL, "tokens": ids})["prompt"]
+        opener = CALL_OPENERS.get(FAMILY, CALL_OPENERS["default"])
+        self.assertTrue(raw.startswith(opener), raw)
+
+    def test_a_call_in_the_history_renders_in_the_family_format(self):
+        messages = ask("Weather in Paris?") + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C."}]
+        self.assertTrue(renders_to(self.server, messages, CALLS_RENDERED[FAMILY], tools=WEATHER))
+
     def test_unknown_function_is_bad_request(self):
         with self.assertRaises(openai.BadRequestError) as e:
             client(self.server).chat.completions.create(
@@ -378,11 +453,72 @@ class ToolCalls(unittest.TestCase):
         self.assertIn("--enable-tool-calls", e.exception.body.get("message"))
 
 
+@unittest.skipUnless(THINKS, "only Qwen3's template writes <think> reasoning")
+class Reasoning(unittest.TestCase):
+    """Qwen3's template marks thinking: output opening with <think> is split into `reasoning`."""
+
+    # A random model thinks only when made to: the regex makes the output a think block, then text.
+    FORCED = {"structured_outputs": {"regex": "<think>\n[a-z]{3,8}\n</think>\n\n[a-z]{3,8}"}}
+
+    def test_reasoning_is_split_from_the_content(self):
+        r = client().chat.completions.create(model=MODEL, messages=ask("Think, then answer."),
+                                             max_tokens=40, temperature=1.0, seed=5,
+                                             extra_body=self.FORCED)
+        message = r.choices[0].message
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        reasoning = message.model_extra.get("reasoning")
+        self.assertRegex(reasoning or "", r"^\n?[a-z]{3,8}\n?$")
+        # What follows </think> is content as generated (vLLM's Qwen3 parser strips nothing).
+        self.assertRegex(message.content, r"^\n\n[a-z]{3,8}$")
+
+    def test_streamed_reasoning_equals_the_whole(self):
+        kwargs = dict(model=MODEL, messages=ask("Think, then answer."), max_tokens=40,
+                      temperature=1.0, seed=6, extra_body=self.FORCED)
+        whole = client().chat.completions.create(**kwargs).choices[0].message
+        reasoning, content = "", ""
+        for chunk in client().chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
+                content += choice.delta.content or ""
+        self.assertEqual((reasoning, content), (whole.model_extra["reasoning"], whole.content))
+
+    def test_include_reasoning_false_drops_it(self):
+        r = client().chat.completions.create(model=MODEL, messages=ask("Think, then answer."),
+                                             max_tokens=40, temperature=1.0, seed=5,
+                                             extra_body={**self.FORCED, "include_reasoning": False})
+        self.assertIsNone(r.choices[0].message.model_extra.get("reasoning"))
+        self.assertRegex(r.choices[0].message.content, r"^\n\n[a-z]{3,8}$")
+
+    def test_enable_thinking_false_closes_the_think_block_in_the_prompt(self):
+        closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        self.assertTrue(renders_to(SERVER, ask("hi"), "<|im_start|>assistant\n", at_end=True))
+        self.assertFalse(renders_to(SERVER, ask("hi"), closed, at_end=True))
+        self.assertTrue(renders_to(SERVER, ask("hi"), closed, at_end=True,
+                                   chat_template_kwargs={"enable_thinking": False}))
+        # Output after a closed think block is all content.
+        r = client().chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=4,
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        self.assertIsNone(r.choices[0].message.model_extra.get("reasoning"))
+
+    def test_reasoning_sent_back_renders_in_the_prompt(self):
+        # An agent sends the assistant turn back as it got it (`reasoning`; older clients call it
+        # `reasoning_content`): Qwen3's template renders it in the turn after the last user message.
+        for field in ("reasoning", "reasoning_content"):
+            messages = ask("Weather in Paris?") + [
+                {"role": "assistant", "content": None, field: "I should call the tool.", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}]
+            self.assertTrue(renders_to(
+                SERVER, messages, "<|im_start|>assistant\n<think>\nI should call the tool.\n</think>\n\n",
+                tools=WEATHER), field)
+
+
 if __name__ == "__main__":
     result = unittest.main(exit=False, verbosity=2).result
     failed = len(result.failures) + len(result.errors)
     passed = result.testsRun - failed - len(result.skipped)
     status = "ok" if failed == 0 else "FAILED"
     # Same shape as cargo's line, so the Makefile's summary sums it.
-    print(f"test result: {status}. {passed} passed; {failed} failed; {len(result.skipped)} ignored (python openai SDK)")
+    print(f"test result: {status}. {passed} passed; {failed} failed; {len(result.skipped)} ignored (python openai SDK{'' if FAMILY == 'default' else ', ' + FAMILY})")
     sys.exit(0 if failed == 0 else 1)

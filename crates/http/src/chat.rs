@@ -461,7 +461,10 @@ impl SseState {
         if let Some(p) = self.tool_parsers.get_mut(choice) {
             let mut d = p.push(&content);
             if end {
-                d.content.push_str(&p.finish().content);
+                // Llama 3.x's calls are only known here, at the end of the output.
+                let tail = p.finish();
+                d.content.push_str(&tail.content);
+                d.calls.extend(tail.calls);
             }
             content = d.content;
             let first = self.calls[choice];
@@ -961,6 +964,39 @@ mod tests {
             ]
         );
         assert_eq!(out[4]["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn llama3_calls_stream_in_the_finish_chunk() {
+        // Llama 3.x's answer is only known to be calls at its end: they arrive with the finish.
+        let c = Completion {
+            tool_parser: Some(ToolCallParser::new(
+                ToolCallFormat::Llama3Json,
+                vec!["f".into()],
+                1,
+            )),
+            ..completion(1, false, false)
+        };
+        let out = run(
+            c,
+            StreamOptions::default(),
+            vec![
+                Some(token(0, 10, "{\"name\": \"f\", ")),
+                Some(token(0, 11, "\"parameters\": {\"a\": 1}}")),
+                Some(finished(0, FinishReason::Stop, None, 2)),
+            ],
+        );
+        let last = &out[out.len() - 2]["choices"][0];
+        assert_eq!(last["finish_reason"], "tool_calls");
+        let calls = last["delta"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["index"], 0);
+        assert_eq!(
+            calls[0]["function"],
+            json!({"name": "f", "arguments": "{\"a\": 1}"})
+        );
+        // Nothing before the finish chunk but the role chunk.
+        assert_eq!(out.len(), 3);
     }
 
     #[test]

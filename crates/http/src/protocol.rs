@@ -96,6 +96,8 @@ pub struct RequestMessage {
     pub name: Option<String>,
     pub tool_calls: Option<Vec<ToolCallField>>,
     pub tool_call_id: Option<String>,
+    /// `reasoning_content`, its older name (vLLM's, DeepSeek's), is accepted too.
+    #[serde(alias = "reasoning_content")]
     pub reasoning: Option<String>,
 }
 

@@ -20,7 +20,12 @@ pub struct ChatMessage {
     pub tool_calls: Option<Vec<ToolCall>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// An assistant turn's reasoning (`reasoning_content`, its older name, is accepted too).
+    #[serde(
+        default,
+        alias = "reasoning_content",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub reasoning: Option<String>,
 }
 
@@ -455,6 +460,9 @@ struct MessageView<'a> {
     tool_call_id: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning: Option<&'a str>,
+    /// The same under the name templates read it by (Qwen 3's), as vLLM gives both.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -494,6 +502,7 @@ impl<'a> MessageView<'a> {
             }),
             tool_call_id: m.tool_call_id.as_deref(),
             reasoning: m.reasoning.as_deref(),
+            reasoning_content: m.reasoning.as_deref(),
         }
     }
 }

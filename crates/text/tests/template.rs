@@ -378,3 +378,35 @@ fn gemma3_calls_parse_back_to_the_same_calls() {
         assert_eq!(parsed, want, "{turn}");
     }
 }
+
+#[test]
+fn qwen3_renders_the_reasoning_sent_back_under_either_name() {
+    // Qwen 3's template reads `reasoning_content`; the API returns the reasoning as `reasoning`,
+    // which an agent sends back: the template sees both names (as vLLM gives them).
+    let source = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/templates/qwen3.jinja"
+    ))
+    .unwrap();
+    let template = ChatTemplate::new(&source, None, Some("<|im_end|>".into())).unwrap();
+    let kw = no_kwargs();
+    for field in ["reasoning", "reasoning_content"] {
+        let messages: Vec<ChatMessage> = serde_json::from_value(serde_json::json!([
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, field: "I should call the tool.",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "Sunny."}
+        ]))
+        .unwrap();
+        assert_eq!(
+            messages[1].reasoning.as_deref(),
+            Some("I should call the tool.")
+        );
+        let text = template.render(&input(&messages, &kw)).unwrap();
+        assert!(
+            text.contains("<|im_start|>assistant\n<think>\nI should call the tool.\n</think>\n\n"),
+            "{field}: {text}"
+        );
+    }
+}
