@@ -1,11 +1,14 @@
 //! The forward pass on the tiny random model, through the real GGUF writer and loader.
 
+mod common;
+
 use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use temper_model::{load_gguf, tiny, Decoder, Logits, ModelError, SeqInput};
+use common::run_alone_into;
+use temper_model::{load_gguf, tiny, Decoder, ModelError, SeqInput};
 
 fn tiny_path(name: &str, seed: u64) -> PathBuf {
     let path = std::env::temp_dir().join(format!(
@@ -41,18 +44,6 @@ fn tokens(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-fn run(model: &Decoder, toks: &[u32], cache: &mut temper_model::SeqCache, all: bool) -> Logits {
-    model
-        .forward(&mut [SeqInput {
-            tokens: toks,
-            cache,
-            all_logits: all,
-            adapter: None,
-        }])
-        .expect("forward")
-        .remove(0)
-}
-
 #[test]
 fn config_comes_from_metadata() {
     let model = tiny_model("config");
@@ -76,15 +67,15 @@ fn batched_ragged_forward_equals_each_sequence_alone() {
     let nb = tokens(12, 3);
     let (pc, nc) = (tokens(10, 4), tokens(1, 5));
     let mut ca = model.new_cache();
-    run(&model, &pa, &mut ca, false);
+    run_alone_into(&model, &pa, &mut ca, false);
     let mut cb = model.new_cache();
     let mut cc = model.new_cache();
-    run(&model, &pc, &mut cc, false);
+    run_alone_into(&model, &pc, &mut cc, false);
 
     let alone = [
-        run(&model, &na, &mut ca.clone(), true),
-        run(&model, &nb, &mut cb.clone(), false),
-        run(&model, &nc, &mut cc.clone(), true),
+        run_alone_into(&model, &na, &mut ca.clone(), true),
+        run_alone_into(&model, &nb, &mut cb.clone(), false),
+        run_alone_into(&model, &nc, &mut cc.clone(), true),
     ];
     let batched = model
         .forward(&mut [
@@ -120,19 +111,19 @@ fn batched_ragged_forward_equals_each_sequence_alone() {
 fn prefill_equals_token_by_token_decoding_past_the_window() {
     let model = tiny_model("incremental");
     let toks = tokens(30, 9);
-    let full = run(&model, &toks, &mut model.new_cache(), true);
+    let full = run_alone_into(&model, &toks, &mut model.new_cache(), true);
     assert_eq!((full.rows, full.data.len()), (30, 30 * full.vocab));
     let mut cache = model.new_cache();
     for (i, t) in toks.iter().enumerate() {
-        let step = run(&model, std::slice::from_ref(t), &mut cache, false);
+        let step = run_alone_into(&model, std::slice::from_ref(t), &mut cache, false);
         let d = max_abs_diff(full.row(i), step.row(0));
         assert!(d < 1e-3, "position {i}: incremental differs by {d}");
     }
     assert_eq!(cache.len(), 30);
     // Chunked prefill on top of a cache, too.
     let mut cache = model.new_cache();
-    run(&model, &toks[..13], &mut cache, false);
-    let rest = run(&model, &toks[13..], &mut cache, true);
+    run_alone_into(&model, &toks[..13], &mut cache, false);
+    let rest = run_alone_into(&model, &toks[13..], &mut cache, true);
     for i in 13..30 {
         let d = max_abs_diff(full.row(i), rest.row(i - 13));
         assert!(d < 1e-3, "position {i}: chunked prefill differs by {d}");
@@ -143,8 +134,8 @@ fn prefill_equals_token_by_token_decoding_past_the_window() {
 fn last_row_is_the_last_of_all_rows() {
     let model = tiny_model("rows");
     let toks = tokens(6, 11);
-    let all = run(&model, &toks, &mut model.new_cache(), true);
-    let last = run(&model, &toks, &mut model.new_cache(), false);
+    let all = run_alone_into(&model, &toks, &mut model.new_cache(), true);
+    let last = run_alone_into(&model, &toks, &mut model.new_cache(), false);
     assert_eq!(last.rows, 1);
     assert_eq!(last.data.len(), last.vocab);
     assert_eq!(all.vocab, model.config().vocab_size);
@@ -155,12 +146,12 @@ fn last_row_is_the_last_of_all_rows() {
 fn forked_cache_continues_like_the_original() {
     let model = tiny_model("fork");
     let mut cache = model.new_cache();
-    run(&model, &tokens(9, 13), &mut cache, false);
+    run_alone_into(&model, &tokens(9, 13), &mut cache, false);
     let mut fork = cache.clone();
-    let a = run(&model, &[42], &mut cache, false);
-    let b = run(&model, &[42], &mut fork, false);
+    let a = run_alone_into(&model, &[42], &mut cache, false);
+    let b = run_alone_into(&model, &[42], &mut fork, false);
     assert_eq!(a, b);
-    let c = run(&model, &[43], &mut fork, false);
+    let c = run_alone_into(&model, &[43], &mut fork, false);
     assert_eq!(fork.len(), 11);
     assert_ne!(a.data, c.data);
 }
@@ -169,7 +160,7 @@ fn forked_cache_continues_like_the_original() {
 fn bad_inputs_are_rejected_without_touching_the_cache() {
     let model = tiny_model("errors");
     let mut cache = model.new_cache();
-    run(&model, &[5, 6, 7], &mut cache, false);
+    run_alone_into(&model, &[5, 6, 7], &mut cache, false);
     let vocab = model.config().vocab_size as u32;
     let err = model
         .forward(&mut [SeqInput {
@@ -192,8 +183,8 @@ fn bad_inputs_are_rejected_without_touching_the_cache() {
     assert!(model.forward(&mut []).expect("empty batch").is_empty());
     assert_eq!(cache.len(), 3);
     // The cache still works: same logits as a fresh run of the same 4 tokens.
-    let next = run(&model, &[8], &mut cache, false);
-    let fresh = run(&model, &[5, 6, 7, 8], &mut model.new_cache(), false);
+    let next = run_alone_into(&model, &[8], &mut cache, false);
+    let fresh = run_alone_into(&model, &[5, 6, 7, 8], &mut model.new_cache(), false);
     assert!(max_abs_diff(&next.data, &fresh.data) < 1e-3);
 }
 
@@ -240,7 +231,7 @@ fn tiny_model_is_deterministic_and_greedy_output_varies() {
         let mut cache = model.new_cache();
         let mut next = tokens(4, salt);
         for _ in 0..12 {
-            let l = run(model, &next, &mut cache, false);
+            let l = run_alone_into(model, &next, &mut cache, false);
             let row = l.row(0);
             let id = (0..row.len())
                 .max_by(|&i, &j| row[i].total_cmp(&row[j]))
@@ -440,7 +431,7 @@ fn matches_reference_attention_with_sliding_window() {
     tiny::write_tiny_gguf_f32(&path, 7).expect("write tiny model");
     let model = load_gguf(&path).expect("load").model;
     let toks = tokens(20, 17);
-    let ours = run(&model, &toks, &mut model.new_cache(), true);
+    let ours = run_alone_into(&model, &toks, &mut model.new_cache(), true);
     let windowed = reference_logits(&path, &toks, Some(8));
     let unwindowed = reference_logits(&path, &toks, None);
     let _ = std::fs::remove_file(&path);

@@ -3,10 +3,13 @@
 //! tokenizer.json and as a GGUF in llama.cpp's keys, and the ids Hugging Face gives for a corpus
 //! of tricky strings (scripts/bpe_fixtures.py writes them all).
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file;
+use common::{jsonl_cases, streamed};
 use serde::Deserialize;
 use temper_text::{DecodeOptions, DecodeStream, TokenKind, Tokenizer};
 
@@ -53,19 +56,7 @@ struct Case {
 }
 
 fn cases(family: &str) -> Vec<Case> {
-    let path = fixture(&format!("{family}.expected.jsonl"));
-    std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("expected.jsonl line"))
-        .collect()
-}
-
-fn streamed(tok: &Tokenizer, ids: &[u32], opts: DecodeOptions) -> String {
-    let mut stream = DecodeStream::new(opts);
-    let mut text: String = ids.iter().map(|&id| stream.step(tok, id)).collect();
-    text.push_str(&stream.flush());
-    text
+    jsonl_cases(&fixture(&format!("{family}.expected.jsonl")))
 }
 
 #[test]

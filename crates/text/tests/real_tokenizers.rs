@@ -9,12 +9,15 @@
 //! Without those files the tests skip with a notice, or fail under `TEMPER_REQUIRE_MODEL=1`
 //! (as `make test` sets). `TEMPER_REAL_TOKENIZERS` points them at another directory.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
+use common::{jsonl_cases, streamed};
 use serde::Deserialize;
-use temper_text::{gguf_chat_template, DecodeOptions, DecodeStream, TokenKind, Tokenizer};
+use temper_text::{gguf_chat_template, DecodeOptions, TokenKind, Tokenizer};
 
 const FAMILIES: &[&str] = &["llama3", "qwen"];
 
@@ -89,19 +92,7 @@ struct Case {
 }
 
 fn cases(dir: &Path, family: &str) -> Vec<Case> {
-    let path = dir.join(format!("{family}.expected.jsonl"));
-    std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("expected.jsonl line"))
-        .collect()
-}
-
-fn streamed(tok: &Tokenizer, ids: &[u32], opts: DecodeOptions) -> String {
-    let mut stream = DecodeStream::new(opts);
-    let mut text: String = ids.iter().map(|&id| stream.step(tok, id)).collect();
-    text.push_str(&stream.flush());
-    text
+    jsonl_cases(&dir.join(format!("{family}.expected.jsonl")))
 }
 
 #[test]
