@@ -12,6 +12,7 @@
 //! random data).
 
 use half::f16;
+use rayon::prelude::*;
 
 use crate::cache::KvView;
 use crate::kernels::Isa;
@@ -95,17 +96,7 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
         &mut inv_heap
     };
     for (h, row) in scores.chunks_exact_mut(n).enumerate() {
-        let mut max = f32::NEG_INFINITY;
-        for s in row.iter_mut() {
-            *s *= scale;
-            max = max.max(*s);
-        }
-        let mut sum = 0f32;
-        for s in row.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        inv[h] = 1.0 / sum;
+        inv[h] = softmax(row, scale);
     }
     // Weighted values, in key order.
     out.fill(0.0);
@@ -124,6 +115,252 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
         for x in o.iter_mut() {
             *x *= inv[h];
         }
+    }
+}
+
+/// A layer's attention heads: `heads` query heads, `kv_heads` key/value heads (each shared by
+/// `heads / kv_heads` query heads), `d` values each; local layers see the last `window`
+/// positions, self included.
+#[derive(Clone, Copy)]
+pub(crate) struct Shape {
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) d: usize,
+    pub(crate) window: Option<usize>,
+    pub(crate) scale: f32,
+}
+
+/// Causal attention of every query row `q` (`heads x d` each) against its own sequence's keys
+/// and values (`views[seq[t]]`, which already hold the rows' own keys and values; row `t` at
+/// position `pos[t]`). Consecutive rows of one sequence at consecutive positions are computed
+/// `tile` at a time per key/value head ([`attend_tile`]); each row's bits are the same whatever
+/// `tile` and the batch are.
+pub(crate) fn attend_rows<T: KvElem + 'static>(
+    isa: Isa,
+    q: &[f32],
+    views: &[KvView<'_, T>],
+    (seq, pos): (&[usize], &[usize]),
+    shape: Shape,
+    tile: usize,
+) -> Vec<f32> {
+    let Shape {
+        heads: h,
+        kv_heads: hkv,
+        d,
+        window,
+        scale,
+    } = shape;
+    let group = h / hkv;
+    let range = |t: usize| {
+        let p = pos[t];
+        (window.map_or(0, |w| (p + 1).saturating_sub(w)), p + 1)
+    };
+    let head = |g: usize| HeadColumns {
+        col: g * d,
+        d,
+        stride: hkv * d,
+    };
+    let threads = rayon::current_num_threads();
+    let tokens = pos.len();
+    let mut out = vec![0f32; q.len()];
+    // Tiles of consecutive rows of one sequence at consecutive positions.
+    let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
+    for t in 0..tokens {
+        match tiles.last_mut() {
+            Some(last)
+                if last.len() < tile && seq[t] == seq[t - 1] && pos[t] == pos[t - 1] + 1 =>
+            {
+                last.end = t + 1
+            }
+            _ => tiles.push(t..t + 1),
+        }
+    }
+    if tiles.len() == tokens || tiles.len() * hkv < threads {
+        // A task per token and key/value head; with fewer tokens than threads (a decode step)
+        // the group's query heads are split between tasks too, so every thread works. Each
+        // head's arithmetic is the same either way.
+        let split = if tokens * hkv >= threads {
+            1
+        } else {
+            (1..=group.min(threads))
+                .rev()
+                .find(|k| group.is_multiple_of(*k))
+                .unwrap_or(1)
+        };
+        let heads_per_task = group / split;
+        out.par_chunks_mut(heads_per_task * d)
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (idx, o)| {
+                let first_head = idx * heads_per_task;
+                let (t, g) = (first_head / h, first_head % h / group);
+                let queries = &q[first_head * d..(first_head + heads_per_task) * d];
+                attend_group(isa, queries, scale, &views[seq[t]], range(t), head(g), o, scores);
+            });
+        return out;
+    }
+    // A task per tile and key/value head, each given its tokens' outputs of that head.
+    let mut slots: Vec<Option<&mut [f32]>> = out.chunks_mut(group * d).map(Some).collect();
+    let tasks: Vec<(std::ops::Range<usize>, usize, Vec<&mut [f32]>)> = tiles
+        .iter()
+        .flat_map(|tile| (0..hkv).map(move |g| (tile.clone(), g)))
+        .map(|(tile, g)| {
+            let outs = tile
+                .clone()
+                .map(|t| slots[t * hkv + g].take().expect("each output once"))
+                .collect();
+            (tile, g, outs)
+        })
+        .collect();
+    tasks.into_par_iter().for_each_init(
+        TileScratch::default,
+        |scratch, (tile, g, mut outs)| {
+            let view = &views[seq[tile.start]];
+            let ranges: Vec<(usize, usize)> = tile.clone().map(range).collect();
+            scratch.queries.clear();
+            for t in tile {
+                let at = t * h * d + g * group * d;
+                scratch.queries.extend_from_slice(&q[at..at + group * d]);
+            }
+            attend_tile(isa, scale, view, &ranges, head(g), &mut outs, scratch);
+        },
+    );
+    out
+}
+
+/// Scales `row`'s scores, replaces each by its unnormalised softmax weight `exp(s - max)` and
+/// returns `1 / Σ weights` (maximum, `exp` and sum in key order).
+#[inline(always)]
+fn softmax(row: &mut [f32], scale: f32) -> f32 {
+    let mut max = f32::NEG_INFINITY;
+    for s in row.iter_mut() {
+        *s *= scale;
+        max = max.max(*s);
+    }
+    let mut sum = 0f32;
+    for s in row.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    1.0 / sum
+}
+
+/// Query tokens a prefill computes together per key/value head ([`attend_tile`]).
+pub(crate) const TILE_TOKENS: usize = 8;
+
+/// Scratch space of [`attend_tile`], kept by a thread between tiles.
+#[derive(Default)]
+pub(crate) struct TileScratch {
+    pub(crate) queries: Vec<f32>,
+    scores: Vec<f32>,
+    out: Vec<f32>,
+    inv: Vec<f32>,
+}
+
+/// [`attend_group`] for a tile of tokens of one sequence at once: token `i` has the group's
+/// heads at `scratch.queries[i * heads * d..]` (`heads x d`), sees positions `ranges[i]`, and
+/// its result goes to `outs[i]`. Each key of the tiles' ranges is scored for every query of the
+/// tile in one go (read and converted once), and the values the tokens all see are weighted
+/// for all of them together; the other values (the ragged causal ends, a window's moving
+/// start) are weighted token by token, in key order. Every token's bits are those
+/// [`attend_group`] gives it alone: each score is the same dot product, each softmax the same
+/// arithmetic over the token's own keys, and each output value takes the token's keys one
+/// fused multiply-add at a time in key order.
+pub(crate) fn attend_tile<T: KvElem + 'static>(
+    isa: Isa,
+    scale: f32,
+    view: &KvView<'_, T>,
+    ranges: &[(usize, usize)],
+    head: HeadColumns,
+    outs: &mut [&mut [f32]],
+    scratch: &mut TileScratch,
+) {
+    let HeadColumns { col, d, stride } = head;
+    let tokens = ranges.len();
+    let TileScratch {
+        queries,
+        scores,
+        out,
+        inv,
+    } = scratch;
+    let rows = queries.len() / d;
+    let heads = rows / tokens;
+    assert!(tokens > 0 && outs.len() == tokens && heads * tokens * d == queries.len());
+    assert!(ranges.iter().all(|&(lo, hi)| lo < hi));
+    assert!(outs.iter().all(|o| o.len() == heads * d));
+    let first = ranges.iter().map(|r| r.0).min().unwrap_or(0);
+    let end = ranges.iter().map(|r| r.1).max().unwrap_or(0);
+    // Positions every token sees: `shared_lo..shared_hi` (empty when the ranges do not overlap).
+    let shared_lo = ranges.iter().map(|r| r.0).max().unwrap_or(0);
+    let shared_hi = ranges.iter().map(|r| r.1).min().unwrap_or(0).max(shared_lo);
+    let n = end - first;
+    scores.clear();
+    scores.resize(rows * n, 0.0);
+    let ops = Ops::<T>::new(isa);
+
+    // Scores of every query of the tile for every key of the tiles' ranges, as in
+    // `attend_group` (a key outside a token's range is scored but never used).
+    let mut j = 0;
+    let mut spans = view.spans(first, end, stride).peekable();
+    while let Some((keys, values, span_rows)) = spans.next() {
+        let next_keys = spans.peek().map_or(&[][..], |next| next.0);
+        for r in 0..span_rows {
+            crate::kernels::prefetch_share(as_bytes(next_keys), r, span_rows);
+            crate::kernels::prefetch_share(as_bytes(values), r, span_rows);
+            (ops.dots)(&keys[r * stride + col..][..d], queries, scores, j, n);
+            j += 1;
+        }
+    }
+    // Each token's softmax over its own keys.
+    inv.clear();
+    inv.resize(rows, 0.0);
+    for (i, &(lo, hi)) in ranges.iter().enumerate() {
+        for h in 0..heads {
+            let m = i * heads + h;
+            inv[m] = softmax(&mut scores[m * n + lo - first..m * n + hi - first], scale);
+        }
+    }
+    // Weighted values: per token the keys before the shared ones, the shared ones for the whole
+    // tile, per token the keys after them.
+    out.clear();
+    out.resize(rows * d, 0.0);
+    let weigh = |(a, b): (usize, usize), scores: &[f32], out: &mut [f32]| {
+        let mut j = a - first;
+        for (_, values, span_rows) in view.spans(a, b, stride) {
+            let span = ValueRows {
+                values,
+                rows: span_rows,
+                stride,
+                col,
+            };
+            (ops.weighted)(span, scores, j, n, out);
+            j += span_rows;
+        }
+    };
+    let per_token = heads * n;
+    for (i, &(lo, hi)) in ranges.iter().enumerate() {
+        let before = (lo, shared_lo.min(hi));
+        if before.0 < before.1 {
+            let o = &mut out[i * heads * d..(i + 1) * heads * d];
+            weigh(before, &scores[i * per_token..(i + 1) * per_token], o);
+        }
+    }
+    if shared_lo < shared_hi {
+        weigh((shared_lo, shared_hi), scores, out);
+    }
+    for (i, &(lo, hi)) in ranges.iter().enumerate() {
+        let after = (shared_hi.max(lo), hi);
+        if after.0 < after.1 {
+            let o = &mut out[i * heads * d..(i + 1) * heads * d];
+            weigh(after, &scores[i * per_token..(i + 1) * per_token], o);
+        }
+    }
+    for (m, o) in out.chunks_exact_mut(d).enumerate() {
+        for x in o.iter_mut() {
+            *x *= inv[m];
+        }
+    }
+    for (i, dst) in outs.iter_mut().enumerate() {
+        dst.copy_from_slice(&out[i * heads * d..(i + 1) * heads * d]);
     }
 }
 
@@ -484,6 +721,142 @@ mod tests {
                         .zip(&reference)
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{isa:?} d={d} n={n} chunk={chunk}");
+                }
+            }
+        }
+    }
+
+    /// Keys and values of one sequence, `n` rows of `stride` in chunks of `chunk` rows.
+    fn chunked<'a, T>(keys: &'a [T], values: &'a [T], stride: usize, chunk: usize) -> KvView<'a, T> {
+        let rows = chunk * stride;
+        KvView::chunked(keys.chunks(rows).zip(values.chunks(rows)).collect(), chunk)
+    }
+
+    /// Tiles of tokens (`attend_tile`, through `attend_rows`) give each token the bits the
+    /// scalar reference gives it alone (`attend_group`), on every instruction set: ragged causal
+    /// ends, sliding windows (narrower and wider than a tile), groups of 1, 2 and 4 heads, head
+    /// sizes 64, 128 and 256 (and one with a tail), f16 and f32 keys and values, several
+    /// sequences in one batch, the cache in chunks.
+    fn tiles_equal_tokens_alone<T: KvElem + 'static>(convert: fn(&[f32]) -> Vec<T>) {
+        let mut seed = 0x5eed_0f_711e5u64;
+        for (d, kv_heads, group, window, chunk) in [
+            (128, 2, 2, None, 16),
+            (128, 1, 1, Some(5), 7),
+            (64, 2, 4, None, 300),
+            (256, 1, 4, Some(20), 16),
+            (64, 3, 2, Some(3), 1),
+            (40, 1, 2, None, 16),
+        ] {
+            let h = kv_heads * group;
+            let stride = kv_heads * d;
+            // Sequences: (cached positions before the batch, new rows).
+            let seqs = [(0usize, 29usize), (13, 1), (5, 17)];
+            let keys: Vec<Vec<T>> = seqs
+                .iter()
+                .map(|&(c, n)| convert(&random(&mut seed, (c + n) * stride, 3.0)))
+                .collect();
+            let values: Vec<Vec<T>> = seqs
+                .iter()
+                .map(|&(c, n)| convert(&random(&mut seed, (c + n) * stride, 2.0)))
+                .collect();
+            let views: Vec<KvView<'_, T>> = keys
+                .iter()
+                .zip(&values)
+                .map(|(k, v)| chunked(k, v, stride, chunk))
+                .collect();
+            let (mut seq, mut pos) = (Vec::new(), Vec::new());
+            for (s, &(c, n)) in seqs.iter().enumerate() {
+                seq.extend(std::iter::repeat_n(s, n));
+                pos.extend(c..c + n);
+            }
+            let q = random(&mut seed, pos.len() * h * d, 3.0);
+            let shape = Shape {
+                heads: h,
+                kv_heads,
+                d,
+                window,
+                scale: 0.3,
+            };
+            let mut reference = vec![0f32; q.len()];
+            for (t, o) in reference.chunks_exact_mut(group * d).enumerate() {
+                let (t, g) = (t / kv_heads, t % kv_heads);
+                let lo = window.map_or(0, |w| (pos[t] + 1).saturating_sub(w));
+                let head = HeadColumns { col: g * d, d, stride };
+                let at = t * h * d + g * group * d;
+                let queries = &q[at..at + group * d];
+                let range = (lo, pos[t] + 1);
+                let view = &views[seq[t]];
+                attend_group(Isa::Scalar, queries, 0.3, view, range, head, o, &mut Vec::new());
+            }
+            for isa in Isa::available() {
+                for tile in [1, 2, 3, 8] {
+                    let out = attend_rows(isa, &q, &views, (&seq, &pos), shape, tile);
+                    let same = out
+                        .iter()
+                        .zip(&reference)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{isa:?} d={d} group={group} {window:?} tile={tile}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_equal_tokens_alone_f16() {
+        tiles_equal_tokens_alone::<f16>(half);
+    }
+
+    #[test]
+    fn tiles_equal_tokens_alone_f32() {
+        tiles_equal_tokens_alone::<f32>(|x| x.to_vec());
+    }
+
+    /// Time of one layer's prefill attention (one sequence of N new tokens, the cache in
+    /// blocks of `BLOCK_TOKENS` rows) per token at a time (tile 1, the decode path) and in
+    /// tiles, with the best instruction set here (`TEMPER_ISA=avx2` for the AVX2 kernels), the
+    /// best of several trials: `cargo test --release -p temper-model --lib -- --ignored
+    /// --nocapture prefill_attention_throughput` (`ATTN_TILES=1,4,8` picks the tiles).
+    #[test]
+    #[ignore]
+    fn prefill_attention_throughput() {
+        let isa = Isa::detect();
+        let block = crate::cache::BLOCK_TOKENS;
+        let tiles: Vec<usize> = std::env::var("ATTN_TILES")
+            .map(|v| v.split(',').map(|t| t.parse().unwrap()).collect())
+            .unwrap_or(vec![1, TILE_TOKENS]);
+        let mut seed = 7u64;
+        for (name, h, hkv, d) in [("Qwen3-0.6B", 16, 8, 128), ("Gemma 3 270M", 4, 1, 256)] {
+            for n in [512, 2048] {
+                let stride = hkv * d;
+                let blocks: Vec<(Vec<f16>, Vec<f16>)> = (0..n / block)
+                    .map(|_| {
+                        let k = half(&random(&mut seed, block * stride, 3.0));
+                        (k, half(&random(&mut seed, block * stride, 2.0)))
+                    })
+                    .collect();
+                let chunks = blocks.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+                let views = [KvView::chunked(chunks, block)];
+                let q = random(&mut seed, n * h * d, 1.0);
+                let (seq, pos) = (vec![0; n], (0..n).collect::<Vec<_>>());
+                let shape = Shape {
+                    heads: h,
+                    kv_heads: hkv,
+                    d,
+                    window: None,
+                    scale: 0.1,
+                };
+                for &tile in &tiles {
+                    let trials = if n > 1000 { 3 } else { 7 };
+                    let mut best = f64::INFINITY;
+                    for _ in 0..trials {
+                        let t = std::time::Instant::now();
+                        std::hint::black_box(attend_rows(isa, &q, &views, (&seq, &pos), shape, tile));
+                        best = best.min(t.elapsed().as_secs_f64());
+                    }
+                    println!(
+                        "{name} ({h} heads, {hkv} kv, d {d}) {isa:?} N={n} tile {tile}: {:.0} µs",
+                        best * 1e6
+                    );
                 }
             }
         }
