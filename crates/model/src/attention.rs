@@ -167,9 +167,7 @@ pub(crate) fn attend_rows<T: KvElem + 'static>(
     let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
     for t in 0..tokens {
         match tiles.last_mut() {
-            Some(last)
-                if last.len() < tile && seq[t] == seq[t - 1] && pos[t] == pos[t - 1] + 1 =>
-            {
+            Some(last) if last.len() < tile && seq[t] == seq[t - 1] && pos[t] == pos[t - 1] + 1 => {
                 last.end = t + 1
             }
             _ => tiles.push(t..t + 1),
@@ -194,7 +192,16 @@ pub(crate) fn attend_rows<T: KvElem + 'static>(
                 let first_head = idx * heads_per_task;
                 let (t, g) = (first_head / h, first_head % h / group);
                 let queries = &q[first_head * d..(first_head + heads_per_task) * d];
-                attend_group(isa, queries, scale, &views[seq[t]], range(t), head(g), o, scores);
+                attend_group(
+                    isa,
+                    queries,
+                    scale,
+                    &views[seq[t]],
+                    range(t),
+                    head(g),
+                    o,
+                    scores,
+                );
             });
         return out;
     }
@@ -211,9 +218,9 @@ pub(crate) fn attend_rows<T: KvElem + 'static>(
             (tile, g, outs)
         })
         .collect();
-    tasks.into_par_iter().for_each_init(
-        TileScratch::default,
-        |scratch, (tile, g, mut outs)| {
+    tasks
+        .into_par_iter()
+        .for_each_init(TileScratch::default, |scratch, (tile, g, mut outs)| {
             let view = &views[seq[tile.start]];
             let ranges: Vec<(usize, usize)> = tile.clone().map(range).collect();
             scratch.queries.clear();
@@ -222,8 +229,7 @@ pub(crate) fn attend_rows<T: KvElem + 'static>(
                 scratch.queries.extend_from_slice(&q[at..at + group * d]);
             }
             attend_tile(isa, scale, view, &ranges, head(g), &mut outs, scratch);
-        },
-    );
+        });
     out
 }
 
@@ -231,11 +237,23 @@ pub(crate) fn attend_rows<T: KvElem + 'static>(
 /// returns `1 / Σ weights` (maximum, `exp` and sum in key order).
 #[inline(always)]
 fn softmax(row: &mut [f32], scale: f32) -> f32 {
-    let mut max = f32::NEG_INFINITY;
-    for s in row.iter_mut() {
-        *s *= scale;
-        max = max.max(*s);
+    // The maximum in eight lanes (a chain of `max` one score at a time waits on each): the
+    // same value whatever the order, but for the sign of a zero maximum, which `s - max`
+    // cannot tell from the other zero's before `exp` (`exp(±0) = 1`, and `s - ±0 = s`
+    // otherwise). A NaN score makes the sum NaN either way.
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (m, s) in lanes.iter_mut().zip(chunk) {
+            *s *= scale;
+            *m = m.max(*s);
+        }
     }
+    for s in chunks.into_remainder() {
+        *s *= scale;
+        lanes[0] = lanes[0].max(*s);
+    }
+    let max = lanes.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
     let mut sum = 0f32;
     for s in row.iter_mut() {
         *s = (*s - max).exp();
@@ -464,8 +482,12 @@ mod x86 {
 
     use super::{Ops, ValueRows, LANES, STEP};
 
-    /// Heads a call of the AVX2 loops takes together (their accumulators stay in registers).
+    /// Heads a call of the AVX2 weighted sums takes together (their accumulators stay in
+    /// registers: two each).
     const HEADS: usize = 4;
+    /// Queries a call of the AVX2 dot products takes together (one accumulator each, the key
+    /// in another register): a tile of tokens scores each key for eight queries at a time.
+    const DOT_HEADS: usize = 8;
 
     /// The AVX2 operations for f16 rows (the serving cache); `None` for other element types.
     pub(super) fn ops<T: 'static>() -> Option<Ops<T>> {
@@ -505,16 +527,32 @@ mod x86 {
         };
     }
 
+    /// [`with_heads`] up to `DOT_HEADS`.
+    macro_rules! with_dot_heads {
+        ($h:expr, $f:ident($($arg:expr),*)) => {
+            match $h {
+                1 => $f::<1>($($arg),*),
+                2 => $f::<2>($($arg),*),
+                3 => $f::<3>($($arg),*),
+                4 => $f::<4>($($arg),*),
+                5 => $f::<5>($($arg),*),
+                6 => $f::<6>($($arg),*),
+                7 => $f::<7>($($arg),*),
+                _ => $f::<8>($($arg),*),
+            }
+        };
+    }
+
     fn dots(key: &[f16], queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
         let d = key.len();
         let heads = queries.len() / d;
         assert!(d > 0 && heads * d == queries.len() && j < n && scores.len() >= heads * n);
-        for h0 in (0..heads).step_by(HEADS) {
+        for h0 in (0..heads).step_by(DOT_HEADS) {
             let q = &queries[h0 * d..];
             let sums = &mut scores[h0 * n + j..];
             // SAFETY: `Isa::detect` named AVX2 (with FMA and F16C) before these ops were chosen;
             // `q` holds the call's heads (`d` values each), `sums` has them `n` apart (above).
-            unsafe { with_heads!(heads - h0, dots_avx2(key, q, sums, n)) }
+            unsafe { with_dot_heads!(heads - h0, dots_avx2(key, q, sums, n)) }
         }
     }
 
@@ -727,7 +765,12 @@ mod tests {
     }
 
     /// Keys and values of one sequence, `n` rows of `stride` in chunks of `chunk` rows.
-    fn chunked<'a, T>(keys: &'a [T], values: &'a [T], stride: usize, chunk: usize) -> KvView<'a, T> {
+    fn chunked<'a, T>(
+        keys: &'a [T],
+        values: &'a [T],
+        stride: usize,
+        chunk: usize,
+    ) -> KvView<'a, T> {
         let rows = chunk * stride;
         KvView::chunked(keys.chunks(rows).zip(values.chunks(rows)).collect(), chunk)
     }
@@ -781,12 +824,25 @@ mod tests {
             for (t, o) in reference.chunks_exact_mut(group * d).enumerate() {
                 let (t, g) = (t / kv_heads, t % kv_heads);
                 let lo = window.map_or(0, |w| (pos[t] + 1).saturating_sub(w));
-                let head = HeadColumns { col: g * d, d, stride };
+                let head = HeadColumns {
+                    col: g * d,
+                    d,
+                    stride,
+                };
                 let at = t * h * d + g * group * d;
                 let queries = &q[at..at + group * d];
                 let range = (lo, pos[t] + 1);
                 let view = &views[seq[t]];
-                attend_group(Isa::Scalar, queries, 0.3, view, range, head, o, &mut Vec::new());
+                attend_group(
+                    Isa::Scalar,
+                    queries,
+                    0.3,
+                    view,
+                    range,
+                    head,
+                    o,
+                    &mut Vec::new(),
+                );
             }
             for isa in Isa::available() {
                 for tile in [1, 2, 3, 8] {
@@ -811,11 +867,25 @@ mod tests {
         tiles_equal_tokens_alone::<f32>(|x| x.to_vec());
     }
 
+    /// CPU time of every thread of this process so far (Linux; 0 elsewhere): steadier than
+    /// wall time on a shared machine.
+    fn cpu_seconds() -> f64 {
+        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+            return 0.0;
+        };
+        let ns: u64 = tasks
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        ns as f64 * 1e-9
+    }
+
     /// Time of one layer's prefill attention (one sequence of N new tokens, the cache in
     /// blocks of `BLOCK_TOKENS` rows) per token at a time (tile 1, the decode path) and in
     /// tiles, with the best instruction set here (`TEMPER_ISA=avx2` for the AVX2 kernels), the
     /// best of several trials: `cargo test --release -p temper-model --lib -- --ignored
-    /// --nocapture prefill_attention_throughput` (`ATTN_TILES=1,4,8` picks the tiles).
+    /// --nocapture prefill_attention_throughput` (`ATTN_TILES=1,4,8` picks the tiles, `ATTN_BENCH=Gemma` the shapes whose line contains
+    /// that text).
     #[test]
     #[ignore]
     fn prefill_attention_throughput() {
@@ -827,6 +897,10 @@ mod tests {
         let mut seed = 7u64;
         for (name, h, hkv, d) in [("Qwen3-0.6B", 16, 8, 128), ("Gemma 3 270M", 4, 1, 256)] {
             for n in [512, 2048] {
+                let label = format!("{name} N={n}");
+                if !label.contains(&std::env::var("ATTN_BENCH").unwrap_or_default()) {
+                    continue;
+                }
                 let stride = hkv * d;
                 let blocks: Vec<(Vec<f16>, Vec<f16>)> = (0..n / block)
                     .map(|_| {
@@ -846,16 +920,20 @@ mod tests {
                     scale: 0.1,
                 };
                 for &tile in &tiles {
-                    let trials = if n > 1000 { 3 } else { 7 };
-                    let mut best = f64::INFINITY;
+                    let trials = if n > 1000 { 5 } else { 15 };
+                    let (mut best, mut best_cpu) = (f64::INFINITY, f64::INFINITY);
                     for _ in 0..trials {
-                        let t = std::time::Instant::now();
-                        std::hint::black_box(attend_rows(isa, &q, &views, (&seq, &pos), shape, tile));
+                        let (t, cpu) = (std::time::Instant::now(), cpu_seconds());
+                        let rows = (&seq[..], &pos[..]);
+                        std::hint::black_box(attend_rows(isa, &q, &views, rows, shape, tile));
                         best = best.min(t.elapsed().as_secs_f64());
+                        best_cpu = best_cpu.min(cpu_seconds() - cpu);
                     }
                     println!(
-                        "{name} ({h} heads, {hkv} kv, d {d}) {isa:?} N={n} tile {tile}: {:.0} µs",
-                        best * 1e6
+                        "{name} ({h} heads, {hkv} kv, d {d}) {isa:?} N={n} tile {tile}: {:.0} µs \
+                         (CPU time of all threads {:.0} µs)",
+                        best * 1e6,
+                        best_cpu * 1e6
                     );
                 }
             }
