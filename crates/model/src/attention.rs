@@ -82,7 +82,13 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
         for r in 0..rows {
             crate::kernels::prefetch_share(as_bytes(next_keys), r, rows);
             crate::kernels::prefetch_share(as_bytes(values), r, rows);
-            (ops.dots)(&keys[r * stride + col..][..d], queries, scores, j, n);
+            let key = ValueRows {
+                values: &keys[r * stride..],
+                rows: 1,
+                stride,
+                col,
+            };
+            (ops.dots)(key, queries, scores, j, n);
             j += 1;
         }
     }
@@ -317,16 +323,33 @@ pub(crate) fn attend_tile<T: KvElem + 'static>(
 
     // Scores of every query of the tile for every key of the tiles' ranges, as in
     // `attend_group` (a key outside a token's range is scored but never used).
+    // The keys of a span (at most `PIECE` rows of a span of the cache) in one call, a tile's
+    // queries taking long over each: the next span's keys and this span's values are asked for
+    // first.
+    const PIECE: usize = crate::cache::BLOCK_TOKENS;
     let mut j = 0;
-    let mut spans = view.spans(first, end, stride).peekable();
+    let mut spans = view
+        .spans(first, end, stride)
+        .flat_map(|(keys, values, rows)| {
+            (0..rows).step_by(PIECE).map(move |r| {
+                let take = PIECE.min(rows - r);
+                let at = r * stride..(r + take) * stride;
+                (&keys[at.clone()], &values[at], take)
+            })
+        })
+        .peekable();
     while let Some((keys, values, span_rows)) = spans.next() {
         let next_keys = spans.peek().map_or(&[][..], |next| next.0);
-        for r in 0..span_rows {
-            crate::kernels::prefetch_share(as_bytes(next_keys), r, span_rows);
-            crate::kernels::prefetch_share(as_bytes(values), r, span_rows);
-            (ops.dots)(&keys[r * stride + col..][..d], queries, scores, j, n);
-            j += 1;
-        }
+        crate::kernels::prefetch_share(as_bytes(next_keys), 0, 1);
+        crate::kernels::prefetch_share(as_bytes(values), 0, 1);
+        let span = ValueRows {
+            values: keys,
+            rows: span_rows,
+            stride,
+            col,
+        };
+        (ops.dots)(span, queries, scores, j, n);
+        j += span_rows;
     }
     // Each token's softmax over its own keys.
     inv.clear();
@@ -388,8 +411,8 @@ fn as_bytes<T: KvElem>(rows: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(rows.as_ptr().cast(), std::mem::size_of_val(rows)) }
 }
 
-/// Consecutive value rows of one span of the cache: `rows` rows `stride` apart, the head's
-/// values from column `col`.
+/// Consecutive key or value rows of one span of the cache: `rows` rows `stride` apart, the
+/// head's values from column `col`.
 #[derive(Clone, Copy)]
 struct ValueRows<'a, T> {
     values: &'a [T],
@@ -402,9 +425,9 @@ struct ValueRows<'a, T> {
 /// one head's [`dot_scalar`]; each output value takes the span's rows one fused multiply-add
 /// at a time, in row order: the bits of the scalar reference whatever the instruction set.
 struct Ops<T> {
-    /// `scores[h * n + j] = key · queries[h * d..]` for every head `h` of `queries`
-    /// (`d = key.len()`).
-    dots: fn(&[T], &[f32], &mut [f32], usize, usize),
+    /// `scores[h * n + j + r] = key_r · queries[h * d..]` for each key row `r` of the span
+    /// and every head `h` of `queries` (the heads `scores.len() / n`, `d` the rest).
+    dots: fn(ValueRows<'_, T>, &[f32], &mut [f32], usize, usize),
     /// For each row `r` of the span, in order, and each head `h`: `out[h * d..] += scores[h * n
     /// + j + r] · value_r` (`d = out.len() / heads`, the heads `scores.len() / n`).
     weighted: fn(ValueRows<'_, T>, &[f32], usize, usize, &mut [f32]),
@@ -426,9 +449,19 @@ impl<T: KvElem + 'static> Ops<T> {
     }
 }
 
-fn dots_scalar<T: KvElem>(key: &[T], queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
-    for (h, q) in queries.chunks_exact(key.len()).enumerate() {
-        scores[h * n + j] = dot_scalar(key, q);
+fn dots_scalar<T: KvElem>(
+    span: ValueRows<'_, T>,
+    queries: &[f32],
+    scores: &mut [f32],
+    j: usize,
+    n: usize,
+) {
+    let d = queries.len() / (scores.len() / n);
+    for r in 0..span.rows {
+        let key = &span.values[r * span.stride + span.col..][..d];
+        for (h, q) in queries.chunks_exact(d).enumerate() {
+            scores[h * n + j + r] = dot_scalar(key, q);
+        }
     }
 }
 
@@ -498,8 +531,8 @@ mod x86 {
         Some(unsafe {
             Ops {
                 dots: std::mem::transmute::<
-                    fn(&[f16], &[f32], &mut [f32], usize, usize),
-                    fn(&[T], &[f32], &mut [f32], usize, usize),
+                    fn(ValueRows<'_, f16>, &[f32], &mut [f32], usize, usize),
+                    fn(ValueRows<'_, T>, &[f32], &mut [f32], usize, usize),
                 >(dots),
                 weighted: std::mem::transmute::<
                     fn(ValueRows<'_, f16>, &[f32], usize, usize, &mut [f32]),
@@ -543,55 +576,73 @@ mod x86 {
         };
     }
 
-    fn dots(key: &[f16], queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
-        let d = key.len();
-        let heads = queries.len() / d;
-        assert!(d > 0 && heads * d == queries.len() && j < n && scores.len() >= heads * n);
+    fn dots(span: ValueRows<'_, f16>, queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
+        let heads = scores.len() / n;
+        let d = queries.len() / heads.max(1);
+        let ValueRows {
+            values: keys,
+            rows,
+            stride,
+            col,
+        } = span;
+        assert!(d > 0 && heads * d == queries.len() && j + rows <= n);
+        assert!(rows == 0 || keys.len() >= (rows - 1) * stride + col + d);
+        let keys = &keys[col..];
         for h0 in (0..heads).step_by(DOT_HEADS) {
             let q = &queries[h0 * d..];
             let sums = &mut scores[h0 * n + j..];
             // SAFETY: `Isa::detect` named AVX2 (with FMA and F16C) before these ops were chosen;
-            // `q` holds the call's heads (`d` values each), `sums` has them `n` apart (above).
-            unsafe { with_dot_heads!(heads - h0, dots_avx2(key, q, sums, n)) }
+            // `q` holds the call's heads (`d` values each), `sums` has them `n` apart and room
+            // for `rows` scores each (above), the keys' rows lie in `keys` (above).
+            unsafe { with_dot_heads!(heads - h0, dots_avx2(keys, (rows, stride, d), q, sums, n)) }
         }
     }
 
-    /// [`super::dot_scalar`] for `H` heads at once: the key is read and converted once. Each
-    /// accumulator `a` takes the same fused multiply-adds in the same order as there (one pass
-    /// over the key per accumulator), so the bits are the reference's.
+    /// [`super::dot_scalar`] of each of `rows` keys (`stride` apart) with `H` heads at once: a
+    /// key is read and converted once. Each accumulator `a` takes the same fused multiply-adds
+    /// in the same order as there (one pass over the key per accumulator), so the bits are the
+    /// reference's.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dots_avx2<const H: usize>(key: &[f16], q: &[f32], sums: &mut [f32], n: usize) {
-        let d = key.len();
+    unsafe fn dots_avx2<const H: usize>(
+        keys: &[f16],
+        (rows, stride, d): (usize, usize, usize),
+        q: &[f32],
+        sums: &mut [f32],
+        n: usize,
+    ) {
         let whole = d / STEP * STEP;
-        let kp = key.as_ptr();
         let qp: [*const f32; H] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
-        let mut parts = [[_mm256_setzero_ps(); 4]; H];
-        for a in 0..4 {
-            let mut acc = [_mm256_setzero_ps(); H];
-            for i in (a * LANES..whole).step_by(STEP) {
-                // SAFETY: `i + 8 <= whole <= d` for the key and each head's query.
-                unsafe {
-                    let k = load8(kp.add(i));
-                    for (acc, qp) in acc.iter_mut().zip(qp) {
-                        *acc = _mm256_fmadd_ps(k, _mm256_loadu_ps(qp.add(i)), *acc);
+        for r in 0..rows {
+            let key = &keys[r * stride..][..d];
+            let kp = key.as_ptr();
+            let mut parts = [[_mm256_setzero_ps(); 4]; H];
+            for a in 0..4 {
+                let mut acc = [_mm256_setzero_ps(); H];
+                for i in (a * LANES..whole).step_by(STEP) {
+                    // SAFETY: `i + 8 <= whole <= d` for the key and each head's query.
+                    unsafe {
+                        let k = load8(kp.add(i));
+                        for (acc, qp) in acc.iter_mut().zip(qp) {
+                            *acc = _mm256_fmadd_ps(k, _mm256_loadu_ps(qp.add(i)), *acc);
+                        }
                     }
                 }
+                for (part, acc) in parts.iter_mut().zip(acc) {
+                    part[a] = acc;
+                }
             }
-            for (part, acc) in parts.iter_mut().zip(acc) {
-                part[a] = acc;
+            for (h, p) in parts.iter().enumerate() {
+                let folded = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
+                let mut lanes = [0f32; LANES];
+                // SAFETY: eight floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), folded) };
+                let mut sum = crate::kernels::hsum8(&lanes);
+                let qh = &q[h * d..(h + 1) * d];
+                for at in whole..d {
+                    sum = key[at].to_f32().mul_add(qh[at], sum);
+                }
+                sums[h * n + r] = sum;
             }
-        }
-        for (h, p) in parts.iter().enumerate() {
-            let folded = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
-            let mut lanes = [0f32; LANES];
-            // SAFETY: eight floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), folded) };
-            let mut sum = crate::kernels::hsum8(&lanes);
-            let qh = &q[h * d..(h + 1) * d];
-            for at in whole..d {
-                sum = key[at].to_f32().mul_add(qh[at], sum);
-            }
-            sums[h * n] = sum;
         }
     }
 
