@@ -8,8 +8,10 @@
 //! invariance, a cached prefix equal to a recomputed one, serving equal to training).
 //!
 //! The query heads that share a key/value head are computed together, so each key and value is
-//! read once per group. The scalar reference and the AVX2 path compute the same bits (tested on
-//! random data).
+//! read once per group; in a prefill, a tile of consecutive tokens of one sequence is computed
+//! together too (`attend_tile`), so each key and value is read and converted once per tile
+//! rather than once per token. The scalar reference and the AVX2 path, per token or in tiles,
+//! compute the same bits (tested on random data).
 
 use half::f16;
 use rayon::prelude::*;
@@ -82,13 +84,7 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
         for r in 0..rows {
             crate::kernels::prefetch_share(as_bytes(next_keys), r, rows);
             crate::kernels::prefetch_share(as_bytes(values), r, rows);
-            let key = ValueRows {
-                values: &keys[r * stride..],
-                rows: 1,
-                stride,
-                col,
-            };
-            (ops.dots)(key, queries, scores, j, n);
+            (ops.dots)(&keys[r * stride + col..][..d], queries, scores, j, n);
             j += 1;
         }
     }
@@ -348,7 +344,7 @@ pub(crate) fn attend_tile<T: KvElem + 'static>(
             stride,
             col,
         };
-        (ops.dots)(span, queries, scores, j, n);
+        (ops.dot_rows)(span, queries, scores, j, n);
         j += span_rows;
     }
     // Each token's softmax over its own keys.
@@ -425,9 +421,13 @@ struct ValueRows<'a, T> {
 /// one head's [`dot_scalar`]; each output value takes the span's rows one fused multiply-add
 /// at a time, in row order: the bits of the scalar reference whatever the instruction set.
 struct Ops<T> {
+    /// `scores[h * n + j] = key · queries[h * d..]` for every head `h` of `queries`
+    /// (`d = key.len()`): one token's scores, a key at a time (`attend_group`).
+    dots: fn(&[T], &[f32], &mut [f32], usize, usize),
     /// `scores[h * n + j + r] = key_r · queries[h * d..]` for each key row `r` of the span
-    /// and every head `h` of `queries` (the heads `scores.len() / n`, `d` the rest).
-    dots: fn(ValueRows<'_, T>, &[f32], &mut [f32], usize, usize),
+    /// and every query `h` of `queries` (`scores.len() / n` of them, `d` values each): a
+    /// tile's scores (`attend_tile`).
+    dot_rows: fn(ValueRows<'_, T>, &[f32], &mut [f32], usize, usize),
     /// For each row `r` of the span, in order, and each head `h`: `out[h * d..] += scores[h * n
     /// + j + r] · value_r` (`d = out.len() / heads`, the heads `scores.len() / n`).
     weighted: fn(ValueRows<'_, T>, &[f32], usize, usize, &mut [f32]),
@@ -444,12 +444,19 @@ impl<T: KvElem + 'static> Ops<T> {
         let _ = isa;
         Ops {
             dots: dots_scalar::<T>,
+            dot_rows: dot_rows_scalar::<T>,
             weighted: weighted_scalar::<T>,
         }
     }
 }
 
-fn dots_scalar<T: KvElem>(
+fn dots_scalar<T: KvElem>(key: &[T], queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
+    for (h, q) in queries.chunks_exact(key.len()).enumerate() {
+        scores[h * n + j] = dot_scalar(key, q);
+    }
+}
+
+fn dot_rows_scalar<T: KvElem>(
     span: ValueRows<'_, T>,
     queries: &[f32],
     scores: &mut [f32],
@@ -531,9 +538,13 @@ mod x86 {
         Some(unsafe {
             Ops {
                 dots: std::mem::transmute::<
+                    fn(&[f16], &[f32], &mut [f32], usize, usize),
+                    fn(&[T], &[f32], &mut [f32], usize, usize),
+                >(dots),
+                dot_rows: std::mem::transmute::<
                     fn(ValueRows<'_, f16>, &[f32], &mut [f32], usize, usize),
                     fn(ValueRows<'_, T>, &[f32], &mut [f32], usize, usize),
-                >(dots),
+                >(dot_rows),
                 weighted: std::mem::transmute::<
                     fn(ValueRows<'_, f16>, &[f32], usize, usize, &mut [f32]),
                     fn(ValueRows<'_, T>, &[f32], usize, usize, &mut [f32]),
@@ -576,7 +587,59 @@ mod x86 {
         };
     }
 
-    fn dots(span: ValueRows<'_, f16>, queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
+    fn dots(key: &[f16], queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
+        let d = key.len();
+        let heads = queries.len() / d;
+        assert!(d > 0 && heads * d == queries.len() && j < n && scores.len() >= heads * n);
+        for h0 in (0..heads).step_by(HEADS) {
+            let q = &queries[h0 * d..];
+            let sums = &mut scores[h0 * n + j..];
+            // SAFETY: `Isa::detect` named AVX2 (with FMA and F16C) before these ops were chosen;
+            // `q` holds the call's heads (`d` values each), `sums` has them `n` apart (above).
+            unsafe { with_heads!(heads - h0, dots_avx2(key, q, sums, n)) }
+        }
+    }
+
+    /// [`super::dot_scalar`] for `H` heads at once: the key is read and converted once. Each
+    /// accumulator `a` takes the same fused multiply-adds in the same order as there (one pass
+    /// over the key per accumulator), so the bits are the reference's.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dots_avx2<const H: usize>(key: &[f16], q: &[f32], sums: &mut [f32], n: usize) {
+        let d = key.len();
+        let whole = d / STEP * STEP;
+        let kp = key.as_ptr();
+        let qp: [*const f32; H] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
+        let mut parts = [[_mm256_setzero_ps(); 4]; H];
+        for a in 0..4 {
+            let mut acc = [_mm256_setzero_ps(); H];
+            for i in (a * LANES..whole).step_by(STEP) {
+                // SAFETY: `i + 8 <= whole <= d` for the key and each head's query.
+                unsafe {
+                    let k = load8(kp.add(i));
+                    for (acc, qp) in acc.iter_mut().zip(qp) {
+                        *acc = _mm256_fmadd_ps(k, _mm256_loadu_ps(qp.add(i)), *acc);
+                    }
+                }
+            }
+            for (part, acc) in parts.iter_mut().zip(acc) {
+                part[a] = acc;
+            }
+        }
+        for (h, p) in parts.iter().enumerate() {
+            let folded = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
+            let mut lanes = [0f32; LANES];
+            // SAFETY: eight floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), folded) };
+            let mut sum = crate::kernels::hsum8(&lanes);
+            let qh = &q[h * d..(h + 1) * d];
+            for at in whole..d {
+                sum = key[at].to_f32().mul_add(qh[at], sum);
+            }
+            sums[h * n] = sum;
+        }
+    }
+
+    fn dot_rows(span: ValueRows<'_, f16>, queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
         let heads = scores.len() / n;
         let d = queries.len() / heads.max(1);
         let ValueRows {
@@ -594,16 +657,19 @@ mod x86 {
             // SAFETY: `Isa::detect` named AVX2 (with FMA and F16C) before these ops were chosen;
             // `q` holds the call's heads (`d` values each), `sums` has them `n` apart and room
             // for `rows` scores each (above), the keys' rows lie in `keys` (above).
-            unsafe { with_dot_heads!(heads - h0, dots_avx2(keys, (rows, stride, d), q, sums, n)) }
+            unsafe {
+                with_dot_heads!(
+                    heads - h0,
+                    dot_rows_avx2(keys, (rows, stride, d), q, sums, n)
+                )
+            }
         }
     }
 
-    /// [`super::dot_scalar`] of each of `rows` keys (`stride` apart) with `H` heads at once: a
-    /// key is read and converted once. Each accumulator `a` takes the same fused multiply-adds
-    /// in the same order as there (one pass over the key per accumulator), so the bits are the
-    /// reference's.
+    /// [`dots_avx2`] for each of `rows` keys (`stride` apart), up to `DOT_HEADS` heads at once
+    /// (a tile's queries): the query pointers are set up once per call.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dots_avx2<const H: usize>(
+    unsafe fn dot_rows_avx2<const H: usize>(
         keys: &[f16],
         (rows, stride, d): (usize, usize, usize),
         q: &[f32],

@@ -321,7 +321,8 @@ impl Decoder {
     /// Causal attention of every query row against its own sequence's keys and values
     /// (`views[layout.seq[t]]`, which already hold the batch's new rows). Local layers see the
     /// last `sliding_window` positions, self included. The query heads sharing a key/value head
-    /// are computed together (`attention::attend_group`).
+    /// are computed together, and in a prefill tiles of consecutive tokens too
+    /// (`attention::attend_rows`).
     pub(crate) fn attend<T: KvElem + 'static>(
         &self,
         layer: usize,
