@@ -209,7 +209,8 @@ pub(crate) fn attend_rows<T: KvElem + 'static>(
     }
     // A task per tile and key/value head, each given its tokens' outputs of that head.
     let mut slots: Vec<Option<&mut [f32]>> = out.chunks_mut(group * d).map(Some).collect();
-    let tasks: Vec<(std::ops::Range<usize>, usize, Vec<&mut [f32]>)> = tiles
+    type Task<'a> = (std::ops::Range<usize>, usize, Vec<&'a mut [f32]>);
+    let tasks: Vec<Task<'_>> = tiles
         .iter()
         .flat_map(|tile| (0..hkv).map(move |g| (tile.clone(), g)))
         .map(|(tile, g)| {
@@ -898,7 +899,7 @@ mod tests {
     /// sizes 64, 128 and 256 (and one with a tail), f16 and f32 keys and values, several
     /// sequences in one batch, the cache in chunks.
     fn tiles_equal_tokens_alone<T: KvElem + 'static>(convert: fn(&[f32]) -> Vec<T>) {
-        let mut seed = 0x5eed_0f_711e5u64;
+        let mut seed = 0x05ee_d0f7_11e5_u64;
         for (d, kv_heads, group, window, chunk) in [
             (128, 2, 2, None, 16),
             (128, 1, 1, Some(5), 7),
