@@ -8,10 +8,13 @@
 //! invariance, a cached prefix equal to a recomputed one, serving equal to training).
 //!
 //! The query heads that share a key/value head are computed together, so each key and value is
-//! read once per group. The scalar reference and the AVX2 path compute the same bits (tested on
-//! random data).
+//! read once per group; in a prefill, a tile of consecutive tokens of one sequence is computed
+//! together too (`attend_tile`), so each key and value is read and converted once per tile
+//! rather than once per token. The scalar reference and the AVX2 path, per token or in tiles,
+//! compute the same bits (tested on random data).
 
 use half::f16;
+use rayon::prelude::*;
 
 use crate::cache::KvView;
 use crate::kernels::Isa;
@@ -95,17 +98,7 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
         &mut inv_heap
     };
     for (h, row) in scores.chunks_exact_mut(n).enumerate() {
-        let mut max = f32::NEG_INFINITY;
-        for s in row.iter_mut() {
-            *s *= scale;
-            max = max.max(*s);
-        }
-        let mut sum = 0f32;
-        for s in row.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        inv[h] = 1.0 / sum;
+        inv[h] = softmax(row, scale);
     }
     // Weighted values, in key order.
     out.fill(0.0);
@@ -127,14 +120,296 @@ pub(crate) fn attend_group<T: KvElem + 'static>(
     }
 }
 
+/// A layer's attention heads: `heads` query heads, `kv_heads` key/value heads (each shared by
+/// `heads / kv_heads` query heads), `d` values each; local layers see the last `window`
+/// positions, self included.
+#[derive(Clone, Copy)]
+pub(crate) struct Shape {
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) d: usize,
+    pub(crate) window: Option<usize>,
+    pub(crate) scale: f32,
+}
+
+/// Causal attention of every query row `q` (`heads x d` each) against its own sequence's keys
+/// and values (`views[seq[t]]`, which already hold the rows' own keys and values; row `t` at
+/// position `pos[t]`). Consecutive rows of one sequence at consecutive positions are computed
+/// `tile` at a time per key/value head ([`attend_tile`]); each row's bits are the same whatever
+/// `tile` and the batch are.
+pub(crate) fn attend_rows<T: KvElem + 'static>(
+    isa: Isa,
+    q: &[f32],
+    views: &[KvView<'_, T>],
+    (seq, pos): (&[usize], &[usize]),
+    shape: Shape,
+    tile: usize,
+) -> Vec<f32> {
+    let Shape {
+        heads: h,
+        kv_heads: hkv,
+        d,
+        window,
+        scale,
+    } = shape;
+    let group = h / hkv;
+    let range = |t: usize| {
+        let p = pos[t];
+        (window.map_or(0, |w| (p + 1).saturating_sub(w)), p + 1)
+    };
+    let head = |g: usize| HeadColumns {
+        col: g * d,
+        d,
+        stride: hkv * d,
+    };
+    let threads = rayon::current_num_threads();
+    let tokens = pos.len();
+    let mut out = vec![0f32; q.len()];
+    // Tiles of consecutive rows of one sequence at consecutive positions.
+    let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
+    for t in 0..tokens {
+        match tiles.last_mut() {
+            Some(last) if last.len() < tile && seq[t] == seq[t - 1] && pos[t] == pos[t - 1] + 1 => {
+                last.end = t + 1
+            }
+            _ => tiles.push(t..t + 1),
+        }
+    }
+    if tiles.len() == tokens || tiles.len() * hkv < threads {
+        // A task per token and key/value head; with fewer tokens than threads (a decode step)
+        // the group's query heads are split between tasks too, so every thread works. Each
+        // head's arithmetic is the same either way.
+        let split = if tokens * hkv >= threads {
+            1
+        } else {
+            (1..=group.min(threads))
+                .rev()
+                .find(|k| group.is_multiple_of(*k))
+                .unwrap_or(1)
+        };
+        let heads_per_task = group / split;
+        out.par_chunks_mut(heads_per_task * d)
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (idx, o)| {
+                let first_head = idx * heads_per_task;
+                let (t, g) = (first_head / h, first_head % h / group);
+                let queries = &q[first_head * d..(first_head + heads_per_task) * d];
+                attend_group(
+                    isa,
+                    queries,
+                    scale,
+                    &views[seq[t]],
+                    range(t),
+                    head(g),
+                    o,
+                    scores,
+                );
+            });
+        return out;
+    }
+    // A task per tile and key/value head, each given its tokens' outputs of that head.
+    let mut slots: Vec<Option<&mut [f32]>> = out.chunks_mut(group * d).map(Some).collect();
+    type Task<'a> = (std::ops::Range<usize>, usize, Vec<&'a mut [f32]>);
+    let tasks: Vec<Task<'_>> = tiles
+        .iter()
+        .flat_map(|tile| (0..hkv).map(move |g| (tile.clone(), g)))
+        .map(|(tile, g)| {
+            let outs = tile
+                .clone()
+                .map(|t| slots[t * hkv + g].take().expect("each output once"))
+                .collect();
+            (tile, g, outs)
+        })
+        .collect();
+    tasks
+        .into_par_iter()
+        .for_each_init(TileScratch::default, |scratch, (tile, g, mut outs)| {
+            let view = &views[seq[tile.start]];
+            let ranges: Vec<(usize, usize)> = tile.clone().map(range).collect();
+            scratch.queries.clear();
+            for t in tile {
+                let at = t * h * d + g * group * d;
+                scratch.queries.extend_from_slice(&q[at..at + group * d]);
+            }
+            attend_tile(isa, scale, view, &ranges, head(g), &mut outs, scratch);
+        });
+    out
+}
+
+/// Scales `row`'s scores, replaces each by its unnormalised softmax weight `exp(s - max)` and
+/// returns `1 / Σ weights` (maximum, `exp` and sum in key order).
+#[inline(always)]
+fn softmax(row: &mut [f32], scale: f32) -> f32 {
+    // The maximum in eight lanes (a chain of `max` one score at a time waits on each): the
+    // same value whatever the order, but for the sign of a zero maximum, which `s - max`
+    // cannot tell from the other zero's before `exp` (`exp(±0) = 1`, and `s - ±0 = s`
+    // otherwise). A NaN score makes the sum NaN either way.
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (m, s) in lanes.iter_mut().zip(chunk) {
+            *s *= scale;
+            *m = m.max(*s);
+        }
+    }
+    for s in chunks.into_remainder() {
+        *s *= scale;
+        lanes[0] = lanes[0].max(*s);
+    }
+    let max = lanes.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    let mut sum = 0f32;
+    for s in row.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    1.0 / sum
+}
+
+/// Query tokens a prefill computes together per key/value head ([`attend_tile`]).
+pub(crate) const TILE_TOKENS: usize = 8;
+
+/// Scratch space of [`attend_tile`], kept by a thread between tiles.
+#[derive(Default)]
+pub(crate) struct TileScratch {
+    pub(crate) queries: Vec<f32>,
+    scores: Vec<f32>,
+    out: Vec<f32>,
+    inv: Vec<f32>,
+}
+
+/// [`attend_group`] for a tile of tokens of one sequence at once: token `i` has the group's
+/// heads at `scratch.queries[i * heads * d..]` (`heads x d`), sees positions `ranges[i]`, and
+/// its result goes to `outs[i]`. Each key of the tiles' ranges is scored for every query of the
+/// tile in one go (read and converted once), and the values the tokens all see are weighted
+/// for all of them together; the other values (the ragged causal ends, a window's moving
+/// start) are weighted token by token, in key order. Every token's bits are those
+/// [`attend_group`] gives it alone: each score is the same dot product, each softmax the same
+/// arithmetic over the token's own keys, and each output value takes the token's keys one
+/// fused multiply-add at a time in key order.
+pub(crate) fn attend_tile<T: KvElem + 'static>(
+    isa: Isa,
+    scale: f32,
+    view: &KvView<'_, T>,
+    ranges: &[(usize, usize)],
+    head: HeadColumns,
+    outs: &mut [&mut [f32]],
+    scratch: &mut TileScratch,
+) {
+    let HeadColumns { col, d, stride } = head;
+    let tokens = ranges.len();
+    let TileScratch {
+        queries,
+        scores,
+        out,
+        inv,
+    } = scratch;
+    let rows = queries.len() / d;
+    let heads = rows / tokens;
+    assert!(tokens > 0 && outs.len() == tokens && heads * tokens * d == queries.len());
+    assert!(ranges.iter().all(|&(lo, hi)| lo < hi));
+    assert!(outs.iter().all(|o| o.len() == heads * d));
+    let first = ranges.iter().map(|r| r.0).min().unwrap_or(0);
+    let end = ranges.iter().map(|r| r.1).max().unwrap_or(0);
+    // Positions every token sees: `shared_lo..shared_hi` (empty when the ranges do not overlap).
+    let shared_lo = ranges.iter().map(|r| r.0).max().unwrap_or(0);
+    let shared_hi = ranges.iter().map(|r| r.1).min().unwrap_or(0).max(shared_lo);
+    let n = end - first;
+    scores.clear();
+    scores.resize(rows * n, 0.0);
+    let ops = Ops::<T>::new(isa);
+
+    // Scores of every query of the tile for every key of the tiles' ranges, as in
+    // `attend_group` (a key outside a token's range is scored but never used).
+    // The keys of a span (at most `PIECE` rows of a span of the cache) in one call, a tile's
+    // queries taking long over each: the next span's keys and this span's values are asked for
+    // first.
+    const PIECE: usize = crate::cache::BLOCK_TOKENS;
+    let mut j = 0;
+    let mut spans = view
+        .spans(first, end, stride)
+        .flat_map(|(keys, values, rows)| {
+            (0..rows).step_by(PIECE).map(move |r| {
+                let take = PIECE.min(rows - r);
+                let at = r * stride..(r + take) * stride;
+                (&keys[at.clone()], &values[at], take)
+            })
+        })
+        .peekable();
+    while let Some((keys, values, span_rows)) = spans.next() {
+        let next_keys = spans.peek().map_or(&[][..], |next| next.0);
+        crate::kernels::prefetch_share(as_bytes(next_keys), 0, 1);
+        crate::kernels::prefetch_share(as_bytes(values), 0, 1);
+        let span = ValueRows {
+            values: keys,
+            rows: span_rows,
+            stride,
+            col,
+        };
+        (ops.dot_rows)(span, queries, scores, j, n);
+        j += span_rows;
+    }
+    // Each token's softmax over its own keys.
+    inv.clear();
+    inv.resize(rows, 0.0);
+    for (i, &(lo, hi)) in ranges.iter().enumerate() {
+        for h in 0..heads {
+            let m = i * heads + h;
+            inv[m] = softmax(&mut scores[m * n + lo - first..m * n + hi - first], scale);
+        }
+    }
+    // Weighted values: per token the keys before the shared ones, the shared ones for the whole
+    // tile, per token the keys after them.
+    out.clear();
+    out.resize(rows * d, 0.0);
+    let weigh = |(a, b): (usize, usize), scores: &[f32], out: &mut [f32]| {
+        let mut j = a - first;
+        for (_, values, span_rows) in view.spans(a, b, stride) {
+            let span = ValueRows {
+                values,
+                rows: span_rows,
+                stride,
+                col,
+            };
+            (ops.weighted)(span, scores, j, n, out);
+            j += span_rows;
+        }
+    };
+    let per_token = heads * n;
+    for (i, &(lo, hi)) in ranges.iter().enumerate() {
+        let before = (lo, shared_lo.min(hi));
+        if before.0 < before.1 {
+            let o = &mut out[i * heads * d..(i + 1) * heads * d];
+            weigh(before, &scores[i * per_token..(i + 1) * per_token], o);
+        }
+    }
+    if shared_lo < shared_hi {
+        weigh((shared_lo, shared_hi), scores, out);
+    }
+    for (i, &(lo, hi)) in ranges.iter().enumerate() {
+        let after = (shared_hi.max(lo), hi);
+        if after.0 < after.1 {
+            let o = &mut out[i * heads * d..(i + 1) * heads * d];
+            weigh(after, &scores[i * per_token..(i + 1) * per_token], o);
+        }
+    }
+    for (m, o) in out.chunks_exact_mut(d).enumerate() {
+        for x in o.iter_mut() {
+            *x *= inv[m];
+        }
+    }
+    for (i, dst) in outs.iter_mut().enumerate() {
+        dst.copy_from_slice(&out[i * heads * d..(i + 1) * heads * d]);
+    }
+}
+
 /// The bytes of a row of the cache (for prefetching).
 fn as_bytes<T: KvElem>(rows: &[T]) -> &[u8] {
     // SAFETY: `KvElem`s (f16, f32) are plain values: every byte of them is initialized.
     unsafe { std::slice::from_raw_parts(rows.as_ptr().cast(), std::mem::size_of_val(rows)) }
 }
 
-/// Consecutive value rows of one span of the cache: `rows` rows `stride` apart, the head's
-/// values from column `col`.
+/// Consecutive key or value rows of one span of the cache: `rows` rows `stride` apart, the
+/// head's values from column `col`.
 #[derive(Clone, Copy)]
 struct ValueRows<'a, T> {
     values: &'a [T],
@@ -148,8 +423,12 @@ struct ValueRows<'a, T> {
 /// at a time, in row order: the bits of the scalar reference whatever the instruction set.
 struct Ops<T> {
     /// `scores[h * n + j] = key · queries[h * d..]` for every head `h` of `queries`
-    /// (`d = key.len()`).
+    /// (`d = key.len()`): one token's scores, a key at a time (`attend_group`).
     dots: fn(&[T], &[f32], &mut [f32], usize, usize),
+    /// `scores[h * n + j + r] = key_r · queries[h * d..]` for each key row `r` of the span
+    /// and every query `h` of `queries` (`scores.len() / n` of them, `d` values each): a
+    /// tile's scores (`attend_tile`).
+    dot_rows: fn(ValueRows<'_, T>, &[f32], &mut [f32], usize, usize),
     /// For each row `r` of the span, in order, and each head `h`: `out[h * d..] += scores[h * n
     /// + j + r] · value_r` (`d = out.len() / heads`, the heads `scores.len() / n`).
     weighted: fn(ValueRows<'_, T>, &[f32], usize, usize, &mut [f32]),
@@ -166,6 +445,7 @@ impl<T: KvElem + 'static> Ops<T> {
         let _ = isa;
         Ops {
             dots: dots_scalar::<T>,
+            dot_rows: dot_rows_scalar::<T>,
             weighted: weighted_scalar::<T>,
         }
     }
@@ -174,6 +454,22 @@ impl<T: KvElem + 'static> Ops<T> {
 fn dots_scalar<T: KvElem>(key: &[T], queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
     for (h, q) in queries.chunks_exact(key.len()).enumerate() {
         scores[h * n + j] = dot_scalar(key, q);
+    }
+}
+
+fn dot_rows_scalar<T: KvElem>(
+    span: ValueRows<'_, T>,
+    queries: &[f32],
+    scores: &mut [f32],
+    j: usize,
+    n: usize,
+) {
+    let d = queries.len() / (scores.len() / n);
+    for r in 0..span.rows {
+        let key = &span.values[r * span.stride + span.col..][..d];
+        for (h, q) in queries.chunks_exact(d).enumerate() {
+            scores[h * n + j + r] = dot_scalar(key, q);
+        }
     }
 }
 
@@ -227,8 +523,12 @@ mod x86 {
 
     use super::{Ops, ValueRows, LANES, STEP};
 
-    /// Heads a call of the AVX2 loops takes together (their accumulators stay in registers).
+    /// Heads a call of the AVX2 weighted sums takes together (their accumulators stay in
+    /// registers: two each).
     const HEADS: usize = 4;
+    /// Queries a call of the AVX2 dot products takes together (one accumulator each, the key
+    /// in another register): a tile of tokens scores each key for eight queries at a time.
+    const DOT_HEADS: usize = 8;
 
     /// The AVX2 operations for f16 rows (the serving cache); `None` for other element types.
     pub(super) fn ops<T: 'static>() -> Option<Ops<T>> {
@@ -242,6 +542,10 @@ mod x86 {
                     fn(&[f16], &[f32], &mut [f32], usize, usize),
                     fn(&[T], &[f32], &mut [f32], usize, usize),
                 >(dots),
+                dot_rows: std::mem::transmute::<
+                    fn(ValueRows<'_, f16>, &[f32], &mut [f32], usize, usize),
+                    fn(ValueRows<'_, T>, &[f32], &mut [f32], usize, usize),
+                >(dot_rows),
                 weighted: std::mem::transmute::<
                     fn(ValueRows<'_, f16>, &[f32], usize, usize, &mut [f32]),
                     fn(ValueRows<'_, T>, &[f32], usize, usize, &mut [f32]),
@@ -264,6 +568,22 @@ mod x86 {
                 2 => $f::<2>($($arg),*),
                 3 => $f::<3>($($arg),*),
                 _ => $f::<4>($($arg),*),
+            }
+        };
+    }
+
+    /// [`with_heads`] up to `DOT_HEADS`.
+    macro_rules! with_dot_heads {
+        ($h:expr, $f:ident($($arg:expr),*)) => {
+            match $h {
+                1 => $f::<1>($($arg),*),
+                2 => $f::<2>($($arg),*),
+                3 => $f::<3>($($arg),*),
+                4 => $f::<4>($($arg),*),
+                5 => $f::<5>($($arg),*),
+                6 => $f::<6>($($arg),*),
+                7 => $f::<7>($($arg),*),
+                _ => $f::<8>($($arg),*),
             }
         };
     }
@@ -317,6 +637,79 @@ mod x86 {
                 sum = key[at].to_f32().mul_add(qh[at], sum);
             }
             sums[h * n] = sum;
+        }
+    }
+
+    fn dot_rows(span: ValueRows<'_, f16>, queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
+        let heads = scores.len() / n;
+        let d = queries.len() / heads.max(1);
+        let ValueRows {
+            values: keys,
+            rows,
+            stride,
+            col,
+        } = span;
+        assert!(d > 0 && heads * d == queries.len() && j + rows <= n);
+        assert!(rows == 0 || keys.len() >= (rows - 1) * stride + col + d);
+        let keys = &keys[col..];
+        for h0 in (0..heads).step_by(DOT_HEADS) {
+            let q = &queries[h0 * d..];
+            let sums = &mut scores[h0 * n + j..];
+            // SAFETY: `Isa::detect` named AVX2 (with FMA and F16C) before these ops were chosen;
+            // `q` holds the call's heads (`d` values each), `sums` has them `n` apart and room
+            // for `rows` scores each (above), the keys' rows lie in `keys` (above).
+            unsafe {
+                with_dot_heads!(
+                    heads - h0,
+                    dot_rows_avx2(keys, (rows, stride, d), q, sums, n)
+                )
+            }
+        }
+    }
+
+    /// [`dots_avx2`] for each of `rows` keys (`stride` apart), up to `DOT_HEADS` heads at once
+    /// (a tile's queries): the query pointers are set up once per call.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_rows_avx2<const H: usize>(
+        keys: &[f16],
+        (rows, stride, d): (usize, usize, usize),
+        q: &[f32],
+        sums: &mut [f32],
+        n: usize,
+    ) {
+        let whole = d / STEP * STEP;
+        let qp: [*const f32; H] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
+        for r in 0..rows {
+            let key = &keys[r * stride..][..d];
+            let kp = key.as_ptr();
+            let mut parts = [[_mm256_setzero_ps(); 4]; H];
+            for a in 0..4 {
+                let mut acc = [_mm256_setzero_ps(); H];
+                for i in (a * LANES..whole).step_by(STEP) {
+                    // SAFETY: `i + 8 <= whole <= d` for the key and each head's query.
+                    unsafe {
+                        let k = load8(kp.add(i));
+                        for (acc, qp) in acc.iter_mut().zip(qp) {
+                            *acc = _mm256_fmadd_ps(k, _mm256_loadu_ps(qp.add(i)), *acc);
+                        }
+                    }
+                }
+                for (part, acc) in parts.iter_mut().zip(acc) {
+                    part[a] = acc;
+                }
+            }
+            for (h, p) in parts.iter().enumerate() {
+                let folded = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
+                let mut lanes = [0f32; LANES];
+                // SAFETY: eight floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), folded) };
+                let mut sum = crate::kernels::hsum8(&lanes);
+                let qh = &q[h * d..(h + 1) * d];
+                for at in whole..d {
+                    sum = key[at].to_f32().mul_add(qh[at], sum);
+                }
+                sums[h * n + r] = sum;
+            }
         }
     }
 
@@ -484,6 +877,182 @@ mod tests {
                         .zip(&reference)
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{isa:?} d={d} n={n} chunk={chunk}");
+                }
+            }
+        }
+    }
+
+    /// Keys and values of one sequence, `n` rows of `stride` in chunks of `chunk` rows.
+    fn chunked<'a, T>(
+        keys: &'a [T],
+        values: &'a [T],
+        stride: usize,
+        chunk: usize,
+    ) -> KvView<'a, T> {
+        let rows = chunk * stride;
+        KvView::chunked(keys.chunks(rows).zip(values.chunks(rows)).collect(), chunk)
+    }
+
+    /// Tiles of tokens (`attend_tile`, through `attend_rows`) give each token the bits the
+    /// scalar reference gives it alone (`attend_group`), on every instruction set: ragged causal
+    /// ends, sliding windows (narrower and wider than a tile), groups of 1, 2 and 4 heads, head
+    /// sizes 64, 128 and 256 (and one with a tail), f16 and f32 keys and values, several
+    /// sequences in one batch, the cache in chunks.
+    fn tiles_equal_tokens_alone<T: KvElem + 'static>(convert: fn(&[f32]) -> Vec<T>) {
+        let mut seed = 0x05ee_d0f7_11e5_u64;
+        for (d, kv_heads, group, window, chunk) in [
+            (128, 2, 2, None, 16),
+            (128, 1, 1, Some(5), 7),
+            (64, 2, 4, None, 300),
+            (256, 1, 4, Some(20), 16),
+            (64, 3, 2, Some(3), 1),
+            (40, 1, 2, None, 16),
+        ] {
+            let h = kv_heads * group;
+            let stride = kv_heads * d;
+            // Sequences: (cached positions before the batch, new rows).
+            let seqs = [(0usize, 29usize), (13, 1), (5, 17)];
+            let keys: Vec<Vec<T>> = seqs
+                .iter()
+                .map(|&(c, n)| convert(&random(&mut seed, (c + n) * stride, 3.0)))
+                .collect();
+            let values: Vec<Vec<T>> = seqs
+                .iter()
+                .map(|&(c, n)| convert(&random(&mut seed, (c + n) * stride, 2.0)))
+                .collect();
+            let views: Vec<KvView<'_, T>> = keys
+                .iter()
+                .zip(&values)
+                .map(|(k, v)| chunked(k, v, stride, chunk))
+                .collect();
+            let (mut seq, mut pos) = (Vec::new(), Vec::new());
+            for (s, &(c, n)) in seqs.iter().enumerate() {
+                seq.extend(std::iter::repeat_n(s, n));
+                pos.extend(c..c + n);
+            }
+            let q = random(&mut seed, pos.len() * h * d, 3.0);
+            let shape = Shape {
+                heads: h,
+                kv_heads,
+                d,
+                window,
+                scale: 0.3,
+            };
+            let mut reference = vec![0f32; q.len()];
+            for (t, o) in reference.chunks_exact_mut(group * d).enumerate() {
+                let (t, g) = (t / kv_heads, t % kv_heads);
+                let lo = window.map_or(0, |w| (pos[t] + 1).saturating_sub(w));
+                let head = HeadColumns {
+                    col: g * d,
+                    d,
+                    stride,
+                };
+                let at = t * h * d + g * group * d;
+                let queries = &q[at..at + group * d];
+                let range = (lo, pos[t] + 1);
+                let view = &views[seq[t]];
+                attend_group(
+                    Isa::Scalar,
+                    queries,
+                    0.3,
+                    view,
+                    range,
+                    head,
+                    o,
+                    &mut Vec::new(),
+                );
+            }
+            for isa in Isa::available() {
+                for tile in [1, 2, 3, 8] {
+                    let out = attend_rows(isa, &q, &views, (&seq, &pos), shape, tile);
+                    let same = out
+                        .iter()
+                        .zip(&reference)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{isa:?} d={d} group={group} {window:?} tile={tile}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_equal_tokens_alone_f16() {
+        tiles_equal_tokens_alone::<f16>(half);
+    }
+
+    #[test]
+    fn tiles_equal_tokens_alone_f32() {
+        tiles_equal_tokens_alone::<f32>(|x| x.to_vec());
+    }
+
+    /// CPU time of every thread of this process so far (Linux; 0 elsewhere): steadier than
+    /// wall time on a shared machine.
+    fn cpu_seconds() -> f64 {
+        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+            return 0.0;
+        };
+        let ns: u64 = tasks
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        ns as f64 * 1e-9
+    }
+
+    /// Time of one layer's prefill attention (one sequence of N new tokens, the cache in
+    /// blocks of `BLOCK_TOKENS` rows) per token at a time (tile 1, the decode path) and in
+    /// tiles, with the best instruction set here (`TEMPER_ISA=avx2` for the AVX2 kernels), the
+    /// best of several trials: `cargo test --release -p temper-model --lib -- --ignored
+    /// --nocapture prefill_attention_throughput` (`ATTN_TILES=1,4,8` picks the tiles, `ATTN_BENCH=Gemma` the shapes whose line contains
+    /// that text).
+    #[test]
+    #[ignore]
+    fn prefill_attention_throughput() {
+        let isa = Isa::detect();
+        let block = crate::cache::BLOCK_TOKENS;
+        let tiles: Vec<usize> = std::env::var("ATTN_TILES")
+            .map(|v| v.split(',').map(|t| t.parse().unwrap()).collect())
+            .unwrap_or(vec![1, TILE_TOKENS]);
+        let mut seed = 7u64;
+        for (name, h, hkv, d) in [("Qwen3-0.6B", 16, 8, 128), ("Gemma 3 270M", 4, 1, 256)] {
+            for n in [512, 2048] {
+                let label = format!("{name} N={n}");
+                if !label.contains(&std::env::var("ATTN_BENCH").unwrap_or_default()) {
+                    continue;
+                }
+                let stride = hkv * d;
+                let blocks: Vec<(Vec<f16>, Vec<f16>)> = (0..n / block)
+                    .map(|_| {
+                        let k = half(&random(&mut seed, block * stride, 3.0));
+                        (k, half(&random(&mut seed, block * stride, 2.0)))
+                    })
+                    .collect();
+                let chunks = blocks.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+                let views = [KvView::chunked(chunks, block)];
+                let q = random(&mut seed, n * h * d, 1.0);
+                let (seq, pos) = (vec![0; n], (0..n).collect::<Vec<_>>());
+                let shape = Shape {
+                    heads: h,
+                    kv_heads: hkv,
+                    d,
+                    window: None,
+                    scale: 0.1,
+                };
+                for &tile in &tiles {
+                    let trials = if n > 1000 { 5 } else { 15 };
+                    let (mut best, mut best_cpu) = (f64::INFINITY, f64::INFINITY);
+                    for _ in 0..trials {
+                        let (t, cpu) = (std::time::Instant::now(), cpu_seconds());
+                        let rows = (&seq[..], &pos[..]);
+                        std::hint::black_box(attend_rows(isa, &q, &views, rows, shape, tile));
+                        best = best.min(t.elapsed().as_secs_f64());
+                        best_cpu = best_cpu.min(cpu_seconds() - cpu);
+                    }
+                    println!(
+                        "{name} ({h} heads, {hkv} kv, d {d}) {isa:?} N={n} tile {tile}: {:.0} µs \
+                         (CPU time of all threads {:.0} µs)",
+                        best * 1e6,
+                        best_cpu * 1e6
+                    );
                 }
             }
         }

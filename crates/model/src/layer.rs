@@ -6,9 +6,8 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
 
-use crate::attention::{self, HeadColumns, KvElem};
+use crate::attention::{self, KvElem};
 use crate::cache::KvView;
 use crate::kernels::Isa;
 use crate::linear::Linear;
@@ -322,7 +321,8 @@ impl Decoder {
     /// Causal attention of every query row against its own sequence's keys and values
     /// (`views[layout.seq[t]]`, which already hold the batch's new rows). Local layers see the
     /// last `sliding_window` positions, self included. The query heads sharing a key/value head
-    /// are computed together (`attention::attend_group`).
+    /// are computed together, and in a prefill tiles of consecutive tokens too
+    /// (`attention::attend_rows`).
     pub(crate) fn attend<T: KvElem + 'static>(
         &self,
         layer: usize,
@@ -331,43 +331,21 @@ impl Decoder {
         layout: &BatchLayout,
     ) -> Vec<f32> {
         let cfg = &self.cfg;
-        let (h, hkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let group = h / hkv;
-        let window = (!cfg.is_global(layer)).then_some(cfg.sliding_window);
-        let scale = cfg.attention_scale;
-        let isa = Isa::detect();
-        // A task per token and key/value head; with fewer tokens than threads (a decode step)
-        // the group's query heads are split between tasks too, so every thread works. Each
-        // head's arithmetic is the same either way.
-        let threads = rayon::current_num_threads();
-        let tokens = layout.pos.len();
-        let split = if tokens * hkv >= threads {
-            1
-        } else {
-            (1..=group.min(threads))
-                .rev()
-                .find(|k| group.is_multiple_of(*k))
-                .unwrap_or(1)
+        let shape = attention::Shape {
+            heads: cfg.num_heads,
+            kv_heads: cfg.num_kv_heads,
+            d: cfg.head_dim,
+            window: (!cfg.is_global(layer)).then_some(cfg.sliding_window),
+            scale: cfg.attention_scale,
         };
-        let heads_per_task = group / split;
-        let mut out = vec![0f32; q.len()];
-        out.par_chunks_mut(heads_per_task * d)
-            .enumerate()
-            .for_each_init(Vec::new, |scores, (idx, o)| {
-                let first_head = idx * heads_per_task;
-                let (t, g) = (first_head / h, first_head % h / group);
-                let pos = layout.pos[t];
-                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                let head = HeadColumns {
-                    col: g * d,
-                    d,
-                    stride: hkv * d,
-                };
-                let queries = &q[first_head * d..(first_head + heads_per_task) * d];
-                let view = &views[layout.seq[t]];
-                attention::attend_group(isa, queries, scale, view, (lo, pos + 1), head, o, scores);
-            });
-        out
+        attention::attend_rows(
+            Isa::detect(),
+            q,
+            views,
+            (&layout.seq, &layout.pos),
+            shape,
+            attention::TILE_TOKENS,
+        )
     }
 }
 
