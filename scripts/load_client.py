@@ -120,6 +120,7 @@ class Client:
                     break
             first = None
             last = None
+            finished = None
             chunks = 0
             usage = None
             text = []
@@ -136,6 +137,8 @@ class Client:
                 if ev.get("usage"):
                     usage = ev["usage"]
                 for ch in ev.get("choices") or []:
+                    if ch.get("finish_reason") and finished is None:
+                        finished = now
                     delta = ch.get("delta") or {}
                     piece = delta.get("content") or delta.get("reasoning_content") or ""
                     if piece:
@@ -147,6 +150,11 @@ class Client:
             t_end = time.perf_counter()
         finally:
             conn.close()
+        if first is None and finished is not None and (usage or {}).get("completion_tokens"):
+            # Tokens that decode to no text by themselves (a random-weight model's byte pieces,
+            # a lone special token): the answer's time is that of the chunk that ends it.
+            first = last = finished
+            chunks = 1
         if first is None:
             raise RuntimeError("the stream carried no generated text")
         tokens = chunks
