@@ -985,19 +985,6 @@ mod tests {
         tiles_equal_tokens_alone::<f32>(|x| x.to_vec());
     }
 
-    /// CPU time of every thread of this process so far (Linux; 0 elsewhere): steadier than
-    /// wall time on a shared machine.
-    fn cpu_seconds() -> f64 {
-        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-            return 0.0;
-        };
-        let ns: u64 = tasks
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
-            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-            .sum();
-        ns as f64 * 1e-9
-    }
-
     /// Time of one layer's prefill attention (one sequence of N new tokens, the cache in
     /// blocks of `BLOCK_TOKENS` rows) per token at a time (tile 1, the decode path) and in
     /// tiles, with the best instruction set here (`TEMPER_ISA=avx2` for the AVX2 kernels), the
@@ -1041,11 +1028,14 @@ mod tests {
                     let trials = if n > 1000 { 5 } else { 15 };
                     let (mut best, mut best_cpu) = (f64::INFINITY, f64::INFINITY);
                     for _ in 0..trials {
-                        let (t, cpu) = (std::time::Instant::now(), cpu_seconds());
+                        let (t, cpu) = (
+                            std::time::Instant::now(),
+                            crate::kernels::test_util::cpu_seconds(),
+                        );
                         let rows = (&seq[..], &pos[..]);
                         std::hint::black_box(attend_rows(isa, &q, &views, rows, shape, tile));
                         best = best.min(t.elapsed().as_secs_f64());
-                        best_cpu = best_cpu.min(cpu_seconds() - cpu);
+                        best_cpu = best_cpu.min(crate::kernels::test_util::cpu_seconds() - cpu);
                     }
                     println!(
                         "{name} ({h} heads, {hkv} kv, d {d}) {isa:?} N={n} tile {tile}: {:.0} µs \

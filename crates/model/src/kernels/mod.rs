@@ -32,7 +32,7 @@ mod q6_k;
 mod q8_0;
 mod q8_0_pairs;
 #[cfg(test)]
-mod test_util;
+pub(crate) mod test_util;
 
 use std::sync::OnceLock;
 
@@ -762,7 +762,7 @@ mod x86 {
 mod tests {
     use std::time::Instant;
 
-    use super::test_util::{random_gguf, Rng};
+    use super::test_util::{cpu_seconds, random_gguf, Rng};
     use super::*;
 
     #[test]
@@ -867,19 +867,6 @@ mod tests {
             q8_0_pairs::widen(isa, &w, nb, &mut wide);
             run::<q8_0_pairs::Q8_0Pairs>("Q8_0 widened to pairs", isa, &wide, &x, nb, rows);
         }
-    }
-
-    /// CPU time of every thread of this process so far (Linux; 0 elsewhere). On a shared
-    /// machine the CPU time a call takes, times the threads, is steadier than its wall time.
-    fn cpu_seconds() -> f64 {
-        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-            return 0.0;
-        };
-        let ns: u64 = tasks
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
-            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-            .sum();
-        ns as f64 * 1e-9
     }
 
     /// Time per call of the model's matmul shapes with the best instruction set here, the best

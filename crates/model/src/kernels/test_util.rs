@@ -205,3 +205,16 @@ pub(crate) fn check_dequantized_as_candle(format: WeightFormat, rng: &mut Rng) {
         );
     }
 }
+
+/// CPU time of every thread of this process so far (Linux; 0 elsewhere). On a shared machine the
+/// CPU time a call takes, times the threads, is steadier than its wall time (the timing tests).
+pub(crate) fn cpu_seconds() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    let ns: u64 = tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    ns as f64 * 1e-9
+}
