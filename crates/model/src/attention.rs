@@ -607,9 +607,25 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dots_avx2<const H: usize>(key: &[f16], q: &[f32], sums: &mut [f32], n: usize) {
         let d = key.len();
+        let qp: [*const f32; H] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { dot_key(key, &qp, q, sums, n) }
+    }
+
+    /// One key's scores for `H` heads (`qp` their queries in `q`), into `sums[h * n]`: the
+    /// arithmetic of [`dots_avx2`], shared with the tiles' [`dot_rows_avx2`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn dot_key<const H: usize>(
+        key: &[f16],
+        qp: &[*const f32; H],
+        q: &[f32],
+        sums: &mut [f32],
+        n: usize,
+    ) {
+        let d = key.len();
         let whole = d / STEP * STEP;
         let kp = key.as_ptr();
-        let qp: [*const f32; H] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
         let mut parts = [[_mm256_setzero_ps(); 4]; H];
         for a in 0..4 {
             let mut acc = [_mm256_setzero_ps(); H];
@@ -677,39 +693,10 @@ mod x86 {
         sums: &mut [f32],
         n: usize,
     ) {
-        let whole = d / STEP * STEP;
         let qp: [*const f32; H] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
         for r in 0..rows {
-            let key = &keys[r * stride..][..d];
-            let kp = key.as_ptr();
-            let mut parts = [[_mm256_setzero_ps(); 4]; H];
-            for a in 0..4 {
-                let mut acc = [_mm256_setzero_ps(); H];
-                for i in (a * LANES..whole).step_by(STEP) {
-                    // SAFETY: `i + 8 <= whole <= d` for the key and each head's query.
-                    unsafe {
-                        let k = load8(kp.add(i));
-                        for (acc, qp) in acc.iter_mut().zip(qp) {
-                            *acc = _mm256_fmadd_ps(k, _mm256_loadu_ps(qp.add(i)), *acc);
-                        }
-                    }
-                }
-                for (part, acc) in parts.iter_mut().zip(acc) {
-                    part[a] = acc;
-                }
-            }
-            for (h, p) in parts.iter().enumerate() {
-                let folded = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
-                let mut lanes = [0f32; LANES];
-                // SAFETY: eight floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), folded) };
-                let mut sum = crate::kernels::hsum8(&lanes);
-                let qh = &q[h * d..(h + 1) * d];
-                for at in whole..d {
-                    sum = key[at].to_f32().mul_add(qh[at], sum);
-                }
-                sums[h * n + r] = sum;
-            }
+            // SAFETY: the caller's guarantees, passed on; row `r`'s scores at `sums[h * n + r]`.
+            unsafe { dot_key(&keys[r * stride..][..d], &qp, q, &mut sums[r..], n) }
         }
     }
 
