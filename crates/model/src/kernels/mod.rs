@@ -742,6 +742,14 @@ macro_rules! with_act_rows {
 #[cfg(target_arch = "x86_64")]
 use with_act_rows;
 
+/// Four i8 values from `at` as one little-endian i32 (for a broadcast): one load, where four
+/// byte reads at an offset not known at compile time are four loads, shifts and ors.
+#[inline(always)]
+pub(crate) fn four_values(qs: &[i8], at: usize) -> i32 {
+    let four: &[i8; 4] = qs[at..at + 4].try_into().expect("four values");
+    i32::from_le_bytes(four.map(|v| v as u8))
+}
+
 /// ggml's `hsum_float_8`: `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
 pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
     ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
@@ -915,6 +923,17 @@ mod tests {
             (WeightFormat::Q4K, 1024, 151_936, 1, 4),
             (WeightFormat::Q6K, 3072, 1024, 1, 400),
             (WeightFormat::Q4K, 3072, 1024, 1, 400),
+            // Gemma-3-1B's widths (1152 is no multiple of 256: Q4_K_M files fall back to Q5_0
+            // and Q8_0 there) and its Q8_0 LM head.
+            (WeightFormat::Q5_0, 1152, 6912, 1, 100),
+            (WeightFormat::Q5_0, 1152, 1024, 1, 400),
+            (WeightFormat::Q8_0, 1152, 256, 1, 400),
+            (WeightFormat::Q6K, 6912, 1152, 1, 100),
+            (WeightFormat::Q8_0, 1152, 262_144, 1, 4),
+            (WeightFormat::Q8_0PairBound, 1152, 262_144, 1, 4),
+            (WeightFormat::Q5_0, 1152, 6912, 128, 4),
+            (WeightFormat::Q4K, 1024, 3072, 128, 10),
+            (WeightFormat::Q4K, 2048, 8192, 128, 2),
         ] {
             let label = format!("{format:?} {isa:?} {rows} x {in_dim} -> {out_dim}");
             if !label.contains(&std::env::var("KERNEL_BENCH").unwrap_or_default()) {

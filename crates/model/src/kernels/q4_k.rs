@@ -79,7 +79,6 @@ impl<const FIFTH_BIT: bool> Kernel for KQuant<FIFTH_BIT> {
                 Isa::Avx512 => {
                     with_act_rows!(na, x86::avx512_rows[FIFTH_BIT](w, acts, nb, out))
                 }
-                _ if na == 1 => x86::avx2_rows_few::<1, FIFTH_BIT>(w, acts, nb, out),
                 _ => with_act_rows!(na, x86::avx2_rows[FIFTH_BIT](w, acts, nb, out)),
             }
         }
@@ -308,12 +307,7 @@ mod x86 {
     /// Four activation values (from byte `at`) as one i32, broadcast.
     #[inline(always)]
     fn four(ab: &Q8KBlock, at: usize) -> i32 {
-        i32::from_le_bytes([
-            ab.qs[at] as u8,
-            ab.qs[at + 1] as u8,
-            ab.qs[at + 2] as u8,
-            ab.qs[at + 3] as u8,
-        ])
+        super::super::four_values(&ab.qs, at)
     }
 
     /// The activation's sums of sub-blocks `2m` and `2m + 1` as one i32 (two i16), broadcast.
@@ -356,11 +350,49 @@ mod x86 {
         *acc_min = _mm512_fmadd_ps(m, _mm512_mul_ps(scales.1, da), *acc_min);
     }
 
+    /// A run of steps from `first` (of sub-blocks `2c` and `2c + 1`, `c = first / 8`) into
+    /// the rows' integer sums: the products of the low and of the high nibbles add up in i16,
+    /// then one `madd` each by the sub-block's scale.
+    ///
+    /// # Safety
+    /// `p` points to a whole group block.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn run_sums<const NA: usize, const FIFTH_BIT: bool>(
+        p: *const u8,
+        h: usize,
+        steps: std::ops::Range<usize>,
+        ab: &[&Q8KBlock; NA],
+        sc: &[__m256i; 2],
+        isum: &mut [__m256i; NA],
+    ) {
+        let c = steps.start / 8;
+        let mut sum16 = [[_mm256_setzero_si256(); 2]; NA];
+        for step in steps {
+            let t = step % 8;
+            // SAFETY: `p` is a whole group block.
+            let (lo, hi) = unsafe { step_avx2::<FIFTH_BIT>(p, step, h) };
+            for (sum16, ab) in sum16.iter_mut().zip(ab) {
+                let x = _mm256_set1_epi32(four(ab, 64 * c + 4 * t));
+                sum16[0] = _mm256_add_epi16(sum16[0], _mm256_maddubs_epi16(lo, x));
+                let x = _mm256_set1_epi32(four(ab, 64 * c + 32 + 4 * t));
+                sum16[1] = _mm256_add_epi16(sum16[1], _mm256_maddubs_epi16(hi, x));
+            }
+        }
+        for (isum, sum16) in isum.iter_mut().zip(sum16) {
+            let lo = _mm256_madd_epi16(sum16[0], sc[0]);
+            let hi = _mm256_madd_epi16(sum16[1], sc[1]);
+            *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(lo, hi));
+        }
+    }
+
     /// Eight rows (half a group) per register; each step's quants (four bytes of every row:
     /// low nibbles of sub-block `2c`, high of `2c + 1`) made once for all `NA` activation rows,
-    /// multiplied by four activation values through `maddubs` (unsigned 4-bit times signed,
-    /// exact in i16), then by the sub-block's scale through `madd` (the scale twice per row
-    /// lane), straight into the row's integer sum.
+    /// multiplied by four activation values through `maddubs` (unsigned quant times signed,
+    /// exact in i16). A sub-block's products add up in i16 (a run of eight steps for Q4_K,
+    /// `8 · 2 · 15 · 127 < 2^15`; of four for Q5_K, `4 · 2 · 31 · 127 < 2^15`) before one
+    /// `madd` by the sub-block's scale (twice per row lane) into the row's integer sum: a
+    /// multiply per 32 products where a `madd` every step took two.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2_rows<const NA: usize, const FIFTH_BIT: bool>(
         w: &[u8],
@@ -369,9 +401,14 @@ mod x86 {
         out: TileOut<'_>,
     ) {
         let group_block = KQuant::<FIFTH_BIT>::GROUP_BLOCK;
-        // A loop LLVM does not unroll: unrolled, it hoists the steps' quants ahead of their
-        // uses and spills them.
-        let steps = std::hint::black_box(32usize);
+        let run = if FIFTH_BIT { 4 } else { 8 };
+        // A loop LLVM does not unroll for several activation rows: unrolled, it hoists the
+        // steps' quants ahead of their uses and spills them.
+        let runs = if NA == 1 {
+            8 / run
+        } else {
+            std::hint::black_box(8 / run)
+        };
         for (g, group) in w.chunks_exact(nb * group_block).enumerate() {
             for h in 0..2 {
                 let mut acc = [_mm256_setzero_ps(); NA];
@@ -379,26 +416,32 @@ mod x86 {
                 for (b, gb) in group.chunks_exact(group_block).enumerate() {
                     let p = gb.as_ptr();
                     let ab: [&Q8KBlock; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
-                    // Sub-block `j`'s scale of rows 8h.., in both i16 halves of the row's lane.
-                    let sc: [__m256i; 8] = std::array::from_fn(|j| {
-                        // SAFETY: eight scale bytes of sub-block `j` inside the block.
-                        let v = _mm256_cvtepu8_epi32(unsafe {
-                            _mm_loadl_epi64(p.add(SCALES + GROUP * j + 8 * h) as *const __m128i)
-                        });
-                        _mm256_or_si256(v, _mm256_slli_epi32::<16>(v))
-                    });
                     let mut isum = [_mm256_setzero_si256(); NA];
-                    for step in 0..steps {
-                        let step = step & 31;
-                        let (c, t) = (step / 8, step % 8);
-                        // SAFETY: `p` is a whole group block.
-                        let (lo, hi) = unsafe { step_avx2::<FIFTH_BIT>(p, step, h) };
-                        for (isum, ab) in isum.iter_mut().zip(ab) {
-                            let x = _mm256_set1_epi32(four(ab, 64 * c + 4 * t));
-                            let l = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), sc[2 * c]);
-                            let x = _mm256_set1_epi32(four(ab, 64 * c + 32 + 4 * t));
-                            let u = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), sc[2 * c + 1]);
-                            *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(l, u));
+                    for c in 0..4 {
+                        // Sub-block `2c + k`'s scale of rows 8h.., in both i16 halves of the
+                        // row's lane.
+                        let sc = [0, 1].map(|k| {
+                            // SAFETY: eight scale bytes of sub-block `2c + k` inside the block.
+                            let v = _mm256_cvtepu8_epi32(unsafe {
+                                _mm_loadl_epi64(
+                                    p.add(SCALES + GROUP * (2 * c + k) + 8 * h) as *const __m128i
+                                )
+                            });
+                            _mm256_or_si256(v, _mm256_slli_epi32::<16>(v))
+                        });
+                        for r in 0..runs {
+                            let first = 8 * c + run * (r % (8 / run));
+                            // SAFETY: `p` is a whole group block.
+                            unsafe {
+                                run_sums::<NA, FIFTH_BIT>(
+                                    p,
+                                    h,
+                                    first..first + run,
+                                    &ab,
+                                    &sc,
+                                    &mut isum,
+                                )
+                            };
                         }
                     }
                     // SAFETY: d and dmin of rows 8h.. are inside the block.
@@ -422,87 +465,6 @@ mod x86 {
                         }
                         let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
                         fold8(acc, acc_min, (isum[a], msum), (dw, dminw), ab[a].d);
-                    }
-                }
-                for a in 0..NA {
-                    let y = _mm256_sub_ps(acc[a], acc_min[a]);
-                    _mm256_storeu_ps(out.at(a, g * GROUP + 8 * h), y);
-                }
-            }
-        }
-    }
-
-    /// The same integers for few activation rows: each activation row's sub-block sums kept
-    /// apart and scaled once per sub-block (faster for one row, where nothing is shared).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2_rows_few<const NA: usize, const FIFTH_BIT: bool>(
-        w: &[u8],
-        acts: &[Q8KBlock],
-        nb: usize,
-        out: TileOut<'_>,
-    ) {
-        let group_block = KQuant::<FIFTH_BIT>::GROUP_BLOCK;
-        let ones = _mm256_set1_epi16(1);
-        for (g, group) in w.chunks_exact(nb * group_block).enumerate() {
-            for h in 0..2 {
-                let mut acc = [_mm256_setzero_ps(); NA];
-                let mut acc_min = [_mm256_setzero_ps(); NA];
-                for (b, gb) in group.chunks_exact(group_block).enumerate() {
-                    let p = gb.as_ptr();
-                    // SAFETY: d and dmin of rows 8h.. are inside the block.
-                    let (dw, dminw) = unsafe {
-                        (
-                            _mm256_cvtph_ps(_mm_loadu_si128(p.add(D + 16 * h) as *const __m128i)),
-                            _mm256_cvtph_ps(
-                                _mm_loadu_si128(p.add(DMIN + 16 * h) as *const __m128i),
-                            ),
-                        )
-                    };
-                    let mut isum = [_mm256_setzero_si256(); NA];
-                    let mut msum = [_mm256_setzero_si256(); NA];
-                    for c in 0..4 {
-                        let mut sub = [[_mm256_setzero_si256(); 2]; NA];
-                        for t in 0..8 {
-                            // SAFETY: `p` is a whole group block.
-                            let (lo, hi) = unsafe { step_avx2::<FIFTH_BIT>(p, 8 * c + t, h) };
-                            for (a, sub) in sub.iter_mut().enumerate() {
-                                let ab = &acts[a * nb + b];
-                                for (k, q) in [lo, hi].into_iter().enumerate() {
-                                    let x = _mm256_set1_epi32(four(ab, 64 * c + 32 * k + 4 * t));
-                                    let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
-                                    sub[k] = _mm256_add_epi32(sub[k], dot);
-                                }
-                            }
-                        }
-                        // SAFETY: scales and mins of sub-blocks 2c and 2c + 1, rows 8h...
-                        let (sc, mins) = unsafe {
-                            (
-                                [0, 1].map(|k| {
-                                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                        p.add(SCALES + GROUP * (2 * c + k) + 8 * h)
-                                            as *const __m128i,
-                                    ))
-                                }),
-                                _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                                    p.add(MINS + 32 * c + 16 * h) as *const __m128i,
-                                )),
-                            )
-                        };
-                        for a in 0..NA {
-                            let ab = &acts[a * nb + b];
-                            let lo = _mm256_mullo_epi32(sub[a][0], sc[0]);
-                            let hi = _mm256_mullo_epi32(sub[a][1], sc[1]);
-                            let isum_c = _mm256_add_epi32(lo, hi);
-                            let pair = _mm256_set1_epi32(sums_pair(ab, c));
-                            let msum_c = _mm256_madd_epi16(mins, pair);
-                            isum[a] = _mm256_add_epi32(isum[a], isum_c);
-                            msum[a] = _mm256_add_epi32(msum[a], msum_c);
-                        }
-                    }
-                    for a in 0..NA {
-                        let (acc, acc_min) = (&mut acc[a], &mut acc_min[a]);
-                        let da = acts[a * nb + b].d;
-                        fold8(acc, acc_min, (isum[a], msum[a]), (dw, dminw), da);
                     }
                 }
                 for a in 0..NA {

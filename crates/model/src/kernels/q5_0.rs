@@ -112,6 +112,37 @@ impl<const FIFTH_BIT: bool> Format for Nibbles<FIFTH_BIT> {
         _mm256_add_epi8(low, _mm256_andnot_si256(set, _mm256_set1_epi8(-16)))
     }
 
+    /// `w + 16` is the five-bit value as stored (`w + 8` + 8 for Q4_0): no sign trick on AVX2.
+    const AVX2_UNSIGNED_OFFSET: Option<i32> = Some(16);
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn avx2_unsigned_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: the nibble register of step `s`, half `h`, lies inside the group block.
+        let nibbles =
+            unsafe { _mm256_loadu_si256(p.add(SCALES + 64 * (s & 3) + 32 * h) as *const __m256i) };
+        let nibbles = if s < 4 {
+            nibbles
+        } else {
+            _mm256_srli_epi16::<4>(nibbles)
+        };
+        let low = _mm256_and_si256(nibbles, _mm256_set1_epi8(0x0f));
+        if !FIFTH_BIT {
+            return _mm256_add_epi8(low, _mm256_set1_epi8(8));
+        }
+        // SAFETY: the fifth bits, half `h`, lie inside the group block.
+        let high = unsafe { _mm256_loadu_si256(p.add(HIGH_BITS + 32 * h) as *const __m256i) };
+        // Bit `s` of every byte to bit 4 (a 16-bit shift by at most four moves no other byte's
+        // bit there), as the value's 16.
+        let fifth = if s < 4 {
+            _mm256_sll_epi16(high, _mm_cvtsi32_si128(4 - s as i32))
+        } else {
+            _mm256_srl_epi16(high, _mm_cvtsi32_si128(s as i32 - 4))
+        };
+        _mm256_or_si256(low, _mm256_and_si256(fifth, _mm256_set1_epi8(0x10)))
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn unsigned_steps(p: *const u8) -> [std::arch::x86_64::__m512i; 8] {

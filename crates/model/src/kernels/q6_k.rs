@@ -244,15 +244,10 @@ mod x86 {
         _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t))
     }
 
-    /// Four activation values as one i32, broadcast.
+    /// Four activation values (from byte `at`) as one i32, broadcast.
     #[inline(always)]
     fn four(ab: &Q8KBlock, at: usize) -> i32 {
-        i32::from_le_bytes([
-            ab.qs[at] as u8,
-            ab.qs[at + 1] as u8,
-            ab.qs[at + 2] as u8,
-            ab.qs[at + 3] as u8,
-        ])
+        super::super::four_values(&ab.qs, at)
     }
 
     /// Two weight rows per register (row `r` in the low eight lanes, `r + 1` in the high

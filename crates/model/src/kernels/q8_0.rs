@@ -61,6 +61,11 @@ pub(crate) trait Format: Send + Sync + 'static {
     /// Whether the activations are quantized pair-bound (`quantize_q8_0_pair_bound`), so that
     /// AVX2 multiplies the stored `w + 128` by them as they are (see [`Q8_0PairBound`]).
     const PAIR_BOUND: bool = false;
+    /// What [`Format::avx2_unsigned_step`] adds to the quants, where AVX2 multiplies them as
+    /// `maddubs`'s unsigned operand without the sign trick: 16 for five-bit quants (the
+    /// products of four steps add up in i16), 128 for Q8_0 against pair-bound activations (of
+    /// one step); `None` where AVX2 takes [`Format::signed_step`] and the sign trick.
+    const AVX2_UNSIGNED_OFFSET: Option<i32> = None;
     /// Bytes of one group block: sixteen rows' blocks.
     const GROUP_BLOCK: usize = GROUP * Self::BLOCK_BYTES;
     /// Quant `i` (of 32) of a GGUF block.
@@ -76,6 +81,18 @@ pub(crate) trait Format: Send + Sync + 'static {
     /// `p` points to a whole group block; the CPU has AVX2.
     #[cfg(target_arch = "x86_64")]
     unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i;
+    /// Step `s` of half `h` of the group block at `p`, every quant plus
+    /// [`Format::AVX2_UNSIGNED_OFFSET`]: by default the stored bytes.
+    ///
+    /// # Safety
+    /// `p` points to a whole group block; the CPU has AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn avx2_unsigned_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
+        unsafe { _mm256_loadu_si256(p.add(SCALES + 64 * s + 32 * h) as *const __m256i) }
+    }
     /// The group block's eight steps, every row's four quants made unsigned (`w + 128`, or
     /// `w + 16` where [`Format::FIVE_BIT`]).
     ///
@@ -103,6 +120,7 @@ impl<const PAIR_BOUND: bool> Format for Q8_0<PAIR_BOUND> {
     /// (Pair-bound activations never widen.)
     type Batched = Q8_0Pairs;
     const PAIR_BOUND: bool = PAIR_BOUND;
+    const AVX2_UNSIGNED_OFFSET: Option<i32> = if PAIR_BOUND { Some(128) } else { None };
     /// From 16 rows the widened slices win (`kernel_throughput`, x86-64-v3 build, alternated
     /// 3x): 16 rows of the LM head 9% faster, 16 rows of 640 x 32,768 the same.
     const WIDEN_MIN_ROWS: usize = 16;
@@ -160,6 +178,7 @@ impl Format for FiveBitBytes {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
     type Batched = WithQ8_0Acts<FiveBitBytes>;
     const FIVE_BIT: bool = true;
+    const AVX2_UNSIGNED_OFFSET: Option<i32> = Some(16);
 
     fn gguf_quant(_block: &[u8], _i: usize) -> i8 {
         unreachable!("five-bit bytes are widened into, never loaded from GGUF")
@@ -237,7 +256,7 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
         unsafe {
             match isa {
                 Isa::Avx512 => with_act_rows!(na, x86::avx512_rows[F](w, acts, nb, out)),
-                _ if F::FIVE_BIT || F::PAIR_BOUND => {
+                _ if F::AVX2_UNSIGNED_OFFSET.is_some() => {
                     with_act_rows!(na, x86::avx2_rows_unsigned[F](w, acts, nb, out))
                 }
                 _ => with_act_rows!(na, x86::avx2_rows[F](w, acts, nb, out)),
@@ -390,15 +409,22 @@ mod x86 {
     /// Activation rows whose accumulators stay in registers together (AVX-512).
     const AVX512_ROWS: usize = 4;
 
+    /// Asks for the group block [`PREFETCH_AHEAD`] after the one at `p` into L2: one row of
+    /// activations streams the weight from memory (the LM head), and the hardware prefetcher
+    /// alone keeps it ~40% slower (eight ahead into L1 was slower still).
+    #[inline(always)]
+    fn prefetch_ahead<F: Format>(p: *const u8) {
+        for line in 0..F::GROUP_BLOCK.div_ceil(64) {
+            let ahead = p.wrapping_add(PREFETCH_AHEAD * F::GROUP_BLOCK + 64 * line);
+            // SAFETY: a prefetch reads nothing and faults on no address.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8) };
+        }
+    }
+
     /// Four activation values as one i32, broadcast.
     #[inline(always)]
     fn four(ab: &Q8_0Block, step: usize) -> i32 {
-        i32::from_le_bytes([
-            ab.qs[4 * step] as u8,
-            ab.qs[4 * step + 1] as u8,
-            ab.qs[4 * step + 2] as u8,
-            ab.qs[4 * step + 3] as u8,
-        ])
+        super::super::four_values(&ab.qs, 4 * step)
     }
 
     /// A group block's quants as [`FiveBitBytes`] stores them, `w + 16` (after the scales,
@@ -533,8 +559,11 @@ mod x86 {
         nb: usize,
         out: TileOut<'_>,
     ) {
-        assert!(F::FIVE_BIT || F::PAIR_BOUND);
-        let (offset, run) = if F::FIVE_BIT { (16, 4) } else { (128, 1) };
+        let (offset, run) = match F::AVX2_UNSIGNED_OFFSET {
+            Some(16) => (16, 4),
+            Some(128) => (128, 1),
+            other => unreachable!("AVX2 unsigned offset {other:?}"),
+        };
         let ones = _mm256_set1_epi16(1);
         // Five-bit bytes: a loop LLVM keeps rolled, as in `avx2_rows`, so it does not spill the
         // weights. Runs of one step hold one weight register: unrolled, they spill nothing
@@ -556,10 +585,8 @@ mod x86 {
                         let first = run * (r % (8 / run));
                         let mut sum16 = [_mm256_setzero_si256(); NA];
                         for s in first..first + run {
-                            // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
-                            let q = unsafe {
-                                _mm256_loadu_si256(p.add(SCALES + 64 * s + 32 * h) as *const __m256i)
-                            };
+                            // SAFETY: `p` is a whole group block.
+                            let q = unsafe { F::avx2_unsigned_step(p, s, h) };
                             for (sum16, ab) in sum16.iter_mut().zip(ab) {
                                 let x = _mm256_set1_epi32(four(ab, s));
                                 *sum16 = _mm256_add_epi16(*sum16, _mm256_maddubs_epi16(q, x));
@@ -627,14 +654,9 @@ mod x86 {
         let mut acc = [_mm512_setzero_ps(); NA];
         for (b, wb) in group.chunks_exact(F::GROUP_BLOCK).enumerate() {
             let p = wb.as_ptr();
-            // One row of activations streams the weight from memory (the LM head): ask for
-            // the group block 32 ahead into L2 (~40% faster than the hardware prefetcher
-            // alone; eight ahead into L1 was slower). Later passes find the slice in L1.
+            // Later passes find the slice in L1.
             if PREFETCH {
-                for line in 0..F::GROUP_BLOCK.div_ceil(64) {
-                    let ahead = p.wrapping_add(PREFETCH_AHEAD * F::GROUP_BLOCK + 64 * line);
-                    _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
-                }
+                prefetch_ahead::<F>(p);
             }
             // SAFETY: `p` is a whole group block, its first 32 bytes the scales.
             let (dw, q) = unsafe {
