@@ -606,26 +606,30 @@ mod tests {
     /// The largest Q5_K products (every quant 31, every scale 63, activations ±127) stay exact
     /// on every path, in i16 pairs as in the blocks' i32 sums.
     #[test]
-    fn q5_k_extreme_values_stay_exact() {
+    fn extreme_values_stay_exact() {
         let (rows, nb) = (16, 2);
-        let mut w = Vec::new();
-        for _ in 0..rows * nb {
-            w.extend_from_slice(&f16::from_f32(0.01).to_le_bytes());
-            w.extend_from_slice(&f16::from_f32(0.02).to_le_bytes());
-            w.extend_from_slice(&[0xff; 172]);
-        }
-        let w = prepare(WeightFormat::Q5K, w, rows);
-        let in_dim = nb * BLOCK_ELEMS;
-        for sign in [1.0f32, -1.0] {
-            let x = vec![sign; 9 * in_dim];
-            let reference = matmul(WeightFormat::Q5K, Isa::Scalar, &w, in_dim, rows, &x);
-            // Every row and column the same value, of `sign`'s sign.
-            assert!(reference
-                .iter()
-                .all(|&v| v == reference[0] && v * sign > 0.0));
-            for isa in Isa::available() {
-                let got = matmul(WeightFormat::Q5K, isa, &w, in_dim, rows, &x);
-                assert_eq!(got, reference, "{isa:?} {sign}");
+        // Every quant, scale and min at its largest (Q4_K 15, Q5_K 31; 63), against
+        // activations all ±127: the i16 runs of products at their bound.
+        for (format, bytes) in [(WeightFormat::Q4K, 140), (WeightFormat::Q5K, 172)] {
+            let mut w = Vec::new();
+            for _ in 0..rows * nb {
+                w.extend_from_slice(&f16::from_f32(0.01).to_le_bytes());
+                w.extend_from_slice(&f16::from_f32(0.02).to_le_bytes());
+                w.extend(std::iter::repeat_n(0xff, bytes));
+            }
+            let w = prepare(format, w, rows);
+            let in_dim = nb * BLOCK_ELEMS;
+            for sign in [1.0f32, -1.0] {
+                let x = vec![sign; 9 * in_dim];
+                let reference = matmul(format, Isa::Scalar, &w, in_dim, rows, &x);
+                // Every row and column the same value, of `sign`'s sign.
+                assert!(reference
+                    .iter()
+                    .all(|&v| v == reference[0] && v * sign > 0.0));
+                for isa in Isa::available() {
+                    let got = matmul(format, isa, &w, in_dim, rows, &x);
+                    assert_eq!(got, reference, "{format:?} {isa:?} {sign}");
+                }
             }
         }
     }

@@ -494,8 +494,12 @@ mod x86 {
         }
     }
 
-    /// [`wide_avx512`] with AVX2: half a group (eight rows) per register, the products through
-    /// `maddubs` (quants unsigned, at most `2 · 63 · 127` per i16 pair) and `madd` by ones.
+    /// [`wide_avx512`] with AVX2: half a group (eight rows) per register, the products
+    /// through `maddubs` (quants unsigned, at most `2 · 63 · 127` per i16 pair). Two steps'
+    /// products add up in i16 (`2 · 2 · 63 · 127 < 2^15`) before one `madd` by the run's
+    /// scales (twice per row lane) into the block's integers, and the offset, `-32 Σ_run
+    /// sc·bsum`, is taken once per block by `madd`s of two runs' scales and sums: a multiply
+    /// per 16 products where a `madd` every step and an i32 multiply every run took 2.5.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn wide_avx2<const NA: usize>(
         w: &[u8],
@@ -503,34 +507,53 @@ mod x86 {
         nb: usize,
         out: TileOut<'_>,
     ) {
-        let ones = _mm256_set1_epi16(1);
         for (g, group) in w.chunks_exact(nb * WIDE_GROUP_BLOCK).enumerate() {
             for h in 0..2 {
                 let mut acc = [_mm256_setzero_ps(); NA];
                 for (b, gb) in group.chunks_exact(WIDE_GROUP_BLOCK).enumerate() {
                     let p = gb.as_ptr();
                     let ab: [&Q8KBlock; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
+                    // SAFETY: run `run`'s eight scales of rows 8h.. inside the group block.
+                    let scales = |run: usize| unsafe {
+                        _mm_loadl_epi64(
+                            p.add(WIDE_SCALES + WIDE_GROUP * run + 8 * h) as *const __m128i
+                        )
+                    };
                     let mut sums = [_mm256_setzero_si256(); NA];
-                    for run in 0..RUNS {
-                        // SAFETY: the group block holds the run's scales and its four steps.
-                        let (sc, q) = unsafe {
-                            let sc = _mm_loadl_epi64(
-                                p.add(WIDE_SCALES + WIDE_GROUP * run + 8 * h) as *const __m128i
-                            );
-                            let q: [__m256i; 4] = std::array::from_fn(|s| {
-                                _mm256_loadu_si256(p.add(WIDE_QUANTS + 64 * (4 * run + s) + 32 * h)
-                                    as *const __m256i)
-                            });
-                            (_mm256_cvtepi8_epi32(sc), q)
-                        };
+                    for pair in 0..RUNS / 2 {
+                        // Runs 2·pair and 2·pair + 1's scales side by side in each row's lane.
+                        let sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(
+                            scales(2 * pair),
+                            scales(2 * pair + 1),
+                        ));
                         for (sum, ab) in sums.iter_mut().zip(ab) {
-                            let mut dot = _mm256_set1_epi32(-32 * ab.bsums[run] as i32);
-                            for (s, q) in q.iter().enumerate() {
-                                let x = _mm256_set1_epi32(four(ab, 16 * run + 4 * s));
-                                let pairs = _mm256_maddubs_epi16(*q, x);
-                                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+                            let bsums = (ab.bsums[2 * pair] as u16 as u32)
+                                | (ab.bsums[2 * pair + 1] as u16 as u32) << 16;
+                            let dot = _mm256_madd_epi16(sc, _mm256_set1_epi32(bsums as i32));
+                            *sum = _mm256_sub_epi32(*sum, _mm256_slli_epi32::<5>(dot));
+                        }
+                    }
+                    for run in 0..RUNS {
+                        // Each row's scale in both i16 halves of its lane.
+                        let sc8 = scales(run);
+                        let sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8, sc8));
+                        // SAFETY: the run's four steps of rows 8h.. inside the group block.
+                        let q: [__m256i; 4] = std::array::from_fn(|s| unsafe {
+                            _mm256_loadu_si256(
+                                p.add(WIDE_QUANTS + 64 * (4 * run + s) + 32 * h) as *const __m256i
+                            )
+                        });
+                        for (sum, ab) in sums.iter_mut().zip(ab) {
+                            let x: [__m256i; 4] = std::array::from_fn(|s| {
+                                _mm256_set1_epi32(four(ab, 16 * run + 4 * s))
+                            });
+                            for k in 0..2 {
+                                let pairs = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(q[2 * k], x[2 * k]),
+                                    _mm256_maddubs_epi16(q[2 * k + 1], x[2 * k + 1]),
+                                );
+                                *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, sc));
                             }
-                            *sum = _mm256_add_epi32(*sum, _mm256_mullo_epi32(dot, sc));
                         }
                     }
                     // SAFETY: the sixteen f32 scales open the group block.
@@ -551,8 +574,38 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::super::test_util::{check_paths_agree, Rng};
-    use super::super::WeightFormat;
+    use super::super::{matmul, prepare, Isa, WeightFormat};
     use super::*;
+
+    /// Quants at 63 or 0 (±32 from the offset), scales at -128 or 127, against activations
+    /// all ±127, one row and a batch that runs widened: the i16 sums of products at their
+    /// bound stay exact on every path.
+    #[test]
+    fn extreme_values_stay_exact() {
+        let (rows, nb) = (16, 2);
+        let in_dim = nb * BLOCK_ELEMS;
+        for (quants, scale) in [(0xffu8, 0x80u8), (0xff, 0x7f), (0x00, 0x80), (0x00, 0x7f)] {
+            let mut w = Vec::new();
+            for _ in 0..rows * nb {
+                w.extend(std::iter::repeat_n(quants, SCALES));
+                w.extend(std::iter::repeat_n(scale, D - SCALES));
+                w.extend_from_slice(&f16::from_f32(0.01).to_le_bytes());
+            }
+            let w = prepare(WeightFormat::Q6K, w, rows);
+            for (sign, acts) in [(1.0f32, 1), (-1.0, 1), (1.0, 17), (-1.0, 17)] {
+                let x = vec![sign; acts * in_dim];
+                let reference = matmul(WeightFormat::Q6K, Isa::Scalar, &w, in_dim, rows, &x);
+                assert!(reference.iter().all(|&v| v == reference[0] && v != 0.0));
+                for isa in Isa::available() {
+                    let got = matmul(WeightFormat::Q6K, isa, &w, in_dim, rows, &x);
+                    assert_eq!(
+                        got, reference,
+                        "{isa:?} {quants:#x} {scale:#x} {sign} {acts}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn simd_paths_equal_scalar_reference_bit_for_bit() {
