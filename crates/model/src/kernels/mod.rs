@@ -932,6 +932,10 @@ mod tests {
             (WeightFormat::Q8_0, 1152, 262_144, 1, 4),
             (WeightFormat::Q8_0PairBound, 1152, 262_144, 1, 4),
             (WeightFormat::Q5_0, 1152, 6912, 128, 4),
+            // Qwen3-1.7B's layers (Q4_K_M: Q6_K for half the down projections).
+            (WeightFormat::Q4K, 2048, 6144, 1, 100),
+            (WeightFormat::Q6K, 6144, 2048, 1, 100),
+            (WeightFormat::Q4K, 6144, 2048, 1, 100),
             (WeightFormat::Q4K, 1024, 3072, 128, 10),
             (WeightFormat::Q4K, 2048, 8192, 128, 2),
         ] {
@@ -941,6 +945,13 @@ mod tests {
             }
             let blocks = in_dim / format.block_elems() * out_dim;
             let w = prepare(format, random_gguf(format, blocks, &mut rng), out_dim);
+            // `KERNEL_STREAM=1`: copies of the weight filling 512 MB, a call on each in turn,
+            // so each call reads its weight from memory, as a decode step reads a layer's.
+            let copies = match std::env::var_os("KERNEL_STREAM") {
+                Some(_) => (512usize << 20).div_ceil(w.len()),
+                None => 1,
+            };
+            let ws: Vec<Vec<u8>> = (0..copies).map(|_| w.clone()).collect();
             let x: Vec<f32> = (0..rows * in_dim).map(|_| rng.uniform()).collect();
             // One part per row, as the LM head's logits (a part per sequence): the parts come
             // back to the allocator between calls, where one 33 MB product would be mapped
@@ -949,11 +960,11 @@ mod tests {
             let (mut best, mut best_cpu) = (f64::INFINITY, f64::INFINITY);
             for _ in 0..15 {
                 let (t, cpu) = (Instant::now(), cpu_seconds());
-                for _ in 0..reps {
+                for rep in 0..reps {
                     std::hint::black_box(matmul_split(
                         format,
                         isa,
-                        &w,
+                        &ws[rep % copies],
                         (in_dim, out_dim),
                         &x,
                         &counts,
