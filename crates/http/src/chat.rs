@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Serialize;
 use temper_engine::{FinishReason, GenerationEvent, StopReason};
-use temper_text::tool_calls::{ParsedCall, ToolCallParser};
+use temper_text::tool_calls::{ParsedCall, ToolCallFormat, ToolCallParser, MISTRAL_ID_LEN};
 use temper_text::{ReasoningParser, Tokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
@@ -170,10 +170,16 @@ fn stop_json(reason: Option<StopReason>) -> Option<StopReasonJson> {
     })
 }
 
-/// A parsed call as the response shows it, with a fresh id (vLLM's form).
-fn response_call(call: ParsedCall) -> ResponseToolCall {
+/// A parsed call as the response shows it, with a fresh id in the form the model's template
+/// takes back: nine alphanumeric characters for Mistral's (as vLLM makes them), vLLM's
+/// `chatcmpl-tool-…` else.
+fn response_call(call: ParsedCall, format: ToolCallFormat) -> ResponseToolCall {
+    let uuid = uuid::Uuid::new_v4().simple().to_string();
     ResponseToolCall {
-        id: format!("chatcmpl-tool-{}", uuid::Uuid::new_v4().simple()),
+        id: match format {
+            ToolCallFormat::MistralJson => uuid[..MISTRAL_ID_LEN].to_owned(),
+            _ => format!("chatcmpl-tool-{uuid}"),
+        },
         r#type: "function",
         function: ResponseFunctionCall {
             name: call.name,
@@ -287,7 +293,12 @@ pub async fn collect(
                     None => (None, acc.text),
                 };
                 let (content, calls) = match &c.tool_parser {
-                    Some(parser) => parser.clone().split(&content),
+                    Some(parser) => {
+                        let (content, calls) = parser.clone().split(&content);
+                        let format = parser.format();
+                        let calls = calls.into_iter().map(|call| response_call(call, format));
+                        (content, calls.collect())
+                    }
                     None => (Some(content), Vec::new()),
                 };
                 let finish_reason = finish_with_calls(finish_reason, !calls.is_empty());
@@ -300,7 +311,7 @@ pub async fn collect(
                             None => content,
                         },
                         reasoning: reasoning.filter(|_| c.include_reasoning),
-                        tool_calls: calls.into_iter().map(response_call).collect(),
+                        tool_calls: calls,
                     },
                     logprobs: c.logprobs.then_some(ChoiceLogprobs {
                         content: acc.logprobs,
@@ -461,7 +472,7 @@ impl SseState {
         if let Some(p) = self.tool_parsers.get_mut(choice) {
             let mut d = p.push(&content);
             if end {
-                // Llama 3.x's calls are only known here, at the end of the output.
+                // Llama 3.x's and Mistral's calls are only known here, at the end of the output.
                 let tail = p.finish();
                 d.content.push_str(&tail.content);
                 d.calls.extend(tail.calls);
@@ -475,7 +486,7 @@ impl SseState {
                 .enumerate()
                 .map(|(i, call)| DeltaToolCall {
                     index: first + i,
-                    call: response_call(call),
+                    call: response_call(call, p.format()),
                 })
                 .collect();
         }

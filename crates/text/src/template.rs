@@ -6,6 +6,7 @@ use minijinja::value::Serde;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
 
+use crate::tool_calls::{template_call_id, ToolCallFormat};
 use crate::TextError;
 
 /// One chat message as the template sees it (a dict; `None` fields are left out).
@@ -124,7 +125,7 @@ pub struct ChatTemplate {
     bos_token: Option<String>,
     eos_token: Option<String>,
     marks_thinking: bool,
-    tool_call_format: crate::tool_calls::ToolCallFormat,
+    tool_call_format: ToolCallFormat,
 }
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -290,7 +291,7 @@ impl ChatTemplate {
             bos_token,
             eos_token,
             marks_thinking: source.contains(crate::THINK_START),
-            tool_call_format: crate::tool_calls::ToolCallFormat::of_template(source),
+            tool_call_format: ToolCallFormat::of_template(source),
         })
     }
 
@@ -301,7 +302,7 @@ impl ChatTemplate {
     }
 
     /// How the template's model writes tool calls.
-    pub fn tool_call_format(&self) -> crate::tool_calls::ToolCallFormat {
+    pub fn tool_call_format(&self) -> ToolCallFormat {
         self.tool_call_format
     }
 
@@ -316,7 +317,11 @@ impl ChatTemplate {
             .iter()
             .map(|(k, v)| (k.clone(), Value::from(Serde(v))))
             .collect();
-        let messages: Vec<MessageView<'_>> = input.messages.iter().map(MessageView::new).collect();
+        let messages: Vec<MessageView<'_>> = input
+            .messages
+            .iter()
+            .map(|m| MessageView::new(m, self.tool_call_format))
+            .collect();
         let fixed = [
             ("messages", Value::from(Serde(&messages))),
             (
@@ -446,7 +451,8 @@ fn neutralize_generation_tags(source: &str) -> String {
 static EMPTY_CONTENT: MessageContent = MessageContent::Text(String::new());
 
 /// A message as the template receives it: tool-call arguments parsed into a dict (as vLLM
-/// does, since templates index into them or pass them to `tojson`).
+/// does, since templates index into them or pass them to `tojson`), call ids as the template's
+/// format takes them (`tool_calls::template_call_id`).
 #[derive(Serialize)]
 struct MessageView<'a> {
     role: &'a str,
@@ -457,7 +463,7 @@ struct MessageView<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     tool_calls: Option<Vec<ToolCallView<'a>>>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    tool_call_id: Option<&'a str>,
+    tool_call_id: Option<Cow<'a, str>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning: Option<&'a str>,
     /// The same under the name templates read it by (Qwen 3's), as vLLM gives both.
@@ -467,7 +473,7 @@ struct MessageView<'a> {
 
 #[derive(Serialize)]
 struct ToolCallView<'a> {
-    id: &'a str,
+    id: Cow<'a, str>,
     r#type: &'a str,
     function: FunctionView<'a>,
 }
@@ -479,7 +485,7 @@ struct FunctionView<'a> {
 }
 
 impl<'a> MessageView<'a> {
-    fn new(m: &'a ChatMessage) -> Self {
+    fn new(m: &'a ChatMessage, format: ToolCallFormat) -> Self {
         MessageView {
             role: &m.role,
             content: match (&m.content, &m.tool_calls) {
@@ -491,7 +497,7 @@ impl<'a> MessageView<'a> {
                 calls
                     .iter()
                     .map(|c| ToolCallView {
-                        id: &c.id,
+                        id: template_call_id(format, &c.id),
                         r#type: &c.r#type,
                         function: FunctionView {
                             name: &c.function.name,
@@ -500,7 +506,10 @@ impl<'a> MessageView<'a> {
                     })
                     .collect()
             }),
-            tool_call_id: m.tool_call_id.as_deref(),
+            tool_call_id: m
+                .tool_call_id
+                .as_deref()
+                .map(|id| template_call_id(format, id)),
             reasoning: m.reasoning.as_deref(),
             reasoning_content: m.reasoning.as_deref(),
         }

@@ -18,6 +18,11 @@
 //! [`ToolCallFormat::Llama3Json`] (Llama 3.1 / 3.2 / 3.3): the whole answer is the call,
 //! `{"name": "get_weather", "parameters": {"city": "Paris"}}`, calls separated by `; `,
 //! optionally after `<|python_tag|>`.
+//!
+//! [`ToolCallFormat::MistralJson`] (Mistral's templates: Nemo, 7B v0.3, Small): the whole answer
+//! is `[TOOL_CALLS]` and a JSON array of the calls, `[TOOL_CALLS][{"name": "get_weather",
+//! "arguments": {"city": "Paris"}}]`; the template writes each call back with a nine-character
+//! `id` ([`template_call_id`]).
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -30,6 +35,12 @@ pub const CALL_SEPARATOR: &str = "\n";
 pub const PYTHON_TAG: &str = "<|python_tag|>";
 /// Between consecutive Llama 3.x calls.
 pub const JSON_CALL_SEPARATOR: &str = "; ";
+/// What opens Mistral's calls (a control token of its vocabularies).
+pub const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
+/// Between consecutive calls in Mistral's array (as its templates write them).
+pub const MISTRAL_CALL_SEPARATOR: &str = ", ";
+/// The length of a call id Mistral's templates accept (they raise on any other).
+pub const MISTRAL_ID_LEN: usize = 9;
 
 /// How a model writes its tool calls (decided by its chat template).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -39,18 +50,42 @@ pub enum ToolCallFormat {
     Hermes,
     /// The answer is `{"name", "parameters"}` objects and nothing else.
     Llama3Json,
+    /// The answer is `[TOOL_CALLS]` and an array of `{"name", "arguments"}` objects.
+    MistralJson,
 }
 
 impl ToolCallFormat {
     /// The format a template asks its model for: Llama 3.x's templates describe the JSON answer
     /// (`"parameters": dictionary of argument name and its value`) and have no `<tool_call>`
-    /// tags; everything else gets the tags.
+    /// tags; Mistral's write `[TOOL_CALLS]`; everything else gets the tags.
     pub fn of_template(source: &str) -> ToolCallFormat {
-        if !source.contains(CALL_OPEN) && source.contains(r#""parameters": dictionary"#) {
+        if source.contains(CALL_OPEN) {
+            ToolCallFormat::Hermes
+        } else if source.contains(MISTRAL_CALLS) {
+            ToolCallFormat::MistralJson
+        } else if source.contains(r#""parameters": dictionary"#) {
             ToolCallFormat::Llama3Json
         } else {
             ToolCallFormat::Hermes
         }
+    }
+}
+
+/// A call id as a template of `format` is given it: Mistral's take ids of exactly nine
+/// characters, so a longer one keeps its last nine (as vLLM truncates them) and a shorter one is
+/// padded with `0` in front (the same id maps to the same in a call and in its result); other
+/// formats take ids as they are.
+pub fn template_call_id(format: ToolCallFormat, id: &str) -> std::borrow::Cow<'_, str> {
+    let chars = id.chars().count();
+    match format {
+        ToolCallFormat::MistralJson if chars > MISTRAL_ID_LEN => {
+            let skip = id.char_indices().nth(chars - MISTRAL_ID_LEN).map_or(0, |(i, _)| i);
+            id[skip..].into()
+        }
+        ToolCallFormat::MistralJson if chars < MISTRAL_ID_LEN => {
+            format!("{}{id}", "0".repeat(MISTRAL_ID_LEN - chars)).into()
+        }
+        _ => id.into(),
     }
 }
 
@@ -87,6 +122,12 @@ pub fn grammar(format: ToolCallFormat, functions: &[FunctionSchema], parallel: b
             "}".to_owned(),
             JSON_CALL_SEPARATOR,
         ),
+        ToolCallFormat::MistralJson => (
+            String::new(),
+            "arguments",
+            "}".to_owned(),
+            MISTRAL_CALL_SEPARATOR,
+        ),
     };
     let mut rules = Vec::with_capacity(functions.len());
     for (i, f) in functions.iter().enumerate() {
@@ -102,10 +143,17 @@ pub fn grammar(format: ToolCallFormat, functions: &[FunctionSchema], parallel: b
         ));
     }
     let calls: Vec<String> = (0..functions.len()).map(|i| format!("call_{i}")).collect();
-    let start = if parallel {
-        format!("start: call ({} call)*", literal(separator))
+    let calls_rule = if parallel {
+        format!("call ({} call)*", literal(separator))
     } else {
-        "start: call".to_owned()
+        "call".to_owned()
+    };
+    let start = match format {
+        ToolCallFormat::MistralJson => format!(
+            "start: {} {calls_rule} \"]\"",
+            literal(&format!("{MISTRAL_CALLS}["))
+        ),
+        _ => format!("start: {calls_rule}"),
     };
     format!(
         "{start}\ncall: {}\n{}\n",
@@ -174,6 +222,11 @@ impl ToolCallParser {
         }
     }
 
+    /// The format it finds calls in.
+    pub fn format(&self) -> ToolCallFormat {
+        self.format
+    }
+
     /// One whole output: its content and its calls. Content is `None` when the output is
     /// calls and nothing else (OpenAI's null content), `Some` (maybe empty) without calls.
     pub fn split(mut self, text: &str) -> (Option<String>, Vec<ParsedCall>) {
@@ -188,13 +241,13 @@ impl ToolCallParser {
     pub fn push(&mut self, text: &str) -> ToolCallDelta {
         match self.format {
             ToolCallFormat::Hermes => self.push_blocks(text),
-            ToolCallFormat::Llama3Json => self.push_json(text),
+            ToolCallFormat::Llama3Json | ToolCallFormat::MistralJson => self.push_json(text),
         }
     }
 
     /// Llama 3.x: holds the output while it may still be a call (empty, whitespace, a prefix
-    /// of `<|python_tag|>`, or starting with `{` after them); once it cannot be, all of it is
-    /// content as it comes.
+    /// of `<|python_tag|>`, or starting with `{` after them); Mistral: while it may still start
+    /// with `[TOOL_CALLS]`. Once it cannot be, all of it is content as it comes.
     fn push_json(&mut self, text: &str) -> ToolCallDelta {
         if self.plain || self.max_calls == 0 {
             return ToolCallDelta {
@@ -208,15 +261,20 @@ impl ToolCallParser {
             return ToolCallDelta::default();
         }
         let start = self.held.trim_start();
-        let start = start
-            .strip_prefix(PYTHON_TAG)
-            .map_or(start, str::trim_start);
-        if start.starts_with('{') {
+        let (opens, may_open) = if self.format == ToolCallFormat::MistralJson {
+            (start.starts_with(MISTRAL_CALLS), MISTRAL_CALLS.starts_with(start))
+        } else {
+            let after_tag = start
+                .strip_prefix(PYTHON_TAG)
+                .map_or(start, str::trim_start);
+            (after_tag.starts_with('{'), PYTHON_TAG.starts_with(after_tag))
+        };
+        if opens {
             self.in_call = true;
             return ToolCallDelta::default();
         }
-        // Nothing yet but whitespace, or a prefix of `<|python_tag|>`.
-        if start.is_empty() || PYTHON_TAG.starts_with(start) {
+        // Nothing yet but whitespace, or a prefix of what opens calls.
+        if may_open {
             return ToolCallDelta::default();
         }
         self.plain = true;
@@ -227,9 +285,19 @@ impl ToolCallParser {
     }
 
     /// Llama 3.x: the held output as calls, when all of it is calls of known functions
-    /// separated by `;` (at most `max_calls`).
+    /// separated by `;` (at most `max_calls`); Mistral: when it is `[TOOL_CALLS]` and an array
+    /// of them.
     fn json_calls(&self) -> Option<Vec<ParsedCall>> {
         let start = self.held.trim();
+        if self.format == ToolCallFormat::MistralJson {
+            let array = start.strip_prefix(MISTRAL_CALLS)?;
+            let bodies: Vec<CallBody<'_>> = serde_json::from_str(array).ok()?;
+            let calls = bodies
+                .into_iter()
+                .map(|body| self.known(body))
+                .collect::<Option<Vec<_>>>()?;
+            return (!calls.is_empty() && calls.len() <= self.max_calls).then_some(calls);
+        }
         let mut rest = start.strip_prefix(PYTHON_TAG).unwrap_or(start).trim_start();
         let mut calls = Vec::new();
         while !rest.is_empty() {
@@ -313,7 +381,7 @@ impl ToolCallParser {
     /// The end of the output: held text is content (an unfinished block included), except
     /// whitespace after a call.
     pub fn finish(&mut self) -> ToolCallDelta {
-        if self.format == ToolCallFormat::Llama3Json {
+        if self.format != ToolCallFormat::Hermes {
             self.in_call = false;
             return match self.json_calls() {
                 Some(calls) => {
@@ -569,6 +637,88 @@ mod tests {
             ToolCallFormat::of_template("{{ '<tool_call>' }} \"parameters\": dictionary"),
             ToolCallFormat::Hermes
         );
+        let nemo = include_str!("../tests/fixtures/templates/mistral-nemo.jinja");
+        assert_eq!(
+            ToolCallFormat::of_template(nemo),
+            ToolCallFormat::MistralJson
+        );
+    }
+
+    fn mistral(max_calls: usize) -> ToolCallParser {
+        ToolCallParser::new(
+            ToolCallFormat::MistralJson,
+            vec!["f".into(), "g".into()],
+            max_calls,
+        )
+    }
+
+    #[test]
+    fn mistral_answers_that_are_calls_become_calls() {
+        let one = r#"[TOOL_CALLS][{"name": "f", "arguments": {"city": "Paris"}}]"#;
+        assert_eq!(
+            mistral(9).split(one),
+            (None, vec![call("f", r#"{"city": "Paris"}"#)])
+        );
+        // Mistral 7B writes a space after the tag; ids in the calls are ignored.
+        let two = r#" [TOOL_CALLS] [{"name": "f", "arguments": {}, "id": "abc123def"}, {"name": "g", "arguments": {"x": 1}}] "#;
+        assert_eq!(
+            mistral(9).split(two),
+            (None, vec![call("f", "{}"), call("g", r#"{"x": 1}"#)])
+        );
+        for text in [one, two] {
+            streamed_agrees(&mistral(9), text);
+        }
+    }
+
+    #[test]
+    fn mistral_anything_else_is_content() {
+        for text in [
+            "Paris is sunny.",
+            r#"[{"name": "f", "arguments": {}}]"#,
+            r#"[TOOL_CALLS][{"name": "unknown", "arguments": {}}]"#,
+            r#"[TOOL_CALLS][{"name": "f", "arguments": {}}] and then some words"#,
+            r#"[TOOL_CALLS][{"name": "f", "arguments": "#,
+            "[TOOL_CALLS][]",
+            " [TOOL_",
+            "",
+        ] {
+            assert_eq!(
+                mistral(9).split(text),
+                (Some(text.to_owned()), vec![]),
+                "{text}"
+            );
+            streamed_agrees(&mistral(9), text);
+        }
+        // Past `max_calls` the answer is content.
+        let two = r#"[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]"#;
+        assert_eq!(mistral(1).split(two), (Some(two.to_owned()), vec![]));
+    }
+
+    #[test]
+    fn mistral_grammar_is_its_answer_shape() {
+        let functions = [FunctionSchema {
+            name: "f".into(),
+            parameters: serde_json::json!({"type": "object"}),
+        }];
+        assert_eq!(
+            grammar(ToolCallFormat::MistralJson, &functions, true),
+            "start: \"[TOOL_CALLS][\" call (\", \" call)* \"]\"\ncall: call_0\n\
+             call_0: \"{\\\"name\\\": \\\"f\\\", \\\"arguments\\\": \" %json {\"type\":\"object\"} \"}\"\n"
+        );
+        assert!(grammar(ToolCallFormat::MistralJson, &functions, false)
+            .starts_with("start: \"[TOOL_CALLS][\" call \"]\"\n"));
+    }
+
+    #[test]
+    fn mistral_templates_get_nine_character_ids() {
+        let mistral = ToolCallFormat::MistralJson;
+        assert_eq!(template_call_id(mistral, "call_1"), "000call_1");
+        assert_eq!(template_call_id(mistral, "abc123def"), "abc123def");
+        assert_eq!(
+            template_call_id(mistral, "chatcmpl-tool-0123456789abcdef"),
+            "789abcdef"
+        );
+        assert_eq!(template_call_id(ToolCallFormat::Hermes, "call_1"), "call_1");
     }
 
     #[test]
