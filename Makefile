@@ -43,7 +43,7 @@ serve: fetch-model build
 # one in the same shape). On a fresh machine it first installs PostgreSQL and Chromium (`make
 # system-deps`), and makes the real tokenizers' files and the tiny family models (`make
 # real-tokenizers tiny-served`).
-FAMILIES := llama3 qwen3 qwen2.5 gemma3
+FAMILIES := llama3 qwen3 qwen2.5 gemma3 mistral smollm3
 test: system-deps fetch-model real-tokenizers tiny-served build
 	mkdir -p target
 	TEMPER_REQUIRE_MODEL=1 TEMPER_REQUIRE_POSTGRES=1 TEMPER_REQUIRE_S3=1 \

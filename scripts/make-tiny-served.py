@@ -25,6 +25,17 @@ file per family:
                   Qwen 2.5's) and Qwen 2.5's template
     gemma3.gguf   tiny-gemma3 (gemma3), the default model's tokenizer (262144 pieces) and, like
                   that file, no template (temper serves the shipped Gemma 3 one)
+    mistral.gguf  tiny-mistral (llama, as llama.cpp converts Mistral), the Llama 3 vocabulary
+                  with reserved special tokens renamed to Mistral's control tokens (<s>, </s>,
+                  [INST], [/INST], [TOOL_CALLS], [AVAILABLE_TOOLS], ...; BOS <s>, EOS </s>, as
+                  Mistral Nemo's tiktoken-style vocabulary has them) and Mistral Nemo's template
+    smollm3.gguf  tiny-smollm3 (smollm3), the Llama 3 vocabulary SmolLM3's is built on, reserved
+                  special tokens renamed to <|im_start|>, <|im_end|>, <think>, </think> (EOS
+                  <|im_end|>, no BOS) and SmolLM3's template (Unsloth's, as its GGUFs carry it)
+
+No hub is reachable here: Mistral's and SmolLM3's own vocabularies are not on the package
+index, so those two stand on the Llama 3 one (the same tiktoken-style BPE family) with their
+control tokens where the real files have them as control tokens too.
 
 The added embedding rows (and output rows of an untied head) are F16, which halves the files
 (16-34 MB each).
@@ -76,14 +87,17 @@ def field(reader, key):
     return reader.fields[key].contents()
 
 
-def write_served(model_path, vocab_path, template, out_path, context_length, seed=7, dtype=np.float32):
+def write_served(model_path, vocab_path, template, out_path, context_length, seed=7, dtype=np.float32,
+                 specials=None):
     """The tiny model of `model_path` with the tokenizer of `vocab_path` and `template` (None: no
     template): its embedding (and an untied output head) widened to the vocabulary with random
-    rows of the same spread. Returns the vocabulary size."""
+    rows of the same spread. `specials` (a Specials) renames reserved tokens to control tokens
+    and sets BOS/EOS. Returns the vocabulary size."""
     model = gguf.GGUFReader(model_path)
     vocab = gguf.GGUFReader(vocab_path)
     tokens = field(vocab, "tokenizer.ggml.tokens")
     n_vocab = len(tokens)
+    overrides = specials.overrides(vocab) if specials else {}
     arch = field(model, "general.architecture")
 
     writer = gguf.GGUFWriter(out_path, arch)
@@ -103,10 +117,11 @@ def write_served(model_path, vocab_path, template, out_path, context_length, see
     for key, f in vocab.fields.items():
         if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
             vtype = f.types[0]
+            value = overrides.get(key, f.contents())
             if vtype == gguf.GGUFValueType.ARRAY:
-                writer.add_array(key, f.contents())
+                writer.add_array(key, value)
             else:
-                writer.add_key_value(key, f.contents(), vtype)
+                writer.add_key_value(key, value, vtype)
     if template is not None:
         writer.add_chat_template(template)
 
@@ -124,25 +139,56 @@ def write_served(model_path, vocab_path, template, out_path, context_length, see
     return n_vocab
 
 
+class Specials:
+    """Control tokens in place of the Llama 3 vocabulary's reserved ones (from
+    <|reserved_special_token_10|> on, in order), and which of them are BOS (None: none added)
+    and EOS."""
+
+    def __init__(self, names, bos, eos):
+        self.names, self.bos, self.eos = names, bos, eos
+
+    def overrides(self, vocab):
+        tokens = list(field(vocab, "tokenizer.ggml.tokens"))
+        types = list(field(vocab, "tokenizer.ggml.token_type"))
+        ids = {}
+        for k, name in enumerate(self.names):
+            i = tokens.index(f"<|reserved_special_token_{10 + k}|>")
+            tokens[i], types[i], ids[name] = name, gguf.TokenType.CONTROL, i
+        out = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+               "tokenizer.ggml.eos_token_id": ids[self.eos],
+               "tokenizer.ggml.add_bos_token": self.bos is not None}
+        if self.bos is not None:
+            out["tokenizer.ggml.bos_token_id"] = ids[self.bos]
+        return out
+
+
+MISTRAL = Specials(["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], "<s>", "</s>")
+SMOLLM3 = Specials(["<|im_start|>", "<|im_end|>", "<think>", "</think>"], None, "<|im_end|>")
+
+
 def families(out, real_tokenizers, default_model):
     """The --families files (see the module's doc)."""
     out.mkdir(parents=True, exist_ok=True)
     fixtures = REPO / "crates/model/tests/fixtures"
     templates = REPO / "crates/text/tests/fixtures/templates"
     qwen = real_tokenizers / "qwen.gguf"
+    llama3 = real_tokenizers / "llama3.gguf"
     made = [
-        ("llama3", "tiny-llama", real_tokenizers / "llama3.gguf", None),
-        ("qwen3", "tiny-qwen3", qwen, None),
-        ("qwen2.5", "tiny-qwen2", qwen, (templates / "qwen2.5.jinja").read_text()),
-        ("gemma3", "tiny-gemma3", default_model, None),
+        ("llama3", "tiny-llama", llama3, None, None),
+        ("qwen3", "tiny-qwen3", qwen, None, None),
+        ("qwen2.5", "tiny-qwen2", qwen, (templates / "qwen2.5.jinja").read_text(), None),
+        ("gemma3", "tiny-gemma3", default_model, None, None),
+        ("mistral", "tiny-mistral", llama3, (templates / "mistral-nemo.jinja").read_text(), MISTRAL),
+        ("smollm3", "tiny-smollm3", llama3, (templates / "smollm3.jinja").read_text(), SMOLLM3),
     ]
-    for i, (name, tiny, vocab, template) in enumerate(made):
+    for i, (name, tiny, vocab, template, specials) in enumerate(made):
         if template is None and name != "gemma3":
             template = field(gguf.GGUFReader(vocab), "tokenizer.chat_template")
         path = out / f"{name}.gguf"
         tmp = path.with_suffix(".tmp")
         n = write_served(fixtures / f"{tiny}.gguf", vocab, template, tmp, 4096, seed=7 + i,
-                         dtype=np.float16)
+                         dtype=np.float16, specials=specials)
         tmp.rename(path)
         print(f"{path}: {tiny} with a vocabulary of {n}, {path.stat().st_size >> 20} MB")
 

@@ -165,7 +165,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         (None, Some(m)) => Some(positive_tokens("max_tokens", m)?),
         (None, None) => None,
     };
-    let stopping = stop_params(&req, limits.vocab_size, max_tokens)?;
+    let mut stopping = stop_params(&req, limits.vocab_size, max_tokens)?;
 
     let logprobs_on = req.logprobs.unwrap_or(false);
     let top_logprobs = match req.top_logprobs {
@@ -231,6 +231,16 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
                 .map_or(model_format, ToolCallFormat::of_template)
         }),
     )?;
+
+    // Mistral's `[TOOL_CALLS]` is a control token of its vocabularies: the parser must see it
+    // in the text (vLLM keeps special tokens for Mistral's tool calls too), unless asked not to.
+    let mistral_calls = tool_calling
+        .parser
+        .as_ref()
+        .is_some_and(|p| p.format() == ToolCallFormat::MistralJson);
+    if mistral_calls && req.skip_special_tokens.is_none() {
+        stopping.skip_special_tokens = false;
+    }
 
     let constraint = match (
         requested_constraint(req.response_format, req.structured_outputs)?,
