@@ -1400,4 +1400,242 @@ pub(crate) mod tests {
             assert_eq!(param(json!({"service_tier": "fast"})), "service_tier");
         }
     }
+
+    /// `validate_completion`: the prompt forms, the completion-only fields, and the fields it
+    /// shares with chat refused by the same functions.
+    mod completion {
+        use super::*;
+        use crate::extract::parse_json;
+
+        fn body(extra: Value) -> Value {
+            let mut body = json!({"prompt": "hi"});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            body
+        }
+
+        fn validate(extra: Value) -> Result<CompletionParams, ApiError> {
+            let req: CompletionRequest = parse_json(body(extra).to_string().as_bytes())?;
+            validate_completion(req, &LIMITS)
+        }
+
+        fn ok(extra: Value) -> CompletionParams {
+            validate(extra.clone()).unwrap_or_else(|e| panic!("{extra}: {e}"))
+        }
+
+        fn param(extra: Value) -> String {
+            let e = validate(extra.clone())
+                .err()
+                .unwrap_or_else(|| panic!("{extra} was accepted"));
+            assert_eq!(e.status().as_u16(), 400, "{extra}");
+            serde_json::to_value(e.envelope()).unwrap()["error"]["param"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned()
+        }
+
+        #[test]
+        fn defaults() {
+            let p = ok(json!({}));
+            assert_eq!(p.prompts, vec![PromptInput::Text("hi".into())]);
+            assert!(p.add_special_tokens);
+            assert_eq!((p.n, p.best_of), (1, 1));
+            assert_eq!(p.sampling, SamplingParams::default());
+            // None: the default of 16 (or less, when the context has less room), per prompt.
+            assert_eq!(p.stopping.max_tokens, None);
+            assert!(!p.echo && !p.echo_only);
+            assert_eq!((p.logprobs, p.prompt_logprobs), (None, None));
+            assert!(p.stream.is_none() && p.beam_search.is_none() && p.constraint.is_none());
+            assert!(!p.return_token_ids && !p.return_tokens_as_token_ids);
+        }
+
+        #[test]
+        fn prompt_forms() {
+            let text = |t: &str| PromptInput::Text(t.into());
+            assert_eq!(
+                ok(json!({"prompt": ["a", "b"]})).prompts,
+                [text("a"), text("b")]
+            );
+            assert_eq!(
+                ok(json!({"prompt": [5, 6, 999]})).prompts,
+                [PromptInput::Tokens(vec![5, 6, 999])]
+            );
+            assert_eq!(
+                ok(json!({"prompt": [[5], [6, 7]]})).prompts,
+                [
+                    PromptInput::Tokens(vec![5]),
+                    PromptInput::Tokens(vec![6, 7])
+                ]
+            );
+            assert_eq!(param(json!({"prompt": ""})), "prompt");
+            assert_eq!(param(json!({"prompt": []})), "prompt");
+            assert_eq!(param(json!({"prompt": ["a", ""]})), "prompt[1]");
+            assert_eq!(param(json!({"prompt": [[5], []]})), "prompt[1]");
+            // Never mixed: the first item of another kind is named.
+            assert_eq!(param(json!({"prompt": ["a", "b", 5]})), "prompt[2]");
+            assert_eq!(param(json!({"prompt": [5, [6]]})), "prompt[1]");
+            assert_eq!(param(json!({"prompt": [[5], "a"]})), "prompt[1]");
+            // Inside the vocabulary (1000 tokens here).
+            assert_eq!(param(json!({"prompt": [5, 1000]})), "prompt[1]");
+            assert_eq!(param(json!({"prompt": [-1]})), "prompt[0]");
+            assert_eq!(param(json!({"prompt": [[5], [6, 1000]]})), "prompt[1][1]");
+            // Not a prompt at all: a parse error naming it, saying what a prompt is.
+            for bad in [
+                json!(true),
+                json!([1.5]),
+                json!(null),
+                json!({"a": 1}),
+                json!([[["a"]]]),
+            ] {
+                let e = validate(json!({"prompt": bad})).err().unwrap();
+                let v = serde_json::to_value(e.envelope()).unwrap();
+                assert_eq!(v["error"]["param"], "prompt", "{bad}: {v}");
+                assert!(
+                    v["error"]["message"]
+                        .as_str()
+                        .unwrap()
+                        .contains("list of token ids"),
+                    "{bad}: {v}"
+                );
+            }
+            let missing: Result<CompletionRequest, _> = parse_json(b"{}");
+            let v = serde_json::to_value(missing.err().unwrap().envelope()).unwrap();
+            assert_eq!(v["error"]["param"], "prompt");
+            // At most `max_prompts` (4 here).
+            ok(json!({"prompt": vec!["a"; 4]}));
+            assert_eq!(param(json!({"prompt": vec!["a"; 5]})), "prompt");
+            // A list of ids is one prompt, however long.
+            ok(json!({"prompt": vec![5; 50]}));
+        }
+
+        #[test]
+        fn completion_only_fields() {
+            assert_eq!(param(json!({"suffix": "x"})), "suffix");
+            assert_eq!(param(json!({"suffix": ""})), "suffix");
+            ok(json!({"suffix": null, "prompt_embeds": null}));
+            assert_eq!(param(json!({"prompt_embeds": "AAAA"})), "prompt_embeds");
+            assert!(!ok(json!({"add_special_tokens": false})).add_special_tokens);
+            // logprobs: 0 to the server's max.
+            assert_eq!(ok(json!({"logprobs": 0})).logprobs, Some(0));
+            assert_eq!(ok(json!({"logprobs": 20})).logprobs, Some(20));
+            for k in [21, -1] {
+                assert_eq!(param(json!({"logprobs": k})), "logprobs");
+            }
+            assert_eq!(param(json!({"logprobs": true})), "logprobs");
+            // max_tokens: 0 only with echo.
+            assert_eq!(ok(json!({"max_tokens": 5})).stopping.max_tokens, Some(5));
+            assert_eq!(param(json!({"max_tokens": 0})), "max_tokens");
+            assert_eq!(param(json!({"max_tokens": -1})), "max_tokens");
+            let p = ok(json!({"max_tokens": 0, "echo": true}));
+            assert!(p.echo && p.echo_only);
+            assert_eq!(p.stopping.max_tokens, Some(1));
+            assert_eq!(
+                param(json!({"max_tokens": 0, "echo": true, "min_tokens": 1})),
+                "min_tokens"
+            );
+        }
+
+        #[test]
+        fn n_and_best_of() {
+            let p = ok(json!({"n": 2, "best_of": 5}));
+            assert_eq!((p.n, p.best_of), (2, 5));
+            assert_eq!(ok(json!({"n": 3})).best_of, 3);
+            assert_eq!(param(json!({"n": 3, "best_of": 2})), "best_of");
+            assert_eq!(param(json!({"best_of": 9})), "best_of");
+            assert_eq!(param(json!({"best_of": 0})), "best_of");
+            assert_eq!(param(json!({"n": 9})), "n");
+            // Above n: not streamed, not with beam search, not greedy.
+            assert_eq!(param(json!({"best_of": 2, "stream": true})), "best_of");
+            ok(json!({"n": 2, "best_of": 2, "stream": true}));
+            assert_eq!(
+                param(json!({"best_of": 2, "use_beam_search": true, "temperature": 0})),
+                "best_of"
+            );
+            assert_eq!(param(json!({"best_of": 2, "temperature": 0})), "best_of");
+            assert_eq!(param(json!({"n": 2, "temperature": 0})), "n");
+            let p = ok(json!({"n": 2, "use_beam_search": true, "temperature": 0}));
+            assert!(p.beam_search.is_some());
+        }
+
+        /// The shared fields are validated by the same functions as chat's: the same values
+        /// are refused naming the same fields.
+        #[test]
+        fn shared_fields_are_refused_as_in_chat() {
+            for extra in [
+                json!({"temperature": 2.5}),
+                json!({"top_p": 0}),
+                json!({"top_k": -2}),
+                json!({"min_p": 2}),
+                json!({"frequency_penalty": 3}),
+                json!({"repetition_penalty": 0}),
+                json!({"logit_bias": {"x": 1}}),
+                json!({"logit_bias": {"1000": 1}}),
+                json!({"allowed_token_ids": []}),
+                json!({"bad_words": ["a", ""]}),
+                json!({"stop": ""}),
+                json!({"stop_token_ids": [1000]}),
+                json!({"min_tokens": -1}),
+                json!({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}),
+                json!({"stream_options": {"include_usage": true}}),
+                json!({"prompt_logprobs": 21}),
+                json!({"prompt_logprobs": 1, "stream": true}),
+                json!({"priority": 1}),
+                json!({"request_id": ""}),
+                json!({"cache_salt": ""}),
+                json!({"engine_xargs": {"x": null}}),
+                json!({"truncate_prompt_tokens": 101}),
+                json!({"length_penalty": 0.5}),
+                json!({"use_beam_search": true, "temperature": 0, "seed": 1}),
+                json!({"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+                json!({"response_format": {"type": "json_schema"}}),
+            ] {
+                let mut chat = json!({"messages": [{"role": "user", "content": "hi"}]});
+                for (k, v) in extra.as_object().unwrap() {
+                    chat[k] = v.clone();
+                }
+                let chat: ChatCompletionRequest = serde_json::from_value(chat).unwrap();
+                let chat_param = serde_json::to_value(
+                    validate_chat(chat, &LIMITS)
+                        .err()
+                        .unwrap_or_else(|| panic!("chat accepted {extra}"))
+                        .envelope(),
+                )
+                .unwrap()["error"]["param"]
+                    .clone();
+                assert_eq!(json!(param(extra.clone())), chat_param, "{extra}");
+            }
+            // And accepted values become the same engine parameters.
+            let extra = json!({"temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1,
+                "seed": 3, "logit_bias": {"5": 2}, "allowed_token_ids": [5, 6],
+                "bad_words": ["x"], "repetition_penalty": 1.1, "frequency_penalty": 0.2,
+                "presence_penalty": -0.3, "stop": ["s"], "stop_token_ids": [9],
+                "ignore_eos": true, "include_stop_str_in_output": true,
+                "skip_special_tokens": false, "spaces_between_special_tokens": false,
+                "min_tokens": 2, "max_tokens": 6,
+                "repetition_detection": {"max_pattern_size": 3, "min_count": 2}});
+            let p = ok(extra.clone());
+            let c = super::ok(extra);
+            assert_eq!(p.sampling, c.sampling);
+            assert_eq!(p.stopping, c.stopping);
+        }
+
+        #[test]
+        fn extension_fields() {
+            let p = ok(json!({"cache_salt": "s", "kv_transfer_params": {"a": 1},
+                "engine_xargs": {"k": "v"}, "priority": 0, "request_id": "r", "user": "u",
+                "return_token_ids": true, "return_tokens_as_token_ids": true,
+                "truncate_prompt_tokens": -1, "prompt_logprobs": 2,
+                "structured_outputs": {"regex": "a+"}}));
+            assert_eq!(p.extras.cache_salt.as_deref(), Some("s"));
+            assert_eq!(p.extras.kv_transfer_params.unwrap()["a"], 1);
+            assert_eq!(p.extras.engine_xargs["k"], "v");
+            assert_eq!(p.request_id.as_deref(), Some("r"));
+            assert_eq!(p.user.as_deref(), Some("u"));
+            assert!(p.return_token_ids && p.return_tokens_as_token_ids);
+            assert_eq!(p.truncate_prompt_tokens, Some(100));
+            assert_eq!(p.prompt_logprobs, Some(2));
+            assert_eq!(p.constraint.unwrap().param, "structured_outputs.regex");
+        }
+    }
 }
