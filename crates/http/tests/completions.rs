@@ -832,6 +832,63 @@ async fn checkpoint_names_usage_metrics_and_quota() {
         assert_eq!(status, 404, "{name}: {v}");
         assert_eq!(v["error"]["param"], "model");
     }
+    // A trained checkpoint: its adapter applies as in chat (the same greedy tokens after the
+    // same prompt tokens), and changes what the base model says.
+    let model = s
+        .post_ok(
+            "/v1/preview/models",
+            &json!({"project": "docs", "name": "agent", "base_model": "tiny",
+                    "return_existing": true}),
+        )
+        .await;
+    let job = s
+        .post_ok(
+            "/v1/preview/sft-training-jobs",
+            &json!({"model_id": model["id"], "trajectories": [{"messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "zebra zebra zebra zebra"}]}],
+                "config": {"learning_rate": 0.05, "epochs": 3}}),
+        )
+        .await;
+    s.state.training().unwrap().spawn_worker().unwrap();
+    let job_id = job["id"].as_str().unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        let j: Value = s
+            .get(&format!("/v1/preview/training-jobs/{job_id}"))
+            .await
+            .json()
+            .await
+            .unwrap();
+        match j["status"].as_str().unwrap() {
+            "succeeded" => break,
+            "queued" | "running" => {}
+            _ => panic!("{j}"),
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "{j}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, chat) = s
+        .chat(&json!({"model": "default/docs/agent:step1",
+            "messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": 6,
+            "temperature": 0, "ignore_eos": true, "return_token_ids": true}))
+        .await;
+    assert_eq!(status, 200, "{chat}");
+    let trained_body = |model: &str| {
+        json!({"model": model, "prompt": chat["prompt_token_ids"], "max_tokens": 6,
+               "temperature": 0, "ignore_eos": true, "return_token_ids": true})
+    };
+    let trained = complete_ok(&s, &trained_body("default/docs/agent:step1")).await;
+    assert_eq!(trained["model"], "default/docs/agent:step1");
+    assert_eq!(
+        trained["choices"][0]["token_ids"],
+        chat["choices"][0]["token_ids"]
+    );
+    let untrained = complete_ok(&s, &trained_body("tiny")).await;
+    assert_ne!(
+        untrained["choices"][0]["token_ids"],
+        trained["choices"][0]["token_ids"]
+    );
 
     // Usage: under the request's project, per model; n and several prompts count as one request.
     let resp = s
@@ -883,7 +940,8 @@ async fn checkpoint_names_usage_metrics_and_quota() {
         })
         .map(|r| r["num_model_requests"].as_u64().unwrap())
         .sum();
-    assert_eq!(checkpoint, 3, "{page}");
+    // Three on step 0 (however named), the chat request and one completion on step 1.
+    assert_eq!(checkpoint, 5, "{page}");
 
     // /metrics: the engine's counters include every prompt's tokens.
     s.wait_idle(Duration::from_secs(30)).await;
@@ -894,7 +952,9 @@ async fn checkpoint_names_usage_metrics_and_quota() {
         .unwrap()
         .parse()
         .unwrap();
-    assert_eq!(generated, 4.0 * 4.0 + 12.0);
+    // 4 tokens for each of the first 4 requests, 6 for the chat, trained and untrained ones,
+    // 12 for the two prompts × 2.
+    assert_eq!(generated, 4.0 * 4.0 + 6.0 * 3.0 + 12.0);
 
     // A team past its quota gets a 429, streamed or not.
     s.state
