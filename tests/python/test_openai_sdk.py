@@ -203,6 +203,126 @@ class Chat(unittest.TestCase):
             self.assertEqual(t.token, t.top_logprobs[0].token)
 
 
+class Completions(unittest.TestCase):
+    """The legacy `client.completions.create` (`POST /v1/completions`), in vLLM's shape."""
+
+    PROMPT = "The river runs"
+
+    def _check(self, r, choices=1):
+        self.assertEqual(r.object, "text_completion")
+        self.assertTrue(r.id.startswith("cmpl-"))
+        self.assertEqual(r.model, MODEL)
+        self.assertEqual([c.index for c in r.choices], list(range(choices)))
+        for c in r.choices:
+            self.assertIsInstance(c.text, str)
+            self.assertIn(c.finish_reason, ("stop", "length"))
+        self.assertEqual(r.usage.total_tokens, r.usage.prompt_tokens + r.usage.completion_tokens)
+
+    def test_string_prompt(self):
+        r = client().completions.create(model=MODEL, prompt=self.PROMPT, max_tokens=8, temperature=0)
+        self._check(r)
+        self.assertIsNone(r.choices[0].logprobs)
+        self.assertTrue(1 <= r.usage.completion_tokens <= 8)
+        # The prompt's tokens are /tokenize's (special tokens added, as vLLM does by default).
+        ids = post(SERVER, "/tokenize", {"model": MODEL, "prompt": self.PROMPT})["tokens"]
+        self.assertEqual(r.usage.prompt_tokens, len(ids))
+
+    def test_token_ids_prompt_equals_its_text(self):
+        c = client()
+        ids = post(SERVER, "/tokenize", {"model": MODEL, "prompt": self.PROMPT})["tokens"]
+        text = c.completions.create(model=MODEL, prompt=self.PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"return_token_ids": True})
+        tokens = c.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        self._check(tokens)
+        self.assertEqual(tokens.choices[0].text, text.choices[0].text)
+        for r in (text, tokens):
+            choice = r.choices[0].model_dump()
+            self.assertEqual(choice["prompt_token_ids"], ids)
+            self.assertEqual(len(choice["token_ids"]), r.usage.completion_tokens)
+        # A list of token lists: one choice set per prompt.
+        both = c.completions.create(model=MODEL, prompt=[ids, ids[:-1]], max_tokens=3, temperature=0)
+        self._check(both, choices=2)
+        self.assertEqual(both.usage.prompt_tokens, 2 * len(ids) - 1)
+
+    def test_echo_with_logprobs(self):
+        r = client().completions.create(model=MODEL, prompt=self.PROMPT, max_tokens=4, temperature=0,
+                                        echo=True, logprobs=2)
+        self._check(r)
+        choice = r.choices[0]
+        self.assertTrue(choice.text.startswith(self.PROMPT), choice.text)
+        lp = choice.logprobs
+        n = r.usage.prompt_tokens + r.usage.completion_tokens
+        self.assertEqual([len(lp.tokens), len(lp.token_logprobs), len(lp.top_logprobs),
+                          len(lp.text_offset)], [n] * 4)
+        # The prompt's first token has nothing to be predicted from.
+        self.assertIsNone(lp.token_logprobs[0])
+        self.assertIsNone(lp.top_logprobs[0])
+        for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            self.assertLessEqual(logprob, 0.0)
+            # {token: logprob}: the position's own token, plus up to 2 alternatives.
+            self.assertIn(token, top)
+            self.assertEqual(top[token], logprob)
+            self.assertLessEqual(len(top), 3)
+        self.assertEqual(lp.text_offset, sorted(lp.text_offset))
+        # max_tokens 0 with echo: the prompt scored, nothing generated.
+        scored = client().completions.create(model=MODEL, prompt=self.PROMPT, max_tokens=0, echo=True,
+                                             logprobs=0)
+        self.assertEqual(scored.choices[0].text, self.PROMPT)
+        self.assertEqual(scored.usage.completion_tokens, 0)
+        self.assertEqual(scored.choices[0].logprobs.token_logprobs,
+                         lp.token_logprobs[:r.usage.prompt_tokens])
+
+    def test_stream_equals_the_whole_answer(self):
+        c = client()
+        kwargs = dict(model=MODEL, prompt=[self.PROMPT, "Once upon"], n=2, max_tokens=6,
+                      temperature=1.0, seed=9, logprobs=1)
+        whole = c.completions.create(**kwargs)
+        self._check(whole, choices=4)
+        chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        self.assertTrue(all(ch.object == "text_completion" for ch in chunks))
+        self.assertEqual({ch.id for ch in chunks}, {chunks[0].id})
+        texts, tokens, finishes = ["" for _ in range(4)], [[] for _ in range(4)], [[] for _ in range(4)]
+        for ch in chunks[:-1]:
+            self.assertEqual(len(ch.choices), 1)
+            choice = ch.choices[0]
+            texts[choice.index] += choice.text
+            if choice.logprobs:
+                tokens[choice.index] += choice.logprobs.tokens
+            if choice.finish_reason:
+                finishes[choice.index].append(choice.finish_reason)
+        for i, choice in enumerate(whole.choices):
+            self.assertEqual(texts[i], choice.text)
+            self.assertEqual(tokens[i], choice.logprobs.tokens)
+            self.assertEqual(finishes[i], [choice.finish_reason])
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertEqual(chunks[-1].usage.completion_tokens, whole.usage.completion_tokens)
+        self.assertEqual(chunks[-1].usage.prompt_tokens, whole.usage.prompt_tokens)
+
+    def test_n_and_best_of(self):
+        r = client().completions.create(model=MODEL, prompt=self.PROMPT, n=3, max_tokens=5,
+                                        temperature=1.0, seed=3)
+        self._check(r, choices=3)
+        best = client().completions.create(model=MODEL, prompt=self.PROMPT, n=2, best_of=3, max_tokens=5,
+                                           temperature=1.0, seed=3, logprobs=0)
+        self._check(best, choices=2)
+        # The best 2 of the same 3 samples (choice i is seeded with seed + i), best first.
+        sums = [sum(c.logprobs.token_logprobs) for c in best.choices]
+        self.assertGreaterEqual(sums[0], sums[1])
+        self.assertTrue({c.text for c in best.choices} <= {c.text for c in r.choices})
+        # Every generated sample counts.
+        self.assertEqual(best.usage.completion_tokens, r.usage.completion_tokens)
+
+    def test_refused_fields_are_bad_requests_naming_them(self):
+        for kwargs, param in [({"suffix": "end"}, "suffix"), ({"logprobs": 21}, "logprobs"),
+                              ({"best_of": 1, "n": 2, "temperature": 1.0}, "best_of"),
+                              ({"prompt": ""}, "prompt")]:
+            args = {"model": MODEL, "prompt": self.PROMPT, "max_tokens": 2, **kwargs}
+            with self.assertRaises(openai.BadRequestError) as e:
+                client().completions.create(**args)
+            self.assertEqual(e.exception.body.get("param"), param, kwargs)
+
+
 class Errors(unittest.TestCase):
     def test_wrong_key_is_authentication_error(self):
         with self.assertRaises(openai.AuthenticationError) as e:

@@ -572,6 +572,12 @@ impl Engine {
     pub fn max_model_len(&self) -> usize {
         self.max_model_len
     }
+
+    /// How many requests may wait for admission (`EngineConfig::max_waiting`): more are refused
+    /// with [`EngineError::QueueFull`].
+    pub fn max_waiting(&self) -> usize {
+        self.max_waiting
+    }
 }
 
 /// The context rules (the one place they are checked): the prompt must leave room, and the

@@ -144,7 +144,7 @@ pub async fn chat_completions(
 
 /// The model a request's usage counts under: a base model's name, or the checkpoint it used as
 /// `<team>/<project>/<name>:step<N>` (however the request spelled it).
-fn usage_model(resolved: &ResolvedModel, team: &str) -> String {
+pub(crate) fn usage_model(resolved: &ResolvedModel, team: &str) -> String {
     match (&resolved.checkpoint, names::parse(&resolved.name)) {
         (Some(checkpoint), Some(name)) => {
             names::checkpoint_name(team, name.project, name.name, checkpoint.step)
@@ -153,7 +153,7 @@ fn usage_model(resolved: &ResolvedModel, team: &str) -> String {
     }
 }
 
-fn finish_json(reason: FinishReason) -> FinishReasonJson {
+pub(crate) fn finish_json(reason: FinishReason) -> FinishReasonJson {
     match reason {
         FinishReason::Stop => FinishReasonJson::Stop,
         FinishReason::Length => FinishReasonJson::Length,
@@ -162,7 +162,7 @@ fn finish_json(reason: FinishReason) -> FinishReasonJson {
     }
 }
 
-fn stop_json(reason: Option<StopReason>) -> Option<StopReasonJson> {
+pub(crate) fn stop_json(reason: Option<StopReason>) -> Option<StopReasonJson> {
     reason.map(|r| match r {
         StopReason::Text(s) => StopReasonJson::Text(s),
         StopReason::Token(t) => StopReasonJson::Token(t),
@@ -197,11 +197,11 @@ fn finish_with_calls(reason: FinishReasonJson, called: bool) -> FinishReasonJson
     }
 }
 
-fn engine_gone() -> ApiError {
+pub(crate) fn engine_gone() -> ApiError {
     ApiError::Internal("The engine stopped before the request finished.".to_owned())
 }
 
-fn bad_choice(choice: usize) -> ApiError {
+pub(crate) fn bad_choice(choice: usize) -> ApiError {
     ApiError::Internal(format!("The engine reported an unknown choice {choice}."))
 }
 

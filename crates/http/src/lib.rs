@@ -5,6 +5,7 @@
 
 pub mod auth;
 pub mod chat;
+pub mod completions;
 mod dashboard;
 pub mod error;
 pub mod extract;
@@ -91,6 +92,7 @@ fn open_routes() -> Vec<Route> {
 fn serving_routes() -> Vec<Route> {
     vec![
         ("/v1/chat/completions", post(chat::chat_completions)),
+        ("/v1/completions", post(completions::completions)),
         ("/v1/models", get(list_models)),
         ("/tokenize", post(tokenize::tokenize)),
         ("/detokenize", post(tokenize::detokenize)),

@@ -94,13 +94,17 @@ pub struct UsageSink {
     pub model: String,
 }
 
-/// One chat completion's token counts as its output arrives. What it holds when it is recorded,
-/// at the request's end or when dropped before (the client went away, the engine failed), is
-/// added to the team's usage, once: what was actually generated.
+/// One chat completion's (or completion's) token counts as its output arrives. What it holds
+/// when it is recorded, at the request's end or when dropped before (the client went away, the
+/// engine failed), is added to the team's usage, once: what was actually generated.
 pub struct ChatUsage {
     prompt_tokens: usize,
-    cached_tokens: usize,
+    /// Per prompt (a completion request may have several).
+    cached_tokens: Vec<usize>,
+    /// Per choice, the prompts' choices in turn.
     completion_tokens: Vec<usize>,
+    /// Choices per prompt.
+    n: usize,
     /// `None`: not recorded (no store), or recorded already.
     sink: Option<UsageSink>,
 }
@@ -108,10 +112,17 @@ pub struct ChatUsage {
 impl ChatUsage {
     /// A request for `n` choices over `prompt_tokens`, recorded to `sink`.
     pub fn new(prompt_tokens: usize, n: usize, sink: Option<UsageSink>) -> ChatUsage {
+        ChatUsage::prompts(&[prompt_tokens], n, sink)
+    }
+
+    /// A request of several prompts (their token counts), `n` choices each: choice `i` is
+    /// choice `i % n` of prompt `i / n`.
+    pub fn prompts(prompt_tokens: &[usize], n: usize, sink: Option<UsageSink>) -> ChatUsage {
         ChatUsage {
-            prompt_tokens,
-            cached_tokens: 0,
-            completion_tokens: vec![0; n],
+            prompt_tokens: prompt_tokens.iter().sum(),
+            cached_tokens: vec![0; prompt_tokens.len()],
+            completion_tokens: vec![0; prompt_tokens.len() * n],
+            n: n.max(1),
             sink,
         }
     }
@@ -127,9 +138,11 @@ impl ChatUsage {
         }
     }
 
-    /// The engine's own counts at a choice's end.
+    /// The engine's own counts at a choice's end; `cached_tokens` are its prompt's.
     pub fn finished(&mut self, choice: usize, completion_tokens: usize, cached_tokens: usize) {
-        self.cached_tokens = cached_tokens;
+        if let Some(cached) = self.cached_tokens.get_mut(choice / self.n) {
+            *cached = cached_tokens;
+        }
         if let Some(count) = self.completion_tokens.get_mut(choice) {
             *count = completion_tokens;
         }
@@ -139,7 +152,7 @@ impl ChatUsage {
     pub fn usage(&self) -> Usage {
         Usage::new(
             self.prompt_tokens,
-            self.cached_tokens,
+            self.cached_tokens.iter().sum(),
             self.completion_tokens.iter().sum(),
         )
     }

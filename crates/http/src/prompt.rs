@@ -1,6 +1,6 @@
 //! Messages → prompt token ids (chat completions and `/tokenize` share it), the one `prepare`
-//! step from a validated chat request to the engine's request, and token ids → the strings and
-//! bytes the logprobs output shows.
+//! step from a validated chat request to the engine's request (`prepare_completion` for a
+//! completion's prompts), and token ids → the strings and bytes the logprobs output shows.
 
 use std::sync::Arc;
 
@@ -14,7 +14,9 @@ use crate::error::ApiError;
 use crate::extras::ReasoningEffort;
 use crate::protocol::{LogprobEntry, PromptLogprobsAt, PromptTokenLogprob, TopLogprob};
 use crate::state::ServedModel;
-use crate::validation::{ChatParams, PromptParams};
+use crate::validation::{
+    ChatParams, CompletionParams, PromptInput, PromptParams, DEFAULT_COMPLETION_MAX_TOKENS,
+};
 
 /// Renders the chat template and tokenizes the result with special-token parsing (the template
 /// writes control tokens such as `<start_of_turn>` as text).
@@ -85,6 +87,7 @@ pub fn prepare(
     let text = render_prompt(model, &params.prompt)?;
     if params.truncate_prompt_tokens.is_none() {
         check_prompt_bytes(
+            "messages",
             text.len(),
             model.max_text_bytes_per_token,
             model.max_model_len,
@@ -126,6 +129,7 @@ fn engine_request(
 /// `text_bytes` has at least `text_bytes / max_bytes_per_token` tokens, so a prompt far past
 /// the context is refused without the seconds its tokenization would take.
 fn check_prompt_bytes(
+    param: &str,
     text_bytes: usize,
     max_bytes_per_token: usize,
     max_model_len: usize,
@@ -133,15 +137,118 @@ fn check_prompt_bytes(
     let at_least = text_bytes / max_bytes_per_token.max(1);
     if at_least >= max_model_len {
         return Err(ApiError::bad(
-            "messages",
+            param,
             format!(
                 "This model's maximum context length is {max_model_len} tokens. However, your \
                  request has at least {at_least} input tokens ({text_bytes} bytes of prompt \
-                 text). Please reduce the length of the input messages."
+                 text). Please reduce the length of the input {}.",
+                if param == "messages" {
+                    "messages"
+                } else {
+                    "prompt"
+                }
             ),
         ));
     }
     Ok(())
+}
+
+/// One prompt of a completion request, ready for the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletionPrompt {
+    pub ids: Vec<u32>,
+    /// What `echo` puts in front of the choices' text (empty without `echo`): a text prompt
+    /// as sent, a token-id (or truncated) prompt's kept tokens decoded with special tokens
+    /// kept.
+    pub echo: String,
+}
+
+/// A completion's prompt → its token ids: text tokenized as `/tokenize` does (special tokens in
+/// the text recognised, BOS in front with `add_special_tokens` where the model wants it; a text
+/// far past the context is refused by its byte count first), token ids taken as given; then
+/// truncated to `truncate_prompt_tokens`. `param` names the prompt in errors.
+pub fn prepare_completion(
+    model: &ServedModel,
+    params: &CompletionParams,
+    prompt: &PromptInput,
+    param: &str,
+) -> Result<CompletionPrompt, ApiError> {
+    let tok = &model.tokenizer;
+    let mut ids = match prompt {
+        PromptInput::Text(text) => {
+            if params.truncate_prompt_tokens.is_none() {
+                check_prompt_bytes(
+                    param,
+                    text.len(),
+                    model.max_text_bytes_per_token,
+                    model.max_model_len,
+                )?;
+            }
+            let mut ids = tok.encode(text, true);
+            if params.add_special_tokens {
+                prepend_bos(tok, &mut ids);
+            }
+            ids
+        }
+        PromptInput::Tokens(ids) => ids.clone(),
+    };
+    let mut truncated = false;
+    if let Some(keep) = params.truncate_prompt_tokens {
+        truncated = ids.len() > keep;
+        ids.drain(..ids.len().saturating_sub(keep));
+    }
+    let echo = match prompt {
+        _ if !params.echo => String::new(),
+        PromptInput::Text(text) if !truncated => text.clone(),
+        _ => tok.decode(
+            &ids,
+            DecodeOptions {
+                skip_special_tokens: false,
+                spaces_between_special_tokens: params.stopping.spaces_between_special_tokens,
+            },
+        ),
+    };
+    Ok(CompletionPrompt { ids, echo })
+}
+
+/// The engine's request for one prompt of a completion: `best_of` choices; no explicit
+/// `max_tokens` is 16 or what the context leaves, when less; `echo` with `logprobs` asks for
+/// the prompt's logprobs too, and `best_of` above `n` for the sampled tokens' logprobs (the
+/// choices are ranked by their sum).
+pub fn completion_request(
+    model: &ServedModel,
+    params: &CompletionParams,
+    request_id: String,
+    prompt: Vec<u32>,
+    constraint: Option<Grammar>,
+    adapter: Option<Arc<LoraAdapter>>,
+) -> GenerationRequest {
+    let mut stopping = params.stopping.clone();
+    if stopping.max_tokens.is_none() {
+        let room = model.max_model_len.saturating_sub(prompt.len());
+        // A prompt with no room left is refused by the engine, whatever this says.
+        stopping.max_tokens = Some(DEFAULT_COMPLETION_MAX_TOKENS.min(room).max(1));
+    }
+    let echo_logprobs = params.logprobs.filter(|_| params.echo);
+    let prompt_logprobs = match (params.prompt_logprobs, echo_logprobs) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    };
+    let ranked = params.best_of > params.n;
+    GenerationRequest {
+        cache_salt: params.extras.cache_salt.clone(),
+        request_id,
+        prompt,
+        n: params.best_of,
+        sampling: params.sampling.clone(),
+        stopping,
+        logprobs: params.logprobs.or(ranked.then_some(0)),
+        adapter,
+        constraint,
+        priority: params.priority,
+        prompt_logprobs,
+        beam_search: params.beam_search,
+    }
 }
 
 /// The reasoning parser for this request's output, when the template it renders with writes
@@ -189,7 +296,7 @@ pub fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
 }
 
 /// JSON has no -inf; vLLM reports such logprobs as -9999.
-fn finite(lp: f32) -> f32 {
+pub(crate) fn finite(lp: f32) -> f32 {
     if lp.is_finite() {
         lp
     } else {

@@ -76,6 +76,140 @@ pub struct ChatCompletionRequest {
     pub repetition_detection: Option<JsonObject>,
 }
 
+/// `POST /v1/completions` body as sent (vLLM's `CompletionRequest`): the legacy text completion.
+/// `suffix` and `prompt_embeds` are parsed so that validation can refuse them by name.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptField,
+    pub model: Option<String>,
+    pub suffix: Option<String>,
+    pub prompt_embeds: Option<Value>,
+    pub max_tokens: Option<i64>,
+    pub n: Option<i64>,
+    pub best_of: Option<i64>,
+    pub echo: Option<bool>,
+    pub logprobs: Option<i64>,
+    pub prompt_logprobs: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptionsField>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub logit_bias: Option<HashMap<String, f64>>,
+    pub allowed_token_ids: Option<Vec<i64>>,
+    pub bad_words: Option<Vec<String>>,
+    pub min_tokens: Option<i64>,
+    pub repetition_detection: Option<JsonObject>,
+    pub stop: Option<StopField>,
+    pub stop_token_ids: Option<Vec<i64>>,
+    pub ignore_eos: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    pub spaces_between_special_tokens: Option<bool>,
+    pub use_beam_search: Option<bool>,
+    pub length_penalty: Option<f64>,
+    pub add_special_tokens: Option<bool>,
+    pub truncate_prompt_tokens: Option<i64>,
+    pub response_format: Option<ResponseFormat>,
+    pub structured_outputs: Option<StructuredOutputs>,
+    pub return_token_ids: Option<bool>,
+    pub return_tokens_as_token_ids: Option<bool>,
+    pub request_id: Option<String>,
+    pub user: Option<String>,
+    pub priority: Option<i64>,
+    pub cache_salt: Option<String>,
+    pub kv_transfer_params: Option<JsonObject>,
+    pub engine_xargs: Option<JsonObject>,
+}
+
+/// A completion's `prompt`: one string, or a list (of strings, of token ids, or of lists of
+/// token ids; validation refuses a list that mixes them).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+)]
+pub enum PromptField {
+    Text(String),
+    List(Vec<PromptItem>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string, a token id (an integer) or a list of token ids"
+)]
+pub enum PromptItem {
+    Text(String),
+    Id(i64),
+    Ids(Vec<i64>),
+}
+
+/// The sampling and stopping fields as sent, borrowed from a `ChatCompletionRequest` or a
+/// `CompletionRequest` (their `sampling_fields()`, generated for both by `sampling_fields!`
+/// below, the one list of these fields) for `crate::sampling`'s validation.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SamplingFields<'a> {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub logit_bias: Option<&'a HashMap<String, f64>>,
+    pub allowed_token_ids: Option<&'a Vec<i64>>,
+    pub bad_words: Option<&'a Vec<String>>,
+    pub min_tokens: Option<i64>,
+    pub repetition_detection: Option<&'a JsonObject>,
+    pub stop: Option<&'a StopField>,
+    pub stop_token_ids: Option<&'a Vec<i64>>,
+    pub ignore_eos: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    pub spaces_between_special_tokens: Option<bool>,
+}
+
+/// The one list of the sampling and stopping fields both request types carry, read by
+/// `sampling_params` and `stop_params` for both routes.
+macro_rules! sampling_fields {
+    ($($request:ty),+) => {$(
+        impl $request {
+            pub fn sampling_fields(&self) -> SamplingFields<'_> {
+                SamplingFields {
+                    temperature: self.temperature,
+                    top_p: self.top_p,
+                    top_k: self.top_k,
+                    min_p: self.min_p,
+                    seed: self.seed,
+                    frequency_penalty: self.frequency_penalty,
+                    presence_penalty: self.presence_penalty,
+                    repetition_penalty: self.repetition_penalty,
+                    logit_bias: self.logit_bias.as_ref(),
+                    allowed_token_ids: self.allowed_token_ids.as_ref(),
+                    bad_words: self.bad_words.as_ref(),
+                    min_tokens: self.min_tokens,
+                    repetition_detection: self.repetition_detection.as_ref(),
+                    stop: self.stop.as_ref(),
+                    stop_token_ids: self.stop_token_ids.as_ref(),
+                    ignore_eos: self.ignore_eos,
+                    include_stop_str_in_output: self.include_stop_str_in_output,
+                    skip_special_tokens: self.skip_special_tokens,
+                    spaces_between_special_tokens: self.spaces_between_special_tokens,
+                }
+            }
+        }
+    )+};
+}
+
+sampling_fields!(ChatCompletionRequest, CompletionRequest);
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum StopField {
@@ -322,6 +456,87 @@ pub struct Delta {
     pub reasoning: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<DeltaToolCall>>,
+}
+
+/// `POST /v1/completions`'s answer (`object: "text_completion"`).
+#[derive(Debug, Serialize)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    pub usage: Usage,
+    pub system_fingerprint: &'static str,
+}
+
+/// A completion choice, whole or (in a stream) one chunk of it.
+#[derive(Debug, Serialize)]
+pub struct CompletionChoice {
+    /// `prompt index × n + choice`: each prompt's choices in turn.
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    /// Always set in a whole answer; in a stream, on each choice's last chunk only.
+    pub finish_reason: Option<FinishReasonJson>,
+    pub stop_reason: Option<StopReasonJson>,
+    /// The choice's prompt's `prompt_logprobs` (vLLM's shape: one entry per prompt token, the
+    /// first null).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Vec<Option<PromptLogprobsAt>>>,
+    /// `return_token_ids`: the choice's prompt's ids (in a stream, on its first chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    /// `return_token_ids`: the generated ids (in a stream, this chunk's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// The legacy logprobs: per token its string, its logprob (null for a prompt's first token),
+/// the top alternatives as `{token: logprob}` and its offset in the text.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    pub text_offset: Vec<usize>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub tokens: Vec<String>,
+    pub top_logprobs: Vec<Option<TopLogprobsAt>>,
+}
+
+impl CompletionLogprobs {
+    pub fn extend(&mut self, other: CompletionLogprobs) {
+        self.text_offset.extend(other.text_offset);
+        self.token_logprobs.extend(other.token_logprobs);
+        self.tokens.extend(other.tokens);
+        self.top_logprobs.extend(other.top_logprobs);
+    }
+}
+
+/// One position's `{token: logprob}`, in order (the position's own token first); a JSON
+/// object, so tokens of the same text appear once.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TopLogprobsAt(pub Vec<(String, f32)>);
+
+impl Serialize for TopLogprobsAt {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (token, lp) in &self.0 {
+            map.serialize_entry(token, lp)?;
+        }
+        map.end()
+    }
+}
+
+/// A streamed completion's chunk (`object: "text_completion"`, as vLLM sends them).
+#[derive(Debug, Serialize)]
+pub struct CompletionChunk<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
 }
 
 #[derive(Debug, Serialize)]

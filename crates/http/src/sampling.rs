@@ -1,16 +1,17 @@
-//! The sampling and stopping fields of a chat request, validated into the engine's own
-//! `SamplingParams` and `StopParams`: part of the one validation step in `validation`, kept
-//! here because there are many of them.
+//! The sampling and stopping fields of a chat or completion request, validated into the
+//! engine's own `SamplingParams` and `StopParams`: part of the one validation step in
+//! `validation`, kept here because there are many of them. Both routes read them through one
+//! view, [`SamplingFields`], so they are checked by the same code.
 
 use temper_engine::{RepetitionDetection, SamplingParams, StopParams};
 
 use crate::error::ApiError;
-use crate::protocol::{ChatCompletionRequest, JsonObject, StopField};
+use crate::protocol::{JsonObject, SamplingFields, StopField};
 
 /// Temperature, nucleus, top-k, min-p, seed, and the logits processors (logit_bias,
 /// allowed_token_ids, bad_words, penalties), with their defaults and range checks.
 pub fn sampling_params(
-    req: &ChatCompletionRequest,
+    req: &SamplingFields<'_>,
     vocab_size: usize,
 ) -> Result<SamplingParams, ApiError> {
     let temperature = req.temperature.unwrap_or(1.0);
@@ -72,7 +73,7 @@ pub fn sampling_params(
     }
 
     let mut logit_bias = Vec::new();
-    for (key, &bias) in req.logit_bias.iter().flatten() {
+    for (key, &bias) in req.logit_bias.into_iter().flatten() {
         let id = key.trim().parse::<i64>().map_err(|_| {
             ApiError::bad(
                 "logit_bias",
@@ -92,7 +93,7 @@ pub fn sampling_params(
         ));
     }
 
-    let allowed_token_ids = match &req.allowed_token_ids {
+    let allowed_token_ids = match req.allowed_token_ids {
         None => None,
         Some(ids) if ids.is_empty() => {
             return Err(ApiError::bad(
@@ -103,7 +104,7 @@ pub fn sampling_params(
         Some(ids) => Some(token_ids("allowed_token_ids", ids.clone(), vocab_size)?),
     };
 
-    let bad_words = req.bad_words.clone().unwrap_or_default();
+    let bad_words = req.bad_words.cloned().unwrap_or_default();
     // An empty word bans nothing (it has no tokens): accepting it would be a field without effect.
     if let Some(i) = bad_words.iter().position(String::is_empty) {
         return Err(ApiError::bad(
@@ -131,7 +132,7 @@ pub fn sampling_params(
 /// the explicit completion budget, if any: the engine checks it, and `min_tokens`, against the
 /// context once the prompt is known.
 pub fn stop_params(
-    req: &ChatCompletionRequest,
+    req: &SamplingFields<'_>,
     vocab_size: usize,
     max_tokens: Option<usize>,
 ) -> Result<StopParams, ApiError> {
@@ -144,12 +145,12 @@ pub fn stop_params(
         }
         m => usize::try_from(m).unwrap_or(usize::MAX),
     };
-    let repetition_detection = match &req.repetition_detection {
+    let repetition_detection = match req.repetition_detection {
         None => None,
         Some(obj) => repetition_detection(obj)?,
     };
 
-    let stop = match &req.stop {
+    let stop = match req.stop {
         None => Vec::new(),
         Some(StopField::One(s)) => vec![s.clone()],
         Some(StopField::Many(v)) => v.clone(),
@@ -159,7 +160,7 @@ pub fn stop_params(
     }
     let stop_token_ids = token_ids(
         "stop_token_ids",
-        req.stop_token_ids.clone().unwrap_or_default(),
+        req.stop_token_ids.cloned().unwrap_or_default(),
         vocab_size,
     )?;
     Ok(StopParams {

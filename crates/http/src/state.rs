@@ -14,7 +14,7 @@ use temper_train::service::TrainingService;
 use crate::error::ApiError;
 use crate::meter::{unix_now, UsageMeter};
 use crate::team_limits::TeamRequests;
-use crate::validation::{ChatParams, Limits};
+use crate::validation::{ChatParams, CompletionParams, Limits};
 
 /// One model the server answers for: a base model of the catalog (shared with the training
 /// service) and its own engine (scheduler thread). Reads as its [`BaseModel`] (name, weights, tokenizer,
@@ -35,10 +35,13 @@ impl std::ops::Deref for ServedModel {
     }
 }
 
-/// An extension point: sees every validated chat completion request (with its `engine_xargs` and
-/// `kv_transfer_params`) before it reaches the engine, and may refuse it with an error.
+/// An extension point: sees every validated chat completion and completion request (with its
+/// `engine_xargs` and `kv_transfer_params`) before it reaches the engine, and may refuse it with
+/// an error. Both methods are required, so that a hook cannot let one route through unseen.
 pub trait RequestHook: Send + Sync + std::fmt::Debug {
     fn on_request(&self, params: &ChatParams) -> Result<(), ApiError>;
+    /// `POST /v1/completions`.
+    fn on_completion(&self, params: &CompletionParams) -> Result<(), ApiError>;
 }
 
 /// The default hook: does nothing.
@@ -47,6 +50,10 @@ pub struct NoHook;
 
 impl RequestHook for NoHook {
     fn on_request(&self, _: &ChatParams) -> Result<(), ApiError> {
+        Ok(())
+    }
+
+    fn on_completion(&self, _: &CompletionParams) -> Result<(), ApiError> {
         Ok(())
     }
 }
@@ -151,7 +158,8 @@ pub struct ServerOptions {
     /// `--max-requests-per-team`: generation requests one team may have in flight (`None`: no
     /// bound); past it a 429.
     pub max_requests_per_team: Option<usize>,
-    /// Sees every validated chat completion request (extensions; the default does nothing).
+    /// Sees every validated chat completion and completion request (extensions; the default
+    /// does nothing).
     pub request_hook: Arc<dyn RequestHook>,
 }
 
@@ -337,6 +345,7 @@ impl AppState {
                     .as_ref()
                     .map_or(ToolCallFormat::default(), |t| t.tool_call_format())
             }),
+            max_prompts: model.engine.max_waiting(),
         }
     }
 }

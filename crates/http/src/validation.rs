@@ -1,5 +1,6 @@
-//! One validation step: a parsed `ChatCompletionRequest` becomes typed `ChatParams` (the
-//! engine's own `SamplingParams` and `StopParams` among them), or a 400 naming the field.
+//! One validation step: a parsed `ChatCompletionRequest` becomes typed `ChatParams`, a parsed
+//! `CompletionRequest` typed `CompletionParams` (the engine's own `SamplingParams` and
+//! `StopParams` among them, from the same functions for both), or a 400 naming the field.
 //! Nothing downstream re-checks or sees the raw JSON.
 
 use temper_engine::{BeamSearch, SamplingParams, StopParams};
@@ -8,7 +9,10 @@ use temper_text::{ChatMessage, ContentPart, FunctionCall, MessageContent, ToolCa
 
 use crate::error::ApiError;
 use crate::extras::{self, ReasoningEffort, RequestExtras};
-use crate::protocol::{ChatCompletionRequest, JsonObject, MessageContentField, RequestMessage};
+use crate::protocol::{
+    ChatCompletionRequest, CompletionRequest, JsonObject, MessageContentField, PromptField,
+    PromptItem, RequestMessage, StreamOptionsField,
+};
 use crate::sampling::{sampling_params, stop_params};
 use crate::structured::{requested_constraint, RequestedConstraint};
 
@@ -32,6 +36,9 @@ pub struct Limits {
     /// `--enable-tool-calls`: `tool_choice` may be other than "none", and calls are found and
     /// constrained in this format (the model template's; a request template decides its own).
     pub tool_calls: Option<ToolCallFormat>,
+    /// Most prompts a completion request may hold (each waits in the engine's queue: the
+    /// model's `--max-waiting`).
+    pub max_prompts: usize,
 }
 
 /// A validated chat completion request.
@@ -98,66 +105,15 @@ pub struct StreamOptions {
 }
 
 pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<ChatParams, ApiError> {
-    let priority = req.priority.unwrap_or(0);
-    if priority != 0 && !limits.priority_scheduling {
-        return Err(ApiError::bad(
-            "priority",
-            "`priority` other than 0 needs priority scheduling (`temper serve --scheduling priority`), which this model is not served with.",
-        ));
-    }
-    let stream = req.stream.unwrap_or(false);
-    let stream_options = match (&req.stream_options, stream) {
-        (Some(_), false) => {
-            return Err(ApiError::bad(
-                "stream_options",
-                "`stream_options` can only be set when `stream` is true.",
-            ))
-        }
-        (Some(o), true) => {
-            let include_usage = o.include_usage.unwrap_or(false);
-            Some(StreamOptions {
-                include_usage,
-                continuous_usage_stats: include_usage && o.continuous_usage_stats.unwrap_or(false),
-            })
-        }
-        (None, true) => Some(StreamOptions::default()),
-        (None, false) => None,
-    };
+    let priority = priority(req.priority, limits)?;
+    let stream_options = stream_options(req.stream, req.stream_options.as_ref())?;
+    let stream = stream_options.is_some();
+    let n = choice_count("n", req.n, limits)?;
 
-    let n = match req.n {
-        None => 1,
-        Some(n) if n < 1 => return Err(ApiError::bad("n", "`n` must be at least 1.")),
-        Some(n) if n as u64 > limits.max_n as u64 => {
-            return Err(ApiError::bad(
-                "n",
-                format!("`n` must be at most {} on this server.", limits.max_n),
-            ))
-        }
-        Some(n) => n as usize,
-    };
-
-    let sampling = sampling_params(&req, limits.vocab_size)?;
-    let use_beam_search = req.use_beam_search.unwrap_or(false);
-    let length_penalty = req.length_penalty.unwrap_or(1.0);
-    if !length_penalty.is_finite() {
-        return Err(ApiError::bad(
-            "length_penalty",
-            "`length_penalty` must be a finite number.",
-        ));
-    }
-    if length_penalty != 1.0 && !use_beam_search {
-        return Err(ApiError::bad(
-            "length_penalty",
-            "`length_penalty` only applies to beam search (`use_beam_search: true`).",
-        ));
-    }
-    if n > 1 && f64::from(sampling.temperature) < GREEDY_EPSILON && !use_beam_search {
-        return Err(ApiError::bad(
-            "n",
-            "`n` > 1 needs temperature > 0 (or `use_beam_search`): greedy sampling would return \
-             identical choices.",
-        ));
-    }
+    let fields = req.sampling_fields();
+    let sampling = sampling_params(&fields, limits.vocab_size)?;
+    let beam_search = beam_search(req.use_beam_search, req.length_penalty)?;
+    greedy_choices("n", n, &sampling, beam_search.is_some())?;
 
     // `max_completion_tokens` wins over the deprecated `max_tokens`.
     let max_tokens = match (req.max_completion_tokens, req.max_tokens) {
@@ -165,7 +121,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         (None, Some(m)) => Some(positive_tokens("max_tokens", m)?),
         (None, None) => None,
     };
-    let mut stopping = stop_params(&req, limits.vocab_size, max_tokens)?;
+    let mut stopping = stop_params(&fields, limits.vocab_size, max_tokens)?;
 
     let logprobs_on = req.logprobs.unwrap_or(false);
     let top_logprobs = match req.top_logprobs {
@@ -179,16 +135,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         Some(k) => logprob_count("top_logprobs", k, limits)?,
     };
     let logprobs = logprobs_on.then_some(top_logprobs);
-    let prompt_logprobs = req
-        .prompt_logprobs
-        .map(|k| logprob_count("prompt_logprobs", k, limits))
-        .transpose()?;
-    if prompt_logprobs.is_some() && stream {
-        return Err(ApiError::bad(
-            "prompt_logprobs",
-            "`prompt_logprobs` is not available when streaming.",
-        ));
-    }
+    let prompt_logprobs = prompt_logprobs(req.prompt_logprobs, stream, limits)?;
 
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
     let continue_final_message = req.continue_final_message.unwrap_or(false);
@@ -258,60 +205,10 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         }
         (output, calls) => output.or(calls),
     };
-    if use_beam_search {
-        // Beam search ranks beams by the model's raw log-probabilities: none of these could
-        // have an effect, so they are refused rather than ignored. Temperature 0 (deterministic)
-        // and 1 (unscaled) both describe what it does; any other would promise a rescaling.
-        let (s, t) = (&sampling, &stopping);
-        let conflicts = [
-            ("temperature", s.temperature != 0.0 && s.temperature != 1.0),
-            ("top_p", s.top_p != 1.0),
-            ("top_k", s.top_k != 0),
-            ("min_p", s.min_p != 0.0),
-            ("seed", s.seed.is_some()),
-            ("logit_bias", !s.logit_bias.is_empty()),
-            ("allowed_token_ids", s.allowed_token_ids.is_some()),
-            ("bad_words", !s.bad_words.is_empty()),
-            ("repetition_penalty", s.repetition_penalty != 1.0),
-            ("frequency_penalty", s.frequency_penalty != 0.0),
-            ("presence_penalty", s.presence_penalty != 0.0),
-            ("min_tokens", t.min_tokens != 0),
-            ("repetition_detection", t.repetition_detection.is_some()),
-            ("stop", !t.stop.is_empty()),
-            ("stop_token_ids", !t.stop_token_ids.is_empty()),
-        ];
-        let conflict = conflicts
-            .iter()
-            .find(|(_, set)| *set)
-            .map(|(param, _)| *param)
-            .or(constraint.as_ref().map(|c| c.param));
-        if let Some(param) = conflict {
-            return Err(ApiError::bad(
-                param,
-                format!(
-                    "`{param}` cannot be combined with `use_beam_search`: beam search ranks \
-                     beams by the model's raw log-probabilities."
-                ),
-            ));
-        }
+    if beam_search.is_some() {
+        beam_search_conflicts(&sampling, &stopping, constraint.as_ref())?;
     }
-
-    // It goes into log lines and the completion id: control characters (a newline forging a
-    // log line) and unbounded lengths are refused.
-    if let Some(id) = &req.request_id {
-        if id.is_empty()
-            || id.chars().count() > MAX_REQUEST_ID_CHARS
-            || id.chars().any(char::is_control)
-        {
-            return Err(ApiError::bad(
-                "request_id",
-                format!(
-                    "`request_id` must be 1 to {MAX_REQUEST_ID_CHARS} characters without control \
-                     characters."
-                ),
-            ));
-        }
-    }
+    request_id(req.request_id.as_deref())?;
 
     Ok(ChatParams {
         prompt: PromptParams {
@@ -330,9 +227,7 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         stopping,
         logprobs,
         prompt_logprobs,
-        beam_search: use_beam_search.then_some(BeamSearch {
-            length_penalty: length_penalty as f32,
-        }),
+        beam_search,
         return_token_ids: req.return_token_ids.unwrap_or(false),
         return_tokens_as_token_ids: req.return_tokens_as_token_ids.unwrap_or(false),
         stream: stream_options,
@@ -346,6 +241,451 @@ pub fn validate_chat(req: ChatCompletionRequest, limits: &Limits) -> Result<Chat
         tool_parser: tool_calling.parser,
         priority,
     })
+}
+
+/// `POST /v1/completions`'s default `max_tokens` (OpenAI's and vLLM's).
+pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+
+/// A validated `POST /v1/completions` request. Its sampling, stopping, logprob, stream and
+/// extension fields are validated by the same functions as a chat request's.
+#[derive(Debug, Clone)]
+pub struct CompletionParams {
+    /// Each prompt is its own request to the engine, with its own `n` choices.
+    pub prompts: Vec<PromptInput>,
+    /// BOS in front of text prompts where the model wants it (token-id prompts are used as
+    /// given).
+    pub add_special_tokens: bool,
+    /// Keep only this many last prompt tokens.
+    pub truncate_prompt_tokens: Option<usize>,
+    /// Choices returned per prompt.
+    pub n: usize,
+    /// Choices generated per prompt (`best_of`, else `n`); when above `n`, the `n` of highest
+    /// cumulative logprob are returned.
+    pub best_of: usize,
+    pub sampling: SamplingParams,
+    /// Its `max_tokens` is the explicit completion budget (`None`: the default, 16 or the
+    /// context left after the prompt when that is less); 1 when `echo_only`.
+    pub stopping: StopParams,
+    /// `max_tokens: 0` with `echo`: only the prompt comes back (with its logprobs); the one
+    /// token the engine generates to get there is dropped.
+    pub echo_only: bool,
+    /// The prompt's text (and, with `logprobs`, its tokens' logprobs) in front of each choice.
+    pub echo: bool,
+    /// `Some(k)`: logprobs of each token plus its `k` most likely alternatives.
+    pub logprobs: Option<usize>,
+    /// `Some(k)`: each choice's `prompt_logprobs`, each prompt token plus `k` alternatives.
+    pub prompt_logprobs: Option<usize>,
+    pub beam_search: Option<BeamSearch>,
+    pub return_token_ids: bool,
+    pub return_tokens_as_token_ids: bool,
+    /// `Some` when streaming.
+    pub stream: Option<StreamOptions>,
+    pub request_id: Option<String>,
+    pub user: Option<String>,
+    /// `cache_salt`, `kv_transfer_params`, `engine_xargs`; the chat-only `service_tier` and
+    /// `parallel_tool_calls` stay at their defaults.
+    pub extras: RequestExtras,
+    /// `response_format` / `structured_outputs`.
+    pub constraint: Option<RequestedConstraint>,
+    pub priority: i64,
+}
+
+/// One prompt of a completion request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    /// Tokenized as `/tokenize` does (special tokens in the text recognised).
+    Text(String),
+    /// Used exactly as given (inside the vocabulary).
+    Tokens(Vec<u32>),
+}
+
+pub fn validate_completion(
+    mut req: CompletionRequest,
+    limits: &Limits,
+) -> Result<CompletionParams, ApiError> {
+    if req.suffix.is_some() {
+        return Err(ApiError::bad(
+            "suffix",
+            "`suffix` is not supported: the served models have no fill-in-the-middle mode.",
+        ));
+    }
+    if req.prompt_embeds.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::bad(
+            "prompt_embeds",
+            "`prompt_embeds` is not supported: send `prompt` as text or token ids.",
+        ));
+    }
+    let prompts = prompts(
+        std::mem::replace(&mut req.prompt, PromptField::List(Vec::new())),
+        limits,
+    )?;
+    let priority = priority(req.priority, limits)?;
+    let stream_options = stream_options(req.stream, req.stream_options.as_ref())?;
+    let stream = stream_options.is_some();
+    let n = choice_count("n", req.n, limits)?;
+    let best_of = match req.best_of {
+        None => n,
+        Some(b) => {
+            let b = choice_count("best_of", Some(b), limits)?;
+            if b < n {
+                return Err(ApiError::bad(
+                    "best_of",
+                    format!("`best_of` ({b}) must be at least `n` ({n})."),
+                ));
+            }
+            if b > n && stream {
+                return Err(ApiError::bad(
+                    "best_of",
+                    "`best_of` above `n` cannot be streamed: the best choices are only known \
+                     once all have finished.",
+                ));
+            }
+            b
+        }
+    };
+
+    let fields = req.sampling_fields();
+    let sampling = sampling_params(&fields, limits.vocab_size)?;
+    let beam_search = beam_search(req.use_beam_search, req.length_penalty)?;
+    if beam_search.is_some() && best_of > n {
+        return Err(ApiError::bad(
+            "best_of",
+            "`best_of` cannot be combined with `use_beam_search`: the beam width is `n`.",
+        ));
+    }
+    let param = if best_of > n { "best_of" } else { "n" };
+    greedy_choices(param, best_of, &sampling, beam_search.is_some())?;
+
+    let echo = req.echo.unwrap_or(false);
+    let (max_tokens, echo_only) = match req.max_tokens {
+        None => (None, false),
+        Some(0) if echo => (Some(1), true),
+        Some(0) => {
+            return Err(ApiError::bad(
+                "max_tokens",
+                "`max_tokens` must be at least 1 (0 only with `echo`, to get the prompt back \
+                 without a completion).",
+            ))
+        }
+        Some(m) => (Some(positive_tokens("max_tokens", m)?), false),
+    };
+    let stopping = stop_params(&fields, limits.vocab_size, max_tokens)?;
+    if echo_only && stopping.min_tokens > 0 {
+        return Err(ApiError::bad(
+            "min_tokens",
+            "`min_tokens` must be 0 with `max_tokens: 0`.",
+        ));
+    }
+
+    let logprobs = match req.logprobs {
+        None => None,
+        Some(k) if k < 0 => {
+            return Err(ApiError::bad(
+                "logprobs",
+                format!("`logprobs` must be >= 0, got {k}."),
+            ))
+        }
+        Some(k) => Some(logprob_count("logprobs", k, limits)?),
+    };
+    let prompt_logprobs = prompt_logprobs(req.prompt_logprobs, stream, limits)?;
+    let truncate_prompt_tokens =
+        extras::truncate_prompt_tokens(req.truncate_prompt_tokens, limits.max_model_len)?;
+    let extras = RequestExtras {
+        cache_salt: extras::cache_salt(req.cache_salt)?,
+        kv_transfer_params: req.kv_transfer_params,
+        engine_xargs: extras::engine_xargs(req.engine_xargs)?,
+        service_tier: None,
+        parallel_tool_calls: true,
+    };
+    let constraint = requested_constraint(req.response_format, req.structured_outputs)?;
+    if beam_search.is_some() {
+        beam_search_conflicts(&sampling, &stopping, constraint.as_ref())?;
+    }
+    request_id(req.request_id.as_deref())?;
+
+    Ok(CompletionParams {
+        prompts,
+        add_special_tokens: req.add_special_tokens.unwrap_or(true),
+        truncate_prompt_tokens,
+        n,
+        best_of,
+        sampling,
+        stopping,
+        echo_only,
+        echo,
+        logprobs,
+        prompt_logprobs,
+        beam_search,
+        return_token_ids: req.return_token_ids.unwrap_or(false),
+        return_tokens_as_token_ids: req.return_tokens_as_token_ids.unwrap_or(false),
+        stream: stream_options,
+        request_id: req.request_id,
+        user: req.user,
+        extras,
+        constraint,
+        priority,
+    })
+}
+
+/// A completion's prompts: one string, or a list of strings, of token ids (one prompt) or of
+/// lists of token ids, never mixed, none empty, every id inside the vocabulary, at most
+/// `limits.max_prompts` of them.
+fn prompts(prompt: PromptField, limits: &Limits) -> Result<Vec<PromptInput>, ApiError> {
+    let empty = |param: String| ApiError::bad(param, "A prompt must not be empty.");
+    let items = match prompt {
+        PromptField::Text(text) if text.is_empty() => return Err(empty("prompt".to_owned())),
+        PromptField::Text(text) => return Ok(vec![PromptInput::Text(text)]),
+        PromptField::List(items) if items.is_empty() => {
+            return Err(ApiError::bad(
+                "prompt",
+                "`prompt` must not be an empty list.",
+            ))
+        }
+        PromptField::List(items) => items,
+    };
+    let kind = |item: &PromptItem| match item {
+        PromptItem::Text(_) => "strings",
+        PromptItem::Id(_) => "token ids",
+        PromptItem::Ids(_) => "lists of token ids",
+    };
+    if let Some(i) = items.iter().position(|it| kind(it) != kind(&items[0])) {
+        return Err(ApiError::bad(
+            format!("prompt[{i}]"),
+            format!(
+                "`prompt` mixes {} and {}: send a string, a list of strings, a list of token ids \
+                 or a list of lists of token ids.",
+                kind(&items[0]),
+                kind(&items[i])
+            ),
+        ));
+    }
+    let in_vocab = |param: String, id: i64| {
+        u32::try_from(id)
+            .ok()
+            .filter(|&t| (t as usize) < limits.vocab_size)
+            .ok_or_else(|| {
+                ApiError::bad(
+                    param,
+                    format!(
+                        "Token id {id} is outside the vocabulary (size {}).",
+                        limits.vocab_size
+                    ),
+                )
+            })
+    };
+    let prompts: Vec<PromptInput> = if matches!(items[0], PromptItem::Id(_)) {
+        let ids = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                PromptItem::Id(id) => in_vocab(format!("prompt[{i}]"), *id),
+                _ => unreachable!("checked above: all token ids"),
+            })
+            .collect::<Result<_, _>>()?;
+        vec![PromptInput::Tokens(ids)]
+    } else {
+        items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                PromptItem::Text(text) if text.is_empty() => Err(empty(format!("prompt[{i}]"))),
+                PromptItem::Text(text) => Ok(PromptInput::Text(text)),
+                PromptItem::Ids(ids) if ids.is_empty() => Err(empty(format!("prompt[{i}]"))),
+                PromptItem::Ids(ids) => ids
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &id)| in_vocab(format!("prompt[{i}][{j}]"), id))
+                    .collect::<Result<_, _>>()
+                    .map(PromptInput::Tokens),
+                PromptItem::Id(_) => unreachable!("checked above: no token ids"),
+            })
+            .collect::<Result<_, _>>()?
+    };
+    if prompts.len() > limits.max_prompts {
+        return Err(ApiError::bad(
+            "prompt",
+            format!(
+                "At most {} prompts per request on this server (its `--max-waiting`), got {}.",
+                limits.max_prompts,
+                prompts.len()
+            ),
+        ));
+    }
+    Ok(prompts)
+}
+
+/// `priority` other than 0 only under priority scheduling.
+fn priority(priority: Option<i64>, limits: &Limits) -> Result<i64, ApiError> {
+    let priority = priority.unwrap_or(0);
+    if priority != 0 && !limits.priority_scheduling {
+        return Err(ApiError::bad(
+            "priority",
+            "`priority` other than 0 needs priority scheduling (`temper serve --scheduling priority`), which this model is not served with.",
+        ));
+    }
+    Ok(priority)
+}
+
+/// `Some` when streaming; `stream_options` only with `stream: true`.
+fn stream_options(
+    stream: Option<bool>,
+    options: Option<&StreamOptionsField>,
+) -> Result<Option<StreamOptions>, ApiError> {
+    match (options, stream.unwrap_or(false)) {
+        (Some(_), false) => Err(ApiError::bad(
+            "stream_options",
+            "`stream_options` can only be set when `stream` is true.",
+        )),
+        (Some(o), true) => {
+            let include_usage = o.include_usage.unwrap_or(false);
+            Ok(Some(StreamOptions {
+                include_usage,
+                continuous_usage_stats: include_usage && o.continuous_usage_stats.unwrap_or(false),
+            }))
+        }
+        (None, true) => Ok(Some(StreamOptions::default())),
+        (None, false) => Ok(None),
+    }
+}
+
+/// `n` (or `best_of`): 1 to the server's `--max-n`.
+fn choice_count(param: &str, n: Option<i64>, limits: &Limits) -> Result<usize, ApiError> {
+    match n {
+        None => Ok(1),
+        Some(n) if n < 1 => Err(ApiError::bad(
+            param,
+            format!("`{param}` must be at least 1."),
+        )),
+        Some(n) if n as u64 > limits.max_n as u64 => Err(ApiError::bad(
+            param,
+            format!("`{param}` must be at most {} on this server.", limits.max_n),
+        )),
+        Some(n) => Ok(n as usize),
+    }
+}
+
+/// `use_beam_search` with its `length_penalty`, which means nothing without it.
+fn beam_search(
+    use_beam_search: Option<bool>,
+    length_penalty: Option<f64>,
+) -> Result<Option<BeamSearch>, ApiError> {
+    let use_beam_search = use_beam_search.unwrap_or(false);
+    let length_penalty = length_penalty.unwrap_or(1.0);
+    if !length_penalty.is_finite() {
+        return Err(ApiError::bad(
+            "length_penalty",
+            "`length_penalty` must be a finite number.",
+        ));
+    }
+    if length_penalty != 1.0 && !use_beam_search {
+        return Err(ApiError::bad(
+            "length_penalty",
+            "`length_penalty` only applies to beam search (`use_beam_search: true`).",
+        ));
+    }
+    Ok(use_beam_search.then_some(BeamSearch {
+        length_penalty: length_penalty as f32,
+    }))
+}
+
+/// More than one choice of a prompt needs sampling: greedy choices would all be the same.
+fn greedy_choices(
+    param: &str,
+    choices: usize,
+    sampling: &SamplingParams,
+    beam_search: bool,
+) -> Result<(), ApiError> {
+    if choices > 1 && f64::from(sampling.temperature) < GREEDY_EPSILON && !beam_search {
+        return Err(ApiError::bad(
+            param,
+            format!(
+                "`{param}` > 1 needs temperature > 0 (or `use_beam_search`): greedy sampling \
+                 would return identical choices."
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Beam search ranks beams by the model's raw log-probabilities: none of these could have an
+/// effect, so they are refused rather than ignored. Temperature 0 (deterministic) and 1
+/// (unscaled) both describe what it does; any other would promise a rescaling.
+fn beam_search_conflicts(
+    s: &SamplingParams,
+    t: &StopParams,
+    constraint: Option<&RequestedConstraint>,
+) -> Result<(), ApiError> {
+    let conflicts = [
+        ("temperature", s.temperature != 0.0 && s.temperature != 1.0),
+        ("top_p", s.top_p != 1.0),
+        ("top_k", s.top_k != 0),
+        ("min_p", s.min_p != 0.0),
+        ("seed", s.seed.is_some()),
+        ("logit_bias", !s.logit_bias.is_empty()),
+        ("allowed_token_ids", s.allowed_token_ids.is_some()),
+        ("bad_words", !s.bad_words.is_empty()),
+        ("repetition_penalty", s.repetition_penalty != 1.0),
+        ("frequency_penalty", s.frequency_penalty != 0.0),
+        ("presence_penalty", s.presence_penalty != 0.0),
+        ("min_tokens", t.min_tokens != 0),
+        ("repetition_detection", t.repetition_detection.is_some()),
+        ("stop", !t.stop.is_empty()),
+        ("stop_token_ids", !t.stop_token_ids.is_empty()),
+    ];
+    let conflict = conflicts
+        .iter()
+        .find(|(_, set)| *set)
+        .map(|(param, _)| *param)
+        .or(constraint.map(|c| c.param));
+    match conflict {
+        Some(param) => Err(ApiError::bad(
+            param,
+            format!(
+                "`{param}` cannot be combined with `use_beam_search`: beam search ranks beams \
+                 by the model's raw log-probabilities."
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// `prompt_logprobs`: the same bounds as the generated tokens' alternatives; not streamed.
+fn prompt_logprobs(
+    k: Option<i64>,
+    stream: bool,
+    limits: &Limits,
+) -> Result<Option<usize>, ApiError> {
+    let prompt_logprobs = k
+        .map(|k| logprob_count("prompt_logprobs", k, limits))
+        .transpose()?;
+    if prompt_logprobs.is_some() && stream {
+        return Err(ApiError::bad(
+            "prompt_logprobs",
+            "`prompt_logprobs` is not available when streaming.",
+        ));
+    }
+    Ok(prompt_logprobs)
+}
+
+/// It goes into log lines and the completion id: control characters (a newline forging a log
+/// line) and unbounded lengths are refused.
+fn request_id(id: Option<&str>) -> Result<(), ApiError> {
+    match id {
+        Some(id)
+            if id.is_empty()
+                || id.chars().count() > MAX_REQUEST_ID_CHARS
+                || id.chars().any(char::is_control) =>
+        {
+            Err(ApiError::bad(
+                "request_id",
+                format!(
+                    "`request_id` must be 1 to {MAX_REQUEST_ID_CHARS} characters without control \
+                     characters."
+                ),
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// How many top alternatives `param` asks for: -1 is the whole vocabulary; at most the
@@ -469,6 +809,7 @@ pub(crate) mod tests {
         max_model_len: 100,
         priority_scheduling: false,
         tool_calls: None,
+        max_prompts: 4,
     };
 
     fn request(extra: Value) -> ChatCompletionRequest {
@@ -1067,6 +1408,244 @@ pub(crate) mod tests {
                 "mm_processor_kwargs"
             );
             assert_eq!(param(json!({"service_tier": "fast"})), "service_tier");
+        }
+    }
+
+    /// `validate_completion`: the prompt forms, the completion-only fields, and the fields it
+    /// shares with chat refused by the same functions.
+    mod completion {
+        use super::*;
+        use crate::extract::parse_json;
+
+        fn body(extra: Value) -> Value {
+            let mut body = json!({"prompt": "hi"});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            body
+        }
+
+        fn validate(extra: Value) -> Result<CompletionParams, ApiError> {
+            let req: CompletionRequest = parse_json(body(extra).to_string().as_bytes())?;
+            validate_completion(req, &LIMITS)
+        }
+
+        fn ok(extra: Value) -> CompletionParams {
+            validate(extra.clone()).unwrap_or_else(|e| panic!("{extra}: {e}"))
+        }
+
+        fn param(extra: Value) -> String {
+            let e = validate(extra.clone())
+                .err()
+                .unwrap_or_else(|| panic!("{extra} was accepted"));
+            assert_eq!(e.status().as_u16(), 400, "{extra}");
+            serde_json::to_value(e.envelope()).unwrap()["error"]["param"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned()
+        }
+
+        #[test]
+        fn defaults() {
+            let p = ok(json!({}));
+            assert_eq!(p.prompts, vec![PromptInput::Text("hi".into())]);
+            assert!(p.add_special_tokens);
+            assert_eq!((p.n, p.best_of), (1, 1));
+            assert_eq!(p.sampling, SamplingParams::default());
+            // None: the default of 16 (or less, when the context has less room), per prompt.
+            assert_eq!(p.stopping.max_tokens, None);
+            assert!(!p.echo && !p.echo_only);
+            assert_eq!((p.logprobs, p.prompt_logprobs), (None, None));
+            assert!(p.stream.is_none() && p.beam_search.is_none() && p.constraint.is_none());
+            assert!(!p.return_token_ids && !p.return_tokens_as_token_ids);
+        }
+
+        #[test]
+        fn prompt_forms() {
+            let text = |t: &str| PromptInput::Text(t.into());
+            assert_eq!(
+                ok(json!({"prompt": ["a", "b"]})).prompts,
+                [text("a"), text("b")]
+            );
+            assert_eq!(
+                ok(json!({"prompt": [5, 6, 999]})).prompts,
+                [PromptInput::Tokens(vec![5, 6, 999])]
+            );
+            assert_eq!(
+                ok(json!({"prompt": [[5], [6, 7]]})).prompts,
+                [
+                    PromptInput::Tokens(vec![5]),
+                    PromptInput::Tokens(vec![6, 7])
+                ]
+            );
+            assert_eq!(param(json!({"prompt": ""})), "prompt");
+            assert_eq!(param(json!({"prompt": []})), "prompt");
+            assert_eq!(param(json!({"prompt": ["a", ""]})), "prompt[1]");
+            assert_eq!(param(json!({"prompt": [[5], []]})), "prompt[1]");
+            // Never mixed: the first item of another kind is named.
+            assert_eq!(param(json!({"prompt": ["a", "b", 5]})), "prompt[2]");
+            assert_eq!(param(json!({"prompt": [5, [6]]})), "prompt[1]");
+            assert_eq!(param(json!({"prompt": [[5], "a"]})), "prompt[1]");
+            // Inside the vocabulary (1000 tokens here).
+            assert_eq!(param(json!({"prompt": [5, 1000]})), "prompt[1]");
+            assert_eq!(param(json!({"prompt": [-1]})), "prompt[0]");
+            assert_eq!(param(json!({"prompt": [[5], [6, 1000]]})), "prompt[1][1]");
+            // Not a prompt at all: a parse error naming it, saying what a prompt is.
+            for bad in [
+                json!(true),
+                json!([1.5]),
+                json!(null),
+                json!({"a": 1}),
+                json!([[["a"]]]),
+            ] {
+                let e = validate(json!({"prompt": bad})).err().unwrap();
+                let v = serde_json::to_value(e.envelope()).unwrap();
+                assert_eq!(v["error"]["param"], "prompt", "{bad}: {v}");
+                assert!(
+                    v["error"]["message"]
+                        .as_str()
+                        .unwrap()
+                        .contains("list of token ids"),
+                    "{bad}: {v}"
+                );
+            }
+            let missing: Result<CompletionRequest, _> = parse_json(b"{}");
+            let v = serde_json::to_value(missing.err().unwrap().envelope()).unwrap();
+            assert_eq!(v["error"]["param"], "prompt");
+            // At most `max_prompts` (4 here).
+            ok(json!({"prompt": vec!["a"; 4]}));
+            assert_eq!(param(json!({"prompt": vec!["a"; 5]})), "prompt");
+            // A list of ids is one prompt, however long.
+            ok(json!({"prompt": vec![5; 50]}));
+        }
+
+        #[test]
+        fn completion_only_fields() {
+            assert_eq!(param(json!({"suffix": "x"})), "suffix");
+            assert_eq!(param(json!({"suffix": ""})), "suffix");
+            ok(json!({"suffix": null, "prompt_embeds": null}));
+            assert_eq!(param(json!({"prompt_embeds": "AAAA"})), "prompt_embeds");
+            assert!(!ok(json!({"add_special_tokens": false})).add_special_tokens);
+            // logprobs: 0 to the server's max.
+            assert_eq!(ok(json!({"logprobs": 0})).logprobs, Some(0));
+            assert_eq!(ok(json!({"logprobs": 20})).logprobs, Some(20));
+            for k in [21, -1] {
+                assert_eq!(param(json!({"logprobs": k})), "logprobs");
+            }
+            assert_eq!(param(json!({"logprobs": true})), "logprobs");
+            // max_tokens: 0 only with echo.
+            assert_eq!(ok(json!({"max_tokens": 5})).stopping.max_tokens, Some(5));
+            assert_eq!(param(json!({"max_tokens": 0})), "max_tokens");
+            assert_eq!(param(json!({"max_tokens": -1})), "max_tokens");
+            let p = ok(json!({"max_tokens": 0, "echo": true}));
+            assert!(p.echo && p.echo_only);
+            assert_eq!(p.stopping.max_tokens, Some(1));
+            assert_eq!(
+                param(json!({"max_tokens": 0, "echo": true, "min_tokens": 1})),
+                "min_tokens"
+            );
+        }
+
+        #[test]
+        fn n_and_best_of() {
+            let p = ok(json!({"n": 2, "best_of": 5}));
+            assert_eq!((p.n, p.best_of), (2, 5));
+            assert_eq!(ok(json!({"n": 3})).best_of, 3);
+            assert_eq!(param(json!({"n": 3, "best_of": 2})), "best_of");
+            assert_eq!(param(json!({"best_of": 9})), "best_of");
+            assert_eq!(param(json!({"best_of": 0})), "best_of");
+            assert_eq!(param(json!({"n": 9})), "n");
+            // Above n: not streamed, not with beam search, not greedy.
+            assert_eq!(param(json!({"best_of": 2, "stream": true})), "best_of");
+            ok(json!({"n": 2, "best_of": 2, "stream": true}));
+            assert_eq!(
+                param(json!({"best_of": 2, "use_beam_search": true, "temperature": 0})),
+                "best_of"
+            );
+            assert_eq!(param(json!({"best_of": 2, "temperature": 0})), "best_of");
+            assert_eq!(param(json!({"n": 2, "temperature": 0})), "n");
+            let p = ok(json!({"n": 2, "use_beam_search": true, "temperature": 0}));
+            assert!(p.beam_search.is_some());
+        }
+
+        /// The shared fields are validated by the same functions as chat's: the same values
+        /// are refused naming the same fields.
+        #[test]
+        fn shared_fields_are_refused_as_in_chat() {
+            for extra in [
+                json!({"temperature": 2.5}),
+                json!({"top_p": 0}),
+                json!({"top_k": -2}),
+                json!({"min_p": 2}),
+                json!({"frequency_penalty": 3}),
+                json!({"repetition_penalty": 0}),
+                json!({"logit_bias": {"x": 1}}),
+                json!({"logit_bias": {"1000": 1}}),
+                json!({"allowed_token_ids": []}),
+                json!({"bad_words": ["a", ""]}),
+                json!({"stop": ""}),
+                json!({"stop_token_ids": [1000]}),
+                json!({"min_tokens": -1}),
+                json!({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}),
+                json!({"stream_options": {"include_usage": true}}),
+                json!({"prompt_logprobs": 21}),
+                json!({"prompt_logprobs": 1, "stream": true}),
+                json!({"priority": 1}),
+                json!({"request_id": ""}),
+                json!({"cache_salt": ""}),
+                json!({"engine_xargs": {"x": null}}),
+                json!({"truncate_prompt_tokens": 101}),
+                json!({"length_penalty": 0.5}),
+                json!({"use_beam_search": true, "temperature": 0, "seed": 1}),
+                json!({"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+                json!({"response_format": {"type": "json_schema"}}),
+            ] {
+                let mut chat = json!({"messages": [{"role": "user", "content": "hi"}]});
+                for (k, v) in extra.as_object().unwrap() {
+                    chat[k] = v.clone();
+                }
+                let chat: ChatCompletionRequest = serde_json::from_value(chat).unwrap();
+                let chat_param = serde_json::to_value(
+                    validate_chat(chat, &LIMITS)
+                        .err()
+                        .unwrap_or_else(|| panic!("chat accepted {extra}"))
+                        .envelope(),
+                )
+                .unwrap()["error"]["param"]
+                    .clone();
+                assert_eq!(json!(param(extra.clone())), chat_param, "{extra}");
+            }
+            // And accepted values become the same engine parameters.
+            let extra = json!({"temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1,
+                "seed": 3, "logit_bias": {"5": 2}, "allowed_token_ids": [5, 6],
+                "bad_words": ["x"], "repetition_penalty": 1.1, "frequency_penalty": 0.2,
+                "presence_penalty": -0.3, "stop": ["s"], "stop_token_ids": [9],
+                "ignore_eos": true, "include_stop_str_in_output": true,
+                "skip_special_tokens": false, "spaces_between_special_tokens": false,
+                "min_tokens": 2, "max_tokens": 6,
+                "repetition_detection": {"max_pattern_size": 3, "min_count": 2}});
+            let p = ok(extra.clone());
+            let c = super::ok(extra);
+            assert_eq!(p.sampling, c.sampling);
+            assert_eq!(p.stopping, c.stopping);
+        }
+
+        #[test]
+        fn extension_fields() {
+            let p = ok(json!({"cache_salt": "s", "kv_transfer_params": {"a": 1},
+                "engine_xargs": {"k": "v"}, "priority": 0, "request_id": "r", "user": "u",
+                "return_token_ids": true, "return_tokens_as_token_ids": true,
+                "truncate_prompt_tokens": -1, "prompt_logprobs": 2,
+                "structured_outputs": {"regex": "a+"}}));
+            assert_eq!(p.extras.cache_salt.as_deref(), Some("s"));
+            assert_eq!(p.extras.kv_transfer_params.unwrap()["a"], 1);
+            assert_eq!(p.extras.engine_xargs["k"], "v");
+            assert_eq!(p.request_id.as_deref(), Some("r"));
+            assert_eq!(p.user.as_deref(), Some("u"));
+            assert!(p.return_token_ids && p.return_tokens_as_token_ids);
+            assert_eq!(p.truncate_prompt_tokens, Some(100));
+            assert_eq!(p.prompt_logprobs, Some(2));
+            assert_eq!(p.constraint.unwrap().param, "structured_outputs.regex");
         }
     }
 }

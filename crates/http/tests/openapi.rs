@@ -236,6 +236,7 @@ fn request_schemas_list_exactly_the_accepted_fields() {
             fields::<p::ChatCompletionRequest>(),
             "ChatCompletionRequest",
         ),
+        (fields::<p::CompletionRequest>(), "CompletionRequest"),
         (fields::<p::StreamOptionsField>(), "StreamOptions"),
         (fields::<p::RequestMessage>(), "ChatMessage"),
         (fields::<temper_text::ChatMessage>(), "ChatMessage"),
@@ -861,6 +862,64 @@ async fn real_responses_match_the_documented_schemas() {
         400,
     )
     .await;
+    // Completions: a trained checkpoint, echo with logprobs, best_of, prompt forms, streamed.
+    let completions = "/v1/completions";
+    let answer = c
+        .send(
+            &s,
+            Call::new("POST", completions).json(json!({"prompt": "hi",
+                "model": "default/docs/agent:step1", "max_tokens": 4, "n": 2, "best_of": 3,
+                "temperature": 1, "seed": 1, "echo": true, "logprobs": 2, "prompt_logprobs": 1,
+                "return_token_ids": true, "return_tokens_as_token_ids": true,
+                "request_id": "doc-2", "stop": ["zz"], "user": "u"})),
+            200,
+        )
+        .await;
+    assert_eq!(answer.body["choices"].as_array().unwrap().len(), 2);
+    c.send(
+        &s,
+        Call::new("POST", completions).json(json!({"prompt": [[2, 5, 6], [2, 7]],
+            "max_tokens": 0, "echo": true, "logprobs": 0, "add_special_tokens": false})),
+        200,
+    )
+    .await;
+    let streamed = c
+        .send(
+            &s,
+            Call::new("POST", completions).json(json!({"prompt": ["hi", "there"],
+                "max_tokens": 4, "n": 2, "temperature": 1, "stream": true, "echo": true,
+                "logprobs": 1, "return_token_ids": true,
+                "stream_options": {"include_usage": true, "continuous_usage_stats": true}})),
+            200,
+        )
+        .await;
+    assert!(streamed.body.as_array().unwrap().len() > 5);
+    c.send(
+        &s,
+        Call::new("POST", completions).json(json!({"prompt": "hi", "suffix": "there"})),
+        400,
+    )
+    .await;
+    c.send(
+        &s,
+        Call::new("POST", completions).json(json!({"prompt": "hi", "model": "gpt-9"})),
+        404,
+    )
+    .await;
+    c.send(
+        &s,
+        Call::new("POST", completions)
+            .json(json!({"prompt": "hi"}))
+            .without_key(),
+        401,
+    )
+    .await;
+    c.send(
+        &s,
+        Call::new("POST", completions).raw(vec![b' '; (64 << 10) + 1]),
+        413,
+    )
+    .await;
     c.send(
         &s,
         Call::new("POST", chat).json(json!({"messages": user("hi"), "model": "gpt-9"})),
@@ -968,6 +1027,12 @@ async fn real_responses_match_the_documented_schemas() {
     c.send(
         &base_only,
         Call::new("POST", chat).json(json!({"messages": user("hi"), "max_completion_tokens": 2})),
+        429,
+    )
+    .await;
+    c.send(
+        &base_only,
+        Call::new("POST", "/v1/completions").json(json!({"prompt": "hi", "max_tokens": 2})),
         429,
     )
     .await;

@@ -9,7 +9,7 @@ use common::{check_stream, options, TestServer};
 use serde_json::{json, Value};
 use temper_http::extras::RequestExtras;
 use temper_http::protocol::ServiceTier;
-use temper_http::validation::ChatParams;
+use temper_http::validation::{ChatParams, CompletionParams};
 use temper_http::{ApiError, RequestHook, ServerOptions};
 
 fn trusted() -> ServerOptions {
@@ -270,13 +270,23 @@ struct Recorder {
     seen: Mutex<Vec<RequestExtras>>,
 }
 
-impl RequestHook for Recorder {
-    fn on_request(&self, params: &ChatParams) -> Result<(), ApiError> {
-        if params.extras.engine_xargs.contains_key("refuse") {
+impl Recorder {
+    fn see(&self, extras: &RequestExtras) -> Result<(), ApiError> {
+        if extras.engine_xargs.contains_key("refuse") {
             return Err(ApiError::bad("engine_xargs.refuse", "refused by the hook"));
         }
-        self.seen.lock().unwrap().push(params.extras.clone());
+        self.seen.lock().unwrap().push(extras.clone());
         Ok(())
+    }
+}
+
+impl RequestHook for Recorder {
+    fn on_request(&self, params: &ChatParams) -> Result<(), ApiError> {
+        self.see(&params.extras)
+    }
+
+    fn on_completion(&self, params: &CompletionParams) -> Result<(), ApiError> {
+        self.see(&params.extras)
     }
 }
 
@@ -325,4 +335,34 @@ async fn a_registered_hook_sees_the_extension_fields() {
         .chat(&json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1}))
         .await;
     assert!(v["service_tier"].is_null(), "{v}");
+
+    // Completions reach the hook too, and it may refuse them.
+    let completion = |extra: Value| {
+        let mut body = json!({"prompt": "hi", "max_tokens": 1});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        s.post("/v1/completions", &body).send()
+    };
+    let resp = completion(json!({"engine_xargs": {"k": 1}, "cache_salt": "c1",
+        "kv_transfer_params": {"remote": "h:2"}}))
+    .await
+    .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    {
+        let seen = hook.seen.lock().unwrap();
+        let last = seen.last().unwrap();
+        assert_eq!(Value::Object(last.engine_xargs.clone()), json!({"k": 1}));
+        assert_eq!(last.cache_salt.as_deref(), Some("c1"));
+        assert_eq!(
+            last.kv_transfer_params.clone().map(Value::Object),
+            Some(json!({"remote": "h:2"}))
+        );
+    }
+    let resp = completion(json!({"engine_xargs": {"refuse": 1}}))
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "engine_xargs.refuse");
 }

@@ -1,5 +1,5 @@
 //! Mutated request bodies against a real server on the tiny model (chat completions,
-//! `/tokenize`, `/detokenize`, the training API): every answer is a 200 of the route's shape or
+//! completions, `/tokenize`, `/detokenize`, the training API): every answer is a 200 of the route's shape or
 //! a 4xx in the error envelope `{"error": {"message", "type", "param", "code"}}`; never a 5xx, a
 //! dropped connection (a handler's panic) or a hang.
 
@@ -18,6 +18,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_MODEL_LEN: usize = 64;
 
 const CHAT: &str = "/v1/chat/completions";
+
+const COMPLETIONS: &str = "/v1/completions";
 
 /// Field names the mutator adds to objects, so that values reach the deserializers of real
 /// fields at every level.
@@ -95,6 +97,9 @@ const FIELD_NAMES: &[&str] = &[
     "end",
     "whitespace_pattern",
     "prompt",
+    "best_of",
+    "suffix",
+    "prompt_embeds",
     "tokens",
     "model_id",
     "trajectory_groups",
@@ -220,7 +225,7 @@ fn check(path: &str, status: u16, body: &[u8]) -> Result<(), String> {
             Err(format!("{status} outside the envelope: {text}"))
         };
     }
-    if path == CHAT && text.starts_with("data: ") {
+    if (path == CHAT || path == COMPLETIONS) && text.starts_with("data: ") {
         return check_stream(&text);
     }
     let v: Value =
@@ -233,6 +238,16 @@ fn check(path: &str, status: u16, body: &[u8]) -> Result<(), String> {
                         && cs
                             .iter()
                             .all(|c| c["finish_reason"].is_string() && c["message"].is_object())
+                })
+                && v["usage"]["completion_tokens"].is_u64()
+        }
+        COMPLETIONS => {
+            v["object"] == "text_completion"
+                && v["choices"].as_array().is_some_and(|cs| {
+                    !cs.is_empty()
+                        && cs
+                            .iter()
+                            .all(|c| c["finish_reason"].is_string() && c["text"].is_string())
                 })
                 && v["usage"]["completion_tokens"].is_u64()
         }
@@ -310,6 +325,33 @@ fn corpus(model_id: &str) -> Vec<(String, Value)> {
             "skip_special_tokens": false, "include_stop_str_in_output": true,
             "repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
     ];
+    let completions = [
+        json!({"prompt": "Hello", "max_tokens": 3}),
+        json!({"model": "tiny", "prompt": ["Hi", "the cat"], "max_tokens": 4, "n": 2,
+            "best_of": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+            "seed": 3}),
+        json!({"prompt": [2, 5, 6, 7], "max_tokens": 4, "stream": true, "echo": true,
+            "logprobs": 2, "return_token_ids": true,
+            "stream_options": {"include_usage": true, "continuous_usage_stats": true}}),
+        json!({"prompt": [[2, 5], [2, 6, 7]], "max_tokens": 4, "echo": true, "logprobs": 3,
+            "prompt_logprobs": 2, "return_tokens_as_token_ids": true,
+            "add_special_tokens": false}),
+        json!({"prompt": "b", "max_tokens": 0, "echo": true, "logprobs": 1}),
+        json!({"prompt": "c", "max_tokens": 4, "stop": ["the", "\n"], "stop_token_ids": [1, 2],
+            "logit_bias": {"5": 10.5, "6": -100}, "frequency_penalty": 0.5,
+            "presence_penalty": -0.5, "repetition_penalty": 1.2, "min_tokens": 1,
+            "bad_words": ["cat"], "allowed_token_ids": [5, 6, 7, 8, 9, 10],
+            "include_stop_str_in_output": true, "skip_special_tokens": false}),
+        json!({"prompt": "d", "max_tokens": 4, "n": 2, "use_beam_search": true,
+            "length_penalty": 0.8, "temperature": 0}),
+        json!({"prompt": "e", "max_tokens": 4, "structured_outputs": {"regex": "[a-z]{1,5}"}}),
+        json!({"prompt": "f", "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}),
+        json!({"prompt": "g", "max_tokens": 2, "truncate_prompt_tokens": 20, "request_id": "req-2",
+            "user": "u", "cache_salt": "s", "priority": 0, "ignore_eos": true,
+            "engine_xargs": {"k": 1}, "kv_transfer_params": {"a": 1},
+            "repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
+    ];
     let tokenize = [
         json!({"prompt": "Hello world", "add_special_tokens": true}),
         json!({"model": "tiny", "messages": [user("Hi")], "add_generation_prompt": true,
@@ -346,6 +388,7 @@ fn corpus(model_id: &str) -> Vec<(String, Value)> {
     ];
     let routes = [
         (CHAT, &chat[..]),
+        (COMPLETIONS, &completions),
         ("/tokenize", &tokenize),
         ("/detokenize", &detokenize),
     ];
