@@ -35,7 +35,9 @@ PROMPTS = ["Name a colour.", "Name a fruit.", "Name an animal.", "Name a country
 TINY = SUITE_MODEL is not None
 # The learning rate of the learning test: the default model's, or one a tiny random model's
 # adapter (width 64) moves measurably at in three steps.
-LEARNING_RATE = 3e-3 if TINY else 1e-4
+# Tiny random models learn in few steps; SmolLM3's (no RoPE on every fourth layer) made its target
+# near certain in one step at 3e-3 and at 1e-3, leaving no group with unequal rewards for a second.
+LEARNING_RATE = (2e-4 if FAMILY == "smollm3" else 3e-3) if TINY else 1e-4
 # Qwen3's template renders the last assistant turn after an empty think block
 # (`<think>\n\n</think>\n\n`), so the trainer sees a sampled answer there, while a prompt with
 # thinking on ends before it: the learning test samples and measures with thinking off, whose
