@@ -79,7 +79,10 @@ pub fn template_call_id(format: ToolCallFormat, id: &str) -> std::borrow::Cow<'_
     let chars = id.chars().count();
     match format {
         ToolCallFormat::MistralJson if chars > MISTRAL_ID_LEN => {
-            let skip = id.char_indices().nth(chars - MISTRAL_ID_LEN).map_or(0, |(i, _)| i);
+            let skip = id
+                .char_indices()
+                .nth(chars - MISTRAL_ID_LEN)
+                .map_or(0, |(i, _)| i);
             id[skip..].into()
         }
         ToolCallFormat::MistralJson if chars < MISTRAL_ID_LEN => {
@@ -262,12 +265,18 @@ impl ToolCallParser {
         }
         let start = self.held.trim_start();
         let (opens, may_open) = if self.format == ToolCallFormat::MistralJson {
-            (start.starts_with(MISTRAL_CALLS), MISTRAL_CALLS.starts_with(start))
+            (
+                start.starts_with(MISTRAL_CALLS),
+                MISTRAL_CALLS.starts_with(start),
+            )
         } else {
             let after_tag = start
                 .strip_prefix(PYTHON_TAG)
                 .map_or(start, str::trim_start);
-            (after_tag.starts_with('{'), PYTHON_TAG.starts_with(after_tag))
+            (
+                after_tag.starts_with('{'),
+                PYTHON_TAG.starts_with(after_tag),
+            )
         };
         if opens {
             self.in_call = true;

@@ -92,24 +92,9 @@ impl<const FIFTH_BIT: bool> Format for Nibbles<FIFTH_BIT> {
     #[inline(always)]
     unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        // SAFETY: the nibble register of step `s`, half `h`, lies inside the group block.
-        let nibbles =
-            unsafe { _mm256_loadu_si256(p.add(SCALES + 64 * (s & 3) + 32 * h) as *const __m256i) };
-        let nibbles = if s < 4 {
-            nibbles
-        } else {
-            _mm256_srli_epi16::<4>(nibbles)
-        };
-        let low = _mm256_and_si256(nibbles, _mm256_set1_epi8(0x0f));
-        if !FIFTH_BIT {
-            return _mm256_sub_epi8(low, _mm256_set1_epi8(8));
-        }
-        // SAFETY: the fifth bits, half `h`, lie inside the group block.
-        let high = unsafe { _mm256_loadu_si256(p.add(HIGH_BITS + 32 * h) as *const __m256i) };
-        let bit = _mm256_set1_epi8((1u8 << s) as i8);
-        let set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
-        // w = low + 16·fifth − 16: subtract 16 where the fifth bit is clear.
-        _mm256_add_epi8(low, _mm256_andnot_si256(set, _mm256_set1_epi8(-16)))
+        // SAFETY: passed on.
+        let unsigned = unsafe { Self::avx2_unsigned_step(p, s, h) };
+        _mm256_sub_epi8(unsigned, _mm256_set1_epi8(16))
     }
 
     /// `w + 16` is the five-bit value as stored (`w + 8` + 8 for Q4_0): no sign trick on AVX2.

@@ -448,12 +448,13 @@ mod x86 {
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn widen_avx2<F: Format>(src: &[u8], dst: &mut [u8]) {
         assert!(src.len() == F::GROUP_BLOCK && dst.len() == FiveBitBytes::GROUP_BLOCK);
-        let offset = _mm256_set1_epi8(16);
+        // The unsigned steps are `w + 16`, the bytes as stored.
+        assert_eq!(F::AVX2_UNSIGNED_OFFSET, Some(16));
         for s in 0..8 {
             for h in 0..2 {
                 // SAFETY: whole group blocks (checked above).
                 unsafe {
-                    let q = _mm256_add_epi8(F::signed_step(src.as_ptr(), s, h), offset);
+                    let q = F::avx2_unsigned_step(src.as_ptr(), s, h);
                     let at = dst.as_mut_ptr().add(SCALES + 64 * s + 32 * h);
                     _mm256_storeu_si256(at as *mut __m256i, q);
                 }
