@@ -12,6 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Serialize;
 use temper_engine::{FinishReason, GenerationEvent, StopReason};
+use temper_model::LoraAdapter;
 use temper_text::tool_calls::{ParsedCall, ToolCallFormat, ToolCallParser, MISTRAL_ID_LEN};
 use temper_text::{ReasoningParser, Tokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -78,16 +79,7 @@ pub async fn chat_completions(
         .clone()
         .unwrap_or_else(|| ctx.request_id.clone());
     state.options().request_hook.on_request(&params)?;
-    let adapter = match &resolved.checkpoint {
-        Some(checkpoint) => state.catalog().adapter(&model, checkpoint).await?,
-        None => None,
-    };
-    let usage_sink = state.usage_meter().map(|meter| UsageSink {
-        meter: meter.clone(),
-        team: ctx.team.clone(),
-        project: ctx.usage_project().to_owned(),
-        model: usage_model(&resolved, &ctx.team),
-    });
+    let (adapter, usage_sink) = adapter_and_usage(&state, &ctx, &resolved).await?;
     // Rendering and tokenizing a prompt of up to the body limit, and preparing the logits
     // processors (in `submit`), take milliseconds to seconds: on a blocking thread, so the async
     // workers keep answering `/health`, authentication and every stream meanwhile.
@@ -140,6 +132,26 @@ pub async fn chat_completions(
         Some(opts) => Ok(sse_response(rx, completion, opts, team_slot, usage)),
         None => Ok(Json(collect(rx, &completion, usage).await?).into_response()),
     }
+}
+
+/// What serving a resolved model takes beside the request: the checkpoint's adapter (none for a
+/// base model or step 0) and where its usage is metered (none without a meter).
+pub(crate) async fn adapter_and_usage(
+    state: &AppState,
+    ctx: &RequestContext,
+    resolved: &ResolvedModel,
+) -> Result<(Option<Arc<LoraAdapter>>, Option<UsageSink>), ApiError> {
+    let adapter = match &resolved.checkpoint {
+        Some(checkpoint) => state.catalog().adapter(&resolved.base, checkpoint).await?,
+        None => None,
+    };
+    let usage_sink = state.usage_meter().map(|meter| UsageSink {
+        meter: meter.clone(),
+        team: ctx.team.clone(),
+        project: ctx.usage_project().to_owned(),
+        model: usage_model(resolved, &ctx.team),
+    });
+    Ok((adapter, usage_sink))
 }
 
 /// The model a request's usage counts under: a base model's name, or the checkpoint it used as

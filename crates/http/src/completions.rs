@@ -20,12 +20,12 @@ use tracing::Instrument;
 
 use crate::auth::RequestContext;
 use crate::chat::{
-    bad_choice, engine_gone, finish_json, sse_data, sse_error, stop_json, usage_model, SSE_DONE,
-    SYSTEM_FINGERPRINT,
+    adapter_and_usage, bad_choice, engine_gone, finish_json, sse_data, sse_error, stop_json,
+    SSE_DONE, SYSTEM_FINGERPRINT,
 };
 use crate::error::ApiError;
 use crate::extract::ValidJson;
-use crate::meter::{unix_now, ChatUsage, UsageSink};
+use crate::meter::{unix_now, ChatUsage};
 use crate::prompt::{
     completion_request, finite, prepare_completion, prompt_logprobs_at, token_text,
     CompletionPrompt,
@@ -57,16 +57,7 @@ pub async fn completions(
         .clone()
         .unwrap_or_else(|| ctx.request_id.clone());
     state.options().request_hook.on_completion(&params)?;
-    let adapter = match &resolved.checkpoint {
-        Some(checkpoint) => state.catalog().adapter(&model, checkpoint).await?,
-        None => None,
-    };
-    let usage_sink = state.usage_meter().map(|meter| UsageSink {
-        meter: meter.clone(),
-        team: ctx.team.clone(),
-        project: ctx.usage_project().to_owned(),
-        model: usage_model(&resolved, &ctx.team),
-    });
+    let (adapter, usage_sink) = adapter_and_usage(&state, &ctx, &resolved).await?;
     // Tokenizing prompts of up to the body limit takes a while: on a blocking thread (see
     // chat.rs). Every prompt is tokenized before any is submitted; a refused submission drops
     // the receivers of those before it, which cancels them.
