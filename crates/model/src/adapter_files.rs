@@ -369,8 +369,7 @@ impl LoraAdapter {
             return Err(file_err(PEFT_WEIGHTS_FILE, "holds no tensor"));
         }
         // By layer and target, so that the first incomplete pair is the one named.
-        let mut found: BTreeMap<(usize, usize), (LoraTarget, [Option<Vec<f32>>; 2])> =
-            BTreeMap::new();
+        let mut found: BTreeMap<(usize, usize), (LoraTarget, HalfPairs)> = BTreeMap::new();
         for &name in &names {
             let Some((layer, target, matrix)) = parse_peft_name(name) else {
                 return Err(file_err(
@@ -477,6 +476,9 @@ impl LoraAdapter {
         Ok(out.into_inner())
     }
 }
+
+/// A projection's A and B as read so far.
+type HalfPairs = [Option<Vec<f32>>; 2];
 
 /// How [`merge_into_gguf`] stores the projections it changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
