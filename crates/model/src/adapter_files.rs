@@ -71,6 +71,14 @@ impl std::str::FromStr for AdapterFormat {
     }
 }
 
+/// An adapter exported in one of the [`AdapterFormat`]s.
+#[derive(Debug, Clone)]
+pub enum ExportedAdapter {
+    Peft(PeftFiles),
+    /// The llama.cpp LoRA adapter file's bytes.
+    Gguf(Vec<u8>),
+}
+
 /// A PEFT adapter's two files, as bytes.
 #[derive(Debug, Clone)]
 pub struct PeftFiles {
@@ -297,6 +305,20 @@ fn read_peft_config(bytes: &[u8]) -> Result<(usize, f32), AdapterFileError> {
 }
 
 impl LoraAdapter {
+    /// The adapter in `format` for the base GGUF of `model`, named `base_model` (PEFT's
+    /// `base_model_name_or_path`, the GGUF adapter's `general.name`).
+    pub fn export(
+        &self,
+        model: &ModelConfig,
+        base_model: &str,
+        format: AdapterFormat,
+    ) -> Result<ExportedAdapter, ModelError> {
+        Ok(match format {
+            AdapterFormat::Peft => ExportedAdapter::Peft(self.to_peft(model, base_model)?),
+            AdapterFormat::Gguf => ExportedAdapter::Gguf(self.to_gguf(model, base_model)?),
+        })
+    }
+
     /// The adapter as PEFT's two files for the transformers model of `model` (the base GGUF),
     /// naming `base_model` as `base_model_name_or_path`.
     pub fn to_peft(&self, model: &ModelConfig, base_model: &str) -> Result<PeftFiles, ModelError> {
