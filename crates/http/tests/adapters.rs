@@ -330,6 +330,9 @@ async fn an_exported_checkpoint_imports_with_the_same_logprobs_and_trains_on() {
     assert_eq!(send(req).await.status, 404);
 }
 
+/// Named F32 tensors: name, shape, values.
+type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
 /// A safetensors file of F32 tensors.
 fn safetensors(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
     let mut header = serde_json::Map::new();
@@ -343,7 +346,7 @@ fn safetensors(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
         );
     }
     let mut header = serde_json::to_vec(&Value::Object(header)).unwrap();
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(b' ');
     }
     let mut out = (header.len() as u64).to_le_bytes().to_vec();
@@ -354,7 +357,7 @@ fn safetensors(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
 
 /// A PEFT adapter of rank 4 for the tiny model (4 layers, width 64, q 64, k/v 32, FFN 256) on
 /// q and v only, as PEFT's default targets.
-fn peft_tensors() -> Vec<(String, Vec<usize>, Vec<f32>)> {
+fn peft_tensors() -> Tensors {
     let mut out = Vec::new();
     for layer in 0..4 {
         for (module, out_dim) in [("q_proj", 64), ("v_proj", 32)] {
@@ -389,21 +392,19 @@ async fn bad_adapter_files_are_a_400_naming_the_tensor() {
         TestServer::tiny_training(options(), CatalogOptions::new(data.path()), training, None)
             .await;
     let model = create_model(&server, "m").await;
-    let post = |tensors: Vec<(String, Vec<usize>, Vec<f32>)>, config: &[u8]| {
+    let post = |tensors: Tensors, config: &[u8]| {
         let body = tar_of(&[
             ("adapter_model.safetensors", &safetensors(&tensors)),
             ("adapter_config.json", config),
         ]);
         import(&server, &model, "application/x-tar", body, None)
     };
-    let edited = |edit: &dyn Fn(&mut Vec<(String, Vec<usize>, Vec<f32>)>)| {
+    let edited = |edit: &dyn Fn(&mut Tensors)| {
         let mut t = peft_tensors();
         edit(&mut t);
         t
     };
-    let at = |t: &mut Vec<(String, Vec<usize>, Vec<f32>)>, name: &str| {
-        t.iter().position(|(n, _, _)| n == name).unwrap()
-    };
+    let at = |t: &mut Tensors, name: &str| t.iter().position(|(n, _, _)| n == name).unwrap();
 
     let nan = edited(&|t| {
         let i = at(t, Q_B);

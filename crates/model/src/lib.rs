@@ -24,8 +24,8 @@ use std::collections::HashMap;
 use candle_core::quantized::gguf_file;
 
 pub use adapter_files::{
-    merge_into_gguf, AdapterFileError, AdapterFormat, ExportedAdapter, MergedWeights, PeftFiles, MAX_IMPORT_RANK,
-    PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE,
+    merge_into_gguf, AdapterFileError, AdapterFormat, ExportedAdapter, MergedWeights, PeftFiles,
+    MAX_IMPORT_RANK, PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE,
 };
 pub use cache::{KvArena, KvBlock, SeqCache, BLOCK_TOKENS};
 pub use config::{Activation, Arch, ModelConfig, RopeLayout, Yarn};

@@ -38,7 +38,8 @@ pub use jobs::{event, Event, Job, JobKind, JobStatus, Recovery, TrainingTotals};
 pub use keys::{KeyInfo, Team, SECRET_PREFIX};
 pub use lock::DataDirLock;
 pub use models::{
-    Checkpoint, CheckpointImport, DeletedCheckpoints, DeletedModel, Model, NewModel,
+    Checkpoint, CheckpointAnswer, CheckpointImport, DeletedCheckpoints, DeletedModel, Model,
+    NewModel,
 };
 pub use usage::{
     usage_bucket, utc_date, utc_month, Quota, TokenCounts, UsageKey, UsageRow, USAGE_BUCKET_SECONDS,

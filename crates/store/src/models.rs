@@ -131,6 +131,12 @@ pub(crate) async fn insert_checkpoint(
     }
 }
 
+/// A claimed `Idempotency-Key` and how the answer to remember is made of the checkpoint.
+pub type CheckpointAnswer<'a> = (
+    IdempotencyKey<'a>,
+    &'a (dyn Fn(&Checkpoint) -> Vec<u8> + Sync),
+);
+
 /// A checkpoint being imported ([`Store::begin_checkpoint_import`]): a write transaction that
 /// holds the model (no job can be queued for it, no other import or deletion can run) until
 /// [`CheckpointImport::commit`]; dropped, it changes nothing.
@@ -148,7 +154,7 @@ impl CheckpointImport {
     pub async fn commit(
         mut self,
         metrics: &serde_json::Value,
-        idempotency: Option<(IdempotencyKey<'_>, &(dyn Fn(&Checkpoint) -> Vec<u8> + Sync))>,
+        idempotency: Option<CheckpointAnswer<'_>>,
     ) -> Result<Checkpoint> {
         let checkpoint =
             insert_checkpoint(&mut self.tx, self.model_id, self.step, metrics, now()).await?;

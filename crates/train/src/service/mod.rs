@@ -15,8 +15,8 @@ use serde_json::{json, Map, Value};
 use temper_catalog::{BaseModel, Catalog};
 use temper_model::{AdapterFormat, ExportedAdapter, LoraAdapter, PeftFiles};
 use temper_store::{
-    Artifacts, Backend, Checkpoint, DeletedCheckpoints, DeletedModel, IdempotencyKey, Job, JobKind,
-    Model, NewModel, Store,
+    Artifacts, Backend, Checkpoint, CheckpointAnswer, DeletedCheckpoints, DeletedModel,
+    IdempotencyKey, Job, JobKind, Model, NewModel, Store,
 };
 use uuid::Uuid;
 
@@ -320,7 +320,7 @@ impl TrainingService {
         team: &str,
         model_id: Uuid,
         files: PeftFiles,
-        idempotency: Option<(IdempotencyKey<'_>, &(dyn Fn(&Checkpoint) -> Vec<u8> + Sync))>,
+        idempotency: Option<CheckpointAnswer<'_>>,
     ) -> Result<Checkpoint, ServiceError> {
         let model = self.store.get_model(team, model_id).await?;
         let base = self.served_base(&model)?.clone();
