@@ -37,19 +37,25 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-# PEFT's logprobs against temper's: temper runs the Q4_K_M weights with 8-bit activations
-# (like llama.cpp), transformers the dequantized weights with f32 activations. That rounding
-# moves this model's logprobs by up to a few tenths where the distribution is flat (the trainer's
-# own agreement bound against PyTorch on this model is 1.5 max, 0.25 mean:
-# crates/train/tests/pytorch_reference.rs); on greedy tokens it is smaller. The same bounds hold
-# for the base model and the checkpoint, and the adapter's own effect (checkpoint minus base)
-# must agree within EFFECT_TOLERANCE: a wrong export (transposed, wrong scale, a target missed)
-# moves that by the adapter's whole effect.
-TOLERANCE = {"max": 0.5, "mean": 0.1}
-EFFECT_TOLERANCE = {"mean": 0.1}
-# Greedy tokens are compared while temper's top-2 logprob gap is at least this (llama.cpp's and
+# PEFT's logprobs against temper's, per token of temper's greedy answers: temper runs the Q4_K_M
+# weights with 8-bit activations (as llama.cpp does), transformers the gguf-py-dequantized weights
+# with f32 activations, and this model amplifies that rounding (the trainer's own agreement bound
+# against PyTorch on it is 1.5 max, 0.25 mean: crates/train/tests/pytorch_reference.rs). Measured
+# here: max 0.72, mean 0.11 on the base model's answers; max 0.12, mean 0.02 on the checkpoint's
+# (more confident) ones. The same bound holds for both, so the adapter adds no disagreement of its
+# own; and the adapter moves these logprobs by about 9 nats on average (checked > 0.5 below), so a
+# wrong export (A and B swapped, a wrong scale, a projection or a q/k row order missed) is far
+# outside it.
+TOLERANCE = {"max": 1.0, "mean": 0.15}
+# Greedy tokens are compared while temper's top-2 logprob gap is at least GAP (llama.cpp's and
 # our kernels round differently; a near-tie may go either way).
 GAP = 0.5
+# The merged GGUF quantized again as the base (Q4_K, Q5_0, ... : `temper export --format
+# merged-gguf` without --f16) loses each weight's change smaller than half its quantization step,
+# so much of a small adapter's effect: on this checkpoint it shrinks the greedy tokens' top-2 gaps
+# from 10-15 to 2-5 nats and flips the end-of-turn token. Its greedy text is compared where the
+# checkpoint's gap is at least REQUANT_GAP; the F16 merge (--f16) is compared at GAP.
+REQUANT_GAP = 3.0
 PROMPTS = [
     "Name a colour.",
     "What do cats like?",
@@ -131,16 +137,18 @@ class Temper:
         return ids, tokens, logprobs, gaps
 
 
-def clear_prefix(tokens, gaps):
-    """The tokens up to the first whose top-2 gap is unclear."""
-    n = next((i for i, g in enumerate(gaps) if g < GAP), len(tokens))
+def clear_prefix(tokens, gaps, gap):
+    """The tokens up to the first whose top-2 gap is below `gap`."""
+    n = next((i for i, g in enumerate(gaps) if g < gap), len(tokens))
     return tokens[:n]
 
 
-def compare_greedy(name, want, gaps, got):
-    prefix = clear_prefix(want, gaps)
-    check(name, got[: len(prefix)] == prefix and len(prefix) > 0,
+def compare_greedy(name, want, gaps, got, gap=GAP):
+    """Checks `got` against `want` where the gaps are clear; returns how many tokens that was."""
+    prefix = clear_prefix(want, gaps, gap)
+    check(name, got[: len(prefix)] == prefix,
           f"({len(prefix)} clear tokens: {prefix} vs {got[:len(prefix)]})")
+    return len(prefix)
 
 
 def peft_logprobs(model, ids, tokens):
@@ -236,8 +244,18 @@ def main():
     hf = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(args.model), gguf_file=os.path.basename(args.model), dtype=torch.float32)
     hf.eval()
+    # The base's config.json for llama.cpp's converter (which reads `architectures`).
     hf_config_dir = os.path.join(work, "hf-config")
+    hf.config.architectures = [type(hf).__name__]
     hf.config.save_pretrained(hf_config_dir)
+    # Without transformers' note that the weights came from a GGUF (a "quantization" the
+    # converter would try to undo).
+    config_json = os.path.join(hf_config_dir, "config.json")
+    with open(config_json) as f:
+        hf_config = json.load(f)
+    hf_config.pop("quantization_config", None)
+    with open(config_json, "w") as f:
+        json.dump(hf_config, f, indent=2)
     base_lp = {p: peft_logprobs(hf, base[p][0], base[p][1]) for p in PROMPTS}
     # The base model's disagreement, then the checkpoint's on its own greedy tokens.
     peft = PeftModel.from_pretrained(hf, peft_dir)
@@ -284,8 +302,11 @@ def main():
               and reader.fields["adapter.type"].contents() == "lora" and alpha == 16.0)
     prompt_ids = [trained[p][0] for p in PROMPTS]
     llama = llama_server_greedy(args.llama_server, args.model, gguf_export, prompt_ids, log)
-    for p, got in zip(PROMPTS, llama):
-        compare_greedy(f"llama-server --lora greedy = temper's ({p!r})", trained[p][1], trained[p][3], got)
+    compared = sum(
+        compare_greedy(f"llama-server --lora greedy = temper's ({p!r})", trained[p][1],
+                       trained[p][3], got)
+        for p, got in zip(PROMPTS, llama))
+    check("llama-server --lora: tokens compared", compared >= 8, f"({compared})")
 
     # 5. The PEFT export imported into another model serves the same logprobs.
     other = call(t.base, "POST", "/v1/preview/models", {
@@ -300,26 +321,34 @@ def main():
     # 4. The CLI over the same store; the merged GGUF served as a base model.
     env = dict(os.environ, TEMPER_DATA_DIR=data, TEMPER_MODELS=f"gemma-3-270m={args.model}")
     cli_peft, cli_gguf = os.path.join(work, "cli-peft"), os.path.join(work, "cli-lora.gguf")
-    merged = os.path.join(work, "merged.gguf")
-    for fmt, out in (("peft", cli_peft), ("gguf", cli_gguf), ("merged-gguf", merged)):
+    merged, merged16 = os.path.join(work, "merged.gguf"), os.path.join(work, "merged-f16.gguf")
+    for fmt, out, extra in (("peft", cli_peft, []), ("gguf", cli_gguf, []),
+                            ("merged-gguf", merged, []), ("merged-gguf", merged16, ["--f16"])):
         r = subprocess.run([args.temper, "export", "default/export/agent", "--format", fmt,
-                            "--out", out], env=env, capture_output=True, text=True)
-        check(f"temper export --format {fmt}", r.returncode == 0, r.stderr[-1000:])
+                            "--out", out] + extra, env=env, capture_output=True, text=True)
+        check(f"temper export --format {fmt} {' '.join(extra)}", r.returncode == 0,
+              r.stderr[-1000:])
     for f in ("adapter_model.safetensors", "adapter_config.json"):
         with open(os.path.join(cli_peft, f), "rb") as a, open(os.path.join(peft_dir, f), "rb") as b:
             check(f"the CLI's {f} is the HTTP export's", a.read() == b.read())
     with open(cli_gguf, "rb") as a, open(gguf_export, "rb") as b:
         check("the CLI's GGUF adapter is the HTTP export's", a.read() == b.read())
-    t = Temper(args.temper, data, [("gemma-3-270m", args.model), ("merged", merged)], log)
-    for p in PROMPTS:
-        got = t.greedy("merged", p)
-        compare_greedy(f"the merged GGUF's greedy = the checkpoint's ({p!r})",
-                       trained[p][1], trained[p][3], got[1])
+    t = Temper(args.temper, data, [("gemma-3-270m", args.model), ("merged", merged),
+                                   ("merged-f16", merged16)], log)
+    for label, gap in (("merged-f16", GAP), ("merged", REQUANT_GAP)):
+        compared = sum(
+            compare_greedy(f"temper serving {label} greedy = the checkpoint's ({p!r})",
+                           trained[p][1], trained[p][3], t.greedy(label, p)[1], gap)
+            for p in PROMPTS)
+        check(f"temper serving {label}: tokens compared", compared >= 8, f"({compared})")
     t.stop()
-    llama = llama_server_greedy(args.llama_server, merged, None, prompt_ids, log)
-    for p, got in zip(PROMPTS, llama):
-        compare_greedy(f"llama-server on the merged GGUF greedy = temper's ({p!r})",
-                       trained[p][1], trained[p][3], got)
+    for label, path, gap in (("merged-f16", merged16, GAP), ("merged", merged, REQUANT_GAP)):
+        llama = llama_server_greedy(args.llama_server, path, None, prompt_ids, log)
+        compared = sum(
+            compare_greedy(f"llama-server on {label} greedy = temper's checkpoint ({p!r})",
+                           trained[p][1], trained[p][3], got, gap)
+            for p, got in zip(PROMPTS, llama))
+        check(f"llama-server on {label}: tokens compared", compared >= 8, f"({compared})")
 
     print(f"test result: {'ok' if failed == 0 else 'FAILED'}. {passed} passed; {failed} failed "
           "(python adapter export)")
