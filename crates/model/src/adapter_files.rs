@@ -573,10 +573,15 @@ pub fn merge_into_gguf(
         };
         tensors.push((name.as_str(), tensor));
     }
+    // candle's writer aligns the data to 32 bytes, whatever the base said.
+    let alignment = Value::U32(32);
     let mut metadata: Vec<(&str, &Value)> = content
         .metadata
         .iter()
-        .map(|(k, v)| (k.as_str(), v))
+        .map(|(k, v)| match k.as_str() {
+            "general.alignment" => (k.as_str(), &alignment),
+            _ => (k.as_str(), v),
+        })
         .collect();
     metadata.sort_by_key(|(k, _)| *k);
     let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
