@@ -21,9 +21,16 @@ fn temp(name: &str) -> PathBuf {
     ))
 }
 
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
 fn llama() -> Decoder {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama.gguf");
-    load_gguf(&path).expect("tiny llama").model
+    load_gguf(&fixture("tiny-llama.gguf"))
+        .expect("tiny llama")
+        .model
 }
 
 fn peft_tensors(files: &PeftFiles) -> HashMap<String, Tensor> {
@@ -285,4 +292,61 @@ fn a_merged_gguf_serves_as_base_plus_adapter() {
     let other = LoraAdapter::new(llama().config(), Default::default(), 1);
     assert!(merge_into_gguf(&base, &other, &temp("refused.gguf"), MergedWeights::AsBase).is_err());
     let _ = std::fs::remove_file(&base);
+}
+
+/// The tiny F32 fixtures of every family (converted by llama.cpp from transformers models that
+/// scripts/make-tiny-families.py rebuilds): Llama, Mistral and SmolLM3 with the converter's q/k
+/// row permutation, the others without.
+const FAMILIES: [&str; 6] = ["llama", "mistral", "smollm3", "qwen2", "qwen3", "gemma3"];
+
+/// Log-probabilities of each next token of `tokens` (all but the first).
+fn next_token_logprobs(model: &Decoder, tokens: &[u32], adapter: Option<&LoraAdapter>) -> Vec<f64> {
+    let logits = run_alone(model, tokens, adapter);
+    (0..tokens.len() - 1)
+        .map(|i| {
+            let row = logits.row(i);
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+            let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+            row[tokens[i + 1] as usize] as f64 - max - sum.ln()
+        })
+        .collect()
+}
+
+/// Writes, for each family into `$TEMPER_CHECK_DIR/FAMILY`, the PEFT export of an adapter that
+/// changes the model (`adapter_model.safetensors`, `adapter_config.json`) and temper's
+/// logprobs of the fixture's tokens with and without it (`check.json`), which
+/// scripts/test_adapter_export.py compares with PEFT's on the rebuilt transformers model.
+#[test]
+#[ignore = "writes the PEFT family check's inputs; run by scripts/adapter-export-tests.sh"]
+fn write_peft_family_check_inputs() {
+    let dir = PathBuf::from(std::env::var_os("TEMPER_CHECK_DIR").expect("TEMPER_CHECK_DIR"));
+    for family in FAMILIES {
+        let model = load_gguf(&fixture(&format!("tiny-{family}.gguf")))
+            .expect("fixture")
+            .model;
+        let json: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(fixture(&format!("tiny-{family}.json"))).expect("fixture json"),
+        )
+        .expect("json");
+        let tokens: Vec<u32> = json["tokens"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.as_u64().expect("token") as u32)
+            .collect();
+        let adapter = trained_adapter(&model, 11, 0.1);
+        let files = adapter
+            .to_peft(model.config(), &format!("tiny-{family}"))
+            .expect("to_peft");
+        let out = dir.join(family);
+        std::fs::create_dir_all(&out).expect("dir");
+        std::fs::write(out.join("adapter_model.safetensors"), &files.weights).expect("write");
+        std::fs::write(out.join("adapter_config.json"), &files.config).expect("write");
+        let check = serde_json::json!({
+            "tokens": tokens,
+            "logprobs": next_token_logprobs(&model, &tokens, Some(&adapter)),
+            "base_logprobs": next_token_logprobs(&model, &tokens, None),
+        });
+        std::fs::write(out.join("check.json"), check.to_string()).expect("write");
+    }
 }
