@@ -48,15 +48,6 @@ pub enum AdapterFormat {
     Gguf,
 }
 
-impl AdapterFormat {
-    pub fn name(self) -> &'static str {
-        match self {
-            AdapterFormat::Peft => "peft",
-            AdapterFormat::Gguf => "gguf",
-        }
-    }
-}
-
 impl std::str::FromStr for AdapterFormat {
     type Err = String;
 
