@@ -37,8 +37,10 @@ serve: fetch-model build
 # scripts/with-s3.sh's moto). Then the OpenAPI document's check against the OpenAPI 3.1 schema,
 # the cluster test (as `make test-cluster`), and the client suites against the built server: the
 # openai SDK, the openpipe-art RL library, and the dashboard in headless Chromium (required here:
-# it fails, not skips, without chromium). The SDK suite and the art suite run on the default model,
-# then on the tiny model of each family (FAMILIES) with its real tokenizer and template. The last
+# it fails, not skips, without chromium); and exported adapters in their real consumers (PEFT,
+# llama.cpp's converter and llama-server, the merged GGUF: scripts/adapter-export-tests.sh, which
+# builds the pinned llama.cpp and installs the pinned PyTorch venv on first use). The SDK suite
+# and the art suite run on the default model, then on the tiny model of each family (FAMILIES) with its real tokenizer and template. The last
 # line sums every test binary's result (cargo prints one line per binary; each Python suite prints
 # one in the same shape). On a fresh machine it first installs PostgreSQL and Chromium (`make
 # system-deps`), and makes the real tokenizers' files and the tiny family models (`make
@@ -55,6 +57,7 @@ test: system-deps fetch-model real-tokenizers tiny-served build
 		| tee -a target/test.log || status=1; \
 	scripts/python-sdk-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	scripts/art-tests.sh 2>&1 | tee -a target/test.log || status=1; \
+	scripts/adapter-export-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	export TEMPER_TINY_SERVED=$$(scripts/tiny-served.sh); \
 	for family in $(FAMILIES); do \
 		scripts/python-sdk-tests.sh --family $$family 2>&1 | tee -a target/test.log || status=1; \

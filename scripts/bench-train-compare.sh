@@ -69,20 +69,10 @@ REPEAT=${BENCH_REPEAT:-2}
 THREADS=${BENCH_THREADS:-2}
 VARIANTS=${BENCH_VARIANTS:-auto}
 FIXTURE=crates/train/tests/fixtures/pytorch-reference.safetensors
-HOME_DIR="${TEMPER_HOME:-$HOME/.cache/temper}"
-VENV=$HOME_DIR/train-ref-venv
-# Pinned so that the reference (and the committed fixture) stay reproducible.
-REQUIREMENTS="torch==2.15.0 transformers==5.23.0 peft==0.21.2 gguf==0.19.0 numpy==2.4.6 safetensors==0.8.0"
+# The pinned venv (scripts/train-ref-venv.sh), installed on first use.
+PYTHON=$(scripts/train-ref-venv.sh)
 
 log() { echo "bench-train-compare: $*" >&2; }
-
-if [[ ! -x $VENV/bin/python || "$(cat "$VENV/requirements.txt" 2>/dev/null)" != "$REQUIREMENTS" ]]; then
-    log "installing $REQUIREMENTS into $VENV (a few minutes, once)"
-    python3 -m venv "$VENV"
-    # shellcheck disable=SC2086 # one word per requirement
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check $REQUIREMENTS >&2
-    echo "$REQUIREMENTS" >"$VENV/requirements.txt"
-fi
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/bench-train-compare.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
@@ -104,7 +94,7 @@ if [[ $TINY == 1 ]]; then
                 "crates/train/tests/fixtures/pytorch-reference-tiny-$family.safetensors")
         fi
         log "the PyTorch + PEFT reference on tiny $family"
-        "$VENV/bin/python" -W ignore scripts/train_reference.py "${args[@]}"
+        "$PYTHON" -W ignore scripts/train_reference.py "${args[@]}"
     done
     exit 0
 fi
@@ -134,4 +124,4 @@ if [[ $CHECK_ONLY == 0 ]]; then
     REFERENCE_ARGS+=(--temper-bench "$WORK/temper-bench.txt" --shapes "$SHAPES" --repeat "$REPEAT")
 fi
 log "the PyTorch + PEFT reference (variants: $VARIANTS)"
-"$VENV/bin/python" -W ignore scripts/train_reference.py "${REFERENCE_ARGS[@]}"
+"$PYTHON" -W ignore scripts/train_reference.py "${REFERENCE_ARGS[@]}"

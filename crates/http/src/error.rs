@@ -207,7 +207,8 @@ impl From<temper_store::Error> for ApiError {
             E::ModelExists { .. }
             | E::CheckpointExists { .. }
             | E::JobState { .. }
-            | E::LeaseLost { .. } => ApiError::Conflict(format!("{e}.")),
+            | E::LeaseLost { .. }
+            | E::ModelBusy { .. } => ApiError::Conflict(format!("{e}.")),
             E::TeamQueueFull { .. } => ApiError::TooManyRequests(format!(
                 "Too many queued training jobs: {e}. Post again once one has started."
             )),
@@ -244,6 +245,7 @@ impl From<temper_train::service::ServiceError> for ApiError {
             E::NoChatTemplate(_) => ApiError::bad("model_id", e.to_string()),
             E::BaseModelNotServed(_) => ApiError::ServiceUnavailable(e.to_string()),
             E::Conflict(message) => ApiError::Conflict(message),
+            E::InvalidAdapter(ref file) => ApiError::bad(file.subject.clone(), e.to_string()),
             E::Internal(message) => ApiError::Internal(message),
         }
     }

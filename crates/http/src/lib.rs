@@ -128,7 +128,13 @@ fn training_route_table() -> Vec<Route> {
         ),
         (
             "/v1/preview/models/{id}/checkpoints",
-            get(r::list_checkpoints).delete(r::delete_checkpoints),
+            get(r::list_checkpoints)
+                .delete(r::delete_checkpoints)
+                .post(training::adapters::import_checkpoint),
+        ),
+        (
+            "/v1/preview/models/{id}/checkpoints/{step}/adapter",
+            get(training::adapters::export_adapter),
         ),
         ("/v1/preview/models/{id}/log", post(r::log_metrics)),
         (

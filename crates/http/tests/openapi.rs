@@ -292,6 +292,10 @@ fn request_schemas_list_exactly_the_accepted_fields() {
             fields::<w::CheckpointQuery>(),
             "/v1/preview/models/{model_id}/checkpoints",
         ),
+        (
+            fields::<temper_http::training::adapters::ExportQuery>(),
+            "/v1/preview/models/{model_id}/checkpoints/{step}/adapter",
+        ),
         (fields::<w::JobQuery>(), "/v1/preview/training-jobs"),
         (
             fields::<w::EventQuery>(),
@@ -447,7 +451,14 @@ impl Checker {
             req = req.json(body);
         }
         if let Some(raw) = call.raw {
-            req = req.header("content-type", "application/json").body(raw);
+            if !call
+                .headers
+                .iter()
+                .any(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+            {
+                req = req.header("content-type", "application/json");
+            }
+            req = req.body(raw);
         }
         let resp = req.send().await.unwrap();
         let status = resp.status().as_u16();
@@ -780,6 +791,32 @@ async fn real_responses_match_the_documented_schemas() {
         400,
     )
     .await;
+
+    // Step 2's adapter exported (a PEFT tar, a llama.cpp GGUF) and imported back as step 3.
+    let adapter = "/v1/preview/models/{model_id}/checkpoints/{step}/adapter";
+    let at = |query: &str| format!("{models}/{model_id}/checkpoints/2/adapter{query}");
+    for (query, file) in [("?format=peft", "peft.tar"), ("?format=gguf", "lora.gguf")] {
+        let a = c
+            .send(&s, Call::new("GET", adapter).at(at(query)), 200)
+            .await;
+        let disposition = a.headers["content-disposition"].to_str().unwrap();
+        assert!(
+            disposition.ends_with(&format!("-step2-{file}\"")),
+            "{disposition}"
+        );
+    }
+    c.send(&s, Call::new("GET", adapter).at(at("?format=onnx")), 400)
+        .await;
+    let peft = s.get(&at("")).await.bytes().await.unwrap().to_vec();
+    let import = |body: Vec<u8>| {
+        Call::new("POST", checkpoints)
+            .at(format!("{models}/{model_id}/checkpoints"))
+            .header("content-type", "application/x-tar")
+            .raw(body)
+    };
+    let imported = c.send(&s, import(peft), 200).await;
+    assert_eq!(imported.body["step"], 3, "{}", imported.body);
+    c.send(&s, import(b"no tar".repeat(100)), 400).await;
 
     // Serving, with the trained checkpoints listed and served by name.
     c.send(&s, Call::new("GET", "/metrics"), 200).await;

@@ -2,6 +2,7 @@
 //! loading configured from the file's metadata, a batched ragged forward pass over per-sequence
 //! KV caches, training over the same layer, and a tiny random model writer for tests.
 
+mod adapter_files;
 mod attention;
 mod cache;
 mod config;
@@ -22,6 +23,10 @@ use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file;
 
+pub use adapter_files::{
+    merge_into_gguf, AdapterFileError, AdapterFormat, ExportedAdapter, MergedWeights, PeftFiles,
+    MAX_IMPORT_RANK, PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE,
+};
 pub use cache::{KvArena, KvBlock, SeqCache, BLOCK_TOKENS};
 pub use config::{Activation, Arch, ModelConfig, RopeLayout, Yarn};
 pub use kernels::selected_isa;

@@ -119,7 +119,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
 
 /// candle's header reader panics on some corrupt files (a `general.alignment` of 0 divides by
 /// zero): that is a bad file like any other, not a crash of the server starting on it.
-fn read_content(reader: &mut BufReader<File>) -> Result<gguf_file::Content, ModelError> {
+pub(crate) fn read_content(reader: &mut BufReader<File>) -> Result<gguf_file::Content, ModelError> {
     std::panic::catch_unwind(AssertUnwindSafe(|| gguf_file::Content::read(reader)))
         .unwrap_or_else(|payload| {
             let reason = payload

@@ -60,7 +60,7 @@ impl LoraTarget {
         }
     }
 
-    fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         self as usize
     }
 }
@@ -178,6 +178,14 @@ impl LoraAdapter {
 
     pub(crate) fn pair(&self, layer: usize, target: LoraTarget) -> &LoraPair {
         &self.layers[layer][target.index()]
+    }
+
+    /// Replaces one projection's pair (of this adapter's rank and the projection's shape).
+    pub(crate) fn set_pair(&mut self, layer: usize, target: LoraTarget, pair: LoraPair) {
+        debug_assert_eq!(pair.a.len(), self.cfg.rank * pair.in_dim);
+        debug_assert_eq!(pair.b.len(), pair.out_dim * self.cfg.rank);
+        self.id = next_id();
+        self.layers[layer][target.index()] = pair;
     }
 
     /// True when this adapter was made for a model of `model`'s shape.

@@ -37,7 +37,10 @@ pub use idempotency::{Claim, IdempotencyKey, MAX_IDEMPOTENCY_KEY_LEN};
 pub use jobs::{event, Event, Job, JobKind, JobStatus, Recovery, TrainingTotals};
 pub use keys::{KeyInfo, Team, SECRET_PREFIX};
 pub use lock::DataDirLock;
-pub use models::{Checkpoint, DeletedCheckpoints, DeletedModel, Model, NewModel};
+pub use models::{
+    Checkpoint, CheckpointAnswer, CheckpointImport, DeletedCheckpoints, DeletedModel, Model,
+    NewModel,
+};
 pub use usage::{
     usage_bucket, utc_date, utc_month, Quota, TokenCounts, UsageKey, UsageRow, USAGE_BUCKET_SECONDS,
 };
@@ -88,6 +91,13 @@ pub enum Error {
     },
     #[error("model {model_id} already has a checkpoint at step {step}")]
     CheckpointExists { model_id: uuid::Uuid, step: i64 },
+    /// A checkpoint cannot be imported while the model has a queued or running job (the job
+    /// would make the same step).
+    #[error(
+        "model {model_id} has a queued or running training job; import once it has ended (or \
+         cancel it)"
+    )]
+    ModelBusy { model_id: uuid::Uuid },
     #[error("invalid {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
     /// A state transition asked of a job in another state (e.g. finishing a cancelled job).

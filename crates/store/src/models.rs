@@ -4,6 +4,7 @@ use sqlx::any::AnyRow;
 use sqlx::Row;
 use uuid::Uuid;
 
+use crate::idempotency::{complete, IdempotencyKey};
 use crate::jobs::{event, insert_event};
 use crate::{
     check_limit, check_name, ensure_team, hex, invalid, locking, now, page, parse_json, parse_uuid,
@@ -130,7 +131,83 @@ pub(crate) async fn insert_checkpoint(
     }
 }
 
+/// A claimed `Idempotency-Key` and how the answer to remember is made of the checkpoint.
+pub type CheckpointAnswer<'a> = (
+    IdempotencyKey<'a>,
+    &'a (dyn Fn(&Checkpoint) -> Vec<u8> + Sync),
+);
+
+/// A checkpoint being imported ([`Store::begin_checkpoint_import`]): a write transaction that
+/// holds the model (no job can be queued for it, no other import or deletion can run) until
+/// [`CheckpointImport::commit`]; dropped, it changes nothing.
+pub struct CheckpointImport {
+    tx: sqlx::Transaction<'static, sqlx::Any>,
+    model_id: Uuid,
+    /// The step the checkpoint gets: the latest + 1. Its adapter is stored under this step
+    /// before the commit.
+    pub step: i64,
+}
+
+impl CheckpointImport {
+    /// Adds the checkpoint at [`CheckpointImport::step`] with `metrics`, and with a claimed
+    /// `Idempotency-Key` the answer `answer` makes of it, in the same transaction.
+    pub async fn commit(
+        mut self,
+        metrics: &serde_json::Value,
+        idempotency: Option<CheckpointAnswer<'_>>,
+    ) -> Result<Checkpoint> {
+        let checkpoint =
+            insert_checkpoint(&mut self.tx, self.model_id, self.step, metrics, now()).await?;
+        if let Some((key, answer)) = idempotency {
+            complete(&mut self.tx, key, 200, &answer(&checkpoint)).await?;
+        }
+        self.tx.commit().await?;
+        Ok(checkpoint)
+    }
+}
+
 impl Store {
+    /// Starts importing a checkpoint of one of the team's models as its next step. The model
+    /// row is locked (PostgreSQL; SQLite's write transaction holds the whole database), so a
+    /// job queued after this waits for the commit and then trains from the imported step; a
+    /// model with a queued or running job is [`Error::ModelBusy`]: that job would write the
+    /// same step.
+    pub async fn begin_checkpoint_import(
+        &self,
+        team: &str,
+        model_id: Uuid,
+    ) -> Result<CheckpointImport> {
+        let mut tx = self.write_tx().await?;
+        let found: Option<String> = sqlx::query_scalar(self.sql(locking!(
+            "SELECT id FROM models WHERE id = $1 AND team = $2",
+            "FOR UPDATE"
+        )))
+        .bind(model_id.to_string())
+        .bind(team)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if found.is_none() {
+            return Err(Error::NotFound("model"));
+        }
+        let active: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM training_jobs \
+             WHERE model_id = $1 AND status IN ('queued', 'running')",
+        )
+        .bind(model_id.to_string())
+        .fetch_one(&mut *tx)
+        .await?;
+        if active > 0 {
+            return Err(Error::ModelBusy { model_id });
+        }
+        let step: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(MAX(step), 0) + 1 FROM checkpoints WHERE model_id = $1",
+        )
+        .bind(model_id.to_string())
+        .fetch_one(&mut *tx)
+        .await?;
+        Ok(CheckpointImport { tx, model_id, step })
+    }
+
     /// Registers a model with a step-0 checkpoint (the base weights, so `/log` and "latest"
     /// always have a checkpoint). The same team/project/name again is `ModelExists`.
     pub async fn create_model(&self, new: &NewModel<'_>) -> Result<Model> {

@@ -47,6 +47,7 @@ on_both_backends!(
     stale_idempotency_claims_are_released,
     training_totals_count_jobs_steps_and_tokens,
     a_model_deleted_amid_posts_and_a_finishing_job_leaves_none_pending,
+    an_import_takes_the_next_step_and_holds_the_model_until_it_commits,
 );
 
 async fn model(store: &Store, team: &str, name: &str) -> Model {
@@ -1671,4 +1672,80 @@ async fn a_model_deleted_amid_posts_and_a_finishing_job_leaves_none_pending(db: 
             );
         }
     }
+}
+
+async fn an_import_takes_the_next_step_and_holds_the_model_until_it_commits(db: Db) {
+    use temper_store::IdempotencyKey;
+    let store = db.open().await;
+    let m = model(&store, "acme", "m").await;
+    assert!(matches!(
+        store.begin_checkpoint_import("other", m.id).await,
+        Err(Error::NotFound(_))
+    ));
+    // The next step; dropped, nothing is written and the step is free again.
+    let import = store.begin_checkpoint_import("acme", m.id).await.unwrap();
+    assert_eq!(import.step, 1);
+    drop(import);
+    let key = IdempotencyKey {
+        team: "acme",
+        key: "import",
+        route: "POST /v1/preview/models/x/checkpoints",
+    };
+    store.claim_idempotency(key, b"tar").await.unwrap();
+    let import = store.begin_checkpoint_import("acme", m.id).await.unwrap();
+    assert_eq!(import.step, 1);
+    let answer = |c: &temper_store::Checkpoint| format!("step {}", c.step).into_bytes();
+    let checkpoint = import
+        .commit(&json!({"imported": true}), Some((key, &answer)))
+        .await
+        .unwrap();
+    assert_eq!(
+        (checkpoint.step, &checkpoint.metrics),
+        (1, &json!({"imported": true}))
+    );
+    assert_eq!(
+        store.claim_idempotency(key, b"tar").await.unwrap(),
+        temper_store::Claim::Replay {
+            status: 200,
+            body: b"step 1".to_vec()
+        }
+    );
+    train(&store, &m, 2).await;
+
+    // A job queued while an import is open waits for it, then trains from the imported step.
+    let import = store.begin_checkpoint_import("acme", m.id).await.unwrap();
+    assert_eq!(import.step, 3);
+    let queue = {
+        let store = store.clone();
+        let id = m.id;
+        tokio::spawn(async move {
+            store
+                .enqueue_job("acme", id, temper_store::JobKind::Rl, "{}")
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!queue.is_finished(), "a job was queued past an open import");
+    import.commit(&json!({}), None).await.unwrap();
+    queue.await.unwrap().unwrap();
+    let latest = store
+        .latest_checkpoint("acme", m.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(latest.step, 3);
+    // With that job queued (and then running), an import is refused: the job makes step 4.
+    assert!(matches!(
+        store.begin_checkpoint_import("acme", m.id).await,
+        Err(Error::ModelBusy { .. })
+    ));
+    store
+        .claim_next_job(W, LEASE)
+        .await
+        .unwrap()
+        .expect("the job");
+    assert!(matches!(
+        store.begin_checkpoint_import("acme", m.id).await,
+        Err(Error::ModelBusy { .. })
+    ));
 }

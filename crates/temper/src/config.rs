@@ -363,24 +363,30 @@ fn parse_model(spec: &str) -> Result<(String, PathBuf), ConfigError> {
     }
 }
 
-/// Flags/env (already merged by clap) over the file over the defaults.
-pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config, ConfigError> {
-    let models = match (args.models.is_empty(), file.models) {
-        (false, _) => args.models,
+/// The served models `NAME=PATH`: the flags' (`--model`, `TEMPER_MODELS`), else the file's, else
+/// the default model.
+pub fn resolve_models(
+    flags: Vec<String>,
+    file: Option<Vec<String>>,
+    home: &Path,
+) -> Result<Vec<(String, PathBuf)>, ConfigError> {
+    let models = match (flags.is_empty(), file) {
+        (false, _) => flags,
         (true, Some(m)) => m,
         (true, None) => Vec::new(),
     };
-    let models = if models.is_empty() {
-        vec![(
+    if models.is_empty() {
+        return Ok(vec![(
             DEFAULT_MODEL_NAME.to_owned(),
             home.join("models").join(DEFAULT_MODEL_FILE),
-        )]
-    } else {
-        models
-            .iter()
-            .map(|m| parse_model(m))
-            .collect::<Result<_, _>>()?
-    };
+        )]);
+    }
+    models.iter().map(|m| parse_model(m)).collect()
+}
+
+/// Flags/env (already merged by clap) over the file over the defaults.
+pub fn resolve(args: ServeArgs, file: FileConfig, home: &Path) -> Result<Config, ConfigError> {
+    let models = resolve_models(args.models, file.models, home)?;
     let api_keys = if args.api_keys.is_empty() {
         file.api_keys.unwrap_or_default()
     } else {

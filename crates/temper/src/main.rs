@@ -3,6 +3,7 @@
 mod bandwidth;
 mod bench;
 mod config;
+mod export;
 mod keys;
 
 use std::io::IsTerminal;
@@ -38,6 +39,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Create, list and revoke team API keys (stored in the data directory).
     Keys(keys::KeysArgs),
+    /// Write a trained checkpoint's adapter for other tools: PEFT files, a llama.cpp LoRA GGUF,
+    /// or the base GGUF with the adapter merged in.
+    Export(Box<export::ExportArgs>),
 }
 
 fn main() -> ExitCode {
@@ -55,6 +59,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => temper_model::selected_isa()
             .and_then(|_| bench::run(args, temper_model::paths::default_model_path())),
         Command::Keys(args) => keys::run(args),
+        Command::Export(args) => temper_model::selected_isa().and_then(|_| export::run(*args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use serde_json::{json, Map, Value};
 use temper_catalog::{BaseModel, Catalog};
+use temper_model::{AdapterFormat, ExportedAdapter, LoraAdapter, PeftFiles};
 use temper_store::{
-    Artifacts, Backend, Checkpoint, DeletedCheckpoints, DeletedModel, IdempotencyKey, Job, JobKind,
-    Model, NewModel, Store,
+    Artifacts, Backend, Checkpoint, CheckpointAnswer, DeletedCheckpoints, DeletedModel,
+    IdempotencyKey, Job, JobKind, Model, NewModel, Store,
 };
 use uuid::Uuid;
 
@@ -84,6 +85,9 @@ pub enum ServiceError {
     NoChatTemplate(String),
     #[error("{0}")]
     Conflict(String),
+    /// An imported adapter's file is refused; `subject` names the tensor (or config field).
+    #[error("Invalid adapter: {0}.")]
+    InvalidAdapter(#[from] temper_model::AdapterFileError),
     #[error("{0}")]
     Internal(String),
 }
@@ -270,6 +274,88 @@ impl TrainingService {
             }
         }
         Ok(deleted)
+    }
+
+    /// A checkpoint's adapter in `format`, for the tools users deploy with (PEFT, vLLM,
+    /// llama.cpp). Step 0 (the base weights) has none.
+    pub async fn export_adapter(
+        &self,
+        team: &str,
+        model_id: Uuid,
+        step: i64,
+        format: AdapterFormat,
+    ) -> Result<(Model, ExportedAdapter), ServiceError> {
+        let model = self.store.get_model(team, model_id).await?;
+        let checkpoint = self.store.get_checkpoint(team, model_id, step).await?;
+        if step == 0 {
+            return Err(ServiceError::Invalid {
+                param: "step".to_owned(),
+                message: "Step 0 is the base weights: it has no adapter to export.".to_owned(),
+            });
+        }
+        let base = self.served_base(&model)?.clone();
+        let adapter = self
+            .catalog
+            .adapter(&base, &checkpoint)
+            .await
+            .map_err(|e| ServiceError::Internal(e.to_string()))?
+            .ok_or_else(|| ServiceError::Internal(format!("step {step} has no adapter")))?;
+        let exported = tokio::task::spawn_blocking(move || {
+            adapter.export(base.model.config(), &base.name, format)
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(format!("exporting the adapter panicked: {e}")))?
+        .map_err(|e| ServiceError::Internal(format!("exporting the adapter: {e}")))?;
+        Ok((model, exported))
+    }
+
+    /// Imports a PEFT adapter as the model's next checkpoint, served by name at once and the
+    /// start of the model's next job. Every tensor is checked against the base model first
+    /// (a bad one is [`ServiceError::InvalidAdapter`] naming it); projections the file does not
+    /// adapt start as a fresh adapter's (no change). The adapter is stored under the new step
+    /// while the store holds the model (see [`Store::begin_checkpoint_import`]), then the
+    /// checkpoint commits, with the `Idempotency-Key`'s answer when there is one.
+    pub async fn import_checkpoint(
+        &self,
+        team: &str,
+        model_id: Uuid,
+        files: PeftFiles,
+        idempotency: Option<CheckpointAnswer<'_>>,
+    ) -> Result<Checkpoint, ServiceError> {
+        let model = self.store.get_model(team, model_id).await?;
+        let base = self.served_base(&model)?.clone();
+        let seed = worker::adapter_seed(&model);
+        let (bytes, rank, alpha) = tokio::task::spawn_blocking(move || {
+            let adapter = LoraAdapter::from_peft(&files, base.model.config(), seed)?;
+            let cfg = adapter.config();
+            let bytes = adapter
+                .to_bytes()
+                .map_err(|e| ServiceError::Internal(format!("serializing the adapter: {e}")))?;
+            Ok::<_, ServiceError>((bytes, cfg.rank, cfg.alpha))
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(format!("reading the adapter panicked: {e}")))??;
+        let import = self.store.begin_checkpoint_import(team, model_id).await?;
+        let step = import.step;
+        self.artifacts
+            .put(model_id, step, bytes)
+            .await
+            .map_err(|e| ServiceError::Internal(format!("storing the adapter: {e}")))?;
+        let metrics = json!({ "imported": true, "lora_rank": rank, "lora_alpha": alpha });
+        match import.commit(&metrics, idempotency).await {
+            Ok(checkpoint) => {
+                tracing::info!(model_id = %model_id, step, "imported a checkpoint");
+                Ok(checkpoint)
+            }
+            Err(e) => {
+                // No checkpoint row points at the adapter, and none can be written for this
+                // step until the import's transaction ends: it must not outlive this.
+                if let Err(e) = self.artifacts.delete(model_id, step).await {
+                    tracing::warn!(error = %e, "removing the adapter of an uncommitted import");
+                }
+                Err(e.into())
+            }
+        }
     }
 
     /// `/log`: reward statistics and the trajectories' own metrics of one split (e.g. `val`),

@@ -137,7 +137,7 @@ async fn record_failure(training: &TrainingService, id: Uuid, message: &str) {
 /// A seed per model name (team, project, name: FNV-1a), not per registration: the same run
 /// registered again, on this server or a fresh one, starts from the same fresh adapter, so its
 /// training is reproducible.
-fn adapter_seed(model: &temper_store::Model) -> u64 {
+pub(super) fn adapter_seed(model: &temper_store::Model) -> u64 {
     let mut hash = 0xcbf2_9ce4_8422_2325_u64;
     for part in [&model.team, &model.project, &model.name] {
         // The separator keeps ("ab", "c") and ("a", "bc") apart.
