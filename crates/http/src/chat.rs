@@ -387,6 +387,26 @@ struct SseState {
     span: tracing::Span,
 }
 
+impl SseStream for SseState {
+    type Event = Option<GenerationEvent>;
+
+    fn pending(&mut self) -> &mut VecDeque<Bytes> {
+        &mut self.pending
+    }
+
+    fn done(&self) -> bool {
+        self.done
+    }
+
+    fn next_event(&mut self) -> impl std::future::Future<Output = Self::Event> + Send {
+        self.rx.recv()
+    }
+
+    fn on_event(&mut self, event: Self::Event) {
+        self.fold_event(event);
+    }
+}
+
 impl SseState {
     fn new(
         rx: UnboundedReceiver<GenerationEvent>,
@@ -529,7 +549,7 @@ impl SseState {
         self.done = true;
     }
 
-    fn on_event(&mut self, event: Option<GenerationEvent>) {
+    fn fold_event(&mut self, event: Option<GenerationEvent>) {
         match event {
             None => self.fail(engine_gone()),
             Some(GenerationEvent::Error { message }) => self.fail(ApiError::Generation(message)),
@@ -662,20 +682,34 @@ fn sse_response(
     team_slot: TeamRequestSlot,
     usage: ChatUsage,
 ) -> Response {
+    sse_body(SseState::new(rx, c, opts, usage), team_slot)
+}
+
+/// A streamed answer's state as [`sse_body`] drives it: chunks ready to send, whether the
+/// stream has ended, and the next engine event, folded into chunks by `on_event`.
+pub(crate) trait SseStream: Send + 'static {
+    type Event: Send;
+    fn pending(&mut self) -> &mut VecDeque<Bytes>;
+    fn done(&self) -> bool;
+    fn next_event(&mut self) -> impl std::future::Future<Output = Self::Event> + Send;
+    fn on_event(&mut self, event: Self::Event);
+}
+
+/// The `text/event-stream` response of a stream's state, sending its chunks as they come; the
+/// team's place is given back when the body is dropped (finished or disconnected).
+pub(crate) fn sse_body<S: SseStream>(state: S, team_slot: TeamRequestSlot) -> Response {
     let span = tracing::Span::current();
-    let state = SseState::new(rx, c, opts, usage);
     let stream = futures_util::stream::unfold(state, move |mut s| {
-        // The team's place is given back when the body is dropped: finished or disconnected.
         let _ = &team_slot;
         async move {
             loop {
-                if let Some(bytes) = s.pending.pop_front() {
+                if let Some(bytes) = s.pending().pop_front() {
                     return Some((Ok::<_, Infallible>(bytes), s));
                 }
-                if s.done {
+                if s.done() {
                     return None;
                 }
-                let event = s.rx.recv().await;
+                let event = s.next_event().await;
                 s.on_event(event);
             }
         }

@@ -4,24 +4,21 @@
 //! choices in turn: prompt `i`'s choice `j` is `i × n + j`, as in vLLM.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::task::Poll;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use temper_engine::{EngineError, FinishReason, GenerationEvent, PromptLogprob, TokenLogprob};
 use temper_text::Tokenizer;
 use tokio::sync::mpsc::UnboundedReceiver;
-use tracing::Instrument;
 
 use crate::auth::RequestContext;
 use crate::chat::{
-    adapter_and_usage, bad_choice, engine_gone, finish_json, sse_data, sse_error, stop_json,
-    SSE_DONE, SYSTEM_FINGERPRINT,
+    adapter_and_usage, bad_choice, engine_gone, finish_json, sse_body, sse_data, sse_error,
+    stop_json, SseStream, SSE_DONE, SYSTEM_FINGERPRINT,
 };
 use crate::error::ApiError;
 use crate::extract::ValidJson;
@@ -498,6 +495,26 @@ struct CompletionSse {
     span: tracing::Span,
 }
 
+impl SseStream for CompletionSse {
+    type Event = Option<(usize, Option<GenerationEvent>)>;
+
+    fn pending(&mut self) -> &mut VecDeque<Bytes> {
+        &mut self.pending
+    }
+
+    fn done(&self) -> bool {
+        self.done
+    }
+
+    fn next_event(&mut self) -> impl std::future::Future<Output = Self::Event> + Send {
+        self.events.recv()
+    }
+
+    fn on_event(&mut self, event: Self::Event) {
+        self.fold_event(event);
+    }
+}
+
 impl CompletionSse {
     fn new(events: Merged, c: TextCompletion, opts: StreamOptions, usage: ChatUsage) -> Self {
         let total = c.prompts.len() * c.n;
@@ -607,7 +624,7 @@ impl CompletionSse {
         })
     }
 
-    fn on_event(&mut self, event: Option<(usize, Option<GenerationEvent>)>) {
+    fn fold_event(&mut self, event: Option<(usize, Option<GenerationEvent>)>) {
         let Some((prompt, event)) = event else {
             return self.fail(engine_gone());
         };
@@ -713,31 +730,5 @@ fn sse_response(
     team_slot: TeamRequestSlot,
     usage: ChatUsage,
 ) -> Response {
-    let span = tracing::Span::current();
-    let state = CompletionSse::new(events, c, opts, usage);
-    let stream = futures_util::stream::unfold(state, move |mut s| {
-        // The team's place is given back when the body is dropped: finished or disconnected.
-        let _ = &team_slot;
-        async move {
-            loop {
-                if let Some(bytes) = s.pending.pop_front() {
-                    return Some((Ok::<_, Infallible>(bytes), s));
-                }
-                if s.done {
-                    return None;
-                }
-                let event = s.events.recv().await;
-                s.on_event(event);
-            }
-        }
-        .instrument(span.clone())
-    });
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        Body::from_stream(stream),
-    )
-        .into_response()
+    sse_body(CompletionSse::new(events, c, opts, usage), team_slot)
 }
