@@ -88,17 +88,8 @@ impl<const FIFTH_BIT: bool> Format for Nibbles<FIFTH_BIT> {
         u as i8 - Self::OFFSET
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
-        use std::arch::x86_64::*;
-        // SAFETY: passed on.
-        let unsigned = unsafe { Self::avx2_unsigned_step(p, s, h) };
-        _mm256_sub_epi8(unsigned, _mm256_set1_epi8(16))
-    }
-
     /// `w + 16` is the five-bit value as stored (`w + 8` + 8 for Q4_0): no sign trick on AVX2.
-    const AVX2_UNSIGNED_OFFSET: Option<i32> = Some(16);
+    const AVX2_UNSIGNED_OFFSET: i32 = 16;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]

@@ -61,11 +61,13 @@ pub(crate) trait Format: Send + Sync + 'static {
     /// Whether the activations are quantized pair-bound (`quantize_q8_0_pair_bound`), so that
     /// AVX2 multiplies the stored `w + 128` by them as they are (see [`Q8_0PairBound`]).
     const PAIR_BOUND: bool = false;
-    /// What [`Format::avx2_unsigned_step`] adds to the quants, where AVX2 multiplies them as
-    /// `maddubs`'s unsigned operand without the sign trick: 16 for five-bit quants (the
-    /// products of four steps add up in i16), 128 for Q8_0 against pair-bound activations (of
-    /// one step); `None` where AVX2 takes [`Format::signed_step`] and the sign trick.
-    const AVX2_UNSIGNED_OFFSET: Option<i32> = None;
+    /// What [`Format::avx2_unsigned_step`] adds to the quants: 16 for five-bit quants (the
+    /// products of four steps add up in i16), 128 for Q8_0's stored bytes (of one step).
+    const AVX2_UNSIGNED_OFFSET: i32;
+    /// Whether AVX2 multiplies [`Format::avx2_unsigned_step`] as `maddubs`'s unsigned operand,
+    /// without the sign trick (Q8_0 only against pair-bound activations: else its products
+    /// would overflow i16).
+    const AVX2_UNSIGNED: bool = true;
     /// Bytes of one group block: sixteen rows' blocks.
     const GROUP_BLOCK: usize = GROUP * Self::BLOCK_BYTES;
     /// Quant `i` (of 32) of a GGUF block.
@@ -75,12 +77,18 @@ pub(crate) trait Format: Send + Sync + 'static {
     /// Quant `i` of row `j` of a group block.
     fn quant(gb: &[u8], j: usize, i: usize) -> i8;
     /// Step `s` of half `h` (rows `8h..8h + 8`) of the group block at `p`: four quants of each
-    /// row, signed.
+    /// row, signed (the unsigned step less its offset).
     ///
     /// # Safety
     /// `p` points to a whole group block; the CPU has AVX2.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i;
+    #[inline(always)]
+    unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: passed on.
+        let unsigned = unsafe { Self::avx2_unsigned_step(p, s, h) };
+        _mm256_sub_epi8(unsigned, _mm256_set1_epi8(Self::AVX2_UNSIGNED_OFFSET as i8))
+    }
     /// Step `s` of half `h` of the group block at `p`, every quant plus
     /// [`Format::AVX2_UNSIGNED_OFFSET`]: by default the stored bytes.
     ///
@@ -120,7 +128,8 @@ impl<const PAIR_BOUND: bool> Format for Q8_0<PAIR_BOUND> {
     /// (Pair-bound activations never widen.)
     type Batched = Q8_0Pairs;
     const PAIR_BOUND: bool = PAIR_BOUND;
-    const AVX2_UNSIGNED_OFFSET: Option<i32> = if PAIR_BOUND { Some(128) } else { None };
+    const AVX2_UNSIGNED_OFFSET: i32 = 128;
+    const AVX2_UNSIGNED: bool = PAIR_BOUND;
     /// From 16 rows the widened slices win (`kernel_throughput`, x86-64-v3 build, alternated
     /// 3x): 16 rows of the LM head 9% faster, 16 rows of 640 x 32,768 the same.
     const WIDEN_MIN_ROWS: usize = 16;
@@ -150,15 +159,6 @@ impl<const PAIR_BOUND: bool> Format for Q8_0<PAIR_BOUND> {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
-        use std::arch::x86_64::*;
-        // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
-        let q = unsafe { _mm256_loadu_si256(p.add(SCALES + 64 * s + 32 * h) as *const __m256i) };
-        _mm256_xor_si256(q, _mm256_set1_epi8(-128))
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
     unsafe fn unsigned_steps(p: *const u8) -> [std::arch::x86_64::__m512i; 8] {
         use std::arch::x86_64::*;
         // SAFETY: eight steps of 64 bytes follow the scales.
@@ -178,7 +178,7 @@ impl Format for FiveBitBytes {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
     type Batched = WithQ8_0Acts<FiveBitBytes>;
     const FIVE_BIT: bool = true;
-    const AVX2_UNSIGNED_OFFSET: Option<i32> = Some(16);
+    const AVX2_UNSIGNED_OFFSET: i32 = 16;
 
     fn gguf_quant(_block: &[u8], _i: usize) -> i8 {
         unreachable!("five-bit bytes are widened into, never loaded from GGUF")
@@ -191,15 +191,6 @@ impl Format for FiveBitBytes {
 
     fn quant(gb: &[u8], j: usize, i: usize) -> i8 {
         gb[q8_0_at(j, i)] as i8 - 16
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn signed_step(p: *const u8, s: usize, h: usize) -> std::arch::x86_64::__m256i {
-        use std::arch::x86_64::*;
-        // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
-        let q = unsafe { _mm256_loadu_si256(p.add(SCALES + 64 * s + 32 * h) as *const __m256i) };
-        _mm256_sub_epi8(q, _mm256_set1_epi8(16))
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -256,7 +247,7 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
         unsafe {
             match isa {
                 Isa::Avx512 => with_act_rows!(na, x86::avx512_rows[F](w, acts, nb, out)),
-                _ if F::AVX2_UNSIGNED_OFFSET.is_some() => {
+                _ if F::AVX2_UNSIGNED => {
                     with_act_rows!(na, x86::avx2_rows_unsigned[F](w, acts, nb, out))
                 }
                 _ => with_act_rows!(na, x86::avx2_rows[F](w, acts, nb, out)),
@@ -449,7 +440,7 @@ mod x86 {
     pub(super) unsafe fn widen_avx2<F: Format>(src: &[u8], dst: &mut [u8]) {
         assert!(src.len() == F::GROUP_BLOCK && dst.len() == FiveBitBytes::GROUP_BLOCK);
         // The unsigned steps are `w + 16`, the bytes as stored.
-        assert_eq!(F::AVX2_UNSIGNED_OFFSET, Some(16));
+        assert_eq!(F::AVX2_UNSIGNED_OFFSET, 16);
         for s in 0..8 {
             for h in 0..2 {
                 // SAFETY: whole group blocks (checked above).
@@ -560,11 +551,8 @@ mod x86 {
         nb: usize,
         out: TileOut<'_>,
     ) {
-        let (offset, run) = match F::AVX2_UNSIGNED_OFFSET {
-            Some(16) => (16, 4),
-            Some(128) => (128, 1),
-            other => unreachable!("AVX2 unsigned offset {other:?}"),
-        };
+        let offset = F::AVX2_UNSIGNED_OFFSET;
+        let run = if offset == 16 { 4 } else { 1 };
         let ones = _mm256_set1_epi16(1);
         // Five-bit bytes: a loop LLVM keeps rolled, as in `avx2_rows`, so it does not spill the
         // weights. Runs of one step hold one weight register: unrolled, they spill nothing
