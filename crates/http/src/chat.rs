@@ -11,7 +11,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Serialize;
-use temper_engine::{FinishReason, GenerationEvent, StopReason};
+use temper_engine::{FinishReason, GenerationEvent, Grammar, StopReason};
 use temper_model::LoraAdapter;
 use temper_text::tool_calls::{ParsedCall, ToolCallFormat, ToolCallParser, MISTRAL_ID_LEN};
 use temper_text::{ReasoningParser, Tokenizer};
@@ -29,11 +29,11 @@ use crate::protocol::{
     ChunkChoice, Delta, DeltaToolCall, FinishReasonJson, LogprobEntry, ResponseFunctionCall,
     ResponseMessage, ResponseToolCall, StopReasonJson,
 };
-use crate::state::{AppState, ResolvedModel};
-use crate::structured::compile_constraint;
+use crate::state::{AppState, RequestHook, ResolvedModel};
+use crate::structured::{compile_constraint, RequestedConstraint};
 use crate::team_limits::TeamRequestSlot;
 use crate::usage::check_quota;
-use crate::validation::{validate_chat, StreamOptions};
+use crate::validation::{validate_chat, ChatParams, Limits, StreamOptions};
 use temper_catalog::names;
 
 pub const SYSTEM_FINGERPRINT: &str = concat!("temper-", env!("CARGO_PKG_VERSION"));
@@ -67,19 +67,20 @@ pub async fn chat_completions(
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
-    // Held until the response's last byte (moved into the stream below).
-    let team_slot = state.team_requests().enter(&ctx.team)?;
-    let resolved = state.resolve(req.model.as_deref(), &ctx.team).await?;
+    let model_name = req.model.clone();
+    let Admitted {
+        team_slot,
+        resolved,
+        params,
+        constraint,
+        request_id,
+        adapter,
+        usage_sink,
+    } = admit(&state, &ctx, model_name.as_deref(), |limits| {
+        validate_chat(req, limits)
+    })
+    .await?;
     let model = resolved.base.clone();
-    let mut params = validate_chat(req, &state.limits(&model))?;
-    check_quota(&state, &ctx.team).await?;
-    let constraint = compile_constraint(&model.engine, params.constraint.take()).await?;
-    let request_id = params
-        .request_id
-        .clone()
-        .unwrap_or_else(|| ctx.request_id.clone());
-    state.options().request_hook.on_request(&params)?;
-    let (adapter, usage_sink) = adapter_and_usage(&state, &ctx, &resolved).await?;
     // Rendering and tokenizing a prompt of up to the body limit, and preparing the logits
     // processors (in `submit`), take milliseconds to seconds: on a blocking thread, so the async
     // workers keep answering `/health`, authentication and every stream meanwhile.
@@ -134,13 +135,59 @@ pub async fn chat_completions(
     }
 }
 
-/// What serving a resolved model takes beside the request: the checkpoint's adapter (none for a
-/// base model or step 0) and where its usage is metered (none without a meter).
-pub(crate) async fn adapter_and_usage(
+/// Validated parameters as [`admit`] takes them: the requested output constraint, the
+/// caller's request id, and the deployment's hook for them.
+pub(crate) trait AdmittedParams {
+    fn take_constraint(&mut self) -> Option<RequestedConstraint>;
+    fn request_id(&self) -> Option<&str>;
+    fn check(&self, hook: &dyn RequestHook) -> Result<(), ApiError>;
+}
+
+impl AdmittedParams for ChatParams {
+    fn take_constraint(&mut self) -> Option<RequestedConstraint> {
+        self.constraint.take()
+    }
+    fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
+    }
+    fn check(&self, hook: &dyn RequestHook) -> Result<(), ApiError> {
+        hook.on_request(self)
+    }
+}
+
+/// A generation request let in, ready to submit.
+pub(crate) struct Admitted<P> {
+    /// The team's place, held until the response's last byte.
+    pub team_slot: TeamRequestSlot,
+    pub resolved: ResolvedModel,
+    pub params: P,
+    pub constraint: Option<Grammar>,
+    /// The caller's, or the one the server gave the request.
+    pub request_id: String,
+    /// The checkpoint's adapter (none for a base model or step 0).
+    pub adapter: Option<Arc<LoraAdapter>>,
+    /// Where its usage is metered (none without a meter).
+    pub usage_sink: Option<UsageSink>,
+}
+
+/// What every generation route does before submitting, in order: takes the team's place,
+/// resolves the model (a checkpoint name included), validates the body against its limits,
+/// checks the quota, compiles the output constraint, runs the hook, and loads the adapter.
+pub(crate) async fn admit<P: AdmittedParams>(
     state: &AppState,
     ctx: &RequestContext,
-    resolved: &ResolvedModel,
-) -> Result<(Option<Arc<LoraAdapter>>, Option<UsageSink>), ApiError> {
+    model: Option<&str>,
+    validate: impl FnOnce(&Limits) -> Result<P, ApiError>,
+) -> Result<Admitted<P>, ApiError> {
+    let team_slot = state.team_requests().enter(&ctx.team)?;
+    let resolved = state.resolve(model, &ctx.team).await?;
+    let mut params = validate(&state.limits(&resolved.base))?;
+    check_quota(state, &ctx.team).await?;
+    let constraint = compile_constraint(&resolved.base.engine, params.take_constraint()).await?;
+    let request_id = params
+        .request_id()
+        .map_or_else(|| ctx.request_id.clone(), str::to_owned);
+    params.check(state.options().request_hook.as_ref())?;
     let adapter = match &resolved.checkpoint {
         Some(checkpoint) => state.catalog().adapter(&resolved.base, checkpoint).await?,
         None => None,
@@ -149,9 +196,17 @@ pub(crate) async fn adapter_and_usage(
         meter: meter.clone(),
         team: ctx.team.clone(),
         project: ctx.usage_project().to_owned(),
-        model: usage_model(resolved, &ctx.team),
+        model: usage_model(&resolved, &ctx.team),
     });
-    Ok((adapter, usage_sink))
+    Ok(Admitted {
+        team_slot,
+        resolved,
+        params,
+        constraint,
+        request_id,
+        adapter,
+        usage_sink,
+    })
 }
 
 /// The model a request's usage counts under: a base model's name, or the checkpoint it used as

@@ -17,8 +17,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::auth::RequestContext;
 use crate::chat::{
-    adapter_and_usage, bad_choice, engine_gone, finish_json, sse_body, sse_data, sse_error,
-    stop_json, SseStream, SSE_DONE, SYSTEM_FINGERPRINT,
+    admit, bad_choice, engine_gone, finish_json, sse_body, sse_data, sse_error, stop_json,
+    Admitted, AdmittedParams, SseStream, SSE_DONE, SYSTEM_FINGERPRINT,
 };
 use crate::error::ApiError;
 use crate::extract::ValidJson;
@@ -31,30 +31,42 @@ use crate::protocol::{
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse,
     FinishReasonJson, PromptLogprobsAt, StopReasonJson, TopLogprobsAt,
 };
-use crate::state::AppState;
-use crate::structured::compile_constraint;
+use crate::state::{AppState, RequestHook};
+use crate::structured::RequestedConstraint;
 use crate::team_limits::TeamRequestSlot;
-use crate::usage::check_quota;
-use crate::validation::{validate_completion, StreamOptions};
+use crate::validation::{validate_completion, CompletionParams, StreamOptions};
+
+impl AdmittedParams for CompletionParams {
+    fn take_constraint(&mut self) -> Option<RequestedConstraint> {
+        self.constraint.take()
+    }
+    fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
+    }
+    fn check(&self, hook: &dyn RequestHook) -> Result<(), ApiError> {
+        hook.on_completion(self)
+    }
+}
 
 pub async fn completions(
     State(state): State<AppState>,
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    // Held until the response's last byte (moved into the stream below).
-    let team_slot = state.team_requests().enter(&ctx.team)?;
-    let resolved = state.resolve(req.model.as_deref(), &ctx.team).await?;
+    let model_name = req.model.clone();
+    let Admitted {
+        team_slot,
+        resolved,
+        params,
+        constraint,
+        request_id,
+        adapter,
+        usage_sink,
+    } = admit(&state, &ctx, model_name.as_deref(), |limits| {
+        validate_completion(req, limits)
+    })
+    .await?;
     let model = resolved.base.clone();
-    let mut params = validate_completion(req, &state.limits(&model))?;
-    check_quota(&state, &ctx.team).await?;
-    let constraint = compile_constraint(&model.engine, params.constraint.take()).await?;
-    let request_id = params
-        .request_id
-        .clone()
-        .unwrap_or_else(|| ctx.request_id.clone());
-    state.options().request_hook.on_completion(&params)?;
-    let (adapter, usage_sink) = adapter_and_usage(&state, &ctx, &resolved).await?;
     // Tokenizing prompts of up to the body limit takes a while: on a blocking thread (see
     // chat.rs). Every prompt is tokenized before any is submitted; a refused submission drops
     // the receivers of those before it, which cancels them.
