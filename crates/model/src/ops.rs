@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use half::f16;
 
 use crate::kernels::Isa;
+use crate::softmax::exp_neg;
 use crate::{Activation, RopeLayout, Yarn};
 
 /// Independent accumulators so the reduction vectorises (f32 addition is not associative, so
@@ -309,19 +310,33 @@ pub(crate) fn act_mul_backward(
     (dg, du)
 }
 
-/// GELU (tanh approximation) and its derivative at `x`.
+/// GELU (tanh approximation) and its derivative at `x`, with `t = tanh(y)`:
+/// `gelu = x·(1 + t)/2`, `slope = (1 + t)/2 + x·(1 - t²)/2·y'`. Branch-free from
+/// `e = e^(-2|y|)` ([`exp_neg`]), so the backward's loop vectorizes where `f32::tanh` is a libm
+/// call per value; `1 + t`, `1 - t²` come from `e` directly, so the far negative tail keeps
+/// its small values where `1 + tanh(y)` would cancel to 0.
+#[inline(always)]
 fn gelu_and_slope(x: f32) -> (f32, f32) {
-    let t = (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh();
-    let gelu = 0.5 * x * (1.0 + t);
+    let y = SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x);
+    let e = exp_neg(-2.0 * y.abs());
+    let r = 1.0 / (1.0 + e);
+    let one_plus_t = 2.0 * r * if y >= 0.0 { 1.0 } else { e };
+    let one_minus_t2 = 4.0 * e * r * r;
+    let gelu = 0.5 * x * one_plus_t;
     let slope =
-        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF_A * x * x);
+        0.5 * one_plus_t + 0.5 * x * one_minus_t2 * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF_A * x * x);
     (gelu, slope)
 }
 
-/// SiLU `x·σ(x)` and its derivative `σ(x)·(1 + x·(1 - σ(x)))` at `x`.
+/// SiLU `x·σ(x)` and its derivative `σ(x)·(1 + x·(1 - σ(x)))` at `x`, branch-free from
+/// `e = e^(-|x|)` ([`exp_neg`]): `σ(x)` and `1 - σ(x) = σ(-x)` are `1/(1 + e)` and
+/// `e/(1 + e)`, one each way, so neither cancels.
+#[inline(always)]
 fn silu_and_slope(x: f32) -> (f32, f32) {
-    let s = 1.0 / (1.0 + (-x).exp());
-    (x * s, s * (1.0 + x * (1.0 - s)))
+    let e = exp_neg(-x.abs());
+    let r = 1.0 / (1.0 + e);
+    let (s, one_minus_s) = if x >= 0.0 { (r, e * r) } else { (e * r, r) };
+    (x * s, s * (1.0 + x * one_minus_s))
 }
 
 /// Softmax over `x` in place.
@@ -341,6 +356,42 @@ pub(crate) fn softmax(x: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn branch_free_activation_slopes_match_f64() {
+        let (c, a) = (SQRT_2_OVER_PI as f64, COEF_A as f64);
+        let gelu = |x: f64| {
+            let t = (c * x * (1.0 + a * x * x)).tanh();
+            let slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * a * x * x);
+            (0.5 * x * (1.0 + t), slope)
+        };
+        let silu = |x: f64| {
+            let s = 1.0 / (1.0 + (-x).exp());
+            (x * s, s * (1.0 + x * (1.0 - s)))
+        };
+        for i in -40_000..=40_000 {
+            let x = i as f32 * 1e-3;
+            for (name, got, want) in [
+                ("gelu", gelu_and_slope(x), gelu(x as f64)),
+                ("silu", silu_and_slope(x), silu(x as f64)),
+            ] {
+                let close = |a: f32, b: f64| (a as f64 - b).abs() <= 3e-7 * (1.0 + b.abs());
+                assert!(
+                    close(got.0, want.0) && close(got.1, want.1),
+                    "{name}({x}): {got:?} against {want:?}"
+                );
+            }
+        }
+        for x in [50f32, -50.0, 1e-30, -1e-30] {
+            let (g, s) = (gelu(x as f64), silu(x as f64));
+            // Below e^-87 the exponential stays at e^-87.
+            let (gx, sx) = (gelu_and_slope(x), silu_and_slope(x));
+            assert!((gx.0 as f64 - g.0).abs() < 1e-30, "gelu({x})");
+            assert!((gx.1 as f64 - g.1).abs() < 1e-30, "gelu slope ({x})");
+            assert!((sx.1 as f64 - s.1).abs() < 1e-7, "silu slope ({x})");
+        }
+        assert!(gelu_and_slope(f32::NAN).0.is_nan() && silu_and_slope(f32::NAN).0.is_nan());
+    }
 
     #[test]
     fn gelu_table_paths_equal_the_scalar_loop() {
