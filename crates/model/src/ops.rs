@@ -289,10 +289,20 @@ pub(crate) fn act_mul_backward(
     up: &[f32],
     dy: &[f32],
 ) -> (Vec<f32>, Vec<f32>) {
-    let grad = match act {
-        Activation::Gelu => gelu_and_slope,
-        Activation::Silu => silu_and_slope,
-    };
+    match act {
+        Activation::Gelu => act_mul_backward_with(gelu_and_slope, gate, up, dy),
+        Activation::Silu => act_mul_backward_with(silu_and_slope, gate, up, dy),
+    }
+}
+
+/// [`act_mul_backward`] for one activation's `(value, slope)`: generic, so it inlines into the
+/// loop and the loop vectorizes (through a function pointer it would be a call per value).
+fn act_mul_backward_with(
+    grad: impl Fn(f32) -> (f32, f32) + Sync,
+    gate: &[f32],
+    up: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
     let mut dg = vec![0f32; gate.len()];
     let mut du = vec![0f32; gate.len()];
     dg.par_chunks_mut(ELEMS_PER_TASK)
@@ -337,6 +347,97 @@ fn silu_and_slope(x: f32) -> (f32, f32) {
     let r = 1.0 / (1.0 + e);
     let (s, one_minus_s) = if x >= 0.0 { (r, e * r) } else { (e * r, r) };
     (x * s, s * (1.0 + x * one_minus_s))
+}
+
+/// A `rows x cols` f32 matrix over a slice, element `(r, c)` at `r·row_stride + c·col_stride`:
+/// a transpose or a block of rows is a view, not a copy.
+#[derive(Clone, Copy)]
+pub(crate) struct MatRef<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    row_stride: isize,
+    col_stride: isize,
+}
+
+impl<'a> MatRef<'a> {
+    /// Row-major `rows x cols`; panics unless `data` holds exactly that.
+    pub(crate) fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols, "a {rows}x{cols} matrix");
+        MatRef {
+            data,
+            rows,
+            cols,
+            row_stride: cols as isize,
+            col_stride: 1,
+        }
+    }
+
+    pub(crate) fn t(self) -> Self {
+        MatRef {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+}
+
+/// Below this many multiply-adds a product runs on the calling thread.
+const PARALLEL_MULS: usize = 1 << 18;
+
+/// `out = scale·a·b`, or `out += scale·a·b` with `accumulate`; `out` row-major
+/// `a.rows x b.cols`. Panics on disagreeing shapes.
+pub(crate) fn matmul_f32(
+    out: &mut [f32],
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    scale: f32,
+    accumulate: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "inner dimensions");
+    assert_eq!(out.len(), m * n, "a {m}x{n} product");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            out.fill(0.0);
+        }
+        return;
+    }
+    let parallelism = if m * n * k >= PARALLEL_MULS {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: every element (r, c) of `a` (r < m, c < k), of `b` (r < k, c < n) and of `out`
+    // (m x n, row-major) is inside its slice: the views were built over whole matrices.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.col_stride,
+            a.row_stride,
+            b.data.as_ptr(),
+            b.col_stride,
+            b.row_stride,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
 }
 
 /// Softmax over `x` in place.
@@ -391,6 +492,51 @@ mod tests {
             assert!((sx.1 as f64 - s.1).abs() < 1e-7, "silu slope ({x})");
         }
         assert!(gelu_and_slope(f32::NAN).0.is_nan() && silu_and_slope(f32::NAN).0.is_nan());
+    }
+
+    #[test]
+    fn matmul_f32_on_views_equals_the_loop() {
+        let mut state = 7u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        for (m, k, n) in [(1, 1, 1), (3, 5, 7), (70, 33, 65), (128, 64, 96)] {
+            let a: Vec<f32> = (0..m * k).map(|_| next()).collect();
+            // b stored transposed (n x k), read through a view.
+            let bt: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let start: Vec<f32> = (0..m * n).map(|_| next()).collect();
+            for accumulate in [false, true] {
+                let mut out = start.clone();
+                matmul_f32(
+                    &mut out,
+                    MatRef::new(&a, m, k),
+                    MatRef::new(&bt, n, k).t(),
+                    0.5,
+                    accumulate,
+                );
+                for r in 0..m {
+                    for c in 0..n {
+                        let dot: f64 = (0..k)
+                            .map(|i| a[r * k + i] as f64 * bt[c * k + i] as f64)
+                            .sum();
+                        let want = 0.5 * dot
+                            + if accumulate {
+                                start[r * n + c] as f64
+                            } else {
+                                0.0
+                            };
+                        let got = out[r * n + c] as f64;
+                        assert!(
+                            (got - want).abs() < 1e-5,
+                            "{m}x{k}x{n} ({r}, {c}): {got} against {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

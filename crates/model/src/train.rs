@@ -8,13 +8,12 @@
 //! copy of it and the gradient quantized per block of 32 (`Linear::backward_input`); only the
 //! adapters get grads.
 
-use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::layer::{AttentionTape, BatchLayout, LayerTape, MlpTape, PackedKv, Ropes};
 use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
 use crate::model::{add_assign, norm_if_backward, AdapterSpan, Decoder, Layer, Mlp};
-use crate::ops;
+use crate::ops::{self, MatRef};
 use crate::ModelError;
 
 /// Rows of the LM head computed at once: `HEAD_CHUNK x vocab` logits exist at a time
@@ -348,7 +347,6 @@ impl Decoder {
         let kv_width = hkv * d;
         let scale = self.cfg.attention_scale;
         let pos = &tape.layout.pos;
-        let cpu = &Device::Cpu;
         let mut dq = vec![0f32; lt.q.len()];
         let mut dk = vec![0f32; lt.k.len()];
         let mut dv = vec![0f32; lt.v.len()];
@@ -386,15 +384,18 @@ impl Decoder {
                         |i: usize| window.map_or(0, |w| (pos[seg.start + i] + 1).saturating_sub(w));
                     let k0 = lo(i0);
                     let (tile_rows, keys) = ((i1 - i0) * group, i1 - k0);
-                    let tile = |m: &[f32]| m[i0 * group * d..i1 * group * d].to_vec();
-                    let q = Tensor::from_vec(tile(&q_all), (tile_rows, d), cpu)?;
-                    let dout = Tensor::from_vec(tile(&dout_all), (tile_rows, d), cpu)?;
-                    let k = Tensor::from_vec(k_all[k0 * d..i1 * d].to_vec(), (keys, d), cpu)?;
-                    let v = Tensor::from_vec(v_all[k0 * d..i1 * d].to_vec(), (keys, d), cpu)?;
-                    let mut p = (q.matmul(&k.t()?)? * scale as f64)?
-                        .flatten_all()?
-                        .to_vec1::<f32>()?;
-                    let dp = dout.matmul(&v.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+                    let (q, dout) = (
+                        MatRef::new(&q_all[i0 * group * d..i1 * group * d], tile_rows, d),
+                        MatRef::new(&dout_all[i0 * group * d..i1 * group * d], tile_rows, d),
+                    );
+                    let (k, v) = (
+                        MatRef::new(&k_all[k0 * d..i1 * d], keys, d),
+                        MatRef::new(&v_all[k0 * d..i1 * d], keys, d),
+                    );
+                    let mut p = vec![0f32; tile_rows * keys];
+                    ops::matmul_f32(&mut p, q, k.t(), scale, false);
+                    let mut dp = vec![0f32; tile_rows * keys];
+                    ops::matmul_f32(&mut dp, dout, v.t(), 1.0, false);
                     // Row r is query i0 + r / group: it sees keys lo..=i (from k0 on).
                     let mut ds = vec![0f32; tile_rows * keys];
                     p.par_chunks_mut(keys)
@@ -413,18 +414,14 @@ impl Decoder {
                                 dsr[j] = pr[j] * (dpr[j] - mean);
                             }
                         });
-                    let p = Tensor::from_vec(p, (tile_rows, keys), cpu)?;
-                    let ds = Tensor::from_vec(ds, (tile_rows, keys), cpu)?;
-                    let dq_t = (ds.matmul(&k)? * scale as f64)?
-                        .flatten_all()?
-                        .to_vec1::<f32>()?;
-                    dq_g[i0 * group * d..i1 * group * d].copy_from_slice(&dq_t);
-                    let dk_t = (ds.t()?.matmul(&q)? * scale as f64)?
-                        .flatten_all()?
-                        .to_vec1::<f32>()?;
-                    add_assign(&mut dk_g[k0 * d..i1 * d], &dk_t);
-                    let dv_t = p.t()?.matmul(&dout)?.flatten_all()?.to_vec1::<f32>()?;
-                    add_assign(&mut dv_g[k0 * d..i1 * d], &dv_t);
+                    let (p, ds) = (
+                        MatRef::new(&p, tile_rows, keys),
+                        MatRef::new(&ds, tile_rows, keys),
+                    );
+                    let dq_tile = &mut dq_g[i0 * group * d..i1 * group * d];
+                    ops::matmul_f32(dq_tile, ds, k, scale, false);
+                    ops::matmul_f32(&mut dk_g[k0 * d..i1 * d], ds.t(), q, scale, true);
+                    ops::matmul_f32(&mut dv_g[k0 * d..i1 * d], p.t(), dout, 1.0, true);
                 }
                 for (i, t) in seg.clone().enumerate() {
                     let at = (t * h + g * group) * d;
@@ -493,26 +490,20 @@ impl LinearGrads<'_> {
         let s = adapter.scale();
         let (din, dout) = (pair.in_dim, pair.out_dim);
         let rows = x.len() / din;
-        let cpu = &Device::Cpu;
-        let x_t = Tensor::from_slice(x, (rows, din), cpu)?;
-        let dy_t = Tensor::from_slice(dy, (rows, dout), cpu)?;
-        let a = Tensor::from_slice(&pair.a, (rank, din), cpu)?;
-        let b = Tensor::from_slice(&pair.b, (dout, rank), cpu)?;
-        let t = x_t.matmul(&a.t()?)?; // [rows, rank]
-        let dt = (dy_t.matmul(&b)? * s as f64)?; // [rows, rank]
-        let db = (dy_t.t()?.matmul(&t)? * s as f64)?; // [out, rank]
-        let da = dt.t()?.matmul(&x_t)?; // [rank, in]
-        let dx_lora = dt.matmul(&a)?.flatten_all()?.to_vec1::<f32>()?;
-        add_assign(&mut dx, &dx_lora);
+        let (x, dy) = (MatRef::new(x, rows, din), MatRef::new(dy, rows, dout));
+        let (a, b) = (
+            MatRef::new(&pair.a, rank, din),
+            MatRef::new(&pair.b, dout, rank),
+        );
+        let mut t = vec![0f32; rows * rank];
+        ops::matmul_f32(&mut t, x, a.t(), 1.0, false);
+        let mut dt = vec![0f32; rows * rank];
+        ops::matmul_f32(&mut dt, dy, b, s, false);
+        let (t, dt) = (MatRef::new(&t, rows, rank), MatRef::new(&dt, rows, rank));
+        ops::matmul_f32(&mut dx, dt, a, 1.0, true);
         let base = (li * LoraTarget::ALL.len() + target as usize) * 2;
-        add_assign(
-            &mut self.grads.grads[base],
-            &da.flatten_all()?.to_vec1::<f32>()?,
-        );
-        add_assign(
-            &mut self.grads.grads[base + 1],
-            &db.flatten_all()?.to_vec1::<f32>()?,
-        );
+        ops::matmul_f32(&mut self.grads.grads[base], dt.t(), x, 1.0, true);
+        ops::matmul_f32(&mut self.grads.grads[base + 1], dy.t(), t, s, true);
         Ok(dx)
     }
 }
