@@ -47,26 +47,61 @@ pub fn max_logit(logits: &[f32]) -> f32 {
 
 /// Sum of exp(x - max) over the row, NaN counted as 0.
 pub fn sum_exp(logits: &[f32], max: f32) -> f64 {
-    let mut total = 0.0f64;
-    for c in logits.chunks(CHUNK) {
-        let mut lanes = [0.0f32; LANES];
-        let mut it = c.chunks_exact(LANES);
-        for v in &mut it {
-            for (acc, &l) in lanes.iter_mut().zip(v) {
-                let x = l - max;
-                *acc += if x <= 0.0 { exp_neg(x) } else { 0.0 };
+    let mut exps = [0f32; CHUNK];
+    logits
+        .chunks(CHUNK)
+        .map(|c| chunk_sum_exp(c, max, &mut exps))
+        .sum()
+}
+
+/// [`sum_exp`] that leaves `e^(x - max)` in place of each logit (0 for NaN) and also returns
+/// `Σ e^(x - max)·(x - max)` (`x - max` at least -87, as [`exp_neg`] takes it). The sum is [`sum_exp`]'s, bit for bit (the same chunks, lanes and
+/// order).
+pub fn exp_in_place(logits: &mut [f32], max: f32) -> (f64, f64) {
+    let mut exps = [0f32; CHUNK];
+    let (mut total, mut weighted) = (0f64, 0f64);
+    for c in logits.chunks_mut(CHUNK) {
+        total += chunk_sum_exp(c, max, &mut exps);
+        let mut lanes = [0f32; LANES];
+        let mut it = c.chunks_exact(LANES).zip(exps.chunks_exact(LANES));
+        for (v, e) in &mut it {
+            for ((acc, &l), &e) in lanes.iter_mut().zip(v).zip(e) {
+                *acc += if e > 0.0 { e * (l - max).max(-87.0) } else { 0.0 };
             }
         }
-        let mut s: f64 = lanes.iter().map(|&v| v as f64).sum();
-        for &l in it.remainder() {
-            let x = l - max;
-            if x <= 0.0 {
-                s += exp_neg(x) as f64;
+        weighted += lanes.iter().map(|&v| v as f64).sum::<f64>();
+        let tail = c.len() - c.len() % LANES;
+        for (&l, &e) in c[tail..].iter().zip(&exps[tail..]) {
+            if e > 0.0 {
+                weighted += (e * (l - max).max(-87.0)) as f64;
             }
         }
-        total += s;
+        c.copy_from_slice(&exps[..c.len()]);
     }
-    total
+    (total, weighted)
+}
+
+/// One chunk's `Σ e^(x - max)` in `LANES` f32 lanes, summed in f64, each `e^(x - max)` (0 for
+/// NaN) left in `exps`.
+#[inline(always)]
+fn chunk_sum_exp(c: &[f32], max: f32, exps: &mut [f32; CHUNK]) -> f64 {
+    let mut lanes = [0.0f32; LANES];
+    let mut it = c.chunks_exact(LANES).zip(exps.chunks_exact_mut(LANES));
+    for (v, e) in &mut it {
+        for ((acc, &l), e) in lanes.iter_mut().zip(v).zip(e) {
+            let x = l - max;
+            *e = if x <= 0.0 { exp_neg(x) } else { 0.0 };
+            *acc += *e;
+        }
+    }
+    let mut s: f64 = lanes.iter().map(|&v| v as f64).sum();
+    let tail = c.len() - c.len() % LANES;
+    for (&l, e) in c[tail..].iter().zip(&mut exps[tail..]) {
+        let x = l - max;
+        *e = if x <= 0.0 { exp_neg(x) } else { 0.0 };
+        s += *e as f64;
+    }
+    s
 }
 
 /// `ln Σ exp(z)` over the row (NaN counted as 0): the normalizer of every logprob served and
@@ -79,6 +114,42 @@ pub fn log_sum_exp(logits: &[f32]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exp_in_place_sums_as_sum_exp_does() {
+        let mut state = 3u64;
+        for len in [1, 15, 16, 1000, 1024, 3000, 262_144] {
+            let row: Vec<f32> = (0..len)
+                .map(|i| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    match i % 97 {
+                        5 => f32::NAN,
+                        6 => f32::NEG_INFINITY,
+                        _ => ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 40.0,
+                    }
+                })
+                .collect();
+            let max = max_logit(&row);
+            let mut exps = row.clone();
+            let (total, weighted) = exp_in_place(&mut exps, max);
+            assert_eq!(total.to_bits(), sum_exp(&row, max).to_bits(), "{len}");
+            let mut want = 0f64;
+            for (&z, &e) in row.iter().zip(&exps) {
+                if z.is_nan() {
+                    assert_eq!(e, 0.0);
+                } else {
+                    assert_eq!(e, exp_neg(z - max));
+                    want += e as f64 * (z - max).max(-87.0) as f64;
+                }
+            }
+            assert!(
+                (weighted - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "{len}"
+            );
+        }
+    }
 
     #[test]
     fn exp_neg_is_accurate() {

@@ -196,10 +196,7 @@ impl Decoder {
                     let s = RowSoftmax::new(row, record);
                     let lp = (target_logit as f64 - s.lse) as f32;
                     if record {
-                        // The row (now the softmax) becomes onehot(t) - softmax.
-                        for z in row.iter_mut() {
-                            *z = -*z;
-                        }
+                        // The row (now minus the softmax) becomes onehot(t) - softmax.
                         row[t as usize] += 1.0;
                     }
                     (lp, s.entropy as f32)
@@ -508,48 +505,36 @@ impl LinearGrads<'_> {
     }
 }
 
-/// Log-sum-exp and entropy of one row of logits. The log-sum-exp is the server's
-/// (`softmax::log_sum_exp`), so a trained logprob is the served one's bits.
 /// Gradients of the attention's queries, keys and values (row-major, one row per token).
 type QkvGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
 
+/// Log-sum-exp and entropy of one row of logits. The log-sum-exp is the server's
+/// (`softmax::log_sum_exp`), so a trained logprob is the served one's bits.
 struct RowSoftmax {
     lse: f64,
     entropy: f64,
 }
 
 impl RowSoftmax {
-    /// With `keep_probs` the row is overwritten by its softmax (in f32), for the gradient.
+    /// With `keep_probs` the row is overwritten by minus its softmax (in f32), for the gradient. One
+    /// pass of exponentials: each `e^(z - max)` stays in the row while the sum behind `lse`
+    /// (the server's, bit for bit) and `Σ e·(z - max)` add up; `H = (lse - max) - Σ e·(z -
+    /// max) / Σ e`.
     fn new(row: &mut [f32], keep_probs: bool) -> Self {
-        use crate::softmax::{exp_neg, log_sum_exp, CHUNK, LANES};
-        let lse = log_sum_exp(row);
-        // H = -Σ p (z - lse), with p = e^(z - lse) <= 1 (NaN counted as 0), in f32 lanes like
-        // the sum behind `lse`, so the pass vectorizes. `lse` rounded to f32 is still >= the row's
-        // largest logit (an f32 itself), so no p exceeds 1.
-        let lse32 = lse as f32;
-        let mut entropy = 0f64;
-        let term = |z: &mut f32| {
-            let x = *z - lse32;
-            let p = if x <= 0.0 { exp_neg(x) } else { 0.0 };
-            if keep_probs {
-                *z = p;
-            }
-            -p * x
+        use crate::softmax::{exp_in_place, max_logit};
+        let max = max_logit(row);
+        let (total, weighted) = exp_in_place(row, max);
+        let lse = max as f64 + total.ln();
+        let entropy = if total > 0.0 {
+            (lse - max as f64) - weighted / total
+        } else {
+            0.0
         };
-        for chunk in row.chunks_mut(CHUNK) {
-            let mut lanes = [0f32; LANES];
-            let mut it = chunk.chunks_exact_mut(LANES);
-            for v in &mut it {
-                for (acc, z) in lanes.iter_mut().zip(v) {
-                    *acc += term(z);
-                }
+        if keep_probs {
+            let inv = (-1.0 / total) as f32;
+            for z in row.iter_mut() {
+                *z *= inv;
             }
-            entropy += lanes.iter().map(|&v| v as f64).sum::<f64>();
-            entropy += it
-                .into_remainder()
-                .iter_mut()
-                .map(|z| term(z) as f64)
-                .sum::<f64>();
         }
         RowSoftmax { lse, entropy }
     }
