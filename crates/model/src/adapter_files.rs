@@ -441,16 +441,7 @@ impl LoraAdapter {
                 None => b,
             };
             let (out_dim, in_dim) = target.dims(model);
-            adapter.set_pair(
-                layer,
-                target,
-                LoraPair {
-                    a,
-                    b,
-                    in_dim,
-                    out_dim,
-                },
-            );
+            adapter.set_pair(layer, target, LoraPair::new(a, b, in_dim, out_dim));
         }
         Ok(adapter)
     }

@@ -119,40 +119,68 @@ impl Linear {
 
     /// `dx = dy · W` for rows of `dy` (`[rows, out]`); W stays frozen.
     pub(crate) fn backward_input(&self, dy: &[f32]) -> Result<Vec<f32>, ModelError> {
+        self.backward_input_strided(dy, self.out_dim)
+    }
+
+    /// [`Linear::backward_input`] for rows of `dy` `row_stride` apart (the first `out_dim`
+    /// values of each).
+    pub(crate) fn backward_input_strided(
+        &self,
+        dy: &[f32],
+        row_stride: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        assert!(row_stride >= self.out_dim && dy.len().is_multiple_of(row_stride));
+        let rows = dy.len() / row_stride;
         match self.input_grad_weight()? {
             InputGradWeight::TransposedQ8_0(spans) => {
-                let mut dx: Vec<f32> = Vec::new();
-                for (i, wt) in spans.iter().enumerate() {
+                // Many spans (the LM head's 128) in parallel, each product on its task's
+                // thread: one parallel region per call, where a region per span cost more than
+                // a span of 2,048 rows computes. Few spans, each product on the pool. Either
+                // way the spans' products are summed in span order.
+                let isa = Isa::detect();
+                let contiguous = row_stride == self.out_dim;
+                let span_product = |i: usize, parallel: bool| {
+                    let wt = &spans[i];
                     let k0 = i * INPUT_GRAD_SPAN;
                     let k1 = (k0 + INPUT_GRAD_SPAN).min(self.out_dim);
-                    let span_dy: Cow<'_, [f32]> = if (k0, k1) == (0, self.out_dim) {
+                    let span_dy: Cow<'_, [f32]> = if contiguous && k1 - k0 == self.out_dim {
                         Cow::Borrowed(dy)
                     } else {
-                        let mut part = vec![0f32; dy.len() / self.out_dim * (k1 - k0)];
-                        part.par_chunks_mut(k1 - k0)
-                            .zip(dy.par_chunks_exact(self.out_dim))
-                            .for_each(|(p, row)| p.copy_from_slice(&row[k0..k1]));
+                        let mut part = Vec::with_capacity(rows * (k1 - k0));
+                        for row in dy.chunks_exact(row_stride) {
+                            part.extend_from_slice(&row[k0..k1]);
+                        }
                         Cow::Owned(part)
                     };
-                    let part = kernels::matmul(
-                        WeightFormat::Q8_0,
-                        Isa::detect(),
-                        wt,
-                        k1 - k0,
-                        self.in_dim,
-                        &span_dy,
-                    );
-                    if dx.is_empty() {
-                        dx = part;
+                    let matmul = if parallel {
+                        kernels::matmul
                     } else {
-                        crate::model::add_assign(&mut dx, &part);
-                    }
+                        kernels::matmul_serial
+                    };
+                    matmul(WeightFormat::Q8_0, isa, wt, k1 - k0, self.in_dim, &span_dy)
+                };
+                let parts: Vec<Vec<f32>> = if spans.len() >= 4 * rayon::current_num_threads() {
+                    (0..spans.len())
+                        .into_par_iter()
+                        .map(|i| span_product(i, false))
+                        .collect()
+                } else {
+                    (0..spans.len()).map(|i| span_product(i, true)).collect()
+                };
+                let mut parts = parts.into_iter();
+                let mut dx = parts.next().unwrap_or_default();
+                for part in parts {
+                    crate::model::add_assign(&mut dx, &part);
                 }
                 Ok(dx)
             }
             InputGradWeight::Dense(w) => {
-                let rows = dy.len() / self.out_dim;
-                let dy = Tensor::from_slice(dy, (rows, self.out_dim), &Device::Cpu)?;
+                let packed: Vec<f32> = dy
+                    .chunks_exact(row_stride)
+                    .flat_map(|row| &row[..self.out_dim])
+                    .copied()
+                    .collect();
+                let dy = Tensor::from_vec(packed, (rows, self.out_dim), &Device::Cpu)?;
                 Ok(dy.matmul(w)?.flatten_all()?.to_vec1::<f32>()?)
             }
         }
@@ -267,6 +295,36 @@ impl Linear {
                     .collect())
             }
         }
+    }
+
+    /// [`Linear::forward`] into `out`, row `r` at `out[r * row_stride..][..out_dim]` (see
+    /// `kernels::matmul_strided`: a padded stride keeps long rows off each other's cache sets).
+    pub(crate) fn forward_strided(
+        &self,
+        x: &[f32],
+        out: &mut [f32],
+        row_stride: usize,
+    ) -> Result<(), ModelError> {
+        match &self.weight {
+            Weight::Kernel { format, data } => {
+                kernels::matmul_strided(
+                    *format,
+                    Isa::detect(),
+                    data,
+                    (self.in_dim, self.out_dim),
+                    x,
+                    out,
+                    row_stride,
+                );
+            }
+            Weight::Candle(_) => {
+                let y = self.forward(x)?;
+                for (row, dst) in y.chunks_exact(self.out_dim).zip(out.chunks_mut(row_stride)) {
+                    dst[..self.out_dim].copy_from_slice(row);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `x` holds `x.len() / in_dim` rows; returns the rows of the product, row-major. A row's

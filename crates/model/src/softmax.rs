@@ -66,7 +66,11 @@ pub fn exp_in_place(logits: &mut [f32], max: f32) -> (f64, f64) {
         let mut it = c.chunks_exact(LANES).zip(exps.chunks_exact(LANES));
         for (v, e) in &mut it {
             for ((acc, &l), &e) in lanes.iter_mut().zip(v).zip(e) {
-                *acc += if e > 0.0 { e * (l - max).max(-87.0) } else { 0.0 };
+                *acc += if e > 0.0 {
+                    e * (l - max).max(-87.0)
+                } else {
+                    0.0
+                };
             }
         }
         weighted += lanes.iter().map(|&v| v as f64).sum::<f64>();
