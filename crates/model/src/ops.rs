@@ -443,11 +443,19 @@ pub(crate) fn matmul_f32(
 /// Softmax over `x` in place.
 pub(crate) fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
+    // Branch-free exponentials and a sum in lanes: both loops vectorize.
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+        *v = exp_neg(*v - max);
     }
+    let mut lanes = [0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l += v;
+        }
+    }
+    let sum = lanes.iter().sum::<f32>() + tail;
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;
