@@ -25,12 +25,16 @@
 # reference's; rss: the largest peak RSS of temper's steps over the compared variant's).
 #
 # Usage: scripts/bench-train-compare.sh [--write-fixture] [--no-build] [--check-only]
-#                                       [--tiny-families]
+#                                       [--tiny-families] [--isa avx2]
 #   --write-fixture  also rewrite crates/train/tests/fixtures/pytorch-reference.safetensors from
 #                    the f32+sdpa reference, the values `cargo test -p temper-train --test
 #                    pytorch_reference` compares temper with
 #   --no-build       use target/release/temper as built
 #   --check-only     the agreement check and the variants' gate alone, no timed steps
+#   --isa avx2       both sides as on a host with AVX2 alone: temper with TEMPER_ISA=avx2, torch
+#                    with ATEN_CPU_CAPABILITY=avx2 and oneDNN with ONEDNN_MAX_CPU_ISA=AVX2, the
+#                    reference's auto variants those of a host without BF16 (f32; the emulated
+#                    bf16-autocast+chunked+sdpa shown, never compared)
 #   --tiny-families  instead, the check alone on each tiny random family of the model crate's
 #                    fixtures (crates/model/tests/fixtures/tiny-FAMILY.gguf, the families of
 #                    pytorch_reference.rs's tiny_families!), rebuilt in transformers by
@@ -53,8 +57,15 @@ WRITE_FIXTURE=0
 BUILD=1
 CHECK_ONLY=0
 TINY=0
+ISA=native
 for a in "$@"; do
+    if [[ ${expect_isa:-0} == 1 ]]; then
+        ISA=$a
+        expect_isa=0
+        continue
+    fi
     case $a in
+        --isa) expect_isa=1 ;;
         --write-fixture) WRITE_FIXTURE=1 ;;
         --no-build) BUILD=0 ;;
         --check-only) CHECK_ONLY=1 ;;
@@ -63,6 +74,14 @@ for a in "$@"; do
         *) echo "bench-train-compare: unknown argument $a (see --help)" >&2; exit 2 ;;
     esac
 done
+
+case $ISA in
+    native) ;;
+    avx2)
+        export TEMPER_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+        ;;
+    *) echo "bench-train-compare: --isa takes avx2, got '$ISA'" >&2; exit 2 ;;
+esac
 
 SHAPES=${BENCH_SHAPES:-8x128,1x1024,16x30}
 REPEAT=${BENCH_REPEAT:-2}
@@ -113,7 +132,8 @@ if ! TEMPER_MODEL_PATH=$MODEL TEMPER_CHECK_DIR=$WORK RAYON_NUM_THREADS=$THREADS 
     exit 1
 fi
 
-REFERENCE_ARGS=(--gguf "$MODEL" --check-dir "$WORK" --threads "$THREADS" --variants "$VARIANTS")
+REFERENCE_ARGS=(--gguf "$MODEL" --check-dir "$WORK" --threads "$THREADS" --variants "$VARIANTS"
+    --isa "$ISA")
 if [[ $WRITE_FIXTURE == 1 ]]; then
     REFERENCE_ARGS+=(--write-fixture "$FIXTURE")
 fi

@@ -906,6 +906,15 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: as on a host with AVX2 alone (bench-train-compare --isa avx2 also limits "
+        "torch and oneDNN to AVX2 through ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA): the "
+        "AVX-512 and AMX flags count as absent, so BF16 is emulated and auto keeps the f32 "
+        "variants",
+    )
+    ap.add_argument(
         "--variants",
         default="auto",
         help="reference variants, comma-separated PRECISION[+chunked]+ATTENTION, or auto "
@@ -915,6 +924,9 @@ def main():
 
     torch.set_num_threads(args.threads)
     name, flags = host_cpu()
+    if args.isa == "avx2":
+        flags = {k: v and not k.startswith(("avx512", "amx")) for k, v in flags.items()}
+        name += " (limited to AVX2)"
     native_bf16 = flags.get("avx512_bf16", False) or flags.get("amx_bf16", False)
     print(
         f"host: {name}; "
