@@ -45,7 +45,9 @@
 # transformers, peft and gguf is $TEMPER_HOME/train-ref-venv, ~6 GB with the CUDA libraries
 # PyPI's torch wheel depends on, reused while its pinned versions stay the same), BENCH_MODEL
 # (GGUF path; default: scripts/fetch-model.sh), BENCH_SHAPES (default 8x128,1x1024,16x30),
-# BENCH_REPEAT (best of; default 2), BENCH_THREADS (default 2), BENCH_VARIANTS (reference
+# BENCH_REPEAT (best of; default 2), BENCH_THREADS (default 2), BENCH_JOBS (temper's whole RL
+# jobs, TRAJECTORIESxANSWER_TOKENS, printed beside the steps in jobs/min; default 16x200,32x300),
+# BENCH_VARIANTS (reference
 # variants, comma-separated PRECISION[+chunked]+ATTENTION with PRECISION f32 or bf16-autocast and
 # ATTENTION sdpa or eager, e.g. f32+chunked+sdpa,bf16-autocast+chunked+sdpa; default auto, the
 # list above; f32+sdpa always runs).
@@ -87,6 +89,7 @@ SHAPES=${BENCH_SHAPES:-8x128,1x1024,16x30}
 REPEAT=${BENCH_REPEAT:-2}
 THREADS=${BENCH_THREADS:-2}
 VARIANTS=${BENCH_VARIANTS:-auto}
+JOBS=${BENCH_JOBS:-16x200,32x300}
 FIXTURE=crates/train/tests/fixtures/pytorch-reference.safetensors
 # The pinned venv (scripts/train-ref-venv.sh), installed on first use.
 PYTHON=$(scripts/train-ref-venv.sh)
@@ -140,8 +143,15 @@ fi
 if [[ $CHECK_ONLY == 0 ]]; then
     log "temper bench --train-only --train-shapes $SHAPES (best of $REPEAT, $THREADS threads)"
     RAYON_NUM_THREADS=$THREADS ./target/release/temper bench --model "$MODEL" --train-only \
-        --train-shapes "$SHAPES" --train-jobs '' --repeat "$REPEAT" | tee "$WORK/temper-bench.txt" >&2
+        --train-shapes "$SHAPES" --train-jobs "$JOBS" --repeat "$REPEAT" |
+        tee "$WORK/temper-bench.txt" >&2
     REFERENCE_ARGS+=(--temper-bench "$WORK/temper-bench.txt" --shapes "$SHAPES" --repeat "$REPEAT")
 fi
 log "the PyTorch + PEFT reference (variants: $VARIANTS)"
 "$PYTHON" -W ignore scripts/train_reference.py "${REFERENCE_ARGS[@]}"
+if [[ $CHECK_ONLY == 0 && -n $JOBS ]]; then
+    # Whole jobs as the worker runs them (tokenize, pack, every step, the checkpoint written).
+    echo
+    echo "temper's whole RL jobs (one group each, through the trainer's job path):"
+    grep -o 'training job, [^|]*' "$WORK/temper-bench.txt" | sed 's/ *$//; s/^/- /'
+fi

@@ -5,7 +5,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::{self, Isa, WeightFormat};
+use crate::kernels::{self, Isa, Threads, WeightFormat};
 use crate::ModelError;
 
 /// `y = x · Wᵀ` over a quantized weight `[out, in]`. The one place matmuls happen, so the kernel
@@ -152,12 +152,13 @@ impl Linear {
                         }
                         Cow::Owned(part)
                     };
-                    let matmul = if parallel {
-                        kernels::matmul
+                    let threads = if parallel {
+                        Threads::Pool
                     } else {
-                        kernels::matmul_serial
+                        Threads::Caller
                     };
-                    matmul(WeightFormat::Q8_0, isa, wt, k1 - k0, self.in_dim, &span_dy)
+                    let dims = (k1 - k0, self.in_dim);
+                    kernels::matmul_on(WeightFormat::Q8_0, isa, wt, dims, &span_dy, threads)
                 };
                 let parts: Vec<Vec<f32>> = if spans.len() >= 4 * rayon::current_num_threads() {
                     (0..spans.len())
@@ -282,6 +283,7 @@ impl Linear {
                 (self.in_dim, self.out_dim),
                 x,
                 counts,
+                Threads::Pool,
             )),
             Weight::Candle(_) => {
                 let y = self.forward(x)?;

@@ -504,13 +504,8 @@ mod tests {
 
     #[test]
     fn matmul_f32_on_views_equals_the_loop() {
-        let mut state = 7u64;
-        let mut next = move || {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        };
+        let mut rng = crate::kernels::test_util::Rng::new(7);
+        let mut next = move || rng.uniform();
         for (m, k, n) in [(1, 1, 1), (3, 5, 7), (70, 33, 65), (128, 64, 96)] {
             let a: Vec<f32> = (0..m * k).map(|_| next()).collect();
             // b stored transposed (n x k), read through a view.

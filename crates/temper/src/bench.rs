@@ -733,9 +733,10 @@ fn train_job_row(
     Ok(Row {
         what: format!(
             "training job, {trajectories} trajectories x {answer_len} answer tokens ({} tokens, \
-             {} step(s)): {secs:.1} s per job, {:.1} CPU-s, peak RSS {:.1} GiB",
+             {} step(s)): {secs:.1} s per job = {:.1} jobs/min, {:.1} CPU-s, peak RSS {:.1} GiB",
             job.tokens,
             job.steps,
+            60.0 / secs,
             job.cpu.as_secs_f64(),
             job.peak_rss_bytes as f64 / (1u64 << 30) as f64,
         ),

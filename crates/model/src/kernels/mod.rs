@@ -337,46 +337,35 @@ pub(crate) fn matmul(
     out_dim: usize,
     x: &[f32],
 ) -> Vec<f32> {
-    let rows = x.len() / in_dim.max(1);
-    let mut parts = matmul_split(format, isa, w, (in_dim, out_dim), x, &[rows]);
-    parts.pop().unwrap_or_default()
+    matmul_on(format, isa, w, (in_dim, out_dim), x, Threads::Pool)
 }
 
-/// [`matmul`] on the calling thread alone (the same bits): for a caller that runs several
-/// products in parallel itself.
-pub(crate) fn matmul_serial(
+/// [`matmul`] on `threads` (the same bits either way): `Threads::Caller` for a caller that runs
+/// several products in parallel itself.
+pub(crate) fn matmul_on(
     format: WeightFormat,
     isa: Isa,
     w: &[u8],
-    in_dim: usize,
-    out_dim: usize,
+    dims: (usize, usize),
     x: &[f32],
+    threads: Threads,
 ) -> Vec<f32> {
-    let rows = x.len() / in_dim.max(1);
-    let mut y: Vec<f32> = Vec::with_capacity(rows * out_dim);
-    let out = OutRows {
-        // SAFETY: row `r` starts within the capacity, `out_dim` values before the next.
-        rows: (0..rows)
-            .map(|r| unsafe { y.as_mut_ptr().add(r * out_dim) })
-            .collect(),
-        width: out_dim,
-    };
-    dispatch(format, isa, w, (in_dim, out_dim), x, &out, Threads::Caller);
-    // SAFETY: the kernels wrote every value of every row.
-    unsafe { y.set_len(rows * out_dim) };
-    y
+    let rows = x.len() / dims.0.max(1);
+    let mut parts = matmul_split(format, isa, w, dims, x, &[rows], threads);
+    parts.pop().unwrap_or_default()
 }
 
 /// Where a product's tasks run: rayon's pool, or one after another on the calling thread.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Threads {
+pub(crate) enum Threads {
     Pool,
     Caller,
 }
 
 /// [`matmul`], its rows returned in consecutive parts of `counts[i]` rows each (summing to the
 /// rows of `x`): the kernels write each part in place, so a caller that hands each part on
-/// (the LM head's logits, one part per sequence) copies nothing.
+/// (the LM head's logits, one part per sequence) copies nothing. On
+/// `threads`.
 pub(crate) fn matmul_split(
     format: WeightFormat,
     isa: Isa,
@@ -384,6 +373,7 @@ pub(crate) fn matmul_split(
     dims: (usize, usize),
     x: &[f32],
     counts: &[usize],
+    threads: Threads,
 ) -> Vec<Vec<f32>> {
     let (in_dim, out_dim) = dims;
     let rows = x.len() / in_dim.max(1);
@@ -406,7 +396,7 @@ pub(crate) fn matmul_split(
             .collect(),
         width: out_dim,
     };
-    dispatch(format, isa, w, dims, x, &out, Threads::Pool);
+    dispatch(format, isa, w, dims, x, &out, threads);
     for (part, &n) in parts.iter_mut().zip(counts) {
         // SAFETY: the kernels wrote all `n * out_dim` values of every row (within the capacity).
         unsafe { part.set_len(n * out_dim) };
@@ -869,7 +859,7 @@ mod tests {
             let x: Vec<f32> = (0..9 * in_dim).map(|_| rng.uniform()).collect();
             for isa in Isa::available() {
                 let whole = matmul(format, isa, &w, in_dim, out_dim, &x);
-                let serial = matmul_serial(format, isa, &w, in_dim, out_dim, &x);
+                let serial = matmul_on(format, isa, &w, (in_dim, out_dim), &x, Threads::Caller);
                 assert_eq!(bits(&serial), bits(&whole), "{format:?} {isa:?}");
                 let stride = out_dim + 5;
                 let mut strided = vec![7.5f32; 9 * stride];
@@ -910,6 +900,7 @@ mod tests {
                 (in_dim, out_dim),
                 &x,
                 &[2, 0, 3],
+                Threads::Pool,
             );
             assert_eq!(parts.len(), 3);
             assert_eq!(parts[0], whole[..2 * out_dim], "{isa:?}");
@@ -939,10 +930,27 @@ mod tests {
             .num_threads(1)
             .build()
             .unwrap();
-        let reference = matmul_split(format, Isa::Scalar, &w, (in_dim, out_dim), &x, &counts);
+        let reference = matmul_split(
+            format,
+            Isa::Scalar,
+            &w,
+            (in_dim, out_dim),
+            &x,
+            &counts,
+            Threads::Pool,
+        );
         for isa in Isa::available() {
-            let parts =
-                pool.install(|| matmul_split(format, isa, &w, (in_dim, out_dim), &x, &counts));
+            let parts = pool.install(|| {
+                matmul_split(
+                    format,
+                    isa,
+                    &w,
+                    (in_dim, out_dim),
+                    &x,
+                    &counts,
+                    Threads::Pool,
+                )
+            });
             assert!(parts == reference, "{isa:?}");
         }
     }
@@ -1086,6 +1094,7 @@ mod tests {
                         (in_dim, out_dim),
                         &x,
                         &counts,
+                        Threads::Pool,
                     ));
                 }
                 best = best.min(t.elapsed().as_secs_f64() / reps as f64);
