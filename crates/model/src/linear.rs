@@ -119,18 +119,7 @@ impl Linear {
 
     /// `dx = dy · W` for rows of `dy` (`[rows, out]`); W stays frozen.
     pub(crate) fn backward_input(&self, dy: &[f32]) -> Result<Vec<f32>, ModelError> {
-        self.backward_input_strided(dy, self.out_dim)
-    }
-
-    /// [`Linear::backward_input`] for rows of `dy` `row_stride` apart (the first `out_dim`
-    /// values of each).
-    pub(crate) fn backward_input_strided(
-        &self,
-        dy: &[f32],
-        row_stride: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        assert!(row_stride >= self.out_dim && dy.len().is_multiple_of(row_stride));
-        let rows = dy.len() / row_stride;
+        let rows = dy.len() / self.out_dim;
         match self.input_grad_weight()? {
             InputGradWeight::TransposedQ8_0(spans) => {
                 // Many spans (the LM head's 128) in parallel, each product on its task's
@@ -138,16 +127,15 @@ impl Linear {
                 // a span of 2,048 rows computes. Few spans, each product on the pool. Either
                 // way the spans' products are summed in span order.
                 let isa = Isa::detect();
-                let contiguous = row_stride == self.out_dim;
                 let span_product = |i: usize, parallel: bool| {
                     let wt = &spans[i];
                     let k0 = i * INPUT_GRAD_SPAN;
                     let k1 = (k0 + INPUT_GRAD_SPAN).min(self.out_dim);
-                    let span_dy: Cow<'_, [f32]> = if contiguous && k1 - k0 == self.out_dim {
+                    let span_dy: Cow<'_, [f32]> = if k1 - k0 == self.out_dim {
                         Cow::Borrowed(dy)
                     } else {
                         let mut part = Vec::with_capacity(rows * (k1 - k0));
-                        for row in dy.chunks_exact(row_stride) {
+                        for row in dy.chunks_exact(self.out_dim) {
                             part.extend_from_slice(&row[k0..k1]);
                         }
                         Cow::Owned(part)
@@ -176,12 +164,7 @@ impl Linear {
                 Ok(dx)
             }
             InputGradWeight::Dense(w) => {
-                let packed: Vec<f32> = dy
-                    .chunks_exact(row_stride)
-                    .flat_map(|row| &row[..self.out_dim])
-                    .copied()
-                    .collect();
-                let dy = Tensor::from_vec(packed, (rows, self.out_dim), &Device::Cpu)?;
+                let dy = Tensor::from_slice(dy, (rows, self.out_dim), &Device::Cpu)?;
                 Ok(dy.matmul(w)?.flatten_all()?.to_vec1::<f32>()?)
             }
         }
@@ -299,32 +282,15 @@ impl Linear {
         }
     }
 
-    /// [`Linear::forward`] into `out`, row `r` at `out[r * row_stride..][..out_dim]` (see
-    /// `kernels::matmul_strided`: a padded stride keeps long rows off each other's cache sets).
-    pub(crate) fn forward_strided(
-        &self,
-        x: &[f32],
-        out: &mut [f32],
-        row_stride: usize,
-    ) -> Result<(), ModelError> {
+    /// [`Linear::forward`] into `out` (the product's rows, row-major): a caller that keeps one
+    /// buffer for many products (see `kernels::matmul_into`).
+    pub(crate) fn forward_into(&self, x: &[f32], out: &mut [f32]) -> Result<(), ModelError> {
         match &self.weight {
             Weight::Kernel { format, data } => {
-                kernels::matmul_strided(
-                    *format,
-                    Isa::detect(),
-                    data,
-                    (self.in_dim, self.out_dim),
-                    x,
-                    out,
-                    row_stride,
-                );
+                let dims = (self.in_dim, self.out_dim);
+                kernels::matmul_into(*format, Isa::detect(), data, dims, x, out);
             }
-            Weight::Candle(_) => {
-                let y = self.forward(x)?;
-                for (row, dst) in y.chunks_exact(self.out_dim).zip(out.chunks_mut(row_stride)) {
-                    dst[..self.out_dim].copy_from_slice(row);
-                }
-            }
+            Weight::Candle(_) => out.copy_from_slice(&self.forward(x)?),
         }
         Ok(())
     }

@@ -20,8 +20,6 @@ use crate::ModelError;
 /// (32 x 262,144 x 4 B = 32 MiB on Gemma 3), never the whole sequence's. The training forward
 /// turns each chunk's logits into the logprob's gradient to the hidden state right away.
 const HEAD_CHUNK: usize = 32;
-/// Values between two rows of the LM head's logits buffer beyond the vocabulary: one cache line.
-const LOGITS_ROW_PAD: usize = 16;
 
 /// Segments packed into one sequence: each attends only within itself; positions restart at 0.
 pub struct PackedSequence<'a> {
@@ -185,21 +183,19 @@ impl Decoder {
         };
         let mut head_grad = Vec::with_capacity(if record { head_normed.len() } else { 0 });
         let vocab = self.lm_head.out_dim();
-        // One buffer for every chunk's logits (no fresh pages per chunk), its rows a cache line
-        // more than the vocabulary apart (see `Linear::forward_strided`).
-        let stride = vocab + LOGITS_ROW_PAD;
-        let mut logits = vec![0f32; HEAD_CHUNK.min(targets.len()) * stride];
+        // One buffer for every chunk's logits: fresh pages for each chunk's 33 MB made the
+        // LM head ~1.7x slower (`kernels::matmul_into`).
+        let mut logits = vec![0f32; HEAD_CHUNK.min(targets.len()) * vocab];
         for (rows, tgt) in head_normed
             .chunks(HEAD_CHUNK * hidden)
             .zip(targets.chunks(HEAD_CHUNK))
         {
-            let logits = &mut logits[..tgt.len() * stride];
-            self.lm_head.forward_strided(rows, logits, stride)?;
+            let logits = &mut logits[..tgt.len() * vocab];
+            self.lm_head.forward_into(rows, logits)?;
             let stats: Vec<(f32, f32)> = logits
-                .par_chunks_mut(stride)
+                .par_chunks_mut(vocab)
                 .zip(tgt.par_iter())
                 .map(|(row, &t)| {
-                    let row = &mut row[..vocab];
                     let target_logit = row[t as usize];
                     let s = RowSoftmax::new(row, record);
                     let lp = (target_logit as f64 - s.lse) as f32;
@@ -215,7 +211,7 @@ impl Decoder {
                 scores.entropies.push(h);
             }
             if record {
-                head_grad.extend(self.lm_head.backward_input_strided(logits, stride)?);
+                head_grad.extend(self.lm_head.backward_input(logits)?);
             }
         }
         let tape = record.then_some(TrainTape {
