@@ -335,16 +335,32 @@ impl TrainingService {
         })
         .await
         .map_err(|e| ServiceError::Internal(format!("reading the adapter panicked: {e}")))??;
+        let metrics = json!({ "imported": true, "lora_rank": rank, "lora_alpha": alpha });
+        self.store_checkpoint(team, model_id, bytes, &metrics, idempotency)
+            .await
+    }
+
+    /// Stores `bytes` (a serialized adapter of the model's base) as the model's next checkpoint,
+    /// served by name at once: the adapter is stored under the new step while the store holds
+    /// the model (see [`Store::begin_checkpoint_import`]), then the checkpoint commits, with the
+    /// `Idempotency-Key`'s answer when there is one.
+    pub async fn store_checkpoint(
+        &self,
+        team: &str,
+        model_id: Uuid,
+        bytes: Vec<u8>,
+        metrics: &Value,
+        idempotency: Option<CheckpointAnswer<'_>>,
+    ) -> Result<Checkpoint, ServiceError> {
         let import = self.store.begin_checkpoint_import(team, model_id).await?;
         let step = import.step;
         self.artifacts
             .put(model_id, step, bytes)
             .await
             .map_err(|e| ServiceError::Internal(format!("storing the adapter: {e}")))?;
-        let metrics = json!({ "imported": true, "lora_rank": rank, "lora_alpha": alpha });
-        match import.commit(&metrics, idempotency).await {
+        match import.commit(metrics, idempotency).await {
             Ok(checkpoint) => {
-                tracing::info!(model_id = %model_id, step, "imported a checkpoint");
+                tracing::info!(model_id = %model_id, step, "stored a checkpoint");
                 Ok(checkpoint)
             }
             Err(e) => {
