@@ -348,12 +348,14 @@ fn parse_loss(req: &ForwardBackwardRequest) -> Result<StepLoss, ApiError> {
 
 /// The request's datums as the trainer takes them, checked: text chunks only, ids in the
 /// vocabulary, each loss input of the loss present with one value per input token, and the
-/// targets the input shifted by one (position `i` predicts input token `i + 1`).
+/// targets the input shifted by one (position `i` predicts input token `i + 1`) wherever the loss
+/// is not zero. With each datum, its positions whose target is another token (reported with
+/// logprob 0).
 fn parse_data(
     req: &ForwardBackwardRequest,
     loss: StepLoss,
     vocab: usize,
-) -> Result<Vec<StepDatum>, ApiError> {
+) -> Result<Vec<(StepDatum, Vec<usize>)>, ApiError> {
     if req.data.is_empty() {
         return Err(ApiError::bad("data", "No datums: send at least one."));
     }
@@ -439,13 +441,23 @@ fn parse_data(
                 format!("Token ids must be integers in [0, {vocab})."),
             ));
         }
-        if targets[..n - 1] != tokens[1..] {
-            return Err(ApiError::bad(
-                param("loss_fn_inputs.target_tokens"),
-                "`target_tokens` must be the model input shifted by one (position i predicts \
-                 input token i + 1, the last position any token): temper does not score other \
-                 targets.",
-            ));
+        // A position whose target is not the next input token (the cookbook's RL loop pads the
+        // prompt's targets with 0) must carry no loss: temper scores the next input token only.
+        let loss_at = &inputs[if loss.uses_weights() { 1 } else { 2 }];
+        let mut unscored = Vec::new();
+        for i in 0..n - 1 {
+            if targets[i] != tokens[i + 1] {
+                if loss_at[i] != 0.0 {
+                    return Err(ApiError::bad(
+                        param("loss_fn_inputs.target_tokens"),
+                        format!(
+                            "`target_tokens[{i}]` is not the next input token, yet position {i}                              has a nonzero {}: temper scores each position's next input token                              only (position i predicts input token i + 1, the last position any                              token).",
+                            if loss.uses_weights() { "weight" } else { "advantage" }
+                        ),
+                    ));
+                }
+                unscored.push(i);
+            }
         }
         let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
         let (weights, old_logprobs, advantages) = if loss.uses_weights() {
@@ -453,13 +465,16 @@ fn parse_data(
         } else {
             (Vec::new(), f32s(&inputs[1]), f32s(&inputs[2]))
         };
-        out.push(StepDatum {
-            last_target: targets[n - 1],
-            tokens,
-            weights,
-            old_logprobs,
-            advantages,
-        });
+        out.push((
+            StepDatum {
+                last_target: targets[n - 1],
+                tokens,
+                weights,
+                old_logprobs,
+                advantages,
+            },
+            unscored,
+        ));
     }
     Ok(out)
 }
@@ -482,7 +497,10 @@ pub async fn forward_backward(
         ForwardBackwardRequest::decode(&body).map_err(|e| ApiError::bad_body(e.to_string()))?;
     let run = tinker.run(&ctx.team, &req.model_id)?;
     let loss = parse_loss(&req)?;
-    let data = parse_data(&req, loss, run.base.base.model.config().vocab_size)?;
+    let (data, unscored): (Vec<StepDatum>, Vec<Vec<usize>>) =
+        parse_data(&req, loss, run.base.base.model.config().vocab_size)?
+            .into_iter()
+            .unzip();
     let max_seq_len = state
         .training()
         .map_or(run.base.max_model_len, |t| t.options.max_seq_len);
@@ -496,11 +514,16 @@ pub async fn forward_backward(
                 temper_train::forward_backward(&model, &adapter, &data, loss, backward, max_seq_len)
             })
             .await;
-            let output = match stepped {
+            let mut output = match stepped {
                 Ok(Ok(o)) => o,
                 Ok(Err(e)) => return Outcome::from_error(&e.into()),
                 Err(e) => return Outcome::server(format!("the step panicked: {e}")),
             };
+            for (lps, unscored) in output.logprobs.iter_mut().zip(&unscored) {
+                for &i in unscored {
+                    lps[i] = 0.0;
+                }
+            }
             if let Some(g) = &output.grads {
                 let mut st = run.lock();
                 match &mut st.grads {
