@@ -313,6 +313,77 @@ impl ForwardBackwardRequest {
     }
 }
 
+impl ForwardBackwardRequest {
+    /// The message as the SDK writes it (dense tensors, numbers in `loss_fn_config`): for
+    /// clients other than the SDK, and tests.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.bytes(1, self.model_id.as_bytes());
+        w.uint(2, self.seq_id as u64);
+        for d in &self.data {
+            let mut datum = Writer::default();
+            for c in &d.chunks {
+                if let Chunk::Tokens(t) = c {
+                    let mut text = Writer::default();
+                    let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    text.bytes(1, &bytes);
+                    let mut chunk = Writer::default();
+                    chunk.message(1, text);
+                    datum.message(1, chunk);
+                }
+            }
+            for (name, t) in &d.loss_fn_inputs {
+                let mut tensor = Writer::default();
+                tensor.bytes(1, &t.dense);
+                tensor.uint(3, t.dtype);
+                let shape: Vec<u8> = t.shape.iter().fold(Writer::default(), |mut s, &x| {
+                    s.varint(x as u64);
+                    s
+                }).buf;
+                tensor.bytes(4, &shape);
+                let mut entry = Writer::default();
+                entry.bytes(1, name.as_bytes());
+                entry.message(2, tensor);
+                datum.message(2, entry);
+            }
+            w.message(3, datum);
+        }
+        w.bytes(4, self.loss_fn.as_bytes());
+        for (k, v) in &self.loss_fn_config {
+            if let ConfigValue::Number(x) = v {
+                let mut entry = Writer::default();
+                entry.bytes(1, k.as_bytes());
+                entry.double(2, *x);
+                w.message(5, entry);
+            }
+        }
+        w.uint(6, u64::from(self.forward_only));
+        w.buf
+    }
+}
+
+impl Tensor {
+    /// A dense float32 tensor of shape `[values.len()]`.
+    pub fn f32(values: &[f32]) -> Tensor {
+        Tensor {
+            dtype: DTYPE_FLOAT32,
+            shape: vec![values.len() as i64],
+            dense: f32_bytes(values),
+            sparse: false,
+        }
+    }
+
+    /// A dense int64 tensor of shape `[values.len()]`.
+    pub fn i64(values: &[i64]) -> Tensor {
+        Tensor {
+            dtype: DTYPE_INT64,
+            shape: vec![values.len() as i64],
+            dense: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            sparse: false,
+        }
+    }
+}
+
 /// A protobuf message being written.
 #[derive(Default)]
 struct Writer {
@@ -428,30 +499,27 @@ mod tests {
 
     #[test]
     fn a_request_reads_back_as_written() {
-        let mut tokens = Writer::default();
-        tokens.bytes(1, &[5, 0, 0, 0, 7, 0, 0, 0]);
-        let mut chunk = Writer::default();
-        chunk.message(1, tokens);
-        let mut tensor = Writer::default();
-        tensor.bytes(1, &f32_bytes(&[0.5, 1.0]));
-        tensor.uint(3, DTYPE_FLOAT32);
-        tensor.bytes(4, &[2]);
-        let mut entry = Writer::default();
-        entry.bytes(1, b"weights");
-        entry.message(2, tensor);
-        let mut datum = Writer::default();
-        datum.message(1, chunk);
-        datum.message(2, entry);
-        let mut req = Writer::default();
-        req.bytes(1, b"m1");
-        req.uint(2, 3);
-        req.message(3, datum);
-        req.bytes(4, b"cross_entropy");
-        let mut cfg = Writer::default();
-        cfg.bytes(1, b"clip");
-        cfg.double(2, 0.25);
-        req.message(5, cfg);
-        req.uint(6, 1);
+        let mut data = Datum {
+            chunks: vec![Chunk::Tokens(vec![5, 7])],
+            ..Datum::default()
+        };
+        data.loss_fn_inputs
+            .insert("weights".into(), Tensor::f32(&[0.5, 1.0]));
+        data.loss_fn_inputs
+            .insert("target_tokens".into(), Tensor::i64(&[7, 9]));
+        let req = ForwardBackwardRequest {
+            model_id: "m1".into(),
+            seq_id: 3,
+            data: vec![data],
+            loss_fn: "cross_entropy".into(),
+            loss_fn_config: [("clip".to_owned(), ConfigValue::Number(0.25))].into(),
+            forward_only: true,
+        };
+        let bytes = req.encode();
+        assert_eq!(ForwardBackwardRequest::decode(&bytes).unwrap(), req);
+        let mut req = Writer { buf: bytes };
+        // A field temper does not know is skipped.
+        req.uint(99, 1);
         let r = ForwardBackwardRequest::decode(&req.buf).unwrap();
         assert_eq!(r.model_id, "m1");
         assert_eq!(r.seq_id, 3);
@@ -462,6 +530,8 @@ mod tests {
         let w = &r.data[0].loss_fn_inputs["weights"];
         assert_eq!(w.shape, vec![2]);
         assert_eq!(w.values().unwrap(), vec![0.5, 1.0]);
+        let t = &r.data[0].loss_fn_inputs["target_tokens"];
+        assert_eq!(t.values().unwrap(), vec![7.0, 9.0]);
         assert!(ForwardBackwardRequest::decode(&[0x0a, 0x05, 1]).is_err());
     }
 }

@@ -110,8 +110,11 @@ pub type Work = Box<dyn FnOnce(Arc<TrainingRun>) -> BoxFuture<'static, Outcome> 
 /// A LoRA training run (the SDK's training model), backed by a store model whose checkpoints are
 /// the run's sampler weights.
 pub struct TrainingRun {
-    /// The store model's id; the run's `model_id` and `training_run_id`.
+    /// The run's `model_id` and `training_run_id` (as 32 hex digits), and its store model's
+    /// name (`run-<id>`).
     pub id: Uuid,
+    /// The store model's id.
+    pub store_id: Uuid,
     pub team: String,
     pub base: Arc<ServedModel>,
     pub rank: usize,
@@ -124,7 +127,7 @@ pub struct TrainingRun {
 
 impl TrainingRun {
     pub fn model_id(&self) -> String {
-        self.id.to_string()
+        self.id.simple().to_string()
     }
 
     pub fn lock(&self) -> std::sync::MutexGuard<'_, RunState> {
@@ -189,7 +192,7 @@ impl Tinker {
     #[allow(clippy::too_many_arguments)]
     pub fn add_run(
         &self,
-        id: Uuid,
+        (id, store_id): (Uuid, Uuid),
         team: &str,
         base: Arc<ServedModel>,
         rank: usize,
@@ -201,6 +204,7 @@ impl Tinker {
         let (tx, mut rx) = mpsc::unbounded_channel::<(Work, watch::Sender<Option<Outcome>>)>();
         let run = Arc::new(TrainingRun {
             id,
+            store_id,
             team: team.to_owned(),
             base,
             rank,

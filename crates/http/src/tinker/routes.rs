@@ -213,7 +213,7 @@ pub async fn create_model(
     .map_err(|e| ApiError::Internal(format!("creating the adapter panicked: {e}")))?;
     let served_name = format!("{}/{}/{}", model.team, model.project, model.name);
     let run = tinker.add_run(
-        model.id,
+        (id, model.id),
         &ctx.team,
         base,
         rank,
@@ -222,7 +222,7 @@ pub async fn create_model(
         adapter,
         now(),
     );
-    tracing::info!(model_id = %run.id, rank, "tinker training run created");
+    tracing::info!(model_id = %run.model_id(), rank, "tinker training run created");
     let answer = json!({ "type": "create_model", "model_id": run.model_id() });
     Ok(Json(done(
         &tinker,
@@ -662,7 +662,7 @@ fn checkpoint_name(param: &str, name: Option<&str>, default: String) -> Result<S
 }
 
 fn tinker_path(run: &TrainingRun, id: &str) -> String {
-    format!("tinker://{}/{id}", run.id)
+    format!("tinker://{}/{id}", run.model_id())
 }
 
 /// Records a saved checkpoint, replacing one of the same id.
@@ -744,7 +744,7 @@ pub async fn save_weights_for_sampler(
             let metrics =
                 json!({ "tinker": true, "lora_rank": run.rank, "lora_alpha": LORA_ALPHA });
             let checkpoint = match training
-                .store_checkpoint(&run.team, run.id, bytes, &metrics, None)
+                .store_checkpoint(&run.team, run.store_id, bytes, &metrics, None)
                 .await
             {
                 Ok(c) => c,
@@ -772,7 +772,7 @@ pub async fn save_weights_for_sampler(
                 served_name: format!("{}:step{step}", run.served_name),
                 model_path: Some(path.clone()),
             });
-            tracing::info!(model_id = %run.id, step, "tinker sampler weights saved");
+            tracing::info!(model_id = %run.model_id(), step, "tinker sampler weights saved");
             Outcome::Json(json!({
                 "type": "save_weights_for_sampler",
                 "path": path,
@@ -1346,7 +1346,7 @@ pub async fn delete_checkpoint(
     if let Some(step) = saved.step {
         state
             .require_training()?
-            .delete_checkpoints(&ctx.team, run.id, &[step])
+            .delete_checkpoints(&ctx.team, run.store_id, &[step])
             .await?;
     }
     run.lock().checkpoints.retain(|c| c.id != saved.id);
