@@ -211,7 +211,11 @@ async fn a_training_step_its_retries_and_its_sampler_weights() {
     let models: Value = models.json().await.unwrap();
     let name = format!("default/tinker/run-{a}:step1");
     assert!(
-        models["data"].as_array().unwrap().iter().any(|m| m["id"] == name.as_str()),
+        models["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["id"] == name.as_str()),
         "{models}"
     );
     // Its prompt logprobs over /v1/completions are forward's (train/serve identity).
@@ -299,7 +303,10 @@ async fn another_teams_objects_and_bad_input() {
         )
         .await;
     assert_eq!(status, 404, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("does not exist"));
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("does not exist"));
     let (status, _) = api
         .post(&other, "/api/v1/get_info", &json!({ "model_id": model }))
         .await;
@@ -321,7 +328,11 @@ async fn another_teams_objects_and_bad_input() {
     let (status, v) = api
         .forward_backward(KEY, &bad("no_such_loss", vec![datum(&TOKENS, 4)]))
         .await;
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("loss_fn")), "{v}");
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("loss_fn")),
+        "{v}"
+    );
     let mut short = datum(&TOKENS, 4);
     short
         .loss_fn_inputs
@@ -344,8 +355,13 @@ async fn another_teams_objects_and_bad_input() {
         .forward_backward(KEY, &bad("importance_sampling", vec![datum(&TOKENS, 4)]))
         .await;
     assert_eq!(status, 400, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("logprobs"), "{v}");
-    let (status, v) = api.forward_backward(KEY, &bad("cross_entropy", vec![])).await;
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("logprobs"),
+        "{v}"
+    );
+    let (status, v) = api
+        .forward_backward(KEY, &bad("cross_entropy", vec![]))
+        .await;
     assert_eq!(status, 400, "{v}");
     let resp = api
         .server
@@ -360,29 +376,41 @@ async fn another_teams_objects_and_bad_input() {
 
     // Unknown models and what temper cannot train.
     let (status, v) = api
-        .post(KEY, "/api/v1/get_info", &json!({ "model_id": "no-such-model" }))
+        .post(
+            KEY,
+            "/api/v1/get_info",
+            &json!({ "model_id": "no-such-model" }),
+        )
         .await;
     assert_eq!(status, 404, "{v}");
-    let create = |base: &str, lora: Value| {
-        json!({ "session_id": session, "model_seq_id": 1, "base_model": base, "lora_config": lora })
-    };
+    let create = |base: &str, lora: Value| json!({ "session_id": session, "model_seq_id": 1, "base_model": base, "lora_config": lora });
     for (body, param) in [
         (
             create("no-such-base", json!({ "rank": 2, "train_unembed": false })),
             "base_model",
         ),
-        (create("tiny", json!({ "rank": 2 })), "lora_config.train_unembed"),
+        (
+            create("tiny", json!({ "rank": 2 })),
+            "lora_config.train_unembed",
+        ),
         (
             create("tiny", json!({ "rank": 0, "train_unembed": false })),
             "lora_config.rank",
         ),
         (
-            create("tiny", json!({ "rank": 2, "train_unembed": false, "train_mlp": false })),
+            create(
+                "tiny",
+                json!({ "rank": 2, "train_unembed": false, "train_mlp": false }),
+            ),
             "lora_config",
         ),
     ] {
         let (status, v) = api.post(KEY, "/api/v1/create_model", &body).await;
-        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{v}");
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{v}"
+        );
     }
     let (status, v) = api
         .post(
@@ -403,7 +431,10 @@ async fn another_teams_objects_and_bad_input() {
             }),
         )
         .await;
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("topk_prompt_logprobs")));
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("topk_prompt_logprobs"))
+    );
     // A failure inside a future comes back as the SDK's `{"error", "category"}`.
     let (status, v) = api
         .post(
@@ -419,5 +450,8 @@ async fn another_teams_objects_and_bad_input() {
     assert_eq!(status, 200, "{v}");
     let failed = api.result(KEY, &v).await;
     assert_eq!(failed["category"], "user", "{failed}");
-    assert!(failed["error"].as_str().unwrap().contains("temperature"), "{failed}");
+    assert!(
+        failed["error"].as_str().unwrap().contains("temperature"),
+        "{failed}"
+    );
 }

@@ -336,10 +336,14 @@ impl ForwardBackwardRequest {
                 let mut tensor = Writer::default();
                 tensor.bytes(1, &t.dense);
                 tensor.uint(3, t.dtype);
-                let shape: Vec<u8> = t.shape.iter().fold(Writer::default(), |mut s, &x| {
-                    s.varint(x as u64);
-                    s
-                }).buf;
+                let shape: Vec<u8> = t
+                    .shape
+                    .iter()
+                    .fold(Writer::default(), |mut s, &x| {
+                        s.varint(x as u64);
+                        s
+                    })
+                    .buf;
                 tensor.bytes(4, &shape);
                 let mut entry = Writer::default();
                 entry.bytes(1, name.as_bytes());
