@@ -5,8 +5,8 @@ from `save_weights_and_get_sampling_client` weights, `forward` logprobs equal th
 sampler weights are served by name, and bad input raises at once. Run by scripts/tinker-tests.sh,
 which makes the pinned virtual environment (tests/python/requirements-tinker.txt).
 
-The loops take their token ids from temper's `/tokenize` (the SDK's `get_tokenizer` needs a Hugging
-Face tokenizer of the model, which this suite does not assume).
+The loops take their token ids from temper's `/tokenize`; a test checks the SDK's own
+`get_tokenizer` (temper's export of the GGUF's tokenizer, loaded by transformers) gives the same.
 """
 
 import json
@@ -147,6 +147,31 @@ class TinkerSdk(unittest.TestCase):
         self.assertEqual(info.model_data.model_name, MODEL)
         self.assertEqual(info.lora_rank, 4)
         self.assertTrue(info.model_data.tokenizer_id)
+
+    def test_the_sdks_tokenizer_gives_temper_ids(self):
+        """`get_tokenizer` loads `tokenizer_id` (temper's export of the GGUF's tokenizer) with
+        transformers' AutoTokenizer: its ids are temper's, chat template included."""
+        tokenizer = training_client(rank=2).get_tokenizer()
+        corpus = [
+            "Hello, world!", "  leading spaces", "trailing  ", "tabs\tand\nnewlines\n\n\nx",
+            "Ünïcödé ñ 日本語のテキスト 😀🚀", "def f(x):\n    return x**2  # comment",
+            "1234567890 3.14159", "a" * 50, "multiple     spaces   here",
+            "email@example.com http://x.y/z?q=1", "Ω≈ç√∫˜µ≤≥÷", "\u00a0nbsp\u200b",
+            "mixedCASE CamelCaseWords snake_case_words", "Привет, мир! Γειά σου κόσμε",
+            "<b>bold</b> &amp; <i>it</i>", "", " ", "\n", "x\r\ny",
+        ]
+        for text in corpus:
+            self.assertEqual(tokenizer.encode(text, add_special_tokens=False),
+                             tokens(text), repr(text))
+        messages = [{"role": "user", "content": "What is 2+2?"},
+                    {"role": "assistant", "content": "4"},
+                    {"role": "user", "content": "And 3+3?"}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        status, v = call("/tokenize", {"model": MODEL, "messages": messages,
+                                       "add_generation_prompt": True})
+        self.assertEqual(ids, v["tokens"])
+        self.assertEqual(tokenizer.decode(tokens("Hello,  world!")), "Hello,  world!")
 
     def test_supervised_loop_lowers_the_loss(self):
         data = [

@@ -160,6 +160,8 @@ struct Inner {
 #[derive(Default)]
 pub struct Tinker {
     inner: Mutex<Inner>,
+    /// Base model name → its exported Hugging Face tokenizer directory.
+    tokenizers: tokio::sync::Mutex<HashMap<String, std::path::PathBuf>>,
 }
 
 /// How long `retrieve_future` waits for a pending result before answering "try again".
@@ -342,8 +344,81 @@ impl Tinker {
         })
     }
 
+    /// The base model's tokenizer as a Hugging Face directory (`tokenizer.json`,
+    /// `tokenizer_config.json` with the chat template), written once per process under the
+    /// system's temporary directory, named by the model and a hash of the files.
+    pub async fn tokenizer_dir(&self, base: &ServedModel) -> Result<std::path::PathBuf, ApiError> {
+        let mut dirs = self.tokenizers.lock().await;
+        if let Some(dir) = dirs.get(&base.name) {
+            return Ok(dir.clone());
+        }
+        let (tokenizer, template, name) = (
+            base.base.tokenizer.clone(),
+            base.base.chat_template.clone(),
+            base.name.clone(),
+        );
+        let dir = tokio::task::spawn_blocking(move || {
+            let files = tokenizer
+                .to_hf_files(template.as_deref().map(|t| t.source()))
+                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            write_tokenizer_dir(&name, &files)
+                .map_err(|e| ApiError::Internal(format!("writing the tokenizer directory: {e}")))
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("exporting the tokenizer panicked: {e}")))??;
+        dirs.insert(base.name.clone(), dir.clone());
+        Ok(dir)
+    }
+
     /// Whether the team has the future `id`.
     pub fn has_future(&self, team: &str, id: &str) -> bool {
         self.inner().futures.get(id).is_some_and(|f| f.team == team)
+    }
+}
+
+/// Writes `files` to `<tmp>/temper-tokenizers/<name>-<hash>` (complete or not at all: written
+/// beside it, then renamed) unless it is there.
+fn write_tokenizer_dir(
+    name: &str,
+    files: &temper_text::HfTokenizerFiles,
+) -> std::io::Result<std::path::PathBuf> {
+    let mut hash = 0xcbf2_9ce4_8422_2325_u64;
+    for byte in files
+        .tokenizer_json
+        .bytes()
+        .chain(files.tokenizer_config_json.bytes())
+    {
+        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let safe: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let root = std::env::temp_dir().join("temper-tokenizers");
+    let dir = root.join(format!("{safe}-{hash:016x}"));
+    if dir.join("tokenizer_config.json").exists() {
+        return Ok(dir);
+    }
+    let tmp = root.join(format!(".{safe}-{}", Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&tmp)?;
+    std::fs::write(tmp.join("tokenizer.json"), &files.tokenizer_json)?;
+    std::fs::write(
+        tmp.join("tokenizer_config.json"),
+        &files.tokenizer_config_json,
+    )?;
+    match std::fs::rename(&tmp, &dir) {
+        Ok(()) => Ok(dir),
+        // Another process wrote it first.
+        Err(_) if dir.join("tokenizer_config.json").exists() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(dir)
+        }
+        Err(e) => Err(e),
     }
 }

@@ -233,10 +233,15 @@ pub async fn create_model(
 }
 
 /// Where the SDK finds the base model's tokenizer (`AutoTokenizer.from_pretrained`): the
-/// `TEMPER_TINKER_TOKENIZER_<name>` variable's value when set (non-alphanumerics of the name as
-/// `_`), else the base model's name.
-fn tokenizer_id(base_model: &str) -> String {
-    let key: String = base_model
+/// `TEMPER_TINKER_TOKENIZER_<name>` variable's value when set (the name in upper case, other
+/// characters as `_`: for a client on another machine), else the directory temper exports the
+/// tokenizer to (for a client on this one).
+async fn tokenizer_id(
+    tinker: &Tinker,
+    base: &crate::state::ServedModel,
+) -> Result<String, ApiError> {
+    let key: String = base
+        .name
         .chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() {
@@ -246,8 +251,10 @@ fn tokenizer_id(base_model: &str) -> String {
             }
         })
         .collect();
-    std::env::var(format!("TEMPER_TINKER_TOKENIZER_{key}"))
-        .unwrap_or_else(|_| base_model.to_owned())
+    if let Ok(id) = std::env::var(format!("TEMPER_TINKER_TOKENIZER_{key}")) {
+        return Ok(id);
+    }
+    Ok(tinker.tokenizer_dir(base).await?.display().to_string())
 }
 
 pub async fn get_info(
@@ -262,7 +269,7 @@ pub async fn get_info(
         "model_data": {
             "arch": run.base.base.model.config().arch.name(),
             "model_name": run.base.name,
-            "tokenizer_id": tokenizer_id(&run.base.name),
+            "tokenizer_id": tokenizer_id(&tinker, &run.base).await?,
         },
         "is_lora": true,
         "lora_rank": run.rank,
