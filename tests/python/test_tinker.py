@@ -11,10 +11,7 @@ The loops take their token ids from temper's `/tokenize`; a test checks the SDK'
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import unittest
 import urllib.error
@@ -27,52 +24,11 @@ import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
-BINARY = os.environ.get(
-    "TEMPER_BIN", os.path.join(os.path.dirname(__file__), "../../target/release/temper"))
-KEY = "tinker-suite-key"
+# `temper serve` with a store, on the default model (the openai-SDK suite's harness).
+from test_openai_sdk import KEY, MODEL, Server  # noqa: E402
+
 # The SDK accepts only keys that start with `tml-`; temper strips the prefix.
 SDK_KEY = "tml-" + KEY
-MODEL = "gemma-3-270m"
-
-
-class Server:
-    """`temper serve` as a child process, with a store (training needs one)."""
-
-    def __init__(self):
-        self.data_dir = tempfile.TemporaryDirectory()
-        env = dict(os.environ, RUST_LOG="info")
-        env.pop("TEMPER_CONFIG", None)
-        self.proc = subprocess.Popen(
-            [BINARY, "serve", "--port", "0", "--api-key", KEY, "--data-dir", self.data_dir.name],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self.log = []
-        self._readers = [threading.Thread(target=self._drain, args=(self.proc.stderr,), daemon=True)]
-        self._readers[0].start()
-        first = self.proc.stdout.readline()
-        urls = [w for w in first.split() if w.startswith("http://")]
-        if not urls:
-            self.proc.kill()
-            raise RuntimeError(f"temper serve printed no URL: {first!r}")
-        # The SDK joins `/api/v1/...` onto the server's root.
-        self.url = urls[0].removesuffix("/v1")
-        self._readers.append(threading.Thread(target=self.proc.stdout.read, daemon=True))
-        self._readers[1].start()
-
-    def _drain(self, stream):
-        for line in stream:
-            self.log.append(line)
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        for reader in self._readers:
-            reader.join(timeout=10)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        self.data_dir.cleanup()
 
 
 SERVER = None
@@ -82,6 +38,8 @@ SERVICE = None
 def setUpModule():
     global SERVER, SERVICE
     SERVER = Server()
+    # The SDK joins `/api/v1/...` onto the server's root.
+    SERVER.url = SERVER.base_url.removesuffix("/v1")
     SERVICE = tinker.ServiceClient(base_url=SERVER.url, api_key=SDK_KEY)
 
 

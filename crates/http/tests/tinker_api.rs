@@ -5,10 +5,9 @@
 
 mod common;
 
-use common::{options, TestServer, KEY};
+use common::{TestServer, KEY};
 use serde_json::{json, Value};
 use temper_http::tinker::proto::{Chunk, Datum, ForwardBackwardRequest, Tensor};
-use temper_http::{CatalogOptions, TrainingOptions};
 
 struct Api {
     server: TestServer,
@@ -17,15 +16,8 @@ struct Api {
 
 async fn api() -> Api {
     let data = tempfile::tempdir().unwrap();
-    let server = TestServer::tiny_training(
-        options(),
-        CatalogOptions::new(data.path()),
-        TrainingOptions::default(),
-        None,
-    )
-    .await;
     Api {
-        server,
+        server: TestServer::tiny_training_in(data.path()).await,
         _data: data,
     }
 }

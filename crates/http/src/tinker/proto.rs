@@ -157,13 +157,13 @@ impl Tensor {
             return None;
         }
         match self.dtype {
-            DTYPE_FLOAT32 if self.dense.len() % 4 == 0 => Some(
+            DTYPE_FLOAT32 if self.dense.len().is_multiple_of(4) => Some(
                 self.dense
                     .chunks_exact(4)
                     .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
                     .collect(),
             ),
-            DTYPE_INT64 if self.dense.len() % 8 == 0 => Some(
+            DTYPE_INT64 if self.dense.len().is_multiple_of(8) => Some(
                 self.dense
                     .chunks_exact(8)
                     .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)

@@ -304,7 +304,7 @@ fn parse_loss(req: &ForwardBackwardRequest) -> Result<StepLoss, ApiError> {
     let clip = || -> Result<(f64, f64), ApiError> {
         let low = config_number(cfg, "clip_low_threshold", 0.8)?;
         let high = config_number(cfg, "clip_high_threshold", 1.2)?;
-        if !(0.0 <= low && low <= 1.0 && high >= 1.0) {
+        if !((0.0..=1.0).contains(&low) && high >= 1.0) {
             return Err(ApiError::bad(
                 "loss_fn_config",
                 "`clip_low_threshold` must be in [0, 1] and `clip_high_threshold` at least 1.",
