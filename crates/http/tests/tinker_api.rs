@@ -187,6 +187,37 @@ async fn a_training_step_its_retries_and_its_sampler_weights() {
     );
     assert_eq!(la, lb);
     assert_ne!(la, logprobs(&fresh), "the step changed nothing");
+    // Each step's trained tokens count in the team's usage, under the run's store model.
+    let start = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        - 3600;
+    let usage: Value = api
+        .server
+        .get(&format!("/v1/usage?start={start}&group_by=model"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let results: Vec<&Value> = usage["data"]
+        .as_array()
+        .expect(&usage.to_string())
+        .iter()
+        .flat_map(|b| b["results"].as_array().unwrap())
+        .collect();
+    let of = |model: &str| {
+        let name = format!("default/tinker/run-{model}");
+        results
+            .iter()
+            .find(|r| r["model"] == name.as_str())
+            .copied()
+    };
+    for run in [&a, &b] {
+        let r = of(run).unwrap_or_else(|| panic!("no usage of {run}: {usage}"));
+        assert_eq!(r["trained_tokens"], TOKENS.len(), "{r}");
+        assert_eq!(r["num_gradient_steps"], 1, "{r}");
+    }
 
     // Sampler weights: a temper checkpoint served by name, listed in /v1/models.
     let (status, future) = api
@@ -446,4 +477,47 @@ async fn another_teams_objects_and_bad_input() {
         failed["error"].as_str().unwrap().contains("temperature"),
         "{failed}"
     );
+}
+
+#[tokio::test]
+async fn without_a_store_training_is_a_400_not_a_retried_503() {
+    let s = TestServer::tiny(common::options(), None).await;
+    let post = |path: &'static str, body: Value| {
+        s.client
+            .post(s.url(path))
+            .header("x-api-key", format!("tml-{KEY}"))
+            .json(&body)
+            .send()
+    };
+    let session: Value = post("/api/v1/create_session", json!({"tags": []}))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let body = json!({ "session_id": session["session_id"], "base_model": "tiny",
+        "lora_config": { "rank": 2, "train_unembed": false } });
+    let resp = post("/api/v1/create_model", body).await.unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--data-dir"),
+        "{v}"
+    );
+    // Sampling the base model needs no store.
+    let caps: Value = s
+        .client
+        .get(s.url("/api/v1/get_server_capabilities"))
+        .header("x-api-key", format!("tml-{KEY}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(caps["supported_models"][0]["trainable"], false, "{caps}");
+    assert_eq!(caps["supported_models"][0]["sampleable"], true, "{caps}");
 }

@@ -100,6 +100,9 @@ pub struct RunState {
     pub optimizer: AdamW,
     /// The gradient accumulated since the last `optim_step`.
     pub grads: Option<Vec<Vec<f32>>>,
+    /// Positions with a loss in the backward passes since the last `optim_step`: the trained
+    /// tokens its usage counts.
+    pub pending_tokens: u64,
     pub checkpoints: Vec<SavedCheckpoint>,
     pub last_request: i64,
 }
@@ -216,6 +219,7 @@ impl Tinker {
                 optimizer: AdamW::new(&adapter),
                 adapter,
                 grads: None,
+                pending_tokens: 0,
                 checkpoints: Vec::new(),
                 last_request: now,
             }),

@@ -109,6 +109,17 @@ pub async fn server_capabilities(State(state): State<AppState>) -> Json<Value> {
     Json(json!({ "supported_models": models }))
 }
 
+/// The training service; without a store a 400 (the SDK retries a 503 for minutes).
+fn training_service(
+    state: &AppState,
+) -> Result<&Arc<temper_train::service::TrainingService>, ApiError> {
+    state.training().ok_or_else(|| {
+        ApiError::bad_body(
+            "This server runs without a store (`--data-dir`): training and sampler weights are off.",
+        )
+    })
+}
+
 /// A completed future (for requests that finish at once).
 fn done(tinker: &Tinker, team: &str, model_id: Option<String>, outcome: Outcome) -> UntypedFuture {
     let (future, tx) = tinker.new_future(team, None, |request_id| UntypedFuture {
@@ -129,7 +140,7 @@ pub async fn create_model(
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<CreateModelRequest>,
 ) -> Result<Json<UntypedFuture>, ApiError> {
-    let training = state.require_training()?;
+    let training = training_service(&state)?;
     tinker.check_session(&ctx.team, &req.session_id)?;
     let base = state.model(Some(&req.base_model)).map_err(|_| {
         ApiError::bad(
@@ -275,6 +286,23 @@ pub async fn get_info(
         "lora_rank": run.rank,
         "model_name": run.base.name,
     })))
+}
+
+/// With the team past its monthly token quota, a future that fails with the quota's message
+/// (the SDK raises it at once; a 429 it would retry for minutes).
+async fn over_quota(
+    state: &AppState,
+    tinker: &Tinker,
+    ctx: &RequestContext,
+    run: &TrainingRun,
+) -> Option<UntypedFuture> {
+    let e = crate::usage::check_quota(state, &ctx.team).await.err()?;
+    Some(done(
+        tinker,
+        &ctx.team,
+        Some(run.model_id()),
+        Outcome::from_error(&e),
+    ))
 }
 
 /// A request's identity for retries: its run and `seq_id` (the SDK numbers a training client's
@@ -504,6 +532,9 @@ pub async fn forward_backward(
         ForwardBackwardRequest::decode(&body).map_err(|e| ApiError::bad_body(e.to_string()))?;
     let run = tinker.run(&ctx.team, &req.model_id)?;
     let loss = parse_loss(&req)?;
+    if let Some(refused) = over_quota(&state, &tinker, &ctx, &run).await {
+        return Ok(Json(refused));
+    }
     let (data, unscored): (Vec<StepDatum>, Vec<Vec<usize>>) =
         parse_data(&req, loss, run.base.base.model.config().vocab_size)?
             .into_iter()
@@ -512,6 +543,18 @@ pub async fn forward_backward(
         .training()
         .map_or(run.base.max_model_len, |t| t.options.max_seq_len);
     let backward = !req.forward_only;
+    // Positions with a loss: what the step's usage counts as trained tokens.
+    let trained: u64 = data
+        .iter()
+        .map(|d| {
+            let at = if loss.uses_weights() {
+                &d.weights
+            } else {
+                &d.advantages
+            };
+            at.iter().filter(|x| **x != 0.0).count() as u64
+        })
+        .sum();
     let key = request_key(&req.model_id, Some(req.seq_id));
     let work: Work = Box::new(move |run: Arc<TrainingRun>| {
         Box::pin(async move {
@@ -537,6 +580,7 @@ pub async fn forward_backward(
                     Some(sum) => temper_train::add_grads(sum, g),
                     None => st.grads = Some(g.clone()),
                 }
+                st.pending_tokens += trained;
                 st.last_request = now();
             }
             let metrics = [("loss:sum", output.loss_sum)];
@@ -561,11 +605,14 @@ pub async fn forward_backward(
 /// One AdamW step on the accumulated gradient, which then starts again from zero. Without a
 /// gradient (no `forward_backward` since the last step) the weights stay as they are.
 pub async fn optim_step(
+    State(state): State<AppState>,
     Extension(tinker): Registry,
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<OptimStepRequest>,
 ) -> Result<Json<UntypedFuture>, ApiError> {
     let run = tinker.run(&ctx.team, &req.model_id)?;
+    let meter = state.usage_meter().cloned();
+    let project = ctx.usage_project().to_owned();
     let Some(p) = req.adam_params else {
         return Err(ApiError::bad(
             "adam_params",
@@ -616,13 +663,14 @@ pub async fn optim_step(
     let key = request_key(&req.model_id, req.seq_id);
     let work: Work = Box::new(move |run: Arc<TrainingRun>| {
         Box::pin(async move {
-            let (grads, mut adapter, mut optimizer) = {
+            let (grads, trained, mut adapter, mut optimizer) = {
                 let mut st = run.lock();
                 st.last_request = now();
                 let Some(grads) = st.grads.take() else {
                     return Outcome::Json(json!({ "metrics": { "grad_norm": 0.0 } }));
                 };
-                (grads, st.adapter.clone(), st.optimizer.clone())
+                let trained = std::mem::take(&mut st.pending_tokens);
+                (grads, trained, st.adapter.clone(), st.optimizer.clone())
             };
             let stepped = tokio::task::spawn_blocking(move || {
                 let step = optimizer.steps() as usize + 1;
@@ -632,9 +680,25 @@ pub async fn optim_step(
             .await;
             match stepped {
                 Ok(Ok((grad_norm, adapter, optimizer))) => {
-                    let mut st = run.lock();
-                    st.adapter = adapter;
-                    st.optimizer = optimizer;
+                    {
+                        let mut st = run.lock();
+                        st.adapter = adapter;
+                        st.optimizer = optimizer;
+                    }
+                    if let Some(meter) = meter {
+                        let key = temper_store::UsageKey {
+                            team: run.team.clone(),
+                            project,
+                            model: run.served_name.clone(),
+                            bucket_start: temper_store::usage_bucket(now()),
+                        };
+                        let counts = temper_store::TokenCounts {
+                            trained_tokens: trained,
+                            num_gradient_steps: 1,
+                            ..Default::default()
+                        };
+                        meter.add(key, counts);
+                    }
                     Outcome::Json(json!({
                         "metrics": {
                             "grad_norm": grad_norm,
@@ -725,7 +789,7 @@ pub async fn save_weights_for_sampler(
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<SaveWeightsRequest>,
 ) -> Result<Json<UntypedFuture>, ApiError> {
-    let training = state.require_training()?.clone();
+    let training = training_service(&state)?.clone();
     let run = tinker.run(&ctx.team, &req.model_id)?;
     if req.kind.as_deref().is_some_and(|k| k != "snapshot") {
         return Err(ApiError::bad(
