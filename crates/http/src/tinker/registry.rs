@@ -66,7 +66,11 @@ impl Outcome {
 struct FutureEntry {
     team: String,
     result: watch::Receiver<Option<Outcome>>,
+    created: std::time::Instant,
 }
+
+/// How long a future's result is kept (for the SDK's polls and retries).
+pub const FUTURE_TTL: Duration = Duration::from_secs(3600);
 
 /// A saved state (`save_weights`): the adapter and its optimizer.
 #[derive(Clone)]
@@ -293,11 +297,21 @@ impl Tinker {
         let (tx, rx) = watch::channel(None);
         let future = answer(id.clone());
         let mut inner = self.inner();
+        // Finished futures older than the TTL go, with the retry identities that name them.
+        let before = inner.futures.len();
+        inner
+            .futures
+            .retain(|_, f| f.created.elapsed() < FUTURE_TTL || f.result.borrow().is_none());
+        if inner.futures.len() < before {
+            let Inner { futures, seen, .. } = &mut *inner;
+            seen.retain(|_, f| futures.contains_key(&f.request_id));
+        }
         inner.futures.insert(
             id,
             FutureEntry {
                 team: team.to_owned(),
                 result: rx,
+                created: std::time::Instant::now(),
             },
         );
         if let Some(key) = key {
