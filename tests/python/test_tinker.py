@@ -170,11 +170,19 @@ class TinkerSdk(unittest.TestCase):
         moved = mean_nll(tc.forward(batches[0], "cross_entropy").result(), batches[0])
         self.assertNotEqual(moved, after_save)
         with warnings.catch_warnings():
-            # Deprecated in the SDK for create_training_client_from_state, which temper refuses.
+            # Deprecated in the SDK for create_training_client_from_state (below).
             warnings.simplefilter("ignore", FutureWarning)
             tc.load_state(saved).result()
         back = mean_nll(tc.forward(batches[0], "cross_entropy").result(), batches[0])
         self.assertEqual(back, after_save)
+        # The cookbook's resume: a new training client from the saved state, optimizer included.
+        resumed = SERVICE.create_training_client_from_state_with_optimizer(saved).result()
+        self.assertNotEqual(resumed.model_id, tc.model_id)
+        again = mean_nll(resumed.forward(batches[0], "cross_entropy").result(), batches[0])
+        self.assertEqual(again, after_save)
+        resumed.forward_backward(batches[0], "cross_entropy").result()
+        self.assertGreater(resumed.optim_step(tinker.AdamParams(learning_rate=1e-4))
+                           .result().metrics["grad_norm"], 0)
         rest = tinker.RestClient(base_url=SERVER.url, api_key=SDK_KEY)
         listed = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
         self.assertIn("weights/sl-final", listed)

@@ -117,9 +117,10 @@ pub type Work = Box<dyn FnOnce(Arc<TrainingRun>) -> BoxFuture<'static, Outcome> 
 /// A LoRA training run (the SDK's training model), backed by a store model whose checkpoints are
 /// the run's sampler weights.
 pub struct TrainingRun {
-    /// The run's `model_id` and `training_run_id` (as 32 hex digits), and its store model's
-    /// name (`run-<id>`).
-    pub id: Uuid,
+    /// The run's `model_id` and `training_run_id`: 32 hex digits, also in its store model's
+    /// name (`run-<id>`), or `<session>:train:<n>` for a run made from a saved state (the SDK
+    /// names those itself).
+    pub id: String,
     /// The store model's id.
     pub store_id: Uuid,
     pub team: String,
@@ -134,12 +135,27 @@ pub struct TrainingRun {
 
 impl TrainingRun {
     pub fn model_id(&self) -> String {
-        self.id.simple().to_string()
+        self.id.clone()
     }
 
     pub fn lock(&self) -> std::sync::MutexGuard<'_, RunState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// What [`Tinker::add_run`] registers.
+pub struct NewRun {
+    pub id: String,
+    pub store_id: Uuid,
+    pub team: String,
+    pub base: Arc<ServedModel>,
+    pub rank: usize,
+    pub served_name: String,
+    pub user_metadata: Option<serde_json::Map<String, Value>>,
+    pub adapter: LoraAdapter,
+    /// `None`: a fresh one.
+    pub optimizer: Option<AdamW>,
+    pub now: i64,
 }
 
 /// A sampling session: what `asample` samples from.
@@ -156,7 +172,7 @@ pub struct Sampler {
 struct Inner {
     /// Session id → team.
     sessions: HashMap<String, String>,
-    runs: HashMap<Uuid, Arc<TrainingRun>>,
+    runs: HashMap<String, Arc<TrainingRun>>,
     samplers: HashMap<String, Sampler>,
     futures: HashMap<String, FutureEntry>,
     /// (team, a request's identity: its run and `seq_id`) → the future it was answered with, so
@@ -198,34 +214,23 @@ impl Tinker {
     }
 
     /// Registers a run and starts its queue.
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_run(
-        &self,
-        (id, store_id): (Uuid, Uuid),
-        team: &str,
-        base: Arc<ServedModel>,
-        rank: usize,
-        served_name: String,
-        user_metadata: Option<serde_json::Map<String, Value>>,
-        adapter: LoraAdapter,
-        now: i64,
-    ) -> Arc<TrainingRun> {
+    pub fn add_run(&self, new: NewRun) -> Arc<TrainingRun> {
         let (tx, mut rx) = mpsc::unbounded_channel::<(Work, watch::Sender<Option<Outcome>>)>();
         let run = Arc::new(TrainingRun {
-            id,
-            store_id,
-            team: team.to_owned(),
-            base,
-            rank,
-            served_name,
-            user_metadata,
+            id: new.id,
+            store_id: new.store_id,
+            team: new.team,
+            base: new.base,
+            rank: new.rank,
+            served_name: new.served_name,
+            user_metadata: new.user_metadata,
             state: Mutex::new(RunState {
-                optimizer: AdamW::new(&adapter),
-                adapter,
+                optimizer: new.optimizer.unwrap_or_else(|| AdamW::new(&new.adapter)),
+                adapter: new.adapter,
                 grads: None,
                 pending_tokens: 0,
                 checkpoints: Vec::new(),
-                last_request: now,
+                last_request: new.now,
             }),
             queue: tx,
         });
@@ -237,16 +242,17 @@ impl Tinker {
                 done.send_replace(Some(outcome));
             }
         });
-        self.inner().runs.insert(id, run.clone());
+        self.inner().runs.insert(run.id.clone(), run.clone());
         run
     }
 
     /// The team's run `model_id`.
     pub fn run(&self, team: &str, model_id: &str) -> Result<Arc<TrainingRun>, ApiError> {
-        Uuid::parse_str(model_id)
-            .ok()
-            .and_then(|id| self.inner().runs.get(&id).cloned())
+        self.inner()
+            .runs
+            .get(model_id)
             .filter(|r| r.team == team)
+            .cloned()
             .ok_or_else(|| not_found("training model", model_id))
     }
 
@@ -258,7 +264,7 @@ impl Tinker {
             .filter(|r| r.team == team)
             .cloned()
             .collect();
-        runs.sort_by_key(|r| r.id);
+        runs.sort_by(|a, b| a.id.cmp(&b.id));
         runs
     }
 

@@ -23,7 +23,7 @@ use crate::meter::unix_now;
 use crate::state::AppState;
 use crate::tinker::proto::{self, Chunk, ConfigValue, ForwardBackwardRequest};
 use crate::tinker::registry::{
-    Outcome, Sampler, SavedCheckpoint, SavedState, Tinker, TrainingRun, Work, LONG_POLL,
+    NewRun, Outcome, Sampler, SavedCheckpoint, SavedState, Tinker, TrainingRun, Work, LONG_POLL,
 };
 use crate::tinker::wire::{
     CreateModelRequest, CreateSamplingSessionRequest, CreateSessionRequest, FutureRequest,
@@ -192,21 +192,6 @@ pub async fn create_model(
             ),
         ));
     }
-    let id = Uuid::new_v4();
-    let name = format!("run-{}", id.simple());
-    let model = training
-        .create_model(
-            &ctx.team,
-            None,
-            &NewModel {
-                team: &ctx.team,
-                project: PROJECT,
-                name: &name,
-                base_model: &base.name,
-            },
-            false,
-        )
-        .await?;
     let rank = lora.rank as usize;
     let seed = lora.seed.unwrap_or_else(|| Uuid::new_v4().as_u64_pair().0);
     let weights = base.base.model.clone();
@@ -222,18 +207,9 @@ pub async fn create_model(
     })
     .await
     .map_err(|e| ApiError::Internal(format!("creating the adapter panicked: {e}")))?;
-    let served_name = format!("{}/{}/{}", model.team, model.project, model.name);
-    let run = tinker.add_run(
-        (id, model.id),
-        &ctx.team,
-        base,
-        rank,
-        served_name,
-        req.user_metadata,
-        adapter,
-        now(),
-    );
-    tracing::info!(model_id = %run.model_id(), rank, "tinker training run created");
+    let id = Uuid::new_v4().simple().to_string();
+    let new = (base, rank, adapter, None, req.user_metadata);
+    let run = register_run(training, &tinker, &ctx, id, new).await?;
     let answer = json!({ "type": "create_model", "model_id": run.model_id() });
     Ok(Json(done(
         &tinker,
@@ -241,6 +217,59 @@ pub async fn create_model(
         Some(run.model_id()),
         Outcome::Json(answer),
     )))
+}
+
+/// A run's base model, LoRA rank, adapter, optimizer (`None`: fresh) and metadata.
+type RunParts = (
+    Arc<crate::state::ServedModel>,
+    usize,
+    LoraAdapter,
+    Option<AdamW>,
+    Option<serde_json::Map<String, Value>>,
+);
+
+/// Registers the run `id` of the team, with its store model `<team>/tinker/run-<hex>` (the
+/// run's id when it is hex, else a fresh one).
+async fn register_run(
+    training: &temper_train::service::TrainingService,
+    tinker: &Tinker,
+    ctx: &RequestContext,
+    id: String,
+    (base, rank, adapter, optimizer, user_metadata): RunParts,
+) -> Result<Arc<TrainingRun>, ApiError> {
+    let hex = if id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        id.clone()
+    } else {
+        Uuid::new_v4().simple().to_string()
+    };
+    let name = format!("run-{hex}");
+    let model = training
+        .create_model(
+            &ctx.team,
+            None,
+            &NewModel {
+                team: &ctx.team,
+                project: PROJECT,
+                name: &name,
+                base_model: &base.name,
+            },
+            false,
+        )
+        .await?;
+    let run = tinker.add_run(NewRun {
+        id,
+        store_id: model.id,
+        team: ctx.team.clone(),
+        base,
+        rank,
+        served_name: format!("{}/{}/{}", model.team, model.project, model.name),
+        user_metadata,
+        adapter,
+        optimizer,
+        now: now(),
+    });
+    tracing::info!(model_id = %run.model_id(), rank, "tinker training run created");
+    Ok(run)
 }
 
 /// Where the SDK finds the base model's tokenizer (`AutoTokenizer.from_pretrained`): the
@@ -885,16 +914,15 @@ fn resolve_path(
 /// `load_weights` (`load_state`, `load_state_with_optimizer`) into an existing run, from a
 /// `weights/` checkpoint saved while the server runs; any accumulated gradient is dropped.
 pub async fn load_weights(
+    State(state): State<AppState>,
     Extension(tinker): Registry,
     Extension(ctx): Extension<RequestContext>,
     ValidJson(req): ValidJson<LoadWeightsRequest>,
 ) -> Result<Json<UntypedFuture>, ApiError> {
     let Some(model_id) = req.model_id.clone() else {
-        return Err(ApiError::bad(
-            "model_id",
-            "temper loads weights into an existing training client only: create one with \
-             `create_lora_training_client`, then call `load_state`.",
-        ));
+        return load_into_new_run(&state, &tinker, &ctx, req)
+            .await
+            .map(Json);
     };
     let run = tinker.run(&ctx.team, &model_id)?;
     let (_, saved) = resolve_path(&tinker, &ctx.team, &req.path)?;
@@ -930,6 +958,65 @@ pub async fn load_weights(
         })
     });
     Ok(Json(tinker.submit(&run, key.as_deref(), work)))
+}
+
+/// `create_training_client_from_state`: a new run `<session_id>:train:<model_seq_id>` (the id
+/// the SDK gives it) from a saved state, with its optimizer when asked. A retry finds the run.
+async fn load_into_new_run(
+    state: &AppState,
+    tinker: &Tinker,
+    ctx: &RequestContext,
+    req: LoadWeightsRequest,
+) -> Result<UntypedFuture, ApiError> {
+    let training = training_service(state)?;
+    let (Some(session), Some(seq)) = (&req.session_id, req.model_seq_id) else {
+        return Err(ApiError::bad(
+            "model_id",
+            "`load_weights` needs a `model_id`, or a `session_id` and `model_seq_id` for a new \
+             training model.",
+        ));
+    };
+    tinker.check_session(&ctx.team, session)?;
+    let model_id = format!("{session}:train:{seq}");
+    let key = format!("load#{model_id}");
+    if let Some(seen) = tinker.seen(&ctx.team, &key) {
+        return Ok(seen);
+    }
+    let (source, saved) = resolve_path(tinker, &ctx.team, &req.path)?;
+    let Some(saved_state) = saved.state else {
+        return Err(ApiError::bad(
+            "path",
+            "Sampler weights have no training state: load a `weights/` checkpoint (save_state).",
+        ));
+    };
+    if let Some(base) = req.base_model.as_deref().filter(|b| *b != source.base.name) {
+        return Err(ApiError::bad(
+            "base_model",
+            format!("The checkpoint is of `{}`, not `{base}`.", source.base.name),
+        ));
+    }
+    if tinker.run(&ctx.team, &model_id).is_ok() {
+        return Err(ApiError::Conflict(format!(
+            "The training model `{model_id}` exists."
+        )));
+    }
+    let optimizer = req.optimizer.then_some(saved_state.optimizer);
+    let parts = (
+        source.base.clone(),
+        source.rank,
+        saved_state.adapter,
+        optimizer,
+        req.user_metadata,
+    );
+    let run = register_run(training, tinker, ctx, model_id, parts).await?;
+    let answer = json!({ "type": "load_weights", "path": req.path, "model_id": run.model_id() });
+    let (future, tx) = tinker.new_future(&ctx.team, Some(&key), |request_id| UntypedFuture {
+        request_id,
+        model_id: Some(run.model_id()),
+        sample_sequence_ids: None,
+    });
+    tx.send_replace(Some(Outcome::Json(answer)));
+    Ok(future)
 }
 
 /// What a sampling request names: a `tinker://…/sampler_weights/…` path or a base model.

@@ -116,6 +116,16 @@ pub struct SaveWeightsRequest {
 pub struct LoadWeightsRequest {
     #[serde(default)]
     pub model_id: Option<String>,
+    /// With `model_seq_id` and no `model_id`: a new run from the state
+    /// (`create_training_client_from_state`), `model_id` `<session_id>:train:<model_seq_id>`.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    #[serde(default)]
+    pub model_seq_id: Option<i64>,
+    #[serde(default)]
+    pub base_model: Option<String>,
+    #[serde(default)]
+    pub user_metadata: Option<serde_json::Map<String, Value>>,
     #[serde(default)]
     pub seq_id: Option<i64>,
     pub path: String,
