@@ -219,12 +219,43 @@ async fn a_training_step_its_retries_and_its_sampler_weights() {
         assert_eq!(r["num_gradient_steps"], 1, "{r}");
     }
 
+    // The policy losses read the sampler's logprobs and the advantages; their logprobs are the
+    // same forward's.
+    for (seq, loss) in [(4, "importance_sampling"), (5, "ppo"), (6, "cispo")] {
+        let mut d = datum(&TOKENS, 4);
+        d.loss_fn_inputs.remove("weights");
+        let old: Vec<f32> = la.iter().map(|&x| x as f32 - 0.1).collect();
+        d.loss_fn_inputs
+            .insert("logprobs".into(), Tensor::f32(&old));
+        d.loss_fn_inputs.insert(
+            "advantages".into(),
+            Tensor::f32(&[0.0, 0.0, 1.0, 1.0, -1.0, 0.5]),
+        );
+        let mut req = request(&a, seq, loss, vec![d]);
+        if loss != "importance_sampling" {
+            req.loss_fn_config = [(
+                "clip_high_threshold".to_owned(),
+                temper_http::tinker::proto::ConfigValue::Number(1.05),
+            )]
+            .into();
+        }
+        let (status, future) = api.forward_backward(KEY, &req).await;
+        assert_eq!(status, 200, "{loss}: {future}");
+        let out = api.result(KEY, &future).await;
+        assert_eq!(logprobs(&out), la, "{loss}");
+        assert!(
+            out["metrics"]["loss:sum"].as_f64().unwrap().is_finite(),
+            "{out}"
+        );
+    }
+    // (Their gradients accumulate; no step follows, so the weights below are still a's.)
+
     // Sampler weights: a temper checkpoint served by name, listed in /v1/models.
     let (status, future) = api
         .post(
             KEY,
             "/api/v1/save_weights_for_sampler",
-            &json!({ "model_id": a, "path": "w1", "seq_id": 4 }),
+            &json!({ "model_id": a, "path": "w1", "seq_id": 7 }),
         )
         .await;
     assert_eq!(status, 200, "{future}");
