@@ -1101,6 +1101,7 @@ fn completion_body(
     served_name: &str,
     req: &SampleRequest,
     prompt: &[u32],
+    context: usize,
 ) -> Result<Value, ApiError> {
     let p = &req.sampling_params;
     let mut body = json!({
@@ -1116,8 +1117,12 @@ fn completion_body(
     if p.top_k > 0 {
         body["top_k"] = json!(p.top_k);
     }
-    if let Some(m) = p.max_tokens {
-        body["max_tokens"] = json!(m);
+    // Without `max_tokens`, the context the prompt leaves (the completions route's default
+    // is 16).
+    match p.max_tokens {
+        Some(m) => body["max_tokens"] = json!(m),
+        None if context > prompt.len() => body["max_tokens"] = json!(context - prompt.len()),
+        None => {}
     }
     if let Some(seed) = p.seed {
         body["seed"] = json!(seed);
@@ -1227,7 +1232,10 @@ pub async fn asample(
         ));
     }
     let prompt = prompt_tokens(&req.prompt)?;
-    let body = completion_body(&sampler.served_name, &req, &prompt)?;
+    let context = state
+        .model(Some(&sampler.base_model))
+        .map_or(0, |m| m.max_model_len);
+    let body = completion_body(&sampler.served_name, &req, &prompt, context)?;
     let completion: crate::protocol::CompletionRequest =
         crate::extract::parse_json(body.to_string().as_bytes())?;
     let key = req
