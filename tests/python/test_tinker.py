@@ -196,12 +196,13 @@ class TinkerSdk(unittest.TestCase):
                    ("Answer with one word: is the sky blue?", "Is water wet? Reply yes or no.")]
         group_size, rounds = 16, 5
         tc = training_client(seed=1)
-        params = types.SamplingParams(max_tokens=3, temperature=1.0)
-        adam = tinker.AdamParams(learning_rate=2e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+        adam = tinker.AdamParams(learning_rate=5e-4, beta1=0.9, beta2=0.95, eps=1e-8)
         sampler = tc.save_weights_and_get_sampling_client().result()
         targets = None
         rewards = []
         for round_ in range(rounds):
+            # Seeded: each round's samples are the same from run to run.
+            params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=round_)
             futures = [sampler.sample(types.ModelInput.from_ints(p), group_size, params)
                        for p in prompts]
             results = [f.result() for f in futures]
@@ -236,8 +237,9 @@ class TinkerSdk(unittest.TestCase):
                 optim.result()
             sampler = tc.save_weights_and_get_sampling_client().result()
         print(f"\nRL mean reward per round: {[round(r, 3) for r in rewards]}", file=sys.stderr)
+        # About 0.31 -> 0.97 -> 1.0 (seeded samples: the same from run to run).
         self.assertLess(rewards[0], 0.9)
-        self.assertGreater(sum(rewards[-2:]) / 2, rewards[0] + 0.15)
+        self.assertGreater(sum(rewards[-2:]) / 2, max(0.8, rewards[0] + 0.15))
 
     def test_forward_logprobs_equal_the_served_ones_and_sampler_weights_are_served(self):
         tc = training_client(seed=2)

@@ -571,6 +571,7 @@ pub async fn forward_backward(
     let max_seq_len = state
         .training()
         .map_or(run.base.max_model_len, |t| t.options.max_seq_len);
+    let pool = state.training().and_then(|t| t.trainer_pool());
     let backward = !req.forward_only;
     // Positions with a loss: what the step's usage counts as trained tokens.
     let trained: u64 = data
@@ -590,7 +591,21 @@ pub async fn forward_backward(
             let adapter = run.lock().adapter.clone();
             let model = run.base.base.model.clone();
             let stepped = tokio::task::spawn_blocking(move || {
-                temper_train::forward_backward(&model, &adapter, &data, loss, backward, max_seq_len)
+                let step = || {
+                    temper_train::forward_backward(
+                        &model,
+                        &adapter,
+                        &data,
+                        loss,
+                        backward,
+                        max_seq_len,
+                    )
+                };
+                // On the trainer's threads, below serving's priority, when the worker runs here.
+                match pool {
+                    Some(pool) => pool.install(step),
+                    None => step(),
+                }
             })
             .await;
             let mut output = match stepped {

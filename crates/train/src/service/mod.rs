@@ -140,6 +140,9 @@ pub struct TrainingService {
     /// Set (under the `running` lock) by [`TrainingService::begin_shutdown`]: the worker claims
     /// no more jobs.
     shutting_down: AtomicBool,
+    /// The trainer's threads, once the worker has started them: other training in the process
+    /// (the Tinker API's steps) runs on them too.
+    pool: std::sync::OnceLock<Arc<TrainerPool>>,
 }
 
 impl TrainingService {
@@ -186,6 +189,7 @@ impl TrainingService {
             wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),
+            pool: std::sync::OnceLock::new(),
             options,
         })
     }
@@ -193,8 +197,14 @@ impl TrainingService {
     /// Starts the trainer's threads and the job worker on the current runtime (a process runs
     /// at most one); the error says which step of starting the threads failed.
     pub fn spawn_worker(self: &Arc<Self>) -> Result<tokio::task::JoinHandle<()>, String> {
-        let pool = TrainerPool::new(self.options.trainer_threads)?;
-        Ok(tokio::spawn(worker::run(self.clone(), Arc::new(pool))))
+        let pool = Arc::new(TrainerPool::new(self.options.trainer_threads)?);
+        let _ = self.pool.set(pool.clone());
+        Ok(tokio::spawn(worker::run(self.clone(), pool)))
+    }
+
+    /// The worker's trainer threads (see [`TrainerPool`]), when it runs in this process.
+    pub fn trainer_pool(&self) -> Option<Arc<TrainerPool>> {
+        self.pool.get().cloned()
     }
 
     pub fn base_model(&self, name: &str) -> Option<&Arc<BaseModel>> {
