@@ -22,20 +22,30 @@ async fn api() -> Api {
     }
 }
 
+/// A call the SDK's way: `X-API-Key` with the `tml-` prefix it requires; a JSON body with POST.
+async fn call(s: &TestServer, key: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    let req = match body {
+        Some(body) => s.client.post(s.url(path)).json(body),
+        None => s.client.get(s.url(path)),
+    };
+    let resp = req
+        .header("x-api-key", format!("tml-{key}"))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap())
+}
+
 impl Api {
-    /// The SDK's way: `X-API-Key` with the `tml-` prefix it requires.
     async fn post(&self, key: &str, path: &str, body: &Value) -> (u16, Value) {
-        let resp = self
-            .server
-            .client
-            .post(self.server.url(path))
-            .header("x-api-key", format!("tml-{key}"))
-            .json(body)
-            .send()
-            .await
-            .unwrap();
-        let status = resp.status().as_u16();
-        (status, resp.json().await.unwrap())
+        call(&self.server, key, path, Some(body)).await
+    }
+
+    /// A key of another team.
+    async fn other_team(&self) -> String {
+        let store = &self.server.state.training().unwrap().store;
+        store.create_key("other").await.unwrap().1
     }
 
     async fn forward_backward(&self, key: &str, req: &ForwardBackwardRequest) -> (u16, Value) {
@@ -202,7 +212,7 @@ async fn a_training_step_its_retries_and_its_sampler_weights() {
         .unwrap();
     let results: Vec<&Value> = usage["data"]
         .as_array()
-        .expect(&usage.to_string())
+        .unwrap_or_else(|| panic!("{usage}"))
         .iter()
         .flat_map(|b| b["results"].as_array().unwrap())
         .collect();
@@ -334,15 +344,7 @@ async fn a_training_step_its_retries_and_its_sampler_weights() {
 #[tokio::test]
 async fn another_teams_objects_and_bad_input() {
     let api = api().await;
-    let (_, other) = api
-        .server
-        .state
-        .training()
-        .unwrap()
-        .store
-        .create_key("other")
-        .await
-        .unwrap();
+    let other = api.other_team().await;
     let session = api.session(KEY).await;
     let model = api.create_model(KEY, &session, 1).await;
     let req = request(&model, 1, "cross_entropy", vec![datum(&TOKENS, 4)]);
@@ -513,24 +515,17 @@ async fn another_teams_objects_and_bad_input() {
 #[tokio::test]
 async fn without_a_store_training_is_a_400_not_a_retried_503() {
     let s = TestServer::tiny(common::options(), None).await;
-    let post = |path: &'static str, body: Value| {
-        s.client
-            .post(s.url(path))
-            .header("x-api-key", format!("tml-{KEY}"))
-            .json(&body)
-            .send()
-    };
-    let session: Value = post("/api/v1/create_session", json!({"tags": []}))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, session) = call(
+        &s,
+        KEY,
+        "/api/v1/create_session",
+        Some(&json!({"tags": []})),
+    )
+    .await;
     let body = json!({ "session_id": session["session_id"], "base_model": "tiny",
         "lora_config": { "rank": 2, "train_unembed": false } });
-    let resp = post("/api/v1/create_model", body).await.unwrap();
-    assert_eq!(resp.status().as_u16(), 400);
-    let v: Value = resp.json().await.unwrap();
+    let (status, v) = call(&s, KEY, "/api/v1/create_model", Some(&body)).await;
+    assert_eq!(status, 400);
     assert!(
         v["error"]["message"]
             .as_str()
@@ -539,16 +534,7 @@ async fn without_a_store_training_is_a_400_not_a_retried_503() {
         "{v}"
     );
     // Sampling the base model needs no store.
-    let caps: Value = s
-        .client
-        .get(s.url("/api/v1/get_server_capabilities"))
-        .header("x-api-key", format!("tml-{KEY}"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, caps) = call(&s, KEY, "/api/v1/get_server_capabilities", None).await;
     assert_eq!(caps["supported_models"][0]["trainable"], false, "{caps}");
     assert_eq!(caps["supported_models"][0]["sampleable"], true, "{caps}");
 }

@@ -63,7 +63,7 @@ fn one_importance_sampling_step_is_a_one_group_job() {
     let job = TokenizedJob {
         sequences: sequences.clone(),
         rewards: vec![rewards.to_vec()],
-        loss: loss.clone(),
+        loss,
     };
     let by_job = run_job(
         &t.model,

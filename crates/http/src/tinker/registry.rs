@@ -114,9 +114,8 @@ pub struct RunState {
 /// A unit of a run's work: runs after the run's earlier requests, with the run.
 pub type Work = Box<dyn FnOnce(Arc<TrainingRun>) -> BoxFuture<'static, Outcome> + Send>;
 
-/// A LoRA training run (the SDK's training model), backed by a store model whose checkpoints are
-/// the run's sampler weights.
-pub struct TrainingRun {
+/// What a run is, fixed when it is made.
+pub struct RunInfo {
     /// The run's `model_id` and `training_run_id`: 32 hex digits, also in its store model's
     /// name (`run-<id>`), or `<session>:train:<n>` for a run made from a saved state (the SDK
     /// names those itself).
@@ -129,8 +128,22 @@ pub struct TrainingRun {
     /// `<team>/<project>/<name>` of the store model: a checkpoint is served as `…:step<N>`.
     pub served_name: String,
     pub user_metadata: Option<serde_json::Map<String, Value>>,
+}
+
+/// A LoRA training run (the SDK's training model), backed by a store model whose checkpoints are
+/// the run's sampler weights.
+pub struct TrainingRun {
+    pub info: RunInfo,
     pub state: Mutex<RunState>,
     queue: mpsc::UnboundedSender<(Work, watch::Sender<Option<Outcome>>)>,
+}
+
+impl std::ops::Deref for TrainingRun {
+    type Target = RunInfo;
+
+    fn deref(&self) -> &RunInfo {
+        &self.info
+    }
 }
 
 impl TrainingRun {
@@ -145,13 +158,7 @@ impl TrainingRun {
 
 /// What [`Tinker::add_run`] registers.
 pub struct NewRun {
-    pub id: String,
-    pub store_id: Uuid,
-    pub team: String,
-    pub base: Arc<ServedModel>,
-    pub rank: usize,
-    pub served_name: String,
-    pub user_metadata: Option<serde_json::Map<String, Value>>,
+    pub info: RunInfo,
     pub adapter: LoraAdapter,
     /// `None`: a fresh one.
     pub optimizer: Option<AdamW>,
@@ -217,13 +224,7 @@ impl Tinker {
     pub fn add_run(&self, new: NewRun) -> Arc<TrainingRun> {
         let (tx, mut rx) = mpsc::unbounded_channel::<(Work, watch::Sender<Option<Outcome>>)>();
         let run = Arc::new(TrainingRun {
-            id: new.id,
-            store_id: new.store_id,
-            team: new.team,
-            base: new.base,
-            rank: new.rank,
-            served_name: new.served_name,
-            user_metadata: new.user_metadata,
+            info: new.info,
             state: Mutex::new(RunState {
                 optimizer: new.optimizer.unwrap_or_else(|| AdamW::new(&new.adapter)),
                 adapter: new.adapter,

@@ -23,7 +23,8 @@ use crate::meter::unix_now;
 use crate::state::AppState;
 use crate::tinker::proto::{self, Chunk, ConfigValue, ForwardBackwardRequest};
 use crate::tinker::registry::{
-    NewRun, Outcome, Sampler, SavedCheckpoint, SavedState, Tinker, TrainingRun, Work, LONG_POLL,
+    NewRun, Outcome, RunInfo, Sampler, SavedCheckpoint, SavedState, Tinker, TrainingRun, Work,
+    LONG_POLL,
 };
 use crate::tinker::wire::{
     CreateModelRequest, CreateSamplingSessionRequest, CreateSessionRequest, FutureRequest,
@@ -257,13 +258,15 @@ async fn register_run(
         )
         .await?;
     let run = tinker.add_run(NewRun {
-        id,
-        store_id: model.id,
-        team: ctx.team.clone(),
-        base,
-        rank,
-        served_name: format!("{}/{}/{}", model.team, model.project, model.name),
-        user_metadata,
+        info: RunInfo {
+            id,
+            store_id: model.id,
+            team: ctx.team.clone(),
+            base,
+            rank,
+            served_name: format!("{}/{}/{}", model.team, model.project, model.name),
+            user_metadata,
+        },
         adapter,
         optimizer,
         now: now(),
