@@ -57,6 +57,7 @@ test: system-deps fetch-model real-tokenizers tiny-served build
 		| tee -a target/test.log || status=1; \
 	scripts/python-sdk-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	scripts/art-tests.sh 2>&1 | tee -a target/test.log || status=1; \
+	scripts/tinker-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	scripts/adapter-export-tests.sh 2>&1 | tee -a target/test.log || status=1; \
 	export TEMPER_TINY_SERVED=$$(scripts/tiny-served.sh); \
 	for family in $(FAMILIES); do \

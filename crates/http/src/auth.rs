@@ -105,7 +105,8 @@ pub async fn request_context(mut req: Request, next: Next) -> Response {
     response
 }
 
-/// Bearer key check, then the project header, whose team must be the key's (a 400 otherwise).
+/// Key check (`Authorization: Bearer`, or `X-API-Key` as the tinker SDK sends it), then the
+/// project header, whose team must be the key's (a 400 otherwise).
 /// Every route but `/health` runs through this.
 pub async fn authorize(
     State(state): State<AppState>,
@@ -148,14 +149,18 @@ pub async fn authorize(
 async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<String, ApiError> {
     let options = state.options();
     let store = state.store();
-    let presented = bearer(headers);
-    if let Some(key) = presented {
-        if matches_any(&options.api_keys, key) {
-            return Ok(DEFAULT_TEAM.to_owned());
-        }
-        if let Some(store) = store {
-            if let Some(team) = store.authenticate(key).await? {
-                return Ok(team.name);
+    let presented = bearer(headers).or_else(|| api_key_header(headers));
+    if let Some(presented) = presented {
+        // The tinker SDK only sends keys that start with `tml-`: `tml-<key>` is `<key>` too.
+        let unprefixed = presented.strip_prefix(TINKER_KEY_PREFIX);
+        for key in std::iter::once(presented).chain(unprefixed) {
+            if matches_any(&options.api_keys, key) {
+                return Ok(DEFAULT_TEAM.to_owned());
+            }
+            if let Some(store) = store {
+                if let Some(team) = store.authenticate(key).await? {
+                    return Ok(team.name);
+                }
             }
         }
     }
@@ -180,6 +185,16 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, key) = value.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+}
+
+/// The prefix the tinker SDK requires of an API key; temper strips it when the whole does not
+/// match (see [`authenticate`]).
+const TINKER_KEY_PREFIX: &str = "tml-";
+
+/// `X-API-Key: <key>`, as the tinker SDK sends its key.
+fn api_key_header(headers: &HeaderMap) -> Option<&str> {
+    let key = headers.get("x-api-key")?.to_str().ok()?.trim();
+    (!key.is_empty()).then_some(key)
 }
 
 /// Compares against every key without early exit so timing does not reveal a prefix match.

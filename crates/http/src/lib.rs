@@ -19,6 +19,7 @@ pub mod sampling;
 pub mod state;
 pub mod structured;
 pub mod team_limits;
+pub mod tinker;
 pub mod tokenize;
 pub mod training;
 pub mod usage;
@@ -44,10 +45,12 @@ type Route = (&'static str, MethodRouter<AppState>);
 
 /// The application: every route, authentication, body limit, the error envelope for axum's own
 /// rejections, and the per-request tracing span. Every route is in one of the tables below
-/// (`open_routes`, `serving_routes`, `training_route_table`), so that `route_paths` lists it.
+/// (`open_routes`, `serving_routes`, `training_route_table`, `tinker_route_table`), so that
+/// `route_paths` lists it.
 pub fn router(state: AppState) -> Router {
     let api = mount(serving_routes())
         .merge(training_routes(&state))
+        .merge(tinker_routes(&state))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::authorize,
@@ -64,11 +67,16 @@ pub fn router(state: AppState) -> Router {
 /// Every path `router` serves, as axum spells it (`{id}` for a path parameter): the OpenAPI
 /// document's test checks each against the document.
 pub fn route_paths() -> Vec<&'static str> {
-    [open_routes(), serving_routes(), training_route_table()]
-        .into_iter()
-        .flatten()
-        .map(|(path, _)| path)
-        .collect()
+    [
+        open_routes(),
+        serving_routes(),
+        training_route_table(),
+        tinker_route_table(),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|(path, _)| path)
+    .collect()
 }
 
 fn mount(routes: Vec<Route>) -> Router<AppState> {
@@ -145,6 +153,62 @@ fn training_route_table() -> Vec<Route> {
         ("/v1/preview/training-jobs/{id}/events", get(r::list_events)),
         ("/v1/preview/training-jobs/{id}/cancel", post(r::cancel_job)),
         ("/v1/preview/sft-training-jobs", post(r::create_sft_job)),
+    ]
+}
+
+/// The Tinker API (`tinker`): its own registry of live objects, the training routes' body limit.
+fn tinker_routes(state: &AppState) -> Router<AppState> {
+    let limit = state
+        .training()
+        .map_or(state.options().max_body_bytes, |t| t.options.max_body_bytes);
+    mount(tinker_route_table())
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(Extension(extract::BodyLimit(limit)))
+        .layer(Extension(std::sync::Arc::new(tinker::Tinker::default())))
+}
+
+fn tinker_route_table() -> Vec<Route> {
+    use tinker::routes as t;
+    vec![
+        ("/api/v1/healthz", get(t::healthz)),
+        ("/api/v1/client/config", post(t::client_config)),
+        ("/api/v1/client/dynamic_config", post(t::dynamic_config)),
+        ("/api/v1/telemetry", post(t::telemetry)),
+        ("/api/v1/create_session", post(t::create_session)),
+        ("/api/v1/session_heartbeat", post(t::session_heartbeat)),
+        (
+            "/api/v1/get_server_capabilities",
+            get(t::server_capabilities),
+        ),
+        ("/api/v1/create_model", post(t::create_model)),
+        ("/api/v1/get_info", post(t::get_info)),
+        ("/api/v1/forward_backward", post(t::forward_backward)),
+        ("/api/v1/optim_step", post(t::optim_step)),
+        ("/api/v1/save_weights", post(t::save_weights)),
+        (
+            "/api/v1/save_weights_for_sampler",
+            post(t::save_weights_for_sampler),
+        ),
+        ("/api/v1/load_weights", post(t::load_weights)),
+        (
+            "/api/v1/create_sampling_session",
+            post(t::create_sampling_session),
+        ),
+        ("/api/v1/samplers/{id}", get(t::get_sampler)),
+        ("/api/v1/asample", post(t::asample)),
+        ("/api/v1/retrieve_future", post(t::retrieve_future)),
+        ("/api/v1/cancel_future", post(t::cancel_future)),
+        ("/api/v1/training_runs", get(t::training_runs)),
+        ("/api/v1/training_runs/{id}", get(t::training_run)),
+        (
+            "/api/v1/training_runs/{id}/checkpoints",
+            get(t::run_checkpoints),
+        ),
+        (
+            "/api/v1/training_runs/{id}/checkpoints/{kind}/{name}",
+            axum::routing::delete(t::delete_checkpoint),
+        ),
+        ("/api/v1/checkpoints", get(t::checkpoints)),
     ]
 }
 

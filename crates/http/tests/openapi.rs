@@ -1040,6 +1040,8 @@ async fn real_responses_match_the_documented_schemas() {
     c.fallback(&s, Method::GET, "/v1/nothing-here", 404).await;
     c.fallback(&s, Method::PUT, "/v1/models", 405).await;
 
+    tinker_calls(&mut c, &s).await;
+
     // A server without the store: the training API is off; one team's burst past its share.
     let base_only = TestServer::tiny(
         ServerOptions {
@@ -1087,6 +1089,170 @@ async fn real_responses_match_the_documented_schemas() {
         missing.is_empty(),
         "documented operations this test never saw succeed: {missing:?}"
     );
+}
+
+/// Every Tinker API operation once, in the SDK's order: session, run, a step, weights, sampling,
+/// listings.
+async fn tinker_calls(c: &mut Checker, s: &TestServer) {
+    use temper_http::tinker::proto::{Chunk, Datum, ForwardBackwardRequest, Tensor};
+    for (method, path) in [
+        ("GET", "/api/v1/healthz"),
+        ("POST", "/api/v1/client/config"),
+        ("POST", "/api/v1/client/dynamic_config"),
+        ("POST", "/api/v1/telemetry"),
+        ("GET", "/api/v1/get_server_capabilities"),
+    ] {
+        let call = Call::new(method, path);
+        let call = if method == "POST" {
+            call.json(json!({}))
+        } else {
+            call
+        };
+        c.send(s, call, 200).await;
+    }
+    let session = c
+        .send(
+            s,
+            Call::new("POST", "/api/v1/create_session").json(json!({"tags": []})),
+            200,
+        )
+        .await
+        .body["session_id"]
+        .clone();
+    let heartbeat = json!({"session_id": session});
+    c.send(
+        s,
+        Call::new("POST", "/api/v1/session_heartbeat").json(heartbeat),
+        200,
+    )
+    .await;
+    let create = json!({"session_id": session, "base_model": "tiny",
+        "lora_config": {"rank": 2, "seed": 1, "train_unembed": false}});
+    let future = c
+        .send(
+            s,
+            Call::new("POST", "/api/v1/create_model").json(create),
+            200,
+        )
+        .await;
+    let result = |future: Value| {
+        let body = json!({"request_id": future["request_id"]});
+        Call::new("POST", "/api/v1/retrieve_future").json(body)
+    };
+    let model = c.send(s, result(future.body), 200).await.body["model_id"].clone();
+    let model_id = model.as_str().unwrap();
+    c.send(
+        s,
+        Call::new("POST", "/api/v1/get_info").json(json!({"model_id": model})),
+        200,
+    )
+    .await;
+    let mut datum = Datum {
+        chunks: vec![Chunk::Tokens(vec![2, 17, 33])],
+        ..Datum::default()
+    };
+    datum
+        .loss_fn_inputs
+        .insert("target_tokens".into(), Tensor::i64(&[17, 33, 4]));
+    datum
+        .loss_fn_inputs
+        .insert("weights".into(), Tensor::f32(&[1.0; 3]));
+    let step = ForwardBackwardRequest {
+        model_id: model_id.to_owned(),
+        seq_id: 1,
+        data: vec![datum],
+        loss_fn: "cross_entropy".into(),
+        ..ForwardBackwardRequest::default()
+    };
+    let future = c
+        .send(
+            s,
+            Call::new("POST", "/api/v1/forward_backward")
+                .raw(step.encode())
+                .header("content-type", "application/x-protobuf"),
+            200,
+        )
+        .await;
+    c.send(s, result(future.body), 200).await;
+    let calls = [
+        (
+            "/api/v1/optim_step",
+            json!({"model_id": model, "seq_id": 2,
+            "adam_params": {"learning_rate": 0.01}}),
+        ),
+        (
+            "/api/v1/save_weights",
+            json!({"model_id": model, "seq_id": 3, "path": "s1"}),
+        ),
+        (
+            "/api/v1/load_weights",
+            json!({"model_id": model, "seq_id": 4,
+            "path": format!("tinker://{model_id}/weights/s1"), "optimizer": true}),
+        ),
+        (
+            "/api/v1/save_weights_for_sampler",
+            json!({"model_id": model, "seq_id": 5,
+            "path": "w1"}),
+        ),
+    ];
+    for (path, body) in calls {
+        let future = c.send(s, Call::new("POST", path).json(body), 200).await;
+        c.send(s, result(future.body), 200).await;
+    }
+    let sampler = c
+        .send(
+            s,
+            Call::new("POST", "/api/v1/create_sampling_session").json(json!({
+                "session_id": session,
+                "model_path": format!("tinker://{model_id}/sampler_weights/w1"),
+            })),
+            200,
+        )
+        .await
+        .body["sampling_session_id"]
+        .clone();
+    let sampler_path = format!("/api/v1/samplers/{}", sampler.as_str().unwrap());
+    c.send(
+        s,
+        Call::new("GET", "/api/v1/samplers/{id}").at(sampler_path),
+        200,
+    )
+    .await;
+    let sample = json!({"sampling_session_id": sampler, "seq_id": 0, "num_samples": 2,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [2, 17]}]},
+        "sampling_params": {"max_tokens": 2}});
+    let future = c
+        .send(s, Call::new("POST", "/api/v1/asample").json(sample), 200)
+        .await;
+    let cancel = json!({"request_id": future.body["request_id"]});
+    c.send(s, result(future.body), 200).await;
+    c.send(
+        s,
+        Call::new("POST", "/api/v1/cancel_future").json(cancel),
+        200,
+    )
+    .await;
+    let run = format!("/api/v1/training_runs/{model_id}");
+    c.send(s, Call::new("GET", "/api/v1/training_runs"), 200)
+        .await;
+    c.send(
+        s,
+        Call::new("GET", "/api/v1/training_runs/{id}").at(&run),
+        200,
+    )
+    .await;
+    let checkpoints = "/api/v1/training_runs/{id}/checkpoints";
+    c.send(
+        s,
+        Call::new("GET", checkpoints).at(format!("{run}/checkpoints")),
+        200,
+    )
+    .await;
+    c.send(s, Call::new("GET", "/api/v1/checkpoints"), 200)
+        .await;
+    let delete = "/api/v1/training_runs/{id}/checkpoints/{kind}/{name}";
+    let at = format!("{run}/checkpoints/sampler_weights/w1");
+    c.send(s, Call::new("DELETE", delete).at(at), 200).await;
 }
 
 async fn wait_succeeded(s: &TestServer, job: &str) {

@@ -247,6 +247,18 @@ impl ByteLevelBpe {
         })
     }
 
+    /// The `tokenizers` normalizer, pre-tokenizer and model as `tokenizer.json` writes them.
+    pub(crate) fn hf_parts(
+        &self,
+    ) -> Result<(serde_json::Value, serde_json::Value, serde_json::Value), TextError> {
+        let err = |e: serde_json::Error| tk_err("exporting the tokenizer", e);
+        Ok((
+            serde_json::to_value(&self.normalizer).map_err(err)?,
+            serde_json::to_value(&self.pre).map_err(err)?,
+            serde_json::to_value(&self.bpe).map_err(err)?,
+        ))
+    }
+
     /// Appends the ids of `text` (a fragment with no special pieces) to `out`.
     pub fn encode(&self, text: &str, out: &mut Vec<u32>) {
         let mut normalized = NormalizedString::from(text);

@@ -3,6 +3,7 @@
 
 mod bytelevel;
 mod decode;
+mod export;
 mod load;
 mod merge;
 mod partition;
@@ -15,6 +16,7 @@ pub mod tool_calls;
 use std::path::PathBuf;
 
 pub use decode::{DecodeOptions, DecodeStream};
+pub use export::HfTokenizerFiles;
 pub use load::{gguf_chat_template, load_tokenizer};
 pub use reasoning::{split_reasoning, ReasoningDelta, ReasoningParser, THINK_END, THINK_START};
 pub use template::{

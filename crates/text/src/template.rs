@@ -122,6 +122,8 @@ pub struct TemplateInput<'a> {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The Jinja source as given (what a Hugging Face `tokenizer_config.json` carries).
+    source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
     marks_thinking: bool,
@@ -288,11 +290,17 @@ impl ChatTemplate {
             .map_err(template_error)?;
         Ok(ChatTemplate {
             env,
+            source: source.to_owned(),
             bos_token,
             eos_token,
             marks_thinking: source.contains(crate::THINK_START),
             tool_call_format: ToolCallFormat::of_template(source),
         })
+    }
+
+    /// The template's Jinja source as given.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Whether the template writes `<think>`: its model then thinks in `<think>…</think>` and

@@ -196,3 +196,26 @@ fn token_count_floor_from_bytes_holds_on_the_golden_texts() {
     let spaces = " ".repeat(10_000);
     assert!(tok.encode(&spaces, false).len() >= spaces.len() / per_token);
 }
+
+/// The Hugging Face export (`Tokenizer::to_hf_files`: scores become ranked merges) read back as a
+/// `tokenizer.json` gives llama.cpp's ids on every golden line.
+#[test]
+fn the_hugging_face_export_gives_the_same_ids() {
+    let Some(md) = metadata() else { return };
+    let tok = Tokenizer::from_gguf_metadata(&md).expect("tokenizer from GGUF metadata");
+    let files = tok.to_hf_files(Some(ChatTemplate::GEMMA3)).expect("export");
+    let back = Tokenizer::from_tokenizer_json(&files.tokenizer_json).expect("read back");
+    let config: serde_json::Value = serde_json::from_str(&files.tokenizer_config_json).unwrap();
+    assert_eq!(config["chat_template"], ChatTemplate::GEMMA3);
+    assert_eq!(config["bos_token"], "<bos>");
+    for line in fixture("tokenize.jsonl").lines() {
+        let case: TokenizeCase = serde_json::from_str(line).expect("golden line is JSON");
+        assert_eq!(
+            back.encode(&case.text, case.parse_special),
+            case.ids,
+            "{:?} (parse_special {})",
+            case.text,
+            case.parse_special
+        );
+    }
+}

@@ -80,6 +80,26 @@ fn loaded(dir: &Path, family: &str) -> [(&'static str, Tokenizer); 2] {
     ]
 }
 
+/// The Hugging Face export of the GGUF-loaded tokenizer, read back as a `tokenizer.json`, gives
+/// tiktoken's ids.
+#[test]
+fn the_hugging_face_export_gives_the_same_ids() {
+    let Some(dir) = dir() else { return };
+    for family in FAMILIES {
+        let [(_, tok), _] = loaded(&dir, family);
+        let files = tok.to_hf_files(None).expect("export");
+        let back = Tokenizer::from_tokenizer_json(&files.tokenizer_json).expect("read back");
+        for case in cases(&dir, family) {
+            assert_eq!(
+                back.encode(&case.text, case.parse_special),
+                case.ids,
+                "{family} {:?}",
+                case.text
+            );
+        }
+    }
+}
+
 #[derive(Deserialize)]
 struct Case {
     text: String,

@@ -7,6 +7,7 @@
 mod pool;
 mod request;
 pub mod service;
+mod step;
 mod summary;
 mod tokenize;
 mod trainer;
@@ -18,13 +19,14 @@ pub use request::{
     SftTrajectory, TokenLogprob, TrainingRequest, Trajectory, TrajectoryGroup,
     SFT_DEFAULT_BATCH_SIZE, SFT_DEFAULT_EPOCHS, SFT_DEFAULT_LEARNING_RATE,
 };
+pub use step::{add_grads, forward_backward, StepDatum, StepLoss, StepOutput};
 pub use summary::mean_trajectory_metrics;
 pub use tokenize::{
     tokenize_job, tokenize_sft_job, TokenizedJob, TokenizedSequence, TokenizedSftJob,
 };
 pub use trainer::{
-    apply_gradients, group_advantages, run_job, run_sft_job, sequence_loss, AdamW, SftStepMetrics,
-    StepMetrics, TrainEvent, TrainerConfig,
+    adam_step, apply_gradients, group_advantages, run_job, run_sft_job, sequence_loss, AdamParams,
+    AdamW, SftStepMetrics, StepMetrics, TrainEvent, TrainerConfig,
 };
 
 #[derive(Debug, thiserror::Error)]

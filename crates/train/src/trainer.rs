@@ -244,11 +244,39 @@ struct Prepared {
 }
 
 /// The trainer's AdamW state (f64 moments) for one adapter's parameters; [`apply_gradients`]
-/// steps it. Public for `temper bench`, which times a step as a job takes it.
+/// (a job's fixed settings) and [`crate::adam_step`] (a caller's [`AdamParams`]) step it. Public
+/// for `temper bench`, which times a step as a job takes it.
+#[derive(Clone)]
 pub struct AdamW {
     m: Vec<Vec<f64>>,
     v: Vec<Vec<f64>>,
     t: i32,
+}
+
+/// One AdamW step's settings: decoupled weight decay (`x -= lr * (update + weight_decay * x)`);
+/// `grad_clip_norm` > 0 clips the gradient's global norm to it first.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamParams {
+    pub learning_rate: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub grad_clip_norm: f64,
+}
+
+impl AdamParams {
+    /// A job's settings at `learning_rate` (training.md "Optimisation").
+    pub fn job(learning_rate: f64) -> Self {
+        AdamParams {
+            learning_rate,
+            beta1: BETAS.0,
+            beta2: BETAS.1,
+            eps: ADAM_EPS,
+            weight_decay: WEIGHT_DECAY,
+            grad_clip_norm: MAX_GRAD_NORM,
+        }
+    }
 }
 
 impl AdamW {
@@ -265,24 +293,29 @@ impl AdamW {
         }
     }
 
-    fn step(&mut self, adapter: &mut LoraAdapter, grads: &[Vec<f32>], scale: f64, lr: f64) {
+    /// Steps taken.
+    pub fn steps(&self) -> i32 {
+        self.t
+    }
+
+    fn step(&mut self, adapter: &mut LoraAdapter, grads: &[Vec<f32>], scale: f64, p: &AdamParams) {
         self.t += 1;
-        let (b1, b2) = BETAS;
+        let (b1, b2) = (p.beta1, p.beta2);
         let (c1, c2) = (1.0 - b1.powi(self.t), 1.0 - b2.powi(self.t));
-        for (((p, g), m), v) in adapter
+        for (((x, g), m), v) in adapter
             .params_mut()
             .into_iter()
             .zip(grads)
             .zip(&mut self.m)
             .zip(&mut self.v)
         {
-            for i in 0..p.len() {
+            for i in 0..x.len() {
                 let g = f64::from(g[i]) * scale;
                 m[i] = b1 * m[i] + (1.0 - b1) * g;
                 v[i] = b2 * v[i] + (1.0 - b2) * g * g;
-                let x = f64::from(p[i]);
-                let update = (m[i] / c1) / ((v[i] / c2).sqrt() + ADAM_EPS);
-                p[i] = (x - lr * (update + WEIGHT_DECAY * x)) as f32;
+                let w = f64::from(x[i]);
+                let update = (m[i] / c1) / ((v[i] / c2).sqrt() + p.eps);
+                x[i] = (w - p.learning_rate * (update + p.weight_decay * w)) as f32;
             }
         }
     }
@@ -290,7 +323,7 @@ impl AdamW {
 
 /// Packs sequences of these lengths, in order, into packs of at most `max_len` tokens: a
 /// sequence joins the current pack while it fits.
-fn pack(lens: impl IntoIterator<Item = usize>, max_len: usize) -> Vec<Vec<usize>> {
+pub(crate) fn pack(lens: impl IntoIterator<Item = usize>, max_len: usize) -> Vec<Vec<usize>> {
     let mut packs: Vec<Vec<usize>> = Vec::new();
     let mut len = 0;
     for (i, n) in lens.into_iter().enumerate() {
@@ -315,6 +348,24 @@ pub fn apply_gradients(
     learning_rate: f64,
     step: usize,
 ) -> Result<f64, TrainError> {
+    adam_step(
+        optimizer,
+        adapter,
+        grads,
+        &AdamParams::job(learning_rate),
+        step,
+    )
+}
+
+/// One AdamW step with `params`, the gradient clipped to `params.grad_clip_norm` when that is
+/// positive; returns the gradient's norm before clipping. `step` (1-based) names a diverged step.
+pub fn adam_step(
+    optimizer: &mut AdamW,
+    adapter: &mut LoraAdapter,
+    grads: &[Vec<f32>],
+    params: &AdamParams,
+    step: usize,
+) -> Result<f64, TrainError> {
     let grad_norm = grads
         .iter()
         .flatten()
@@ -326,8 +377,12 @@ pub fn apply_gradients(
             "gradient norm {grad_norm} at step {step}"
         )));
     }
-    let clip = (MAX_GRAD_NORM / (grad_norm + 1e-6)).min(1.0);
-    optimizer.step(adapter, grads, clip, learning_rate);
+    let clip = if params.grad_clip_norm > 0.0 {
+        (params.grad_clip_norm / (grad_norm + 1e-6)).min(1.0)
+    } else {
+        1.0
+    };
+    optimizer.step(adapter, grads, clip, params);
     Ok(grad_norm)
 }
 

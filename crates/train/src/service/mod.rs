@@ -140,6 +140,9 @@ pub struct TrainingService {
     /// Set (under the `running` lock) by [`TrainingService::begin_shutdown`]: the worker claims
     /// no more jobs.
     shutting_down: AtomicBool,
+    /// The trainer's threads, once the worker has started them: other training in the process
+    /// (the Tinker API's steps) runs on them too.
+    pool: std::sync::OnceLock<Arc<TrainerPool>>,
 }
 
 impl TrainingService {
@@ -186,6 +189,7 @@ impl TrainingService {
             wake: tokio::sync::Notify::new(),
             running: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),
+            pool: std::sync::OnceLock::new(),
             options,
         })
     }
@@ -193,8 +197,14 @@ impl TrainingService {
     /// Starts the trainer's threads and the job worker on the current runtime (a process runs
     /// at most one); the error says which step of starting the threads failed.
     pub fn spawn_worker(self: &Arc<Self>) -> Result<tokio::task::JoinHandle<()>, String> {
-        let pool = TrainerPool::new(self.options.trainer_threads)?;
-        Ok(tokio::spawn(worker::run(self.clone(), Arc::new(pool))))
+        let pool = Arc::new(TrainerPool::new(self.options.trainer_threads)?);
+        let _ = self.pool.set(pool.clone());
+        Ok(tokio::spawn(worker::run(self.clone(), pool)))
+    }
+
+    /// The worker's trainer threads (see [`TrainerPool`]), when it runs in this process.
+    pub fn trainer_pool(&self) -> Option<Arc<TrainerPool>> {
+        self.pool.get().cloned()
     }
 
     pub fn base_model(&self, name: &str) -> Option<&Arc<BaseModel>> {
@@ -335,16 +345,32 @@ impl TrainingService {
         })
         .await
         .map_err(|e| ServiceError::Internal(format!("reading the adapter panicked: {e}")))??;
+        let metrics = json!({ "imported": true, "lora_rank": rank, "lora_alpha": alpha });
+        self.store_checkpoint(team, model_id, bytes, &metrics, idempotency)
+            .await
+    }
+
+    /// Stores `bytes` (a serialized adapter of the model's base) as the model's next checkpoint,
+    /// served by name at once: the adapter is stored under the new step while the store holds
+    /// the model (see [`Store::begin_checkpoint_import`]), then the checkpoint commits, with the
+    /// `Idempotency-Key`'s answer when there is one.
+    pub async fn store_checkpoint(
+        &self,
+        team: &str,
+        model_id: Uuid,
+        bytes: Vec<u8>,
+        metrics: &Value,
+        idempotency: Option<CheckpointAnswer<'_>>,
+    ) -> Result<Checkpoint, ServiceError> {
         let import = self.store.begin_checkpoint_import(team, model_id).await?;
         let step = import.step;
         self.artifacts
             .put(model_id, step, bytes)
             .await
             .map_err(|e| ServiceError::Internal(format!("storing the adapter: {e}")))?;
-        let metrics = json!({ "imported": true, "lora_rank": rank, "lora_alpha": alpha });
-        match import.commit(&metrics, idempotency).await {
+        match import.commit(metrics, idempotency).await {
             Ok(checkpoint) => {
-                tracing::info!(model_id = %model_id, step, "imported a checkpoint");
+                tracing::info!(model_id = %model_id, step, "stored a checkpoint");
                 Ok(checkpoint)
             }
             Err(e) => {
