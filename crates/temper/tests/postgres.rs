@@ -141,9 +141,10 @@ async fn a_killed_servers_job_is_rerun_by_another_once_its_lease_expires() {
         Server::start(&model, &dir.path().join(worker), &args)
     });
     let model_id = create_model(&servers[0]).await;
-    // Longer than post_long_job's: it has to outlast the wait below.
+    // Longer than post_long_job's: it has to outlast the wait below (200 copies did until the
+    // trainer got faster).
     let small = groups(&servers[1], "default/proj/agent", PROMPTS).await;
-    let long: Vec<serde_json::Value> = (0..200)
+    let long: Vec<serde_json::Value> = (0..800)
         .flat_map(|_| small.as_array().unwrap().iter().cloned())
         .collect();
     let job = post_job(&servers[1], &model_id, &long).await;
