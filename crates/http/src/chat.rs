@@ -439,7 +439,6 @@ struct SseState {
     /// Calls streamed so far per choice (the next call's `index`).
     calls: Vec<usize>,
     done: bool,
-    span: tracing::Span,
 }
 
 impl SseStream for SseState {
@@ -491,7 +490,6 @@ impl SseState {
             tool_parsers,
             calls: vec![0; n],
             done: false,
-            span: tracing::Span::current(),
         };
         // vLLM opens every choice with a role chunk before any content.
         for index in 0..n {
@@ -695,10 +693,8 @@ impl SseState {
                 );
                 self.pending.push_back(chunk);
                 if self.finished.iter().all(|&f| f) {
-                    // Before the client can read the end of the stream.
-                    self.usage.record();
-                    if self.opts.include_usage {
-                        let usage = sse_data(&ChatCompletionChunk {
+                    let usage_chunk = self.opts.include_usage.then(|| {
+                        sse_data(&ChatCompletionChunk {
                             id: &self.c.id,
                             object: "chat.completion.chunk",
                             created: self.c.created,
@@ -706,26 +702,12 @@ impl SseState {
                             choices: Vec::new(),
                             usage: Some(self.usage.usage()),
                             prompt_token_ids: None,
-                        });
-                        self.pending.push_back(usage);
-                    }
-                    self.pending.push_back(Bytes::from_static(SSE_DONE));
+                        })
+                    });
+                    end_stream(&mut self.pending, &mut self.usage, usage_chunk);
                     self.done = true;
-                    tracing::info!(
-                        completion_tokens = self.usage.usage().completion_tokens,
-                        "stream finished"
-                    );
                 }
             }
-        }
-    }
-}
-
-impl Drop for SseState {
-    fn drop(&mut self) {
-        if !self.done {
-            let _span = self.span.enter();
-            tracing::info!("client went away mid-stream; request cancelled");
         }
     }
 }
@@ -750,16 +732,52 @@ pub(crate) trait SseStream: Send + 'static {
     fn on_event(&mut self, event: Self::Event);
 }
 
+/// The end of a stream whose every choice has finished: the usage recorded (before the client
+/// can read the end), the usage chunk when the request asked for one, then `[DONE]`.
+pub(crate) fn end_stream(
+    pending: &mut VecDeque<Bytes>,
+    usage: &mut ChatUsage,
+    usage_chunk: Option<Bytes>,
+) {
+    usage.record();
+    pending.extend(usage_chunk);
+    pending.push_back(Bytes::from_static(SSE_DONE));
+    tracing::info!(
+        completion_tokens = usage.usage().completion_tokens,
+        "stream finished"
+    );
+}
+
+/// A stream's state inside its response body: dropped before it is done, the client went away.
+struct SseBody<S: SseStream> {
+    state: S,
+    span: tracing::Span,
+}
+
+impl<S: SseStream> Drop for SseBody<S> {
+    fn drop(&mut self) {
+        if !self.state.done() {
+            let _span = self.span.enter();
+            tracing::info!("client went away mid-stream; request cancelled");
+        }
+    }
+}
+
 /// The `text/event-stream` response of a stream's state, sending its chunks as they come; the
 /// team's place is given back when the body is dropped (finished or disconnected).
 pub(crate) fn sse_body<S: SseStream>(state: S, team_slot: TeamRequestSlot) -> Response {
     let span = tracing::Span::current();
-    let stream = futures_util::stream::unfold(state, move |mut s| {
+    let body = SseBody {
+        state,
+        span: span.clone(),
+    };
+    let stream = futures_util::stream::unfold(body, move |mut b| {
         let _ = &team_slot;
         async move {
+            let s = &mut b.state;
             loop {
                 if let Some(bytes) = s.pending().pop_front() {
-                    return Some((Ok::<_, Infallible>(bytes), s));
+                    return Some((Ok::<_, Infallible>(bytes), b));
                 }
                 if s.done() {
                     return None;

@@ -17,8 +17,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::auth::RequestContext;
 use crate::chat::{
-    admit, bad_choice, engine_gone, finish_json, sse_body, sse_data, sse_error, stop_json,
-    Admitted, AdmittedParams, SseStream, SSE_DONE, SYSTEM_FINGERPRINT,
+    admit, bad_choice, end_stream, engine_gone, finish_json, sse_body, sse_data, sse_error,
+    stop_json, Admitted, AdmittedParams, SseStream, SSE_DONE, SYSTEM_FINGERPRINT,
 };
 use crate::error::ApiError;
 use crate::extract::ValidJson;
@@ -504,7 +504,6 @@ struct CompletionSse {
     /// Per choice: the characters of its token strings so far (`text_offset`).
     offsets: Vec<usize>,
     done: bool,
-    span: tracing::Span,
 }
 
 impl SseStream for CompletionSse {
@@ -541,7 +540,6 @@ impl CompletionSse {
             finished: vec![false; total],
             offsets: vec![0; total],
             done: false,
-            span: tracing::Span::current(),
         }
     }
 
@@ -701,36 +699,20 @@ impl CompletionSse {
                     self.pending.push_back(chunk);
                 }
                 if self.finished.iter().all(|&f| f) {
-                    // Before the client can read the end of the stream.
-                    self.usage.record();
-                    if self.opts.include_usage {
-                        let usage = sse_data(&CompletionChunk {
+                    let usage_chunk = self.opts.include_usage.then(|| {
+                        sse_data(&CompletionChunk {
                             id: &self.c.id,
                             object: "text_completion",
                             created: self.c.created,
                             model: &self.c.model,
                             choices: Vec::new(),
                             usage: Some(self.usage.usage()),
-                        });
-                        self.pending.push_back(usage);
-                    }
-                    self.pending.push_back(Bytes::from_static(SSE_DONE));
+                        })
+                    });
+                    end_stream(&mut self.pending, &mut self.usage, usage_chunk);
                     self.done = true;
-                    tracing::info!(
-                        completion_tokens = self.usage.usage().completion_tokens,
-                        "stream finished"
-                    );
                 }
             }
-        }
-    }
-}
-
-impl Drop for CompletionSse {
-    fn drop(&mut self) {
-        if !self.done {
-            let _span = self.span.enter();
-            tracing::info!("client went away mid-stream; request cancelled");
         }
     }
 }
