@@ -197,39 +197,11 @@ async fn a_killed_server_reruns_its_running_job_and_runs_the_queued_one() {
     let args = ["--max-train-seq-len", "64"];
     let mut server = Server::start(&model, &data, &args);
     let model_id = create_model(&server).await;
-    let name = "default/proj/agent";
-    let small = groups(&server, name, PROMPTS).await;
-    let mut big = Vec::new();
-    for _ in 0..40 {
-        big.extend(small.as_array().unwrap().iter().cloned());
-    }
-    let post_job = |groups: Value| json!({"model_id": model_id, "trajectory_groups": groups, "experimental_config": {}});
-    let running = server
-        .post("/v1/preview/training-jobs", &post_job(Value::Array(big)))
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let queued = server
-        .post("/v1/preview/training-jobs", &post_job(small))
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let small = groups(&server, "default/proj/agent", PROMPTS).await;
+    let running = post_long_job(&server, &model_id).await;
+    let queued = post_job(&server, &model_id, &small).await;
     // Kill once the big job has made progress.
-    let start = Instant::now();
-    while !server
-        .events(&running)
-        .await
-        .iter()
-        .any(|e| e["type"] == "gradient_step")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no gradient step"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_step_of_attempt(&server, &running, 1).await;
     let before = server
         .get(&format!("/v1/preview/training-jobs/{running}"))
         .await;
@@ -268,32 +240,9 @@ async fn cancel_stops_a_running_job_and_equal_rewards_learn_nothing() {
     let data = dir.path().join("data");
     let server = Server::start(&model, &data, &["--max-train-seq-len", "64"]);
     let model_id = create_model(&server).await;
-    let name = "default/proj/agent";
-    let small = groups(&server, name, PROMPTS).await;
-    let mut big = Vec::new();
-    for _ in 0..40 {
-        big.extend(small.as_array().unwrap().iter().cloned());
-    }
-    let post_job = |groups: Value| json!({"model_id": model_id, "trajectory_groups": groups});
-    let job = server
-        .post("/v1/preview/training-jobs", &post_job(Value::Array(big)))
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let start = Instant::now();
-    while !server
-        .events(&job)
-        .await
-        .iter()
-        .any(|e| e["type"] == "gradient_step")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no gradient step"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let small = groups(&server, "default/proj/agent", PROMPTS).await;
+    let job = post_long_job(&server, &model_id).await;
+    wait_for_step_of_attempt(&server, &job, 1).await;
     let cancelled = server
         .post(
             &format!("/v1/preview/training-jobs/{job}/cancel"),
@@ -310,12 +259,7 @@ async fn cancel_stops_a_running_job_and_equal_rewards_learn_nothing() {
             t["reward"] = json!(0.5);
         }
     }
-    let flat = server
-        .post("/v1/preview/training-jobs", &post_job(equal))
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let flat = post_job(&server, &model_id, &equal).await;
     let done = server.wait_until_succeeded(&flat).await;
     assert_eq!(done["step"], 0);
     let ended = server.events(&flat).await;
@@ -394,10 +338,7 @@ async fn deleting_the_model_fails_its_running_job() {
     let server = Server::start(&model, &data, &["--max-train-seq-len", "64"]);
     let model_id = create_model(&server).await;
     let small = groups(&server, "default/proj/agent", PROMPTS).await;
-    let big: Vec<Value> = (0..40)
-        .flat_map(|_| small.as_array().unwrap().iter().cloned())
-        .collect();
-    let job = post_job(&server, &model_id, &big).await;
+    let job = post_long_job(&server, &model_id).await;
     server
         .wait_for_status(&job, &["running"], Duration::from_secs(60))
         .await;

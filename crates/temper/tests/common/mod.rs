@@ -227,11 +227,13 @@ pub async fn create_model_on(server: &Server, base: &str) -> String {
 }
 
 pub const PROMPTS: &[&str] = &["Hello", "the cat sat", "what is the capital of France"];
-/// Posts a job long enough to be caught running (many one-step packed sequences with
-/// `--max-train-seq-len 64`); returns its id.
+/// Posts a job long enough to be caught running and still run while a test acts on it (many
+/// one-step packed sequences with `--max-train-seq-len 64`); returns its id. About 10 s on this
+/// project's host; 40 copies (0.5 s) once ended before a test's next request in CI, so keep a
+/// wide margin as the trainer gets faster.
 pub async fn post_long_job(server: &Server, model_id: &str) -> String {
     let small = groups(server, "default/proj/agent", PROMPTS).await;
-    let big: Vec<Value> = (0..40)
+    let big: Vec<Value> = (0..800)
         .flat_map(|_| small.as_array().unwrap().iter().cloned())
         .collect();
     post_job(server, model_id, &big).await
