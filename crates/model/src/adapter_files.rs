@@ -37,6 +37,8 @@ pub const PEFT_CONFIG_FILE: &str = "adapter_config.json";
 pub const MAX_IMPORT_RANK: usize = 256;
 
 const PEFT_PREFIX: &str = "base_model.model.model.layers.";
+/// PEFT's module name of the LM head (`target_modules`, tensor names).
+const PEFT_HEAD_MODULE: &str = "lm_head";
 
 /// The files of an exported adapter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +124,15 @@ fn peft_name(layer: usize, target: LoraTarget, matrix: char) -> String {
         "{PEFT_PREFIX}{layer}.{}.lora_{matrix}.weight",
         target.hf_module()
     )
+}
+
+fn peft_head_name(matrix: char) -> String {
+    format!("base_model.model.{PEFT_HEAD_MODULE}.lora_{matrix}.weight")
+}
+
+/// `'A' | 'B'` of a PEFT tensor name of the LM head's pair.
+fn parse_peft_head_name(name: &str) -> Option<char> {
+    ['A', 'B'].into_iter().find(|&m| name == peft_head_name(m))
 }
 
 /// `(layer, target, 'A' | 'B')` of a PEFT tensor name.
@@ -277,16 +288,17 @@ fn read_peft_config(bytes: &[u8]) -> Result<(usize, f32), AdapterFileError> {
     if let Some(serde_json::Value::Array(targets)) = field("target_modules") {
         for t in targets {
             let known = t.as_str().is_some_and(|name| {
-                LoraTarget::ALL
-                    .iter()
-                    .any(|k| k.hf_short_name() == name || k.hf_module() == name)
+                name == PEFT_HEAD_MODULE
+                    || LoraTarget::ALL
+                        .iter()
+                        .any(|k| k.hf_short_name() == name || k.hf_module() == name)
             });
             if !known {
                 return refuse(
                     "target_modules",
                     &format!(
                         "{t} is not a target temper trains (q_proj, k_proj, v_proj, o_proj, \
-                         gate_proj, up_proj, down_proj)"
+                         gate_proj, up_proj, down_proj, lm_head)"
                     ),
                 );
             }
@@ -335,6 +347,12 @@ impl LoraAdapter {
                 );
             }
         }
+        let mut targets: Vec<&str> = LoraTarget::ALL.map(LoraTarget::hf_short_name).to_vec();
+        if let Some(p) = self.head() {
+            tensors.insert(peft_head_name('A'), f32_tensor(&p.a, rank, p.in_dim)?);
+            tensors.insert(peft_head_name('B'), f32_tensor(&p.b, p.out_dim, rank)?);
+            targets.push(PEFT_HEAD_MODULE);
+        }
         let metadata = Some(HashMap::from([("format".to_owned(), "pt".to_owned())]));
         let weights = safetensors::tensor::serialize(&tensors, metadata)
             .map_err(|e| ModelError::Candle(candle_core::Error::from(e)))?;
@@ -350,7 +368,7 @@ impl LoraAdapter {
             "use_rslora": false,
             "use_dora": false,
             "inference_mode": true,
-            "target_modules": LoraTarget::ALL.map(LoraTarget::hf_short_name),
+            "target_modules": targets,
             "modules_to_save": null,
             "layers_to_transform": null,
             "rank_pattern": {},
@@ -383,14 +401,38 @@ impl LoraAdapter {
         }
         // By layer and target, so that the first incomplete pair is the one named.
         let mut found: BTreeMap<(usize, usize), (LoraTarget, HalfPairs)> = BTreeMap::new();
+        let mut head: HalfPairs = [None, None];
         for &name in &names {
+            if let Some(matrix) = parse_peft_head_name(name) {
+                let (vocab, hidden) = (model.vocab_size, model.hidden_size);
+                let expected = if matrix == 'A' {
+                    [rank, hidden]
+                } else {
+                    [vocab, rank]
+                };
+                let view = tensors
+                    .tensor(name)
+                    .map_err(|e| file_err(name, e.to_string()))?;
+                if view.shape() != expected {
+                    return Err(file_err(
+                        name,
+                        format!(
+                            "has shape {:?}; expected {expected:?} (rank r = {rank} of \
+                             {PEFT_CONFIG_FILE}, the base model's LM head [{vocab}, {hidden}])",
+                            view.shape()
+                        ),
+                    ));
+                }
+                head[usize::from(matrix == 'B')] = Some(tensor_values(name, &view)?);
+                continue;
+            }
             let Some((layer, target, matrix)) = parse_peft_name(name) else {
                 return Err(file_err(
                     name,
                     "is not a LoRA tensor of a target temper adapts (expected \
                      base_model.model.model.layers.N.{self_attn.q_proj,self_attn.k_proj,\
                      self_attn.v_proj,self_attn.o_proj,mlp.gate_proj,mlp.up_proj,mlp.down_proj}\
-                     .lora_{A,B}.weight)",
+                     .lora_{A,B}.weight, or base_model.model.lm_head.lora_{A,B}.weight)",
                 ));
             };
             if layer >= model.num_layers {
@@ -427,7 +469,25 @@ impl LoraAdapter {
                 .or_insert((target, [None, None]))
                 .1[usize::from(matrix == 'B')] = Some(values);
         }
-        let mut adapter = LoraAdapter::new(model, LoraConfig { rank, alpha }, seed);
+        let config = LoraConfig {
+            rank,
+            alpha,
+            unembed: false,
+        };
+        let mut adapter = LoraAdapter::new(model, config, seed);
+        match head {
+            [Some(a), Some(b)] => {
+                adapter.set_head(LoraPair::new(a, b, model.hidden_size, model.vocab_size))
+            }
+            [None, None] => {}
+            [a, _] => {
+                let missing = if a.is_none() { 'A' } else { 'B' };
+                return Err(file_err(
+                    peft_head_name(missing),
+                    "is missing: each adapted projection needs both lora_A and lora_B",
+                ));
+            }
+        }
         for ((layer, _), (target, pair)) in found {
             let [Some(a), Some(b)] = pair else {
                 let missing = if pair[0].is_none() { 'A' } else { 'B' };
@@ -462,6 +522,23 @@ impl LoraAdapter {
                 tensors.push((format!("{base}.lora_a"), a));
                 tensors.push((format!("{base}.lora_b"), b));
             }
+        }
+        if let Some(p) = self.head() {
+            // llama.cpp finds an adapter's tensors by the base's names; a tied LM head has
+            // none of its own (it reads `token_embd.weight`).
+            if model.tied_embeddings {
+                return Err(ModelError::Adapter {
+                    path: name.to_owned(),
+                    reason: "the adapter adapts the LM head of a model whose LM head is its \
+                             embedding table, which a llama.cpp adapter cannot express: export \
+                             it as PEFT, or merged into the base GGUF"
+                        .to_owned(),
+                });
+            }
+            let a = QTensor::quantize(&f32_tensor(&p.a, rank, p.in_dim)?, GgmlDType::F32)?;
+            let b = QTensor::quantize(&f32_tensor(&p.b, p.out_dim, rank)?, GgmlDType::F32)?;
+            tensors.push(("output.weight.lora_a".to_owned(), a));
+            tensors.push(("output.weight.lora_b".to_owned(), b));
         }
         let metadata = [
             (
@@ -527,7 +604,19 @@ pub fn merge_into_gguf(
     let mut infos: Vec<(&String, &gguf_file::TensorInfo)> = content.tensor_infos.iter().collect();
     // The base's tensor order.
     infos.sort_by_key(|(_, info)| info.offset);
-    let mut tensors = Vec::with_capacity(infos.len());
+    let merge = |tensor: &QTensor, p: &LoraPair| -> Result<QTensor, ModelError> {
+        let delta = f32_tensor(&p.b, p.out_dim, rank)?
+            .matmul(&f32_tensor(&p.a, rank, p.in_dim)?)?
+            .affine(scale as f64, 0.0)?;
+        let merged = (tensor.dequantize(&Device::Cpu)? + delta)?;
+        let dtype = match weights {
+            MergedWeights::AsBase => tensor.dtype(),
+            MergedWeights::F16 => GgmlDType::F16,
+        };
+        Ok(QTensor::quantize(&merged, dtype)?)
+    };
+    let tied = !content.tensor_infos.contains_key("output.weight");
+    let mut tensors = Vec::with_capacity(infos.len() + 1);
     for (name, info) in infos {
         let tensor = info.read(&mut reader, content.tensor_data_offset, &Device::Cpu)?;
         let adapted = LoraTarget::ALL.into_iter().find_map(|target| {
@@ -538,20 +627,17 @@ pub fn merge_into_gguf(
                 .ok()?;
             (layer < model.num_layers).then_some((layer, target))
         });
-        let tensor = match adapted {
-            None => tensor,
-            Some((layer, target)) => {
-                let p = adapter.pair(layer, target);
-                let delta = f32_tensor(&p.b, p.out_dim, rank)?
-                    .matmul(&f32_tensor(&p.a, rank, p.in_dim)?)?
-                    .affine(scale as f64, 0.0)?;
-                let merged = (tensor.dequantize(&Device::Cpu)? + delta)?;
-                let dtype = match weights {
-                    MergedWeights::AsBase => tensor.dtype(),
-                    MergedWeights::F16 => GgmlDType::F16,
-                };
-                QTensor::quantize(&merged, dtype)?
+        let head = adapter.head();
+        let tensor = match (adapted, name.as_str(), head) {
+            (Some((layer, target)), _, _) => merge(&tensor, adapter.pair(layer, target))?,
+            (None, "output.weight", Some(head)) => merge(&tensor, head)?,
+            // A tied LM head gets a table of its own (the embedding stays the base's), as a
+            // file with `output.weight` has it.
+            (None, "token_embd.weight", Some(head)) if tied => {
+                tensors.push(("output.weight", merge(&tensor, head)?));
+                tensor
             }
+            _ => tensor,
         };
         tensors.push((name.as_str(), tensor));
     }

@@ -120,6 +120,9 @@ pub struct ModelConfig {
     /// (its `query_pre_attn_scalar` 168, not the head size 128; GGUF has no key for it, and
     /// llama.cpp tells the 27B by its 62 layers, as here).
     pub attention_scale: f32,
+    /// The LM head is the embedding table (the file has no `output.weight`): set by the loader,
+    /// which sees the tensors; false from the metadata alone.
+    pub tied_embeddings: bool,
 }
 
 /// Gemma 3 27B's layer count, by which llama.cpp tells its attention scale.
@@ -259,6 +262,7 @@ impl ModelConfig {
             } else {
                 1.0 / (head_dim as f32).sqrt()
             },
+            tied_embeddings: false,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -79,7 +79,8 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     cfg.rope_freq_factors =
         weights.vector_if(has_factors, "rope_freqs.weight", cfg.head_dim / 2)?;
     // Tied to the embedding when the file has no `output.weight` (Gemma, small Llamas and Qwens).
-    let (lm_head, embed) = if content.tensor_infos.contains_key("output.weight") {
+    cfg.tied_embeddings = !content.tensor_infos.contains_key("output.weight");
+    let (lm_head, embed) = if !cfg.tied_embeddings {
         (
             weights.linear("output.weight", vocab_size, hd)?,
             Embedding::Table(weights.qtensor("token_embd.weight")?),

@@ -1,5 +1,6 @@
-//! LoRA adapters over every layer's q/k/v/o/gate/up/down projections: `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`
-//! with `s = alpha / rank`, f32, trainable while the quantized base weights stay frozen.
+//! LoRA adapters over every layer's q/k/v/o/gate/up/down projections, and optionally the LM
+//! head (the unembedding, Tinker's `train_unembed`): `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ` with
+//! `s = alpha / rank`, f32, trainable while the quantized base weights stay frozen.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -70,6 +71,10 @@ impl LoraTarget {
 pub struct LoraConfig {
     pub rank: usize,
     pub alpha: f32,
+    /// A pair on the LM head too (`[rank, hidden]` and `[vocab, rank]`): the logits of every
+    /// token, served and trained, get its term. With a tied embedding the input side stays the
+    /// base table (PEFT's `lm_head` target does the same).
+    pub unembed: bool,
 }
 
 impl Default for LoraConfig {
@@ -77,6 +82,7 @@ impl Default for LoraConfig {
         LoraConfig {
             rank: 8,
             alpha: 16.0,
+            unembed: false,
         }
     }
 }
@@ -101,6 +107,8 @@ pub struct LoraAdapter {
     cfg: LoraConfig,
     /// `layers[l][target.index()]`.
     layers: Vec<[LoraPair; 7]>,
+    /// The LM head's pair, where `cfg.unembed`.
+    head: Option<LoraPair>,
 }
 
 /// Requests are logged with `{:?}`: the shape, not millions of weights.
@@ -110,6 +118,7 @@ impl std::fmt::Debug for LoraAdapter {
             .field("rank", &self.cfg.rank)
             .field("alpha", &self.cfg.alpha)
             .field("layers", &self.layers.len())
+            .field("unembed", &self.cfg.unembed)
             .finish()
     }
 }
@@ -118,6 +127,10 @@ const ALPHA_KEY: &str = "lora_alpha";
 
 fn tensor_name(layer: usize, target: LoraTarget, matrix: &str) -> String {
     format!("blk.{layer}.{}.lora_{matrix}", target.name())
+}
+
+fn head_tensor_name(matrix: &str) -> String {
+    format!("output.lora_{matrix}")
 }
 
 /// A fresh adapter identity.
@@ -133,6 +146,7 @@ impl Clone for LoraAdapter {
             id: next_id(),
             cfg: self.cfg,
             layers: self.layers.clone(),
+            head: self.head.clone(),
         }
     }
 }
@@ -149,26 +163,27 @@ impl LoraAdapter {
     /// `cfg.rank` must be at least 1 (the server's configuration checks it).
     pub fn new(model: &ModelConfig, cfg: LoraConfig, seed: u64) -> Self {
         let mut rng = SplitMix64(seed ^ 0x4c6f_5241_2d41_4441);
+        let mut fresh = |(out_dim, in_dim): (usize, usize)| {
+            let bound = 1.0 / (in_dim as f32).sqrt();
+            LoraPair::new(
+                (0..cfg.rank * in_dim)
+                    .map(|_| bound * rng.uniform())
+                    .collect(),
+                vec![0.0; out_dim * cfg.rank],
+                in_dim,
+                out_dim,
+            )
+        };
         let layers = (0..model.num_layers)
-            .map(|_| {
-                LoraTarget::ALL.map(|t| {
-                    let (out_dim, in_dim) = t.dims(model);
-                    let bound = 1.0 / (in_dim as f32).sqrt();
-                    LoraPair::new(
-                        (0..cfg.rank * in_dim)
-                            .map(|_| bound * rng.uniform())
-                            .collect(),
-                        vec![0.0; out_dim * cfg.rank],
-                        in_dim,
-                        out_dim,
-                    )
-                })
-            })
+            .map(|_| LoraTarget::ALL.map(|t| fresh(t.dims(model))))
             .collect();
+        // After the layers', so a seed's layer pairs do not depend on `unembed`.
+        let head = cfg.unembed.then(|| fresh(head_dims(model)));
         LoraAdapter {
             id: next_id(),
             cfg,
             layers,
+            head,
         }
     }
 
@@ -183,6 +198,24 @@ impl LoraAdapter {
 
     pub(crate) fn pair(&self, layer: usize, target: LoraTarget) -> &LoraPair {
         &self.layers[layer][target.index()]
+    }
+
+    /// The LM head's pair, where the adapter has one.
+    pub(crate) fn head(&self) -> Option<&LoraPair> {
+        self.head.as_ref()
+    }
+
+    /// Replaces (or adds) the LM head's pair; the adapter adapts the head from now on.
+    pub(crate) fn set_head(&mut self, pair: LoraPair) {
+        debug_assert_eq!(pair.a.len(), self.cfg.rank * pair.in_dim);
+        self.id = next_id();
+        self.cfg.unembed = true;
+        self.head = Some(pair);
+    }
+
+    /// The index in [`LoraAdapter::params`] of the LM head's A (its B follows).
+    pub(crate) fn head_param_index(&self) -> usize {
+        self.layers.len() * LoraTarget::ALL.len() * 2
     }
 
     /// Replaces one projection's pair (of this adapter's rank and the projection's shape).
@@ -202,6 +235,10 @@ impl LoraAdapter {
                     (p.out_dim, p.in_dim) == t.dims(model)
                 })
             })
+            && self
+                .head
+                .as_ref()
+                .is_none_or(|p| (p.out_dim, p.in_dim) == head_dims(model))
     }
 
     /// The adapter as a safetensors file's bytes (what [`LoraAdapter::from_bytes`] reads).
@@ -215,6 +252,12 @@ impl LoraAdapter {
                 tensors.insert(tensor_name(l, t, "a"), a);
                 tensors.insert(tensor_name(l, t, "b"), b);
             }
+        }
+        if let Some(p) = &self.head {
+            let a = Tensor::from_slice(&p.a, (self.cfg.rank, p.in_dim), &Device::Cpu)?;
+            let b = Tensor::from_slice(&p.b, (p.out_dim, self.cfg.rank), &Device::Cpu)?;
+            tensors.insert(head_tensor_name("a"), a);
+            tensors.insert(head_tensor_name("b"), b);
         }
         tensors.insert(
             ALPHA_KEY.to_string(),
@@ -269,42 +312,50 @@ impl LoraAdapter {
             return Err(adapter_err(format!("{ALPHA_KEY} must hold one value")));
         };
         let first = tensor_name(0, LoraTarget::Q, "a");
+        let has_head = tensors.contains_key(&head_tensor_name("a"));
         let rank = match tensors.get(&first).map(|t| t.dims()) {
             Some(&[r, _]) if r > 0 => r,
             Some(dims) => return Err(adapter_err(format!("{first} has shape {dims:?}"))),
             None => return Err(adapter_err(format!("tensor {first} is missing"))),
         };
+        let mut read = |name: String, shape: [usize; 2]| -> Result<Vec<f32>, ModelError> {
+            let tensor = tensors
+                .remove(&name)
+                .ok_or_else(|| adapter_err(format!("tensor {name} is missing")))?;
+            if tensor.dims() != shape {
+                return Err(ModelError::TensorShape {
+                    name,
+                    expected: shape.to_vec(),
+                    got: tensor.dims().to_vec(),
+                });
+            }
+            tensor
+                .flatten_all()?
+                .to_vec1::<f32>()
+                .map_err(|e| adapter_err(format!("{name}: {e}")))
+        };
+        let mut read_pair = |(out_dim, in_dim): (usize, usize),
+                             name: &dyn Fn(&str) -> String|
+         -> Result<LoraPair, ModelError> {
+            let a = read(name("a"), [rank, in_dim])?;
+            let b = read(name("b"), [out_dim, rank])?;
+            Ok(LoraPair::new(a, b, in_dim, out_dim))
+        };
         let mut layers = Vec::with_capacity(model.num_layers);
         for l in 0..model.num_layers {
             let mut pairs = Vec::with_capacity(7);
             for t in LoraTarget::ALL {
-                let (out_dim, in_dim) = t.dims(model);
-                let mut read = |matrix: &str, shape: [usize; 2]| -> Result<Vec<f32>, ModelError> {
-                    let name = tensor_name(l, t, matrix);
-                    let tensor = tensors
-                        .remove(&name)
-                        .ok_or_else(|| adapter_err(format!("tensor {name} is missing")))?;
-                    if tensor.dims() != shape {
-                        return Err(ModelError::TensorShape {
-                            name,
-                            expected: shape.to_vec(),
-                            got: tensor.dims().to_vec(),
-                        });
-                    }
-                    tensor
-                        .flatten_all()?
-                        .to_vec1::<f32>()
-                        .map_err(|e| adapter_err(format!("{name}: {e}")))
-                };
-                let a = read("a", [rank, in_dim])?;
-                let b = read("b", [out_dim, rank])?;
-                pairs.push(LoraPair::new(a, b, in_dim, out_dim));
+                pairs.push(read_pair(t.dims(model), &|m| tensor_name(l, t, m))?);
             }
             let pairs: [LoraPair; 7] = pairs
                 .try_into()
                 .map_err(|_| adapter_err("wrong number of targets".to_owned()))?;
             layers.push(pairs);
         }
+        let unembed = has_head;
+        let head = unembed
+            .then(|| read_pair(head_dims(model), &head_tensor_name))
+            .transpose()?;
         if let Some(extra) = tensors.keys().next() {
             return Err(adapter_err(format!(
                 "unexpected tensor {extra} (an adapter for a model with more layers?)"
@@ -312,8 +363,13 @@ impl LoraAdapter {
         }
         Ok(LoraAdapter {
             id: next_id(),
-            cfg: LoraConfig { rank, alpha },
+            cfg: LoraConfig {
+                rank,
+                alpha,
+                unembed,
+            },
             layers,
+            head,
         })
     }
 
@@ -326,11 +382,13 @@ impl LoraAdapter {
     }
 
     /// Every trainable tensor as one flat slice, fixed order (per layer, per target in
-    /// [`LoraTarget::ALL`] order: A then B); optimizer state and [`LoraGrads`] are parallel to it.
+    /// [`LoraTarget::ALL`] order: A then B; then the LM head's A and B where it has a pair);
+    /// optimizer state and [`LoraGrads`] are parallel to it.
     pub fn params(&self) -> Vec<&[f32]> {
         self.layers
             .iter()
             .flat_map(|l| l.iter())
+            .chain(&self.head)
             .flat_map(|p| [p.a.as_slice(), p.b.as_slice()])
             .collect()
     }
@@ -340,6 +398,7 @@ impl LoraAdapter {
         self.layers
             .iter_mut()
             .flat_map(|l| l.iter_mut())
+            .chain(&mut self.head)
             .flat_map(|p| {
                 p.b_rows = OnceLock::new();
                 [p.a.as_mut_slice(), p.b.as_mut_slice()]
@@ -356,19 +415,9 @@ impl LoraAdapter {
         let scale = self.scale();
         let rank = self.cfg.rank;
         let b_rows = p.b_rows();
-        // Each output's sum over the rank runs in rank order from 0 (the same bits as a dot of
-        // fewer than `ops::dot`'s lanes).
         let row = |(t, u): &mut (Vec<f32>, Vec<f32>), (xr, yr): (&[f32], &mut [f32])| {
             p.down_project(xr, t);
-            u.fill(0.0);
-            for (&tk, b_row) in t.iter().zip(b_rows.chunks_exact(p.out_dim)) {
-                for (u, &b) in u.iter_mut().zip(b_row) {
-                    *u += tk * b;
-                }
-            }
-            for (yo, &u) in yr.iter_mut().zip(u.iter()) {
-                *yo += scale * u;
-            }
+            add_up_projection(t, b_rows, p.out_dim, 0, scale, u, yr);
         };
         let scratch = || (vec![0f32; rank], vec![0f32; p.out_dim]);
         let rows = x.chunks_exact(p.in_dim).zip(y.chunks_exact_mut(p.out_dim));
@@ -383,6 +432,61 @@ impl LoraAdapter {
                 .for_each_init(scratch, row);
         }
     }
+
+    /// Adds the LM head's term, where the adapter has one, to rows of logits `y` from the same
+    /// rows `x` of the normed hidden state. Each row's outputs in parallel parts (a row of a
+    /// 262k vocabulary is work enough); the same bits as [`LoraAdapter::apply`]'s arithmetic
+    /// whatever the split, so served and trained logits agree.
+    pub(crate) fn apply_head(&self, x: &[f32], y: &mut [f32]) {
+        use rayon::prelude::*;
+        let Some(p) = &self.head else {
+            return;
+        };
+        let scale = self.scale();
+        let b_rows = p.b_rows();
+        let mut t = vec![0f32; self.cfg.rank];
+        for (xr, yr) in x.chunks_exact(p.in_dim).zip(y.chunks_exact_mut(p.out_dim)) {
+            p.down_project(xr, &mut t);
+            yr.par_chunks_mut(HEAD_OUTPUTS_PER_TASK)
+                .enumerate()
+                .for_each(|(i, part)| {
+                    let mut u = vec![0f32; part.len()];
+                    let start = i * HEAD_OUTPUTS_PER_TASK;
+                    add_up_projection(&t, b_rows, p.out_dim, start, scale, &mut u, part);
+                });
+        }
+    }
+}
+
+/// Outputs of one LM-head row per task in [`LoraAdapter::apply_head`].
+const HEAD_OUTPUTS_PER_TASK: usize = 16384;
+
+/// `y += scale · t·Bᵀ` over outputs `start..start + y.len()` of one row, `b_rows` being `Bᵀ`
+/// (`[rank, out_dim]`) and `u` scratch of `y`'s length. Each output's sum over the rank runs in
+/// rank order from 0 (the same bits as a dot of fewer than `ops::dot`'s lanes).
+fn add_up_projection(
+    t: &[f32],
+    b_rows: &[f32],
+    out_dim: usize,
+    start: usize,
+    scale: f32,
+    u: &mut [f32],
+    y: &mut [f32],
+) {
+    u.fill(0.0);
+    for (&tk, b_row) in t.iter().zip(b_rows.chunks_exact(out_dim)) {
+        for (u, &b) in u.iter_mut().zip(&b_row[start..start + y.len()]) {
+            *u += tk * b;
+        }
+    }
+    for (yo, &u) in y.iter_mut().zip(u.iter()) {
+        *yo += scale * u;
+    }
+}
+
+/// `(out, in)` of the LM head's pair: `[vocab, hidden]`.
+fn head_dims(model: &ModelConfig) -> (usize, usize) {
+    (model.vocab_size, model.hidden_size)
 }
 
 impl LoraPair {
@@ -418,4 +522,12 @@ impl LoraPair {
 #[derive(Clone, Debug)]
 pub struct LoraGrads {
     pub grads: Vec<Vec<f32>>,
+}
+
+impl LoraGrads {
+    /// The grads of one pair: A's at `index`, B's after it.
+    pub(crate) fn pair_mut(&mut self, index: usize) -> (&mut [f32], &mut [f32]) {
+        let (a, b) = self.grads[index..index + 2].split_at_mut(1);
+        (&mut a[0], &mut b[0])
+    }
 }

@@ -294,7 +294,14 @@ impl Decoder {
             .map(|s| if s.all_logits { s.tokens.len() } else { 1 })
             .collect();
         let vocab = self.lm_head.out_dim();
-        let parts = self.lm_head.forward_split(&rows, &counts)?;
+        let mut parts = self.lm_head.forward_split(&rows, &counts)?;
+        let mut at = 0;
+        for ((s, part), &n) in batch.iter().zip(&mut parts).zip(&counts) {
+            if let Some(adapter) = s.adapter {
+                adapter.apply_head(&rows[at * hidden..(at + n) * hidden], part);
+            }
+            at += n;
+        }
         Ok(parts
             .into_iter()
             .zip(counts)

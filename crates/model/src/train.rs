@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use crate::layer::{AttentionTape, BatchLayout, LayerTape, MlpTape, PackedKv, Ropes};
-use crate::lora::{LoraAdapter, LoraGrads, LoraTarget};
+use crate::lora::{LoraAdapter, LoraGrads, LoraPair, LoraTarget};
 use crate::model::{add_assign, norm_if_backward, AdapterSpan, Decoder, Layer, Mlp};
 use crate::ops::{self, MatRef};
 use crate::ModelError;
@@ -52,7 +52,13 @@ pub struct TrainTape {
     head_in: Vec<f32>,
     /// d logprob / d (normed hidden state) of each scored token, `(onehot - softmax)·E`: made in
     /// the forward while the chunk's logits exist, so the backward never recomputes them.
+    /// Empty where the adapter has an LM-head pair.
     head_grad: Vec<f32>,
+    /// With an LM-head pair: the normed hidden states of `head_rows`, from which the backward
+    /// computes the chunks' logits again (the pair's `dB` needs each token's `onehot - softmax`
+    /// times its logprob's gradient, known only then: one more LM-head product per step, the
+    /// price of `train_unembed`). Empty otherwise.
+    head_normed: Vec<f32>,
 }
 
 impl Decoder {
@@ -181,7 +187,10 @@ impl Decoder {
             logprobs: Vec::with_capacity(targets.len()),
             entropies: Vec::with_capacity(targets.len()),
         };
-        let mut head_grad = Vec::with_capacity(if record { head_normed.len() } else { 0 });
+        let head_lora = adapter.filter(|a| a.head().is_some());
+        // With an LM-head pair the gradient is made in the backward (`head_lora_backward`).
+        let grad_now = record && head_lora.is_none();
+        let mut head_grad = Vec::with_capacity(if grad_now { head_normed.len() } else { 0 });
         let vocab = self.lm_head.out_dim();
         // One buffer for every chunk's logits: fresh pages for each chunk's 33 MB made the
         // LM head ~1.7x slower (`kernels::matmul_into`).
@@ -192,14 +201,17 @@ impl Decoder {
         {
             let logits = &mut logits[..tgt.len() * vocab];
             self.lm_head.forward_into(rows, logits)?;
+            if let Some(adapter) = head_lora {
+                adapter.apply_head(rows, logits);
+            }
             let stats: Vec<(f32, f32)> = logits
                 .par_chunks_mut(vocab)
                 .zip(tgt.par_iter())
                 .map(|(row, &t)| {
                     let target_logit = row[t as usize];
-                    let s = RowSoftmax::new(row, record);
+                    let s = RowSoftmax::new(row, grad_now);
                     let lp = (target_logit as f64 - s.lse) as f32;
-                    if record {
+                    if grad_now {
                         // The row (now minus the softmax) becomes onehot(t) - softmax.
                         row[t as usize] += 1.0;
                     }
@@ -210,10 +222,15 @@ impl Decoder {
                 scores.logprobs.push(lp);
                 scores.entropies.push(h);
             }
-            if record {
+            if grad_now {
                 head_grad.extend(self.lm_head.backward_input(logits)?);
             }
         }
+        let head_normed = if record && head_lora.is_some() {
+            head_normed
+        } else {
+            Vec::new()
+        };
         let tape = record.then_some(TrainTape {
             layout,
             segments,
@@ -222,6 +239,7 @@ impl Decoder {
             targets,
             head_in,
             head_grad,
+            head_normed,
         });
         Ok((scores, tape))
     }
@@ -254,13 +272,19 @@ impl Decoder {
                 .collect(),
         };
 
-        // LM head: d normed hidden = dlogp · (onehot(target) - softmax)·E, from the forward.
-        let mut d_normed = tape.head_grad.clone();
-        for (row, &g) in d_normed.chunks_exact_mut(hidden).zip(dlogprobs) {
-            for v in row.iter_mut() {
-                *v *= g;
+        // LM head: d normed hidden = dlogp · (onehot(target) - softmax)·E, from the forward
+        // (or made now, with the LM-head pair's term and grads).
+        let d_normed = if adapter.head().is_some() {
+            self.head_lora_backward(&tape, adapter, dlogprobs, &mut grads)?
+        } else {
+            let mut d_normed = tape.head_grad.clone();
+            for (row, &g) in d_normed.chunks_exact_mut(hidden).zip(dlogprobs) {
+                for v in row.iter_mut() {
+                    *v *= g;
+                }
             }
-        }
+            d_normed
+        };
         let d_head_in = self
             .final_norm
             .backward(&tape.head_in, cfg.rms_eps, &d_normed);
@@ -283,6 +307,56 @@ impl Decoder {
             dx = self.attention_backward(li, &lt.attn, &tape, &ropes, &mut lin, d_mid, li > 0)?;
         }
         Ok(grads)
+    }
+
+    /// The LM head's backward where the adapter has an LM-head pair: each chunk's logits again
+    /// (the forward's bits), `G = dlogp · (onehot(target) - softmax)`, and from it the gradient
+    /// of the normed hidden states (`G·E` plus the pair's term) and the pair's grads.
+    fn head_lora_backward(
+        &self,
+        tape: &TrainTape,
+        adapter: &LoraAdapter,
+        dlogprobs: &[f32],
+        grads: &mut LoraGrads,
+    ) -> Result<Vec<f32>, ModelError> {
+        let Some(pair) = adapter.head() else {
+            return Err(ModelError::AdapterMismatch { index: 0 });
+        };
+        let hidden = self.cfg.hidden_size;
+        let vocab = self.lm_head.out_dim();
+        if tape.head_normed.len() != tape.targets.len() * hidden {
+            return Err(ModelError::Packing(
+                "the tape was recorded without the adapter's LM-head pair".into(),
+            ));
+        }
+        let mut d_normed = Vec::with_capacity(tape.head_normed.len());
+        let mut logits = vec![0f32; HEAD_CHUNK.min(tape.targets.len()) * vocab];
+        let chunks = tape
+            .head_normed
+            .chunks(HEAD_CHUNK * hidden)
+            .zip(tape.targets.chunks(HEAD_CHUNK))
+            .zip(dlogprobs.chunks(HEAD_CHUNK));
+        for ((rows, tgt), dlogp) in chunks {
+            let logits = &mut logits[..tgt.len() * vocab];
+            self.lm_head.forward_into(rows, logits)?;
+            adapter.apply_head(rows, logits);
+            logits
+                .par_chunks_mut(vocab)
+                .zip(tgt.par_iter().zip(dlogp))
+                .for_each(|(row, (&t, &g))| {
+                    RowSoftmax::new(row, true);
+                    row[t as usize] += 1.0;
+                    for v in row.iter_mut() {
+                        *v *= g;
+                    }
+                });
+            let mut dx = self.lm_head.backward_input(logits)?;
+            let index = adapter.head_param_index();
+            let (ga, gb) = grads.pair_mut(index);
+            lora_backward(pair, adapter, rows, logits, &mut dx, ga, gb);
+            d_normed.extend(dx);
+        }
+        Ok(d_normed)
     }
 
     /// Backward of `attention_forward` (layer `li`) from the gradient of its output `d_out`:
@@ -476,7 +550,6 @@ struct LinearGrads<'a> {
 impl LinearGrads<'_> {
     /// Backward of projection `target` at input rows `x` with output gradient `dy`: adds the
     /// adapter's grads and returns d x (through the frozen weight and the adapter).
-    /// With `t = x·Aᵀ`, `y += s·t·Bᵀ`: `dB = s·dyᵀ·t`, `dt = s·dy·B`, `dA = dtᵀ·x`, `dx += dt·A`.
     fn backward(
         &mut self,
         target: LoraTarget,
@@ -484,29 +557,43 @@ impl LinearGrads<'_> {
         dy: &[f32],
     ) -> Result<Vec<f32>, ModelError> {
         let (li, adapter) = (self.index, self.adapter);
-        let linear = self.layer.linear(target);
-        let mut dx = linear.backward_input(dy)?;
-        let pair = adapter.pair(li, target);
-        let rank = adapter.config().rank;
-        let s = adapter.scale();
-        let (din, dout) = (pair.in_dim, pair.out_dim);
-        let rows = x.len() / din;
-        let (x, dy) = (MatRef::new(x, rows, din), MatRef::new(dy, rows, dout));
-        let (a, b) = (
-            MatRef::new(&pair.a, rank, din),
-            MatRef::new(&pair.b, dout, rank),
-        );
-        let mut t = vec![0f32; rows * rank];
-        ops::matmul_f32(&mut t, x, a.t(), 1.0, false);
-        let mut dt = vec![0f32; rows * rank];
-        ops::matmul_f32(&mut dt, dy, b, s, false);
-        let (t, dt) = (MatRef::new(&t, rows, rank), MatRef::new(&dt, rows, rank));
-        ops::matmul_f32(&mut dx, dt, a, 1.0, true);
+        let mut dx = self.layer.linear(target).backward_input(dy)?;
         let base = (li * LoraTarget::ALL.len() + target as usize) * 2;
-        ops::matmul_f32(&mut self.grads.grads[base], dt.t(), x, 1.0, true);
-        ops::matmul_f32(&mut self.grads.grads[base + 1], dy.t(), t, s, true);
+        let (ga, gb) = self.grads.pair_mut(base);
+        lora_backward(adapter.pair(li, target), adapter, x, dy, &mut dx, ga, gb);
         Ok(dx)
     }
+}
+
+/// A LoRA pair's part of its projection's backward at input rows `x` with output gradient
+/// `dy`: adds its term to `dx` and its grads to `grad_a`, `grad_b`. With `t = x·Aᵀ`,
+/// `y += s·t·Bᵀ`: `dB = s·dyᵀ·t`, `dt = s·dy·B`, `dA = dtᵀ·x`, `dx += dt·A`.
+fn lora_backward(
+    pair: &LoraPair,
+    adapter: &LoraAdapter,
+    x: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+    grad_a: &mut [f32],
+    grad_b: &mut [f32],
+) {
+    let rank = adapter.config().rank;
+    let s = adapter.scale();
+    let (din, dout) = (pair.in_dim, pair.out_dim);
+    let rows = x.len() / din;
+    let (x, dy) = (MatRef::new(x, rows, din), MatRef::new(dy, rows, dout));
+    let (a, b) = (
+        MatRef::new(&pair.a, rank, din),
+        MatRef::new(&pair.b, dout, rank),
+    );
+    let mut t = vec![0f32; rows * rank];
+    ops::matmul_f32(&mut t, x, a.t(), 1.0, false);
+    let mut dt = vec![0f32; rows * rank];
+    ops::matmul_f32(&mut dt, dy, b, s, false);
+    let (t, dt) = (MatRef::new(&t, rows, rank), MatRef::new(&dt, rows, rank));
+    ops::matmul_f32(dx, dt, a, 1.0, true);
+    ops::matmul_f32(grad_a, dt.t(), x, 1.0, true);
+    ops::matmul_f32(grad_b, dy.t(), t, s, true);
 }
 
 /// Gradients of the attention's queries, keys and values (row-major, one row per token).

@@ -8,10 +8,18 @@ use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
-use common::{run_alone, tiny_model, tokens, trained_adapter};
+use common::{run_alone, tiny_model, tokens, trained_adapter, trained_adapter_of};
 use temper_model::tiny::write_tiny_gguf_f32;
 use temper_model::{
-    load_gguf, merge_into_gguf, Decoder, LoraAdapter, MergedWeights, PeftFiles, MAX_IMPORT_RANK,
+    load_gguf, merge_into_gguf, Decoder, LoraAdapter, LoraConfig, MergedWeights, PeftFiles,
+    MAX_IMPORT_RANK,
+};
+
+/// An adapter configuration with an LM-head pair (Tinker's `train_unembed`).
+const WITH_HEAD: LoraConfig = LoraConfig {
+    rank: 8,
+    alpha: 16.0,
+    unembed: true,
 };
 
 fn temp(name: &str) -> PathBuf {
@@ -95,6 +103,32 @@ fn peft_files_round_trip_bit_for_bit() {
             run_alone(&model, &toks, Some(&back)).data,
             run_alone(&model, &toks, Some(&adapter)).data
         );
+
+        // With an LM-head pair: PEFT's `lm_head` module, tied head or not.
+        let adapter = trained_adapter_of(&model, WITH_HEAD, 4, 0.05);
+        let files = adapter.to_peft(model.config(), "base").expect("to_peft");
+        let config: serde_json::Value = serde_json::from_slice(&files.config).expect("json");
+        let targets = config["target_modules"].as_array().unwrap();
+        assert_eq!(targets.len(), 8);
+        assert!(targets.contains(&"lm_head".into()));
+        let tensors = peft_tensors(&files);
+        let (vocab, hidden) = (model.config().vocab_size, model.config().hidden_size);
+        assert_eq!(
+            tensors["base_model.model.lm_head.lora_A.weight"].dims(),
+            [8, hidden]
+        );
+        assert_eq!(
+            tensors["base_model.model.lm_head.lora_B.weight"].dims(),
+            [vocab, 8]
+        );
+        let back = LoraAdapter::from_peft(&files, model.config(), 1).expect("from_peft");
+        assert_eq!(back.config(), WITH_HEAD);
+        assert_eq!(back.params(), adapter.params());
+        let only_a = with_tensors(&files, |t| {
+            t.remove("base_model.model.lm_head.lora_B.weight");
+        });
+        let err = LoraAdapter::from_peft(&only_a, model.config(), 1).unwrap_err();
+        assert_eq!(err.subject, "base_model.model.lm_head.lora_B.weight");
     }
 }
 
@@ -188,7 +222,7 @@ fn bad_peft_files_are_refused_naming_the_tensor() {
     });
     assert_eq!(refused(&unknown_target).subject, unknown);
     let unknown_module = with_config(&files, |c| {
-        c["target_modules"] = serde_json::json!(["lm_head"])
+        c["target_modules"] = serde_json::json!(["embed_tokens"])
     });
     assert!(refused(&unknown_module).subject.ends_with("target_modules"));
 
@@ -248,6 +282,26 @@ fn the_gguf_adapter_has_llama_cpps_layout() {
         .unwrap();
     let down_b = &adapter.params()[13];
     assert_eq!(b.flatten_all().unwrap().to_vec1::<f32>().unwrap(), *down_b);
+
+    // An LM-head pair is `output.weight`'s where the model has its own LM head; a tied one
+    // (llama.cpp reads the embedding table) cannot be expressed: a clear error.
+    let with_head = trained_adapter_of(&model, WITH_HEAD, 4, 0.05);
+    let err = with_head.to_gguf(model.config(), "x").unwrap_err();
+    assert!(err.to_string().contains("export it as PEFT"), "{err}");
+    let untied = llama();
+    let with_head = trained_adapter_of(&untied, WITH_HEAD, 4, 0.05);
+    let bytes = with_head.to_gguf(untied.config(), "x").expect("to_gguf");
+    let content = gguf_file::Content::read(&mut std::io::Cursor::new(&bytes)).expect("gguf");
+    let hidden = untied.config().hidden_size;
+    let vocab = untied.config().vocab_size;
+    assert_eq!(
+        content.tensor_infos["output.weight.lora_a"].shape.dims(),
+        [8, hidden]
+    );
+    assert_eq!(
+        content.tensor_infos["output.weight.lora_b"].shape.dims(),
+        [vocab, 8]
+    );
 }
 
 #[test]
@@ -257,13 +311,22 @@ fn a_merged_gguf_serves_as_base_plus_adapter() {
     let base = temp("merge-base.gguf");
     write_tiny_gguf_f32(&base, 7).expect("write");
     let model = load_gguf(&base).expect("load").model;
-    let adapter = trained_adapter(&model, 4, 0.3);
     let toks = tokens(12, 3);
-    let want = run_alone(&model, &toks, Some(&adapter));
-    for (weights, bound) in [(MergedWeights::AsBase, 1e-2), (MergedWeights::F16, 5e-2)] {
+    // The tiny model's LM head is its embedding: merged, the head gets a table of its own.
+    let plain = trained_adapter(&model, 4, 0.3);
+    let with_head = trained_adapter_of(&model, WITH_HEAD, 4, 0.3);
+    let cases = [
+        (&plain, MergedWeights::AsBase, 1e-2),
+        (&plain, MergedWeights::F16, 5e-2),
+        (&with_head, MergedWeights::AsBase, 1e-2),
+    ];
+    for (adapter, weights, bound) in cases {
+        let want = run_alone(&model, &toks, Some(adapter));
         let out = temp("merged.gguf");
-        merge_into_gguf(&base, &adapter, &out, weights).expect("merge");
+        merge_into_gguf(&base, adapter, &out, weights).expect("merge");
         let merged = load_gguf(&out).expect("load merged");
+        let head = adapter.config().unembed;
+        assert_eq!(merged.model.config().tied_embeddings, !head);
         let got = run_alone(&merged.model, &toks, None);
         let max = got
             .data
@@ -313,7 +376,7 @@ fn next_token_logprobs(model: &Decoder, tokens: &[u32], adapter: Option<&LoraAda
 }
 
 /// Writes, for each family into `$TEMPER_CHECK_DIR/FAMILY`, the PEFT export of an adapter that
-/// changes the model (`adapter_model.safetensors`, `adapter_config.json`) and temper's
+/// changes the model (its LM head included) (`adapter_model.safetensors`, `adapter_config.json`) and temper's
 /// logprobs of the fixture's tokens with and without it (`check.json`), which
 /// scripts/test_adapter_export.py compares with PEFT's on the rebuilt transformers model.
 #[test]
@@ -334,7 +397,8 @@ fn write_peft_family_check_inputs() {
             .iter()
             .map(|t| t.as_u64().expect("token") as u32)
             .collect();
-        let adapter = trained_adapter(&model, 11, 0.1);
+        // With an LM-head pair: PEFT's `lm_head` on tied and separate heads alike.
+        let adapter = trained_adapter_of(&model, WITH_HEAD, 11, 0.1);
         let files = adapter
             .to_peft(model.config(), &format!("tiny-{family}"))
             .expect("to_peft");

@@ -20,7 +20,8 @@ use common::{
     compare_with_serving, diffs, greedy, prefix_hit_rows, run_alone, scored_all, trained_adapter,
 };
 use temper_model::{
-    load_gguf, Activation, Arch, Decoder, ModelError, PackedSequence, RopeLayout, BLOCK_TOKENS,
+    load_gguf, Activation, Arch, Decoder, LoraConfig, ModelError, PackedSequence, RopeLayout,
+    BLOCK_TOKENS,
 };
 
 fn fixture(name: &str) -> PathBuf {
@@ -324,12 +325,25 @@ fn qwen3_backward_matches_finite_differences() {
     check_finite_differences(model("qwen3"), &[13, 11], 0, 3);
 }
 
+/// With a pair on an LM head of its own (`output.weight`, not the embedding).
+#[test]
+fn llama_backward_with_an_lm_head_pair_matches_finite_differences() {
+    let model = model("llama");
+    assert!(!model.config().tied_embeddings);
+    let config = LoraConfig {
+        unembed: true,
+        ..LoraConfig::default()
+    };
+    check_finite_differences_with_step(model, config, &[13, 11], 0, 3, 1e-2);
+}
+
 /// Past the sliding window (8) in both segments. Six layers leave about twice the two-layer
 /// models' f32 noise in the differences: with steps 5e-3, 1e-2 and 2e-2 the worst entry is 2.65,
 /// 1.29 and 0.60 of its bound (noise, falling as 1/step, not a wrong gradient), so 2e-2.
 #[test]
 fn gemma3_backward_matches_finite_differences() {
-    check_finite_differences_with_step(model("gemma3"), &[13, 11], 0, 3, 2e-2);
+    let config = LoraConfig::default();
+    check_finite_differences_with_step(model("gemma3"), config, &[13, 11], 0, 3, 2e-2);
 }
 
 #[test]

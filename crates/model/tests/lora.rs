@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{run_alone, tiny_model, tokens, trained_adapter};
+use common::{run_alone, tiny_model, tokens, trained_adapter, trained_adapter_of};
 use temper_model::{Logits, LoraAdapter, LoraConfig, ModelError, SeqInput};
 
 #[test]
@@ -105,6 +105,31 @@ fn save_then_load_round_trips_and_checks_shapes() {
     let per_layer = 8 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 256) * 3);
     assert_eq!(adapter.num_params(), 4 * per_layer);
     assert_eq!(adapter.memory_bytes(), 4 * adapter.num_params());
+
+    // With an LM-head pair (64 -> the vocabulary): saved, read back and counted with it.
+    let config = LoraConfig {
+        unembed: true,
+        ..LoraConfig::default()
+    };
+    let with_head = trained_adapter_of(&model, config, 5, 0.05);
+    let bytes = with_head.to_bytes().expect("to_bytes");
+    let back = LoraAdapter::from_bytes(&bytes, "head", model.config()).expect("from_bytes");
+    assert_eq!(back.config(), config);
+    assert_eq!(back.params(), with_head.params());
+    let vocab = model.config().vocab_size;
+    assert_eq!(with_head.num_params(), 4 * per_layer + 8 * (64 + vocab));
+    let toks = tokens(6, 4);
+    assert_eq!(
+        run_alone(&model, &toks, Some(&back)).data,
+        run_alone(&model, &toks, Some(&with_head)).data
+    );
+    let mut smaller_vocab = model.config().clone();
+    smaller_vocab.vocab_size -= 1;
+    assert!(!with_head.fits(&smaller_vocab));
+    match LoraAdapter::from_bytes(&bytes, "head", &smaller_vocab) {
+        Err(ModelError::TensorShape { name, .. }) => assert_eq!(name, "output.lora_b"),
+        r => panic!("expected a shape error, got {r:?}"),
+    }
 
     // Another model shape: a clear shape error, not a panic.
     let mut other = model.config().clone();

@@ -3,18 +3,26 @@
 mod common;
 
 use common::{
-    check_finite_differences, compare_with_serving, scored_all, tiny_model, tiny_model_f32, tokens,
-    trained_adapter,
+    check_finite_differences, check_finite_differences_with_step, compare_with_serving, scored_all,
+    tiny_model, tiny_model_f32, tokens, trained_adapter, trained_adapter_of,
 };
-use temper_model::{ModelError, PackedSequence};
+use temper_model::{LoraConfig, ModelError, PackedSequence};
+
+/// An adapter configuration with a pair on the LM head too (Tinker's `train_unembed`).
+const WITH_HEAD: LoraConfig = LoraConfig {
+    rank: 8,
+    alpha: 16.0,
+    unembed: true,
+};
 
 #[test]
 fn score_equals_the_serving_log_softmax() {
     let model = tiny_model("train-score");
     let adapter = trained_adapter(&model, 4, 0.05);
+    let with_head = trained_adapter_of(&model, WITH_HEAD, 4, 0.05);
     // Longer than the sliding window (8), so local layers drop early keys.
     let segs = [tokens(19, 1), tokens(12, 2)];
-    for a in [None, Some(&adapter)] {
+    for a in [None, Some(&adapter), Some(&with_head)] {
         let (max, mean) = compare_with_serving(&model, &segs, a);
         eprintln!(
             "tiny model, adapter {}: max |diff| {max:e}, mean {mean:e}",
@@ -34,10 +42,25 @@ fn score_equals_the_serving_log_softmax() {
         segment_lens: &lens,
         scored: &scored,
     };
-    let (scores, _) = model
-        .train_forward(&packed, &adapter)
-        .expect("train_forward");
-    assert_eq!(scores, model.score(&packed, Some(&adapter)).expect("score"));
+    for adapter in [&adapter, &with_head] {
+        let (scores, _) = model
+            .train_forward(&packed, adapter)
+            .expect("train_forward");
+        assert_eq!(scores, model.score(&packed, Some(adapter)).expect("score"));
+    }
+    // The LM-head pair changes the logprobs (it is not silently skipped).
+    let plain = model.score(&packed, Some(&adapter)).expect("score");
+    let headed = model.score(&packed, Some(&with_head)).expect("score");
+    let moved = plain
+        .logprobs
+        .iter()
+        .zip(&headed.logprobs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 1e-2,
+        "the LM-head pair moved logprobs by only {moved}"
+    );
 }
 
 #[test]
@@ -155,6 +178,15 @@ fn bad_packing_is_an_error() {
 #[test]
 fn backward_matches_finite_differences() {
     check_finite_differences(tiny_model_f32("train-gradcheck"), &[13, 11], 0, 3);
+}
+
+/// With a pair on the (tied) LM head: its grads, and the gradient reaching the hidden states
+/// through it, made in the backward from the chunks' logits computed again.
+#[test]
+fn backward_with_an_lm_head_pair_matches_finite_differences() {
+    let model = tiny_model_f32("train-gradcheck-head");
+    assert!(model.config().tied_embeddings);
+    check_finite_differences_with_step(model, WITH_HEAD, &[13, 11], 0, 3, 1e-2);
 }
 
 /// The same check over a segment longer than the attention backward's query tile (256): only

@@ -165,12 +165,6 @@ pub async fn create_model(
             format!("The LoRA rank must be 1 to {MAX_RANK}, got {}.", lora.rank),
         ));
     }
-    if lora.train_unembed {
-        return Err(ApiError::bad(
-            "lora_config.train_unembed",
-            "temper's adapters do not adapt the unembedding: pass `train_unembed=False`.",
-        ));
-    }
     if !(lora.train_mlp && lora.train_attn) {
         return Err(ApiError::bad(
             "lora_config",
@@ -202,6 +196,7 @@ pub async fn create_model(
             LoraConfig {
                 rank,
                 alpha: LORA_ALPHA,
+                unembed: lora.train_unembed,
             },
             seed,
         )

@@ -30,7 +30,17 @@ fn load_tiny(name: &str, write: fn(&Path, u64) -> Result<(), ModelError>) -> Dec
 /// An adapter whose B is nonzero (as after some training), so it changes the model: every
 /// parameter gets a deterministic pseudo-random value of about `b_scale` (B) or its init (A).
 pub fn trained_adapter(model: &Decoder, seed: u64, b_scale: f32) -> LoraAdapter {
-    let mut adapter = LoraAdapter::new(model.config(), LoraConfig::default(), seed);
+    trained_adapter_of(model, LoraConfig::default(), seed, b_scale)
+}
+
+/// [`trained_adapter`] of configuration `config` (with an LM-head pair where it says so).
+pub fn trained_adapter_of(
+    model: &Decoder,
+    config: LoraConfig,
+    seed: u64,
+    b_scale: f32,
+) -> LoraAdapter {
+    let mut adapter = LoraAdapter::new(model.config(), config, seed);
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     for (i, p) in adapter.params_mut().into_iter().enumerate() {
         // params alternate A, B.
@@ -165,13 +175,15 @@ pub fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
 /// every adapter tensor, with `c_t` zero for the first `unweighted` scored tokens.
 /// `model` has F32 weights; token ids wrap around its vocabulary.
 pub fn check_finite_differences(model: Decoder, lens: &[usize], unweighted: usize, samples: usize) {
-    check_finite_differences_with_step(model, lens, unweighted, samples, 1e-2);
+    let config = LoraConfig::default();
+    check_finite_differences_with_step(model, config, lens, unweighted, samples, 1e-2);
 }
 
-/// [`check_finite_differences`] with central differences of step `eps` (the f32 noise of the
-/// differences grows as 1/`eps`, their truncation error as `eps`²).
+/// [`check_finite_differences`] for an adapter of `config`, with central differences of step
+/// `eps` (the f32 noise of the differences grows as 1/`eps`, their truncation error as `eps`²).
 pub fn check_finite_differences_with_step(
     mut model: Decoder,
+    config: LoraConfig,
     lens: &[usize],
     unweighted: usize,
     samples: usize,
@@ -179,7 +191,7 @@ pub fn check_finite_differences_with_step(
 ) {
     // The f16 keys, values and GELU table would make the loss a step function at this scale too.
     model.set_smooth(true);
-    let mut adapter = trained_adapter(&model, 11, 0.1);
+    let mut adapter = trained_adapter_of(&model, config, 11, 0.1);
     let toks: Vec<u32> = lens
         .iter()
         .enumerate()

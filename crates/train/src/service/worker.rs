@@ -230,6 +230,7 @@ async fn run_claimed(
     let lora = LoraConfig {
         rank: options.lora_rank,
         alpha: options.lora_alpha,
+        unembed: false,
     };
     // The previous step's adapter, from the artifact store (maybe written by another server).
     let start_bytes = if latest_step > 0 {
