@@ -70,8 +70,9 @@ def tokens(text, chat=False):
 
 
 def training_client(rank=8, seed=0):
-    return SERVICE.create_lora_training_client(
-        base_model=MODEL, rank=rank, seed=seed, train_unembed=False).result()
+    """The SDK's defaults, as the cookbook's loops create them: LoRA on the attention, the MLP
+    and the unembedding (`train_unembed=True`)."""
+    return SERVICE.create_lora_training_client(base_model=MODEL, rank=rank, seed=seed).result()
 
 
 def sl_datum(prompt, completion):
@@ -296,8 +297,9 @@ class TinkerSdk(unittest.TestCase):
             SERVICE.create_lora_training_client(base_model="no-such-model", rank=2,
                                                 train_unembed=False).result()
         with self.assertRaises(tinker.BadRequestError) as e:
-            SERVICE.create_lora_training_client(base_model=MODEL, rank=2).result()
-        self.assertIn("train_unembed", str(e.exception))
+            SERVICE.create_lora_training_client(base_model=MODEL, rank=2,
+                                                train_mlp=False).result()
+        self.assertIn("train_mlp", str(e.exception))
         self.assertLess(time.time() - start, 60)
 
 

@@ -310,6 +310,19 @@ impl TrainingService {
             .await
             .map_err(|e| ServiceError::Internal(e.to_string()))?
             .ok_or_else(|| ServiceError::Internal(format!("step {step} has no adapter")))?;
+        if format == AdapterFormat::Gguf
+            && adapter.config().unembed
+            && base.model.config().tied_embeddings
+        {
+            return Err(ServiceError::Invalid {
+                param: "format".to_owned(),
+                message: "This checkpoint adapts the LM head, which the base model shares with \
+                          its embedding table: a llama.cpp adapter cannot express that. Export \
+                          `format=peft`, or merge it into the base GGUF (`temper export \
+                          --format merged-gguf`)."
+                    .to_owned(),
+            });
+        }
         let exported = tokio::task::spawn_blocking(move || {
             adapter.export(base.model.config(), &base.name, format)
         })
