@@ -19,6 +19,11 @@ import urllib.request
 import warnings
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
+# `forward_backward_custom` differentiates the user's loss with torch on the client. The tinker
+# venv has none; scripts/tinker-tests.sh names the PyTorch reference venv's packages (the same
+# transformers and numpy pins), searched after the SDK's own.
+if os.environ.get("TEMPER_TORCH_SITE"):
+    sys.path.append(os.environ["TEMPER_TORCH_SITE"])
 
 import numpy as np  # noqa: E402
 import tinker  # noqa: E402
@@ -280,6 +285,30 @@ class TinkerSdk(unittest.TestCase):
         status, v = call("/v1/chat/completions", {
             "model": served[0], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         self.assertEqual(status, 200, v)
+
+    def test_a_custom_loss_steps_as_its_built_in_twin(self):
+        """`forward_backward_custom`: the SDK takes `forward`'s logprobs, differentiates the
+        user's loss with torch and sends the gradient as cross-entropy weights. `-Σ w·logprob` as
+        a custom loss must step exactly as `cross_entropy` does."""
+        datum = sl_datum("Name a fruit.", "A ripe mango.")
+        builtin, custom = training_client(seed=5), training_client(seed=5)
+        before = builtin.forward([datum], "cross_entropy").result().loss_fn_outputs[0]
+
+        def weighted_nll(data, logprobs):
+            loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum()
+                       for d, lp in zip(data, logprobs))
+            return loss, {"weighted_nll": float(loss)}
+
+        out = custom.forward_backward_custom([datum], weighted_nll).result()
+        want = builtin.forward_backward([datum], "cross_entropy").result()
+        self.assertAlmostEqual(out.metrics["weighted_nll"], want.metrics["loss:sum"], places=3)
+        adam = tinker.AdamParams(learning_rate=1e-2)
+        for tc in (builtin, custom):
+            self.assertGreater(tc.optim_step(adam).result().metrics["grad_norm"], 0)
+        a, b = (tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+                .to_numpy() for tc in (builtin, custom))
+        np.testing.assert_array_equal(a, b)
+        self.assertFalse(np.array_equal(a, before["logprobs"].to_numpy()), "nothing was learned")
 
     def test_bad_input_raises_at_once(self):
         tc = training_client(rank=2)
