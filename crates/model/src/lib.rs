@@ -33,7 +33,7 @@ pub use kernels::selected_isa;
 pub use loader::load_gguf;
 pub use lora::{LoraAdapter, LoraConfig, LoraGrads, LoraTarget};
 pub use model::{Decoder, Logits, SeqInput};
-pub use train::{PackedSequence, TokenScores, TrainTape};
+pub use train::{PackedSequence, PointwiseLossGrad, TokenScores, TrainTape};
 
 /// A model loaded from a GGUF file, with the file's metadata (the caller builds the tokenizer
 /// from it).

@@ -50,16 +50,34 @@ pub struct TrainTape {
     targets: Vec<u32>,
     /// Hidden states of `head_rows` before the final norm.
     head_in: Vec<f32>,
-    /// d logprob / d (normed hidden state) of each scored token, `(onehot - softmax)·E`: made in
-    /// the forward while the chunk's logits exist, so the backward never recomputes them.
-    /// Empty where the adapter has an LM-head pair.
-    head_grad: Vec<f32>,
-    /// With an LM-head pair: the normed hidden states of `head_rows`, from which the backward
-    /// computes the chunks' logits again (the pair's `dB` needs each token's `onehot - softmax`
-    /// times its logprob's gradient, known only then: one more LM-head product per step, the
-    /// price of `train_unembed`). Empty otherwise.
-    head_normed: Vec<f32>,
+    head: HeadGrad,
 }
+
+/// The LM head's part of the backward, as the forward left it.
+enum HeadGrad {
+    /// No LM-head pair: d logprob / d (normed hidden state) of each scored token,
+    /// `(onehot - softmax)·E`, made while the chunk's logits exist (the backward never computes
+    /// them again) and scaled by each token's logprob gradient in the backward.
+    PerLogprob(Vec<f32>),
+    /// An LM-head pair, the loss's gradient given to the forward
+    /// ([`Decoder::train_forward_pointwise`]): the gradient of the normed hidden states and the
+    /// pair's grads, made for `dlogprobs`.
+    Done {
+        d_normed: Vec<f32>,
+        grad_a: Vec<f32>,
+        grad_b: Vec<f32>,
+        dlogprobs: Vec<f32>,
+    },
+    /// An LM-head pair, the loss's gradient unknown in the forward: the normed hidden states of
+    /// `head_rows`, from which the backward computes the chunks' logits again (the pair's `dB`
+    /// needs each token's `onehot - softmax` times its logprob's gradient: one more LM-head
+    /// product).
+    Recompute(Vec<f32>),
+}
+
+/// The derivative of a loss with respect to the `i`-th scored token's logprob, from that logprob
+/// alone (the Tinker losses are of this kind).
+pub type PointwiseLossGrad<'a> = &'a (dyn Fn(usize, f32) -> f32 + Sync);
 
 impl Decoder {
     /// Forward only: the same numbers the serving path returns for these tokens (same kernels).
@@ -68,7 +86,7 @@ impl Decoder {
         seq: &PackedSequence<'_>,
         adapter: Option<&LoraAdapter>,
     ) -> Result<TokenScores, ModelError> {
-        Ok(self.run_packed(seq, adapter, false)?.0)
+        Ok(self.run_packed(seq, adapter, false, None)?.0)
     }
 
     /// Forward that records what the backward needs. The LM head runs in chunks of rows: the
@@ -78,7 +96,23 @@ impl Decoder {
         seq: &PackedSequence<'_>,
         adapter: &LoraAdapter,
     ) -> Result<(TokenScores, TrainTape), ModelError> {
-        let (scores, tape) = self.run_packed(seq, Some(adapter), true)?;
+        let (scores, tape) = self.run_packed(seq, Some(adapter), true, None)?;
+        let tape = tape.ok_or_else(|| ModelError::Packing("no tape recorded".into()))?;
+        Ok((scores, tape))
+    }
+
+    /// [`Decoder::train_forward`] for a loss whose gradient with respect to each scored token's
+    /// logprob follows from that logprob (`dlogp(i, logprob)`). With an LM-head pair the head's
+    /// backward then runs in the forward, on the logits it has (else the backward computes them
+    /// again); [`Decoder::backward`] must get the same gradients. Without one it is
+    /// `train_forward`.
+    pub fn train_forward_pointwise(
+        &self,
+        seq: &PackedSequence<'_>,
+        adapter: &LoraAdapter,
+        dlogp: PointwiseLossGrad<'_>,
+    ) -> Result<(TokenScores, TrainTape), ModelError> {
+        let (scores, tape) = self.run_packed(seq, Some(adapter), true, Some(dlogp))?;
         let tape = tape.ok_or_else(|| ModelError::Packing("no tape recorded".into()))?;
         Ok((scores, tape))
     }
@@ -130,6 +164,7 @@ impl Decoder {
         seq: &PackedSequence<'_>,
         adapter: Option<&LoraAdapter>,
         record: bool,
+        dlogp: Option<PointwiseLossGrad<'_>>,
     ) -> Result<(TokenScores, Option<TrainTape>), ModelError> {
         self.validate_packed(seq)?;
         if adapter.is_some_and(|a| !a.fits(&self.cfg)) {
@@ -187,49 +222,79 @@ impl Decoder {
             logprobs: Vec::with_capacity(targets.len()),
             entropies: Vec::with_capacity(targets.len()),
         };
-        let head_lora = adapter.filter(|a| a.head().is_some());
-        // With an LM-head pair the gradient is made in the backward (`head_lora_backward`).
-        let grad_now = record && head_lora.is_none();
+        let head_pair = adapter.filter(|a| a.head().is_some());
+        // The backward's first part, made here where it can be: without an LM-head pair,
+        // `(onehot - softmax)·E`; with one and the loss's gradient given, all of it.
+        let grad_now = record && (head_pair.is_none() || dlogp.is_some());
+        let pointwise = dlogp.filter(|_| head_pair.is_some());
         let mut head_grad = Vec::with_capacity(if grad_now { head_normed.len() } else { 0 });
+        let mut pair_grads = head_pair.and_then(|a| a.head()).map(|p| LoraGrads {
+            grads: vec![vec![0f32; p.a.len()], vec![0f32; p.b.len()]],
+        });
+        let mut dlogprobs = Vec::new();
         let vocab = self.lm_head.out_dim();
         // One buffer for every chunk's logits: fresh pages for each chunk's 33 MB made the
         // LM head ~1.7x slower (`kernels::matmul_into`).
         let mut logits = vec![0f32; HEAD_CHUNK.min(targets.len()) * vocab];
-        for (rows, tgt) in head_normed
+        let chunks = head_normed
             .chunks(HEAD_CHUNK * hidden)
-            .zip(targets.chunks(HEAD_CHUNK))
-        {
+            .zip(targets.chunks(HEAD_CHUNK));
+        for (c, (rows, tgt)) in chunks.enumerate() {
             let logits = &mut logits[..tgt.len() * vocab];
             self.lm_head.forward_into(rows, logits)?;
-            if let Some(adapter) = head_lora {
+            if let Some(adapter) = head_pair {
                 adapter.apply_head(rows, logits);
             }
-            let stats: Vec<(f32, f32)> = logits
+            let stats: Vec<(f32, f32, f32)> = logits
                 .par_chunks_mut(vocab)
                 .zip(tgt.par_iter())
-                .map(|(row, &t)| {
+                .enumerate()
+                .map(|(j, (row, &t))| {
                     let target_logit = row[t as usize];
                     let s = RowSoftmax::new(row, grad_now);
                     let lp = (target_logit as f64 - s.lse) as f32;
+                    let g = pointwise.map_or(1.0, |f| f(c * HEAD_CHUNK + j, lp));
                     if grad_now {
-                        // The row (now minus the softmax) becomes onehot(t) - softmax.
+                        // The row (now minus the softmax) becomes g · (onehot(t) - softmax).
                         row[t as usize] += 1.0;
+                        if pointwise.is_some() {
+                            row.iter_mut().for_each(|v| *v *= g);
+                        }
                     }
-                    (lp, s.entropy as f32)
+                    (lp, s.entropy as f32, g)
                 })
                 .collect();
-            for (lp, h) in stats {
+            for (lp, h, g) in stats {
                 scores.logprobs.push(lp);
                 scores.entropies.push(h);
+                if pointwise.is_some() {
+                    dlogprobs.push(g);
+                }
             }
             if grad_now {
-                head_grad.extend(self.lm_head.backward_input(logits)?);
+                head_grad.extend(match (head_pair, &mut pair_grads) {
+                    (Some(adapter), Some(grads)) => {
+                        self.head_pair_backward(adapter, rows, logits, grads)?
+                    }
+                    _ => self.lm_head.backward_input(logits)?,
+                });
             }
         }
-        let head_normed = if record && head_lora.is_some() {
-            head_normed
-        } else {
-            Vec::new()
+        let head = match (head_pair, pair_grads) {
+            (Some(_), Some(grads)) if pointwise.is_some() => {
+                let [grad_a, grad_b]: [Vec<f32>; 2] = grads
+                    .grads
+                    .try_into()
+                    .map_err(|_| ModelError::AdapterMismatch { index: 0 })?;
+                HeadGrad::Done {
+                    d_normed: head_grad,
+                    grad_a,
+                    grad_b,
+                    dlogprobs,
+                }
+            }
+            (Some(_), _) => HeadGrad::Recompute(if record { head_normed } else { Vec::new() }),
+            (None, _) => HeadGrad::PerLogprob(head_grad),
         };
         let tape = record.then_some(TrainTape {
             layout,
@@ -238,8 +303,7 @@ impl Decoder {
             head_rows,
             targets,
             head_in,
-            head_grad,
-            head_normed,
+            head,
         });
         Ok((scores, tape))
     }
@@ -272,18 +336,42 @@ impl Decoder {
                 .collect(),
         };
 
-        // LM head: d normed hidden = dlogp · (onehot(target) - softmax)·E, from the forward
-        // (or made now, with the LM-head pair's term and grads).
-        let d_normed = if adapter.head().is_some() {
-            self.head_lora_backward(&tape, adapter, dlogprobs, &mut grads)?
-        } else {
-            let mut d_normed = tape.head_grad.clone();
-            for (row, &g) in d_normed.chunks_exact_mut(hidden).zip(dlogprobs) {
-                for v in row.iter_mut() {
-                    *v *= g;
+        // LM head: d normed hidden = dlogp · (onehot(target) - softmax)·E (plus the LM-head
+        // pair's term), from the forward or made now.
+        if adapter.head().is_some() == matches!(tape.head, HeadGrad::PerLogprob(_)) {
+            return Err(ModelError::Packing(
+                "the tape and the adapter differ in their LM-head pair".into(),
+            ));
+        }
+        let d_normed = match &tape.head {
+            HeadGrad::PerLogprob(head_grad) => {
+                let mut d_normed = head_grad.clone();
+                for (row, &g) in d_normed.chunks_exact_mut(hidden).zip(dlogprobs) {
+                    for v in row.iter_mut() {
+                        *v *= g;
+                    }
                 }
+                d_normed
             }
-            d_normed
+            HeadGrad::Done {
+                d_normed,
+                grad_a,
+                grad_b,
+                dlogprobs: made_for,
+            } => {
+                if made_for.as_slice() != dlogprobs {
+                    return Err(ModelError::Packing(
+                        "the logprob gradients differ from those the forward was given".into(),
+                    ));
+                }
+                let (ga, gb) = grads.pair_mut(adapter.head_param_index());
+                ga.copy_from_slice(grad_a);
+                gb.copy_from_slice(grad_b);
+                d_normed.clone()
+            }
+            HeadGrad::Recompute(normed) => {
+                self.head_recompute_backward(normed, &tape.targets, adapter, dlogprobs, &mut grads)?
+            }
         };
         let d_head_in = self
             .final_norm
@@ -309,32 +397,28 @@ impl Decoder {
         Ok(grads)
     }
 
-    /// The LM head's backward where the adapter has an LM-head pair: each chunk's logits again
-    /// (the forward's bits), `G = dlogp · (onehot(target) - softmax)`, and from it the gradient
-    /// of the normed hidden states (`G·E` plus the pair's term) and the pair's grads.
-    fn head_lora_backward(
+    /// The LM head's backward with an LM-head pair, the loss's gradient unknown in the forward:
+    /// each chunk's logits again from the normed hidden states `normed` (the forward's bits),
+    /// `G = dlogp · (onehot(target) - softmax)`, and from it [`Decoder::head_pair_backward`].
+    fn head_recompute_backward(
         &self,
-        tape: &TrainTape,
+        normed: &[f32],
+        targets: &[u32],
         adapter: &LoraAdapter,
         dlogprobs: &[f32],
         grads: &mut LoraGrads,
     ) -> Result<Vec<f32>, ModelError> {
-        let Some(pair) = adapter.head() else {
-            return Err(ModelError::AdapterMismatch { index: 0 });
-        };
         let hidden = self.cfg.hidden_size;
         let vocab = self.lm_head.out_dim();
-        if tape.head_normed.len() != tape.targets.len() * hidden {
-            return Err(ModelError::Packing(
-                "the tape was recorded without the adapter's LM-head pair".into(),
-            ));
-        }
-        let mut d_normed = Vec::with_capacity(tape.head_normed.len());
-        let mut logits = vec![0f32; HEAD_CHUNK.min(tape.targets.len()) * vocab];
-        let chunks = tape
-            .head_normed
+        let index = adapter.head_param_index();
+        let mut pair_grads = LoraGrads {
+            grads: grads.grads[index..index + 2].to_vec(),
+        };
+        let mut d_normed = Vec::with_capacity(normed.len());
+        let mut logits = vec![0f32; HEAD_CHUNK.min(targets.len()) * vocab];
+        let chunks = normed
             .chunks(HEAD_CHUNK * hidden)
-            .zip(tape.targets.chunks(HEAD_CHUNK))
+            .zip(targets.chunks(HEAD_CHUNK))
             .zip(dlogprobs.chunks(HEAD_CHUNK));
         for ((rows, tgt), dlogp) in chunks {
             let logits = &mut logits[..tgt.len() * vocab];
@@ -346,17 +430,33 @@ impl Decoder {
                 .for_each(|(row, (&t, &g))| {
                     RowSoftmax::new(row, true);
                     row[t as usize] += 1.0;
-                    for v in row.iter_mut() {
-                        *v *= g;
-                    }
+                    row.iter_mut().for_each(|v| *v *= g);
                 });
-            let mut dx = self.lm_head.backward_input(logits)?;
-            let index = adapter.head_param_index();
-            let (ga, gb) = grads.pair_mut(index);
-            lora_backward(pair, adapter, rows, logits, &mut dx, ga, gb);
-            d_normed.extend(dx);
+            d_normed.extend(self.head_pair_backward(adapter, rows, logits, &mut pair_grads)?);
+        }
+        for (i, g) in pair_grads.grads.into_iter().enumerate() {
+            grads.grads[index + i] = g;
         }
         Ok(d_normed)
+    }
+
+    /// The gradient of the normed hidden states `rows` from that of their logits `dy` with an
+    /// LM-head pair (through the frozen head and the pair), adding the pair's grads to
+    /// `pair_grads` (its A and B).
+    fn head_pair_backward(
+        &self,
+        adapter: &LoraAdapter,
+        rows: &[f32],
+        dy: &[f32],
+        pair_grads: &mut LoraGrads,
+    ) -> Result<Vec<f32>, ModelError> {
+        let pair = adapter
+            .head()
+            .ok_or(ModelError::AdapterMismatch { index: 0 })?;
+        let mut dx = self.lm_head.backward_input(dy)?;
+        let (ga, gb) = pair_grads.pair_mut(0);
+        lora_backward(pair, adapter, rows, dy, &mut dx, ga, gb);
+        Ok(dx)
     }
 
     /// Backward of `attention_forward` (layer `li`) from the gradient of its output `d_out`:

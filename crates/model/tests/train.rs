@@ -189,6 +189,55 @@ fn backward_with_an_lm_head_pair_matches_finite_differences() {
     check_finite_differences_with_step(model, WITH_HEAD, &[13, 11], 0, 3, 1e-2);
 }
 
+/// With an LM-head pair and the loss's gradient given to the forward (the Tinker step's path),
+/// the head's backward runs in the forward: the same grads, bit for bit, as computing the
+/// chunks' logits again in the backward; other gradients than the forward's are refused.
+#[test]
+fn a_pointwise_loss_gives_the_recomputed_head_backward_bit_for_bit() {
+    let model = tiny_model("train-pointwise");
+    let adapter = trained_adapter_of(&model, WITH_HEAD, 6, 0.05);
+    // Longer than one LM-head chunk (32 rows).
+    let lens = [40, 13];
+    let toks: Vec<u32> = [tokens(40, 1), tokens(13, 2)].concat();
+    let scored = scored_all(&lens);
+    let packed = PackedSequence {
+        tokens: &toks,
+        segment_lens: &lens,
+        scored: &scored,
+    };
+    let dlogp = |i: usize, lp: f32| (i % 5) as f32 * 0.1 - 0.2 + lp.exp();
+    let (scores, tape) = model.train_forward(&packed, &adapter).expect("forward");
+    let dlogprobs: Vec<f32> = scores
+        .logprobs
+        .iter()
+        .enumerate()
+        .map(|(i, &lp)| dlogp(i, lp))
+        .collect();
+    let want = model
+        .backward(tape, &adapter, &dlogprobs)
+        .expect("backward");
+    let (same, tape) = model
+        .train_forward_pointwise(&packed, &adapter, &dlogp)
+        .expect("pointwise forward");
+    assert_eq!(same, scores);
+    let got = model
+        .backward(tape, &adapter, &dlogprobs)
+        .expect("backward");
+    assert_eq!(got.grads, want.grads);
+    let head = adapter.params().len() - 1;
+    assert!(got.grads[head].iter().any(|&g| g != 0.0));
+
+    let (_, tape) = model
+        .train_forward_pointwise(&packed, &adapter, &dlogp)
+        .expect("pointwise forward");
+    let mut other = dlogprobs.clone();
+    other[3] += 1.0;
+    assert!(matches!(
+        model.backward(tape, &adapter, &other),
+        Err(ModelError::Packing(_))
+    ));
+}
+
 /// The same check over a segment longer than the attention backward's query tile (256): only
 /// the last 20 tokens weigh in the loss (so its f32 noise stays that of the short check), and
 /// their gradients reach keys and values of the first tile through the global layers and of

@@ -154,33 +154,46 @@ pub fn forward_backward(
             segment_lens: &segment_lens,
             scored: &scored,
         };
+        // Each scored token's loss inputs, in the packed order: the loss at a token follows from
+        // its logprob (so an LM-head pair's backward runs in the forward).
+        let inputs: Vec<(f64, f64, f64)> = members
+            .iter()
+            .flat_map(|&i| {
+                let d = &data[i];
+                (0..d.len()).map(move |j| {
+                    if loss.uses_weights() {
+                        (f64::from(d.weights[j]), 0.0, 0.0)
+                    } else {
+                        (
+                            0.0,
+                            f64::from(d.old_logprobs[j]),
+                            f64::from(d.advantages[j]),
+                        )
+                    }
+                })
+            })
+            .collect();
+        let at = |i: usize, p: f32| {
+            let (weight, old, advantage) = inputs[i];
+            loss.at(f64::from(p), weight, old, advantage)
+        };
+        let dlogp = |i: usize, p: f32| at(i, p).1 as f32;
         let (scores, tape) = if backward {
-            let (scores, tape) = model.train_forward(&seq, adapter)?;
+            let (scores, tape) = model.train_forward_pointwise(&seq, adapter, &dlogp)?;
             (scores, Some(tape))
         } else {
             (model.score(&seq, Some(adapter))?, None)
         };
         let mut dlogprobs = Vec::with_capacity(scores.logprobs.len());
-        let mut at = 0;
+        for (i, &p) in scores.logprobs.iter().enumerate() {
+            let (l, dl) = at(i, p);
+            loss_sum += l;
+            dlogprobs.push(dl as f32);
+        }
+        let mut start = 0;
         for &i in &members {
-            let d = &data[i];
-            let lps = scores.logprobs[at..at + d.len()].to_vec();
-            at += d.len();
-            for (j, &p) in lps.iter().enumerate() {
-                let (l, dl) = if loss.uses_weights() {
-                    loss.at(f64::from(p), f64::from(d.weights[j]), 0.0, 0.0)
-                } else {
-                    loss.at(
-                        f64::from(p),
-                        0.0,
-                        f64::from(d.old_logprobs[j]),
-                        f64::from(d.advantages[j]),
-                    )
-                };
-                loss_sum += l;
-                dlogprobs.push(dl as f32);
-            }
-            logprobs.push(lps);
+            logprobs.push(scores.logprobs[start..start + data[i].len()].to_vec());
+            start += data[i].len();
         }
         if let Some(tape) = tape {
             let pack_grads = model.backward(tape, adapter, &dlogprobs)?.grads;
