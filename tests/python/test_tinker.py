@@ -326,9 +326,9 @@ class TinkerSdk(unittest.TestCase):
             SERVICE.create_lora_training_client(base_model="no-such-model", rank=2,
                                                 train_unembed=False).result()
         with self.assertRaises(tinker.BadRequestError) as e:
-            SERVICE.create_lora_training_client(base_model=MODEL, rank=2,
-                                                train_mlp=False).result()
-        self.assertIn("train_mlp", str(e.exception))
+            SERVICE.create_lora_training_client(base_model=MODEL, rank=2, train_mlp=False,
+                                                train_attn=False, train_unembed=False).result()
+        self.assertIn("nothing would train", str(e.exception))
         self.assertLess(time.time() - start, 60)
 
 

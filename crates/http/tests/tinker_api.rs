@@ -453,7 +453,8 @@ async fn another_teams_objects_and_bad_input() {
         (
             create(
                 "tiny",
-                json!({ "rank": 2, "train_unembed": false, "train_mlp": false }),
+                json!({ "rank": 2, "train_unembed": false, "train_mlp": false,
+                        "train_attn": false }),
             ),
             "lora_config",
         ),
@@ -465,6 +466,29 @@ async fn another_teams_objects_and_bad_input() {
             "{v}"
         );
     }
+    // Attention only (the MLP pairs stay frozen: crates/train/tests/step.rs): it trains.
+    let (status, future) = api
+        .post(
+            KEY,
+            "/api/v1/create_model",
+            &create("tiny", json!({ "rank": 2, "train_mlp": false })),
+        )
+        .await;
+    assert_eq!(status, 200, "{future}");
+    let attention_only = api.result(KEY, &future).await["model_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let req = request(&attention_only, 1, "cross_entropy", vec![datum(&TOKENS, 4)]);
+    let (_, future) = api.forward_backward(KEY, &req).await;
+    api.result(KEY, &future).await;
+    let stepped = api
+        .result(KEY, &optim_step(&api, &attention_only, 2).await)
+        .await;
+    assert!(
+        stepped["metrics"]["grad_norm"].as_f64().unwrap() > 0.0,
+        "{stepped}"
+    );
     let (status, v) = api
         .post(
             KEY,

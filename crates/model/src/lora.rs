@@ -65,6 +65,14 @@ impl LoraTarget {
     pub(crate) fn index(self) -> usize {
         self as usize
     }
+
+    /// q, k, v or o (Tinker's `train_attn`), not the MLP's (`train_mlp`).
+    pub fn is_attention(self) -> bool {
+        matches!(
+            self,
+            LoraTarget::Q | LoraTarget::K | LoraTarget::V | LoraTarget::O
+        )
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -211,6 +219,13 @@ impl LoraAdapter {
         self.id = next_id();
         self.cfg.unembed = true;
         self.head = Some(pair);
+    }
+
+    /// The projection whose A or B is [`LoraAdapter::params`]`[index]`; `None` for the LM
+    /// head's pair.
+    pub fn param_target(&self, index: usize) -> Option<LoraTarget> {
+        (index < self.head_param_index())
+            .then(|| LoraTarget::ALL[index / 2 % LoraTarget::ALL.len()])
     }
 
     /// The index in [`LoraAdapter::params`] of the LM head's A (its B follows).

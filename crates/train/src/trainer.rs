@@ -308,6 +308,8 @@ impl AdamW {
             .zip(grads)
             .zip(&mut self.m)
             .zip(&mut self.v)
+            // An empty gradient: a frozen tensor (see `adam_step`).
+            .filter(|(((_, g), _), _)| !g.is_empty())
         {
             for i in 0..x.len() {
                 let g = f64::from(g[i]) * scale;
@@ -359,6 +361,8 @@ pub fn apply_gradients(
 
 /// One AdamW step with `params`, the gradient clipped to `params.grad_clip_norm` when that is
 /// positive; returns the gradient's norm before clipping. `step` (1-based) names a diverged step.
+/// A tensor whose gradient is empty stays as it is, its moments too (a frozen tensor: no weight
+/// decay either).
 pub fn adam_step(
     optimizer: &mut AdamW,
     adapter: &mut LoraAdapter,

@@ -149,3 +149,62 @@ fn one_importance_sampling_step_is_a_one_group_job() {
     assert!(max_change > 1e-4, "the step changed nothing: {max_change}");
     assert_eq!(max_diff, 0.0, "the steps differ (change {max_change})");
 }
+
+/// A tensor whose gradient is empty is frozen: an AdamW step (weight decay on) leaves it and
+/// its moments as they are, and the gradient's norm leaves it out (Tinker's `train_mlp=False`
+/// empties the MLP pairs' gradients; `train_unembed` adds an LM-head pair that trains).
+#[test]
+fn an_empty_gradient_freezes_its_tensor() {
+    let t = common::tiny(6);
+    let config = LoraConfig {
+        unembed: true,
+        ..LoraConfig::default()
+    };
+    let start = LoraAdapter::new(t.model.config(), config, 4);
+    let data = [StepDatum {
+        tokens: vec![3, 40, 41, 42, 43],
+        last_target: 44,
+        weights: vec![1.0; 5],
+        old_logprobs: Vec::new(),
+        advantages: Vec::new(),
+    }];
+    let grads = forward_backward(&t.model, &start, &data, StepLoss::CrossEntropy, true, 2048)
+        .unwrap()
+        .grads
+        .unwrap();
+    let params = AdamParams {
+        weight_decay: 0.1,
+        ..AdamParams::job(1e-2)
+    };
+    let mut all = start.clone();
+    let full_norm = adam_step(&mut AdamW::new(&all), &mut all, &grads, &params, 1).unwrap();
+    let frozen = |i: usize| start.param_target(i).is_some_and(|t| !t.is_attention());
+    let mut attention_only = grads.clone();
+    for (i, g) in attention_only.iter_mut().enumerate() {
+        if frozen(i) {
+            *g = Vec::new();
+        }
+    }
+    let mut stepped = start.clone();
+    let mut optimizer = AdamW::new(&stepped);
+    let norm = adam_step(&mut optimizer, &mut stepped, &attention_only, &params, 1).unwrap();
+    assert!(0.0 < norm && norm < full_norm, "{norm} of {full_norm}");
+    let head = start.params().len() - 1;
+    assert!(start.param_target(head).is_none());
+    for (i, (after, before)) in stepped.params().iter().zip(start.params()).enumerate() {
+        if frozen(i) {
+            assert_eq!(after, &before, "param {i} is frozen");
+        } else if i % 2 == 1 {
+            // B starts at 0: a trained one moves.
+            assert_ne!(after, &before, "param {i} trains");
+        }
+    }
+    // A second step: the frozen tensors' moments stayed zero, so they stay put again.
+    let mut again = stepped.clone();
+    adam_step(&mut optimizer, &mut again, &attention_only, &params, 2).unwrap();
+    for (i, (after, before)) in again.params().iter().zip(start.params()).enumerate() {
+        if frozen(i) {
+            assert_eq!(after, &before, "param {i} is frozen");
+        }
+    }
+}

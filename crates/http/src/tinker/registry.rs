@@ -125,9 +125,31 @@ pub struct RunInfo {
     pub team: String,
     pub base: Arc<ServedModel>,
     pub rank: usize,
+    /// The projections `optim_step` trains; the others' pairs stay as they are (B = 0 in a
+    /// fresh adapter: no change).
+    pub trains: TrainedTargets,
     /// `<team>/<project>/<name>` of the store model: a checkpoint is served as `…:step<N>`.
     pub served_name: String,
     pub user_metadata: Option<serde_json::Map<String, Value>>,
+}
+
+/// Which layer projections a run trains (`lora_config.train_attn`, `train_mlp`); an LM-head
+/// pair, where the adapter has one, always trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrainedTargets {
+    pub attention: bool,
+    pub mlp: bool,
+}
+
+impl TrainedTargets {
+    /// Whether a pair of `target` (`None`: the LM head's) trains.
+    pub fn trains(self, target: Option<temper_model::LoraTarget>) -> bool {
+        match target {
+            None => true,
+            Some(t) if t.is_attention() => self.attention,
+            Some(_) => self.mlp,
+        }
+    }
 }
 
 /// A LoRA training run (the SDK's training model), backed by a store model whose checkpoints are

@@ -23,8 +23,8 @@ use crate::meter::unix_now;
 use crate::state::AppState;
 use crate::tinker::proto::{self, Chunk, ConfigValue, ForwardBackwardRequest};
 use crate::tinker::registry::{
-    NewRun, Outcome, RunInfo, Sampler, SavedCheckpoint, SavedState, Tinker, TrainingRun, Work,
-    LONG_POLL,
+    NewRun, Outcome, RunInfo, Sampler, SavedCheckpoint, SavedState, Tinker, TrainedTargets,
+    TrainingRun, Work, LONG_POLL,
 };
 use crate::tinker::wire::{
     CreateModelRequest, CreateSamplingSessionRequest, CreateSessionRequest, FutureRequest,
@@ -165,11 +165,10 @@ pub async fn create_model(
             format!("The LoRA rank must be 1 to {MAX_RANK}, got {}.", lora.rank),
         ));
     }
-    if !(lora.train_mlp && lora.train_attn) {
+    if !(lora.train_mlp || lora.train_attn || lora.train_unembed) {
         return Err(ApiError::bad(
             "lora_config",
-            "temper's adapters always cover both the attention and the MLP projections: \
-             `train_attn` and `train_mlp` must both be true.",
+            "`train_attn`, `train_mlp` and `train_unembed` are all false: nothing would train.",
         ));
     }
     if let Some(opt) = req.optimizer_config.as_ref().filter(|o| o.kind != "adamw") {
@@ -204,7 +203,17 @@ pub async fn create_model(
     .await
     .map_err(|e| ApiError::Internal(format!("creating the adapter panicked: {e}")))?;
     let id = Uuid::new_v4().simple().to_string();
-    let new = (base, rank, adapter, None, req.user_metadata);
+    let new = RunParts {
+        base,
+        rank,
+        trains: TrainedTargets {
+            attention: lora.train_attn,
+            mlp: lora.train_mlp,
+        },
+        adapter,
+        optimizer: None,
+        user_metadata: req.user_metadata,
+    };
     let run = register_run(training, &tinker, &ctx, id, new).await?;
     let answer = json!({ "type": "create_model", "model_id": run.model_id() });
     Ok(Json(done(
@@ -215,14 +224,16 @@ pub async fn create_model(
     )))
 }
 
-/// A run's base model, LoRA rank, adapter, optimizer (`None`: fresh) and metadata.
-type RunParts = (
-    Arc<crate::state::ServedModel>,
-    usize,
-    LoraAdapter,
-    Option<AdamW>,
-    Option<serde_json::Map<String, Value>>,
-);
+/// What a new run starts from.
+struct RunParts {
+    base: Arc<crate::state::ServedModel>,
+    rank: usize,
+    trains: TrainedTargets,
+    adapter: LoraAdapter,
+    /// `None`: a fresh one.
+    optimizer: Option<AdamW>,
+    user_metadata: Option<serde_json::Map<String, Value>>,
+}
 
 /// Registers the run `id` of the team, with its store model `<team>/tinker/run-<hex>` (the
 /// run's id when it is hex, else a fresh one).
@@ -231,7 +242,7 @@ async fn register_run(
     tinker: &Tinker,
     ctx: &RequestContext,
     id: String,
-    (base, rank, adapter, optimizer, user_metadata): RunParts,
+    parts: RunParts,
 ) -> Result<Arc<TrainingRun>, ApiError> {
     let hex = if id.bytes().all(|b| b.is_ascii_hexdigit()) {
         id.clone()
@@ -247,23 +258,25 @@ async fn register_run(
                 team: &ctx.team,
                 project: PROJECT,
                 name: &name,
-                base_model: &base.name,
+                base_model: &parts.base.name,
             },
             false,
         )
         .await?;
+    let rank = parts.rank;
     let run = tinker.add_run(NewRun {
         info: RunInfo {
             id,
             store_id: model.id,
             team: ctx.team.clone(),
-            base,
+            base: parts.base,
             rank,
+            trains: parts.trains,
             served_name: format!("{}/{}/{}", model.team, model.project, model.name),
-            user_metadata,
+            user_metadata: parts.user_metadata,
         },
-        adapter,
-        optimizer,
+        adapter: parts.adapter,
+        optimizer: parts.optimizer,
         now: now(),
     });
     tracing::info!(model_id = %run.model_id(), rank, "tinker training run created");
@@ -708,9 +721,15 @@ pub async fn optim_step(
             let (grads, trained, mut adapter, mut optimizer) = {
                 let mut st = run.lock();
                 st.last_request = now();
-                let Some(grads) = st.grads.take() else {
+                let Some(mut grads) = st.grads.take() else {
                     return Outcome::Json(json!({ "metrics": { "grad_norm": 0.0 } }));
                 };
+                // Frozen pairs get an empty gradient: AdamW leaves them as they are.
+                for (i, g) in grads.iter_mut().enumerate() {
+                    if !run.trains.trains(st.adapter.param_target(i)) {
+                        *g = Vec::new();
+                    }
+                }
                 let trained = std::mem::take(&mut st.pending_tokens);
                 (grads, trained, st.adapter.clone(), st.optimizer.clone())
             };
@@ -1014,13 +1033,14 @@ async fn load_into_new_run(
         )));
     }
     let optimizer = req.optimizer.then_some(saved_state.optimizer);
-    let parts = (
-        source.base.clone(),
-        source.rank,
-        saved_state.adapter,
+    let parts = RunParts {
+        base: source.base.clone(),
+        rank: source.rank,
+        trains: source.trains,
+        adapter: saved_state.adapter,
         optimizer,
-        req.user_metadata,
-    );
+        user_metadata: req.user_metadata,
+    };
     let run = register_run(training, tinker, ctx, model_id, parts).await?;
     let answer = json!({ "type": "load_weights", "path": req.path, "model_id": run.model_id() });
     let (future, tx) = tinker.new_future(&ctx.team, Some(&key), |request_id| UntypedFuture {
