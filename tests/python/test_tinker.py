@@ -325,10 +325,13 @@ class TinkerSdk(unittest.TestCase):
         with self.assertRaises(tinker.BadRequestError):
             SERVICE.create_lora_training_client(base_model="no-such-model", rank=2,
                                                 train_unembed=False).result()
-        with self.assertRaises(tinker.BadRequestError) as e:
-            SERVICE.create_lora_training_client(base_model=MODEL, rank=2, train_mlp=False,
-                                                train_attn=False, train_unembed=False).result()
-        self.assertIn("nothing would train", str(e.exception))
+        # (The SDK itself refuses all three targets off; the server's 400 is tested in
+        # crates/http/tests/tinker_api.rs.) Attention only trains.
+        attention = SERVICE.create_lora_training_client(base_model=MODEL, rank=2,
+                                                        train_mlp=False).result()
+        attention.forward_backward([datum], "cross_entropy").result()
+        self.assertGreater(attention.optim_step(tinker.AdamParams(learning_rate=1e-3))
+                           .result().metrics["grad_norm"], 0)
         self.assertLess(time.time() - start, 60)
 
 
