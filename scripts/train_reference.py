@@ -141,16 +141,22 @@ def load_model(gguf, rank, alpha):
         os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
     )
     cfg = model.config
-    # temper's Gemma 3 arithmetic (crates/model/src/config.rs): local layers' RoPE base 1e4,
-    # global 1e6, a 512-token window, every sixth layer global, 1/sqrt(head_dim) attention scale,
-    # no logit soft-capping.
-    rope = cfg.rope_parameters
-    assert rope["sliding_attention"]["rope_theta"] == 10_000.0, rope
-    assert rope["full_attention"]["rope_theta"] == 1_000_000.0, rope
-    assert cfg.sliding_window == 512, cfg.sliding_window
-    assert cfg.layer_types[5] == "full_attention" and cfg.layer_types[4] == "sliding_attention"
-    assert cfg.query_pre_attn_scalar == cfg.head_dim
-    assert cfg.final_logit_softcapping is None and cfg.attn_logit_softcapping is None
+    if cfg.model_type == "gemma3_text":
+        # temper's Gemma 3 arithmetic (crates/model/src/config.rs): local layers' RoPE base 1e4,
+        # global 1e6, a 512-token window, every sixth layer global, 1/sqrt(head_dim) attention
+        # scale, no logit soft-capping.
+        rope = cfg.rope_parameters
+        assert rope["sliding_attention"]["rope_theta"] == 10_000.0, rope
+        assert rope["full_attention"]["rope_theta"] == 1_000_000.0, rope
+        assert cfg.sliding_window == 512, cfg.sliding_window
+        assert cfg.layer_types[5] == "full_attention" and cfg.layer_types[4] == "sliding_attention"
+        assert cfg.query_pre_attn_scalar == cfg.head_dim
+        assert cfg.final_logit_softcapping is None and cfg.attn_logit_softcapping is None
+    else:
+        # Qwen3 (the bench model of its shape): every layer global, no soft-capping; the check
+        # batch gates the rest.
+        assert cfg.model_type == "qwen3", f"no reference set up for {cfg.model_type}"
+        assert not getattr(cfg, "use_sliding_window", False), cfg
     lora = LoraConfig(
         r=rank,
         lora_alpha=alpha,

@@ -20,6 +20,21 @@ pub(crate) struct Linear {
     input_grad: OnceLock<InputGradWeight>,
 }
 
+/// The power of two [`Linear::backward_input`] scales a row of `dy` by: its largest magnitude
+/// to `[2^20, 2^21)`, so that Q8_0 block scales (f16, at most 65,504, normal from 6.1e-5) hold
+/// it and blocks down to about 1e-8 of it at full precision; 1 for a row of zeros or non-finite
+/// values.
+fn row_scale(row: &[f32]) -> f32 {
+    let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 || !amax.is_finite() {
+        return 1.0;
+    }
+    // floor(log2(amax)) from the exponent bits (subnormals count as 2^-127: close enough).
+    let log2 = ((amax.to_bits() >> 23) & 0xff) as i32 - 127;
+    let e = (20 - log2).clamp(-126, 127);
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
 /// Rows of W per transposed span (see `InputGradWeight::TransposedQ8_0`): whole Q8_0 blocks,
 /// 2 KB of each transposed row; every layer's weight is one span.
 const INPUT_GRAD_SPAN: usize = 2048;
@@ -122,6 +137,20 @@ impl Linear {
         let rows = dy.len() / self.out_dim;
         match self.input_grad_weight()? {
             InputGradWeight::TransposedQ8_0(spans) => {
+                // Each row of dy times a power of two that puts its largest value near 2^20,
+                // undone on dx: exact in f32, and the same bits wherever Q8_0's f16 block scales
+                // held the row as it was, but a row of small gradients (a loss averaged over
+                // many tokens, near-uniform logits: 1e-9 and less) is no longer flushed to zero.
+                let scales: Vec<f32> = dy.chunks_exact(self.out_dim).map(row_scale).collect();
+                let scaled_part = |k0: usize, k1: usize| {
+                    let mut part = Vec::with_capacity(rows * (k1 - k0));
+                    for (row, &s) in dy.chunks_exact(self.out_dim).zip(&scales) {
+                        part.extend(row[k0..k1].iter().map(|v| v * s));
+                    }
+                    part
+                };
+                // One span (a layer's weight): its rows scaled once.
+                let whole = (spans.len() == 1).then(|| scaled_part(0, self.out_dim));
                 // Many spans (the LM head's 128) in parallel, each product on its task's
                 // thread: one parallel region per call, where a region per span cost more than
                 // a span of 2,048 rows computes. Few spans, each product on the pool. Either
@@ -131,14 +160,9 @@ impl Linear {
                     let wt = &spans[i];
                     let k0 = i * INPUT_GRAD_SPAN;
                     let k1 = (k0 + INPUT_GRAD_SPAN).min(self.out_dim);
-                    let span_dy: Cow<'_, [f32]> = if k1 - k0 == self.out_dim {
-                        Cow::Borrowed(dy)
-                    } else {
-                        let mut part = Vec::with_capacity(rows * (k1 - k0));
-                        for row in dy.chunks_exact(self.out_dim) {
-                            part.extend_from_slice(&row[k0..k1]);
-                        }
-                        Cow::Owned(part)
+                    let span_dy: Cow<'_, [f32]> = match &whole {
+                        Some(all) => Cow::Borrowed(all),
+                        None => Cow::Owned(scaled_part(k0, k1)),
                     };
                     let threads = if parallel {
                         Threads::Pool
@@ -160,6 +184,10 @@ impl Linear {
                 let mut dx = parts.next().unwrap_or_default();
                 for part in parts {
                     crate::model::add_assign(&mut dx, &part);
+                }
+                for (row, &s) in dx.chunks_exact_mut(self.in_dim).zip(&scales) {
+                    let undo = 1.0 / s;
+                    row.iter_mut().for_each(|v| *v *= undo);
                 }
                 Ok(dx)
             }
@@ -434,6 +462,22 @@ mod tests {
                 Some(InputGradWeight::TransposedQ8_0(_))
             ));
             assert_rows_follow(dtype, &got, &want, in_dim);
+
+            // Gradients far below f16's range (a loss averaged over many tokens of a
+            // near-uniform model reaches 1e-11): the same product, to the bit, scaled by the
+            // same power of two, where unscaled Q8_0 blocks would have flushed them to zero.
+            for tiny in [2f32.powi(-40), 2f32.powi(-90)] {
+                let small: Vec<f32> = dy.iter().map(|v| v * tiny).collect();
+                let got_small = linear.backward_input(&small).expect("backward");
+                let want_small: Vec<f32> = got.iter().map(|v| v * tiny).collect();
+                assert_eq!(got_small, want_small, "{dtype:?} at {tiny:e}");
+            }
+            // And a row of zeros stays zeros (no scale to take from it).
+            let mut zero_row = dy.clone();
+            zero_row[..out_dim].fill(0.0);
+            let got_zero = linear.backward_input(&zero_row).expect("backward");
+            assert!(got_zero[..in_dim].iter().all(|&v| v == 0.0));
+            assert_eq!(got_zero[in_dim..], got[in_dim..]);
         }
     }
 }
