@@ -3,8 +3,8 @@
 mod common;
 
 use common::{
-    check_finite_differences, check_finite_differences_with_step, compare_with_serving, scored_all,
-    tiny_model, tiny_model_f32, tokens, trained_adapter, trained_adapter_of,
+    check_finite_differences, check_finite_differences_with_step, compare_with_serving, diffs,
+    scored_all, tiny_model, tiny_model_f32, tokens, trained_adapter, trained_adapter_of,
 };
 use temper_model::{LoraConfig, ModelError, PackedSequence};
 
@@ -51,12 +51,7 @@ fn score_equals_the_serving_log_softmax() {
     // The LM-head pair changes the logprobs (it is not silently skipped).
     let plain = model.score(&packed, Some(&adapter)).expect("score");
     let headed = model.score(&packed, Some(&with_head)).expect("score");
-    let moved = plain
-        .logprobs
-        .iter()
-        .zip(&headed.logprobs)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let (moved, _) = diffs(&plain.logprobs, &headed.logprobs);
     assert!(
         moved > 1e-2,
         "the LM-head pair moved logprobs by only {moved}"
