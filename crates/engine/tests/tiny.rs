@@ -299,7 +299,12 @@ fn greedy_loop(
 
 /// An adapter with nonzero B (as after training), so it changes what the model says.
 fn changed_adapter(seed: u64) -> LoraAdapter {
-    let mut a = LoraAdapter::new(tiny().model.config(), LoraConfig::default(), seed);
+    changed_adapter_of(seed, LoraConfig::default())
+}
+
+/// [`changed_adapter`] of `config` (with an LM-head pair where it says so).
+fn changed_adapter_of(seed: u64, config: LoraConfig) -> LoraAdapter {
+    let mut a = LoraAdapter::new(tiny().model.config(), config, seed);
     for (i, p) in a
         .params_mut()
         .into_iter()
@@ -316,22 +321,29 @@ fn changed_adapter(seed: u64) -> LoraAdapter {
 #[test]
 fn adapters_apply_per_request_in_a_shared_batch() {
     let e = default_engine();
-    let adapter = Arc::new(changed_adapter(1));
     let text = "Hello world the cat sat on the mat";
     let (base_ids, _) = greedy_loop(&prompt(text), 20, None);
-    let (want, _) = greedy_loop(&prompt(text), 20, Some(&adapter));
-    assert_ne!(base_ids, want, "the adapter should change greedy output");
+    // Layers only, and with an LM-head pair (Tinker's `train_unembed`) on the logits too.
+    for unembed in [false, true] {
+        let config = LoraConfig {
+            unembed,
+            ..LoraConfig::default()
+        };
+        let adapter = Arc::new(changed_adapter_of(1, config));
+        let (want, _) = greedy_loop(&prompt(text), 20, Some(&adapter));
+        assert_ne!(base_ids, want, "the adapter should change greedy output");
 
-    let mut req = request(text, 20, greedy());
-    req.adapter = Some(adapter.clone());
-    assert_eq!(run(&e, req.clone())[0].ids, want);
-    // Next to base-model requests in the same steps.
-    assert_eq!(run_in_busy_batch(&e, req.clone())[0].ids, want);
-    // n = 2 forks share the adapter.
-    req.n = 2;
-    let forks = run(&e, req);
-    assert_eq!(forks[0].ids, want);
-    assert_eq!(forks[1].ids, want);
+        let mut req = request(text, 20, greedy());
+        req.adapter = Some(adapter.clone());
+        assert_eq!(run(&e, req.clone())[0].ids, want);
+        // Next to base-model requests in the same steps.
+        assert_eq!(run_in_busy_batch(&e, req.clone())[0].ids, want);
+        // n = 2 forks share the adapter.
+        req.n = 2;
+        let forks = run(&e, req);
+        assert_eq!(forks[0].ids, want);
+        assert_eq!(forks[1].ids, want);
+    }
     // A fresh adapter (B = 0) is the base model.
     let mut req = request(text, 20, greedy());
     req.adapter = Some(Arc::new(LoraAdapter::new(
@@ -355,7 +367,12 @@ fn adapters_apply_per_request_in_a_shared_batch() {
 fn sampled_logprobs_equal_the_trainers_scores() {
     let e = default_engine();
     let adapter = Arc::new(changed_adapter(3));
-    for a in [None, Some(adapter)] {
+    let head = LoraConfig {
+        unembed: true,
+        ..LoraConfig::default()
+    };
+    let with_head = Arc::new(changed_adapter_of(3, head));
+    for a in [None, Some(adapter), Some(with_head)] {
         let mut req = request("the cat sat on the mat and", 24, seeded(5));
         req.logprobs = Some(0);
         req.adapter = a.clone();
