@@ -540,3 +540,108 @@ async fn bad_adapter_files_are_a_400_naming_the_tensor() {
     let busy = import(&server, &model, "application/x-tar", good(), None).await;
     assert_eq!(busy.status, 409, "{}", busy.json());
 }
+
+/// A PEFT adapter that adapts `lm_head` too (as a Tinker run's `train_unembed` exports): imported,
+/// served by name with the LM-head pair's term (its logprobs move), exported back with it, and
+/// the model's next job trains from it (the job path's backward computes the LM head's chunks
+/// again for the pair). A GGUF export of it is a 400: the tiny model's LM head is its embedding.
+#[tokio::test]
+async fn an_adapter_with_an_lm_head_pair_imports_serves_exports_and_trains() {
+    let data = tempfile::tempdir().unwrap();
+    let server = TestServer::tiny_training(
+        options(),
+        CatalogOptions::new(data.path()),
+        TrainingOptions::default(),
+        None,
+    )
+    .await;
+    server.state.training().unwrap().spawn_worker().unwrap();
+    let config = server.state.models()[0].model.config().clone();
+    let (vocab, hidden) = (config.vocab_size, config.hidden_size);
+    let layers_only = create_model(&server, "layers").await;
+    let with_head = create_model(&server, "head").await;
+    let pseudo = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7919 % 101) as f32 - 50.0) * 4e-3)
+            .collect()
+    };
+    let mut tensors = peft_tensors();
+    let layer_files = tar_of(&[
+        ("adapter_model.safetensors", &safetensors(&tensors)),
+        ("adapter_config.json", CONFIG),
+    ]);
+    let imported = import(
+        &server,
+        &layers_only,
+        "application/x-tar",
+        layer_files,
+        None,
+    )
+    .await;
+    assert_eq!(imported.status, 200, "{}", imported.json());
+    tensors.push((
+        "base_model.model.lm_head.lora_A.weight".to_owned(),
+        vec![4, hidden],
+        pseudo(4 * hidden),
+    ));
+    tensors.push((
+        "base_model.model.lm_head.lora_B.weight".to_owned(),
+        vec![vocab, 4],
+        pseudo(vocab * 4),
+    ));
+    let config_json = br#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "lm_head"]}"#;
+    let head_files = tar_of(&[
+        ("adapter_model.safetensors", &safetensors(&tensors)),
+        ("adapter_config.json", config_json),
+    ]);
+    let imported = import(&server, &with_head, "application/x-tar", head_files, None).await;
+    assert_eq!(imported.status, 200, "{}", imported.json());
+    let headed = served(&server, "default/proj/head").await;
+    assert_ne!(
+        headed,
+        served(&server, "default/proj/layers").await,
+        "the LM-head pair changed nothing"
+    );
+
+    let peft = get(
+        &server,
+        &format!("/v1/preview/models/{with_head}/checkpoints/1/adapter"),
+    )
+    .await;
+    let files = untar(&peft.bytes);
+    let exported: Value = serde_json::from_slice(&files[1].1).unwrap();
+    assert!(
+        exported["target_modules"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("lm_head")),
+        "{exported}"
+    );
+    let key = b"base_model.model.lm_head.lora_B.weight";
+    assert!(files[0].1.windows(key.len()).any(|w| w == key));
+    let gguf = get(
+        &server,
+        &format!("/v1/preview/models/{with_head}/checkpoints/1/adapter?format=gguf"),
+    )
+    .await;
+    assert_eq!((gguf.status, gguf.param()), (400, "format".to_owned()));
+
+    let job = sft(&server, &with_head).await;
+    assert_eq!(job["step"], 2, "{job}");
+    assert_ne!(served(&server, "default/proj/head").await, headed);
+    // The job trained the LM-head pair too.
+    let head_b = |files: &[(String, Vec<u8>)]| -> Vec<f32> {
+        let peft = temper_model::PeftFiles {
+            weights: files[0].1.clone(),
+            config: files[1].1.clone(),
+        };
+        let adapter = temper_model::LoraAdapter::from_peft(&peft, &config, 0).unwrap();
+        adapter.params().last().unwrap().to_vec()
+    };
+    let after = get(
+        &server,
+        &format!("/v1/preview/models/{with_head}/checkpoints/2/adapter"),
+    )
+    .await;
+    assert_ne!(head_b(&untar(&after.bytes)), head_b(&files));
+}
