@@ -101,6 +101,19 @@ async fn sft(server: &TestServer, model_id: &str) -> Value {
     }
 }
 
+/// The tiny model with the training service over a store in `data`, its job worker running.
+async fn training_server(data: &std::path::Path) -> TestServer {
+    let server = TestServer::tiny_training(
+        options(),
+        CatalogOptions::new(data),
+        TrainingOptions::default(),
+        None,
+    )
+    .await;
+    server.state.training().unwrap().spawn_worker().unwrap();
+    server
+}
+
 /// Greedy text and every logprob (sampled and top 5) of `model` on two prompts.
 async fn served(server: &TestServer, model: &str) -> Vec<Value> {
     let mut out = Vec::new();
@@ -167,14 +180,7 @@ fn multipart(files: &[(&str, &[u8])]) -> (String, Vec<u8>) {
 #[tokio::test]
 async fn an_exported_checkpoint_imports_with_the_same_logprobs_and_trains_on() {
     let data = tempfile::tempdir().unwrap();
-    let server = TestServer::tiny_training(
-        options(),
-        CatalogOptions::new(data.path()),
-        TrainingOptions::default(),
-        None,
-    )
-    .await;
-    server.state.training().unwrap().spawn_worker().unwrap();
+    let server = training_server(data.path()).await;
     let trained = create_model(&server, "trained").await;
     sft(&server, &trained).await;
 
@@ -548,14 +554,7 @@ async fn bad_adapter_files_are_a_400_naming_the_tensor() {
 #[tokio::test]
 async fn an_adapter_with_an_lm_head_pair_imports_serves_exports_and_trains() {
     let data = tempfile::tempdir().unwrap();
-    let server = TestServer::tiny_training(
-        options(),
-        CatalogOptions::new(data.path()),
-        TrainingOptions::default(),
-        None,
-    )
-    .await;
-    server.state.training().unwrap().spawn_worker().unwrap();
+    let server = training_server(data.path()).await;
     let config = server.state.models()[0].model.config().clone();
     let (vocab, hidden) = (config.vocab_size, config.hidden_size);
     let layers_only = create_model(&server, "layers").await;
