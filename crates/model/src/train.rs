@@ -274,7 +274,7 @@ impl Decoder {
             if grad_now {
                 head_grad.extend(match (head_pair, &mut pair_grads) {
                     (Some(adapter), Some(grads)) => {
-                        self.head_pair_backward(adapter, rows, logits, grads)?
+                        self.head_pair_backward(adapter, rows, logits, grads.pair_mut(0))?
                     }
                     _ => self.lm_head.backward_input(logits)?,
                 });
@@ -411,9 +411,6 @@ impl Decoder {
         let hidden = self.cfg.hidden_size;
         let vocab = self.lm_head.out_dim();
         let index = adapter.head_param_index();
-        let mut pair_grads = LoraGrads {
-            grads: grads.grads[index..index + 2].to_vec(),
-        };
         let mut d_normed = Vec::with_capacity(normed.len());
         let mut logits = vec![0f32; HEAD_CHUNK.min(targets.len()) * vocab];
         let chunks = normed
@@ -432,30 +429,27 @@ impl Decoder {
                     row[t as usize] += 1.0;
                     row.iter_mut().for_each(|v| *v *= g);
                 });
-            d_normed.extend(self.head_pair_backward(adapter, rows, logits, &mut pair_grads)?);
-        }
-        for (i, g) in pair_grads.grads.into_iter().enumerate() {
-            grads.grads[index + i] = g;
+            let pair_grads = grads.pair_mut(index);
+            d_normed.extend(self.head_pair_backward(adapter, rows, logits, pair_grads)?);
         }
         Ok(d_normed)
     }
 
     /// The gradient of the normed hidden states `rows` from that of their logits `dy` with an
     /// LM-head pair (through the frozen head and the pair), adding the pair's grads to
-    /// `pair_grads` (its A and B).
+    /// `grad_a` and `grad_b`.
     fn head_pair_backward(
         &self,
         adapter: &LoraAdapter,
         rows: &[f32],
         dy: &[f32],
-        pair_grads: &mut LoraGrads,
+        (grad_a, grad_b): (&mut [f32], &mut [f32]),
     ) -> Result<Vec<f32>, ModelError> {
         let pair = adapter
             .head()
             .ok_or(ModelError::AdapterMismatch { index: 0 })?;
         let mut dx = self.lm_head.backward_input(dy)?;
-        let (ga, gb) = pair_grads.pair_mut(0);
-        lora_backward(pair, adapter, rows, dy, &mut dx, ga, gb);
+        lora_backward(pair, adapter, rows, dy, &mut dx, grad_a, grad_b);
         Ok(dx)
     }
 
