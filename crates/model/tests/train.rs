@@ -233,7 +233,7 @@ fn a_pointwise_loss_gives_the_recomputed_head_backward_bit_for_bit() {
     ));
 }
 
-/// The same check over a segment longer than the attention backward's query tile (256): only
+/// The same check over a segment longer than the attention backward's query tile (256 rows: 128 tokens of the tiny model's two query heads per key/value head): only
 /// the last 20 tokens weigh in the loss (so its f32 noise stays that of the short check), and
 /// their gradients reach keys and values of the first tile through the global layers and of
 /// the tile's own window start through the local ones.
