@@ -29,9 +29,11 @@
 #   --write-fixture  also rewrite crates/train/tests/fixtures/pytorch-reference.safetensors from
 #                    the f32+sdpa reference, the values `cargo test -p temper-train --test
 #                    pytorch_reference` compares temper with
-#   --no-build       use target/release/temper as built
+#   --no-build       use target/release/temper (with --isa avx2, target/avx2/release/temper) as built
 #   --check-only     the agreement check and the variants' gate alone, no timed steps
-#   --isa avx2       both sides as on a host with AVX2 alone: temper with TEMPER_ISA=avx2, torch
+#   --isa avx2       both sides as on a host with AVX2 alone: temper built for an AVX2-only CPU
+#                    (`-C target-cpu=x86-64-v3` into target/avx2/, as bench-compare's --isa avx2, so
+#                    no loop the compiler vectorizes uses AVX-512) and run with TEMPER_ISA=avx2, torch
 #                    with ATEN_CPU_CAPABILITY=avx2 and oneDNN with ONEDNN_MAX_CPU_ISA=AVX2, the
 #                    reference's auto variants those of a host without BF16 (f32; the emulated
 #                    bf16-autocast+chunked+sdpa shown, never compared)
@@ -77,10 +79,14 @@ for a in "$@"; do
     esac
 done
 
+TEMPER_TARGET=target
+TEMPER_RUSTFLAGS=
 case $ISA in
     native) ;;
     avx2)
         export TEMPER_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+        TEMPER_TARGET=target/avx2
+        TEMPER_RUSTFLAGS="-C target-cpu=x86-64-v3"
         ;;
     *) echo "bench-train-compare: --isa takes avx2, got '$ISA'" >&2; exit 2 ;;
 esac
@@ -123,7 +129,11 @@ fi
 
 MODEL=${BENCH_MODEL:-$(scripts/fetch-model.sh)}
 if [[ $BUILD == 1 ]]; then
-    cargo build --release -p temper >&2
+    if [[ -n $TEMPER_RUSTFLAGS ]]; then
+        CARGO_TARGET_DIR=$TEMPER_TARGET RUSTFLAGS=$TEMPER_RUSTFLAGS cargo build --release -p temper >&2
+    else
+        cargo build --release -p temper >&2
+    fi
 fi
 
 # temper's side of the check: the batch, the adapter and temper's values on them.
@@ -142,7 +152,7 @@ if [[ $WRITE_FIXTURE == 1 ]]; then
 fi
 if [[ $CHECK_ONLY == 0 ]]; then
     log "temper bench --train-only --train-shapes $SHAPES (best of $REPEAT, $THREADS threads)"
-    RAYON_NUM_THREADS=$THREADS ./target/release/temper bench --model "$MODEL" --train-only \
+    RAYON_NUM_THREADS=$THREADS "./$TEMPER_TARGET/release/temper" bench --model "$MODEL" --train-only \
         --train-shapes "$SHAPES" --train-jobs "$JOBS" --repeat "$REPEAT" |
         tee "$WORK/temper-bench.txt" >&2
     REFERENCE_ARGS+=(--temper-bench "$WORK/temper-bench.txt" --shapes "$SHAPES" --repeat "$REPEAT")
