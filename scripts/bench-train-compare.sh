@@ -129,11 +129,10 @@ fi
 
 MODEL=${BENCH_MODEL:-$(scripts/fetch-model.sh)}
 if [[ $BUILD == 1 ]]; then
-    if [[ -n $TEMPER_RUSTFLAGS ]]; then
-        CARGO_TARGET_DIR=$TEMPER_TARGET RUSTFLAGS=$TEMPER_RUSTFLAGS cargo build --release -p temper >&2
-    else
-        cargo build --release -p temper >&2
-    fi
+    # As bench-compare builds it; RUSTFLAGS only when set, or it would drop the config's.
+    build_env=(CARGO_TARGET_DIR="$TEMPER_TARGET")
+    [[ -n $TEMPER_RUSTFLAGS ]] && build_env+=(RUSTFLAGS="$TEMPER_RUSTFLAGS")
+    env "${build_env[@]}" cargo build --release -p temper >&2
 fi
 
 # temper's side of the check: the batch, the adapter and temper's values on them.

@@ -69,7 +69,7 @@ pub fn exp_in_place(logits: &mut [f32], max: f32) -> (f64, f64) {
         for v in &mut it {
             for ((l, sum), weight) in v.iter_mut().zip(&mut sums).zip(&mut weights) {
                 let x = *l - max;
-                let e = if x <= 0.0 { exp_neg(x) } else { 0.0 };
+                let e = exp_or_zero(x);
                 *sum += e;
                 *weight += if e > 0.0 { e * x.max(-87.0) } else { 0.0 };
                 *l = e;
@@ -79,7 +79,7 @@ pub fn exp_in_place(logits: &mut [f32], max: f32) -> (f64, f64) {
         weighted += weights.iter().map(|&v| v as f64).sum::<f64>();
         for l in it.into_remainder() {
             let x = *l - max;
-            let e = if x <= 0.0 { exp_neg(x) } else { 0.0 };
+            let e = exp_or_zero(x);
             chunk_total += e as f64;
             if e > 0.0 {
                 weighted += (e * x.max(-87.0)) as f64;
@@ -94,26 +94,28 @@ pub fn exp_in_place(logits: &mut [f32], max: f32) -> (f64, f64) {
 /// One chunk's `Σ e^(x - max)` (NaN counted as 0) in `LANES` f32 lanes, summed in f64.
 #[inline(always)]
 fn chunk_sum_exp(c: &[f32], max: f32) -> f64 {
-    let e = |l: f32| {
-        let x = l - max;
-        if x <= 0.0 {
-            exp_neg(x)
-        } else {
-            0.0
-        }
-    };
     let mut lanes = [0.0f32; LANES];
     let mut it = c.chunks_exact(LANES);
     for v in &mut it {
         for (acc, &l) in lanes.iter_mut().zip(v) {
-            *acc += e(l);
+            *acc += exp_or_zero(l - max);
         }
     }
     let mut s: f64 = lanes.iter().map(|&v| v as f64).sum();
     for &l in it.remainder() {
-        s += e(l) as f64;
+        s += exp_or_zero(l - max) as f64;
     }
     s
+}
+
+/// `e^x` of a logit less the row's max (`x <= 0`), 0 for NaN.
+#[inline(always)]
+fn exp_or_zero(x: f32) -> f32 {
+    if x <= 0.0 {
+        exp_neg(x)
+    } else {
+        0.0
+    }
 }
 
 /// `ln Σ exp(z)` over the row (NaN counted as 0): the normalizer of every logprob served and
@@ -180,26 +182,27 @@ mod tests {
         assert_eq!(exp_neg(0.0), 1.0);
     }
 
-    /// The exponent bits from [`EXPONENT_MAGIC`] are those of `n as i32 + 127` wherever
-    /// `exp_neg` is defined (and where callers' masked lanes land: NaN, -inf, -0).
+    /// `exp_neg` gives the bits of the formula it had with an integer exponent (`n as i32`)
+    /// wherever it is defined, and where callers' masked lanes land (NaN, -inf, -0).
     #[test]
     fn exp_neg_gives_the_bits_of_an_integer_exponent() {
         let by_cast = |x: f32| {
             let x = x.max(-87.0);
             let t = x * std::f32::consts::LOG2_E;
             let n = (t + 0.5).floor();
-            f32::from_bits(((n as i32 + 127) as u32) << 23)
-        };
-        let by_magic = |x: f32| {
-            let x = x.max(-87.0);
-            let t = x * std::f32::consts::LOG2_E;
-            let n = (t + 0.5).floor();
-            f32::from_bits((n + EXPONENT_MAGIC).to_bits() << 23)
+            let g = (t - n) * std::f32::consts::LN_2;
+            let p = 1.0
+                + g * (1.0
+                    + g * (1.0 / 2.0
+                        + g * (1.0 / 6.0
+                            + g * (1.0 / 24.0
+                                + g * (1.0 / 120.0 + g * (1.0 / 720.0 + g * (1.0 / 5040.0)))))));
+            f32::from_bits(((n as i32 + 127) as u32) << 23) * p
         };
         let specials = [f32::NAN, f32::NEG_INFINITY, -0.0, 0.0, -87.0, -87.5, -1e30];
         let sweep = (0..2_000_000).map(|i| -(i as f32) * 4.5e-5);
         for x in specials.into_iter().chain(sweep) {
-            assert_eq!(by_magic(x).to_bits(), by_cast(x).to_bits(), "x = {x}");
+            assert_eq!(exp_neg(x).to_bits(), by_cast(x).to_bits(), "x = {x}");
         }
     }
 }

@@ -233,10 +233,11 @@ fn a_pointwise_loss_gives_the_recomputed_head_backward_bit_for_bit() {
     ));
 }
 
-/// The same check over a segment longer than the attention backward's query tile (256 rows: 128 tokens of the tiny model's two query heads per key/value head): only
-/// the last 20 tokens weigh in the loss (so its f32 noise stays that of the short check), and
-/// their gradients reach keys and values of the first tile through the global layers and of
-/// the tile's own window start through the local ones.
+/// The same check over a segment longer than the attention backward's query tile (256 rows:
+/// 128 tokens of the tiny model's two query heads per key/value head): only the last 20 tokens
+/// weigh in the loss (so its f32 noise stays that of the short check), and their gradients
+/// reach keys and values of the first tile through the global layers and of the tile's own
+/// window start through the local ones.
 #[test]
 fn backward_matches_finite_differences_across_query_tiles() {
     check_finite_differences(tiny_model_f32("train-gradcheck-long"), &[300, 7], 287, 1);
