@@ -188,23 +188,30 @@ pub(crate) fn attend_rows<T: KvElem + 'static>(
                 .unwrap_or(1)
         };
         let heads_per_task = group / split;
-        out.par_chunks_mut(heads_per_task * d)
-            .enumerate()
-            .for_each_init(Vec::new, |scores, (idx, o)| {
-                let first_head = idx * heads_per_task;
-                let (t, g) = (first_head / h, first_head % h / group);
-                let queries = &q[first_head * d..(first_head + heads_per_task) * d];
-                attend_group(
-                    isa,
-                    queries,
-                    scale,
-                    &views[seq[t]],
-                    range(t),
-                    head(g),
-                    o,
-                    scores,
-                );
+        let task = |scores: &mut Vec<f32>, (idx, o): (usize, &mut [f32])| {
+            let first_head = idx * heads_per_task;
+            let (t, g) = (first_head / h, first_head % h / group);
+            let queries = &q[first_head * d..(first_head + heads_per_task) * d];
+            attend_group(
+                isa,
+                queries,
+                scale,
+                &views[seq[t]],
+                range(t),
+                head(g),
+                o,
+                scores,
+            );
+        };
+        if crate::team::leads() {
+            crate::team::for_each_chunk(&mut out, heads_per_task * d, &|idx, o| {
+                task(&mut Vec::new(), (idx, o))
             });
+        } else {
+            out.par_chunks_mut(heads_per_task * d)
+                .enumerate()
+                .for_each_init(Vec::new, task);
+        }
         return out;
     }
     // A task per tile and key/value head, each given its tokens' outputs of that head.
@@ -221,18 +228,30 @@ pub(crate) fn attend_rows<T: KvElem + 'static>(
             (tile, g, outs)
         })
         .collect();
-    tasks
-        .into_par_iter()
-        .for_each_init(TileScratch::default, |scratch, (tile, g, mut outs)| {
-            let view = &views[seq[tile.start]];
-            let ranges: Vec<(usize, usize)> = tile.clone().map(range).collect();
-            scratch.queries.clear();
-            for t in tile {
-                let at = t * h * d + g * group * d;
-                scratch.queries.extend_from_slice(&q[at..at + group * d]);
-            }
-            attend_tile(isa, scale, view, &ranges, head(g), &mut outs, scratch);
+    let task = |scratch: &mut TileScratch, (tile, g, mut outs): Task<'_>| {
+        let view = &views[seq[tile.start]];
+        let ranges: Vec<(usize, usize)> = tile.clone().map(range).collect();
+        scratch.queries.clear();
+        for t in tile {
+            let at = t * h * d + g * group * d;
+            scratch.queries.extend_from_slice(&q[at..at + group * d]);
+        }
+        attend_tile(isa, scale, view, &ranges, head(g), &mut outs, scratch);
+    };
+    if crate::team::leads() {
+        // A short prefill led by the thread team (see `team`).
+        let mut tasks: Vec<Option<Task<'_>>> = tasks.into_iter().map(Some).collect();
+        crate::team::for_each_chunk(&mut tasks, 1, &|_, t| {
+            task(
+                &mut TileScratch::default(),
+                t[0].take().expect("each tile once"),
+            )
         });
+    } else {
+        tasks
+            .into_par_iter()
+            .for_each_init(TileScratch::default, task);
+    }
     out
 }
 

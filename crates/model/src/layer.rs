@@ -14,6 +14,7 @@ use crate::linear::Linear;
 use crate::lora::LoraTarget;
 use crate::model::{add_assign, norm_if, AdapterSpan, Decoder, Mlp, RmsNorm, SeqInput};
 use crate::ops::{self, RopeTable};
+use crate::team;
 use crate::{ModelConfig, ModelError};
 
 /// Where each token of the concatenated batch belongs: its sequence (or packed segment) and its
@@ -279,9 +280,9 @@ impl Decoder {
         a.norm.forward(&mut normed, eps);
         // Projections of one input run side by side: while one's last tasks finish, the other
         // threads take the next one's instead of waiting at its join.
-        let ((q, k), v) = rayon::join(
+        let ((q, k), v) = team::join(
             || {
-                rayon::join(
+                team::join(
                     || step.project(&a.q, &a.q_bias, LoraTarget::Q, &normed),
                     || step.project(&a.k, &a.k_bias, LoraTarget::K, &normed),
                 )
@@ -360,7 +361,7 @@ impl Mlp {
     ) -> Result<(Vec<f32>, Option<MlpTape>), ModelError> {
         let mut normed = x.clone();
         self.norm.forward(&mut normed, step.eps);
-        let (gate, up) = rayon::join(
+        let (gate, up) = team::join(
             || step.project(&self.gate, &None, LoraTarget::Gate, &normed),
             || step.project(&self.up, &None, LoraTarget::Up, &normed),
         );

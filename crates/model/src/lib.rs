@@ -16,6 +16,7 @@ mod ops;
 mod pages;
 pub mod paths;
 pub mod softmax;
+mod team;
 pub mod tiny;
 mod train;
 

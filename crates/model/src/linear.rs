@@ -260,6 +260,11 @@ impl Linear {
         }
     }
 
+    /// On our kernels (not candle's products).
+    pub(crate) fn on_kernels(&self) -> bool {
+        matches!(self.weight, Weight::Kernel { .. })
+    }
+
     /// Bytes of the weight as the forward reads it (one decode step reads them all).
     pub(crate) fn weight_bytes(&self) -> usize {
         match &self.weight {

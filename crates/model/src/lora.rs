@@ -437,7 +437,7 @@ impl LoraAdapter {
         let scratch = || (vec![0f32; rank], vec![0f32; p.out_dim]);
         let rows = x.chunks_exact(p.in_dim).zip(y.chunks_exact_mut(p.out_dim));
         // A decode step's few rows stay on the calling thread (handing them over costs more).
-        if rows.len() < 2 * crate::ops::ROWS_PER_TASK {
+        if rows.len() < 2 * crate::ops::ROWS_PER_TASK || crate::team::leads() {
             let mut scratch = scratch();
             rows.for_each(|r| row(&mut scratch, r));
         } else {
@@ -454,7 +454,6 @@ impl LoraAdapter {
     /// once per row (8 MB per row on Gemma 3). A row's numbers are [`LoraAdapter::apply`]'s
     /// arithmetic whatever the rows beside it, so served and trained logits agree.
     pub(crate) fn apply_head(&self, x: &[f32], y: &mut [f32]) {
-        use rayon::prelude::*;
         let Some(p) = &self.head else {
             return;
         };
@@ -473,10 +472,10 @@ impl LoraAdapter {
                 rows.push(part);
             }
         }
-        parts.into_par_iter().enumerate().for_each(|(i, rows)| {
+        crate::team::for_each_chunk(&mut parts, 1, &|i, rows| {
             let start = i * HEAD_OUTPUTS_PER_TASK;
             let mut u = vec![0f32; HEAD_OUTPUTS_PER_TASK];
-            for (part, tr) in rows.into_iter().zip(t.chunks_exact(rank)) {
+            for (part, tr) in rows[0].iter_mut().zip(t.chunks_exact(rank)) {
                 let u = &mut u[..part.len()];
                 add_up_projection(tr, b_rows, p.out_dim, start, scale, u, part);
             }

@@ -166,6 +166,15 @@ impl Decoder {
                 .sum::<usize>()
     }
 
+    /// Every product of a decode step runs on our kernels.
+    fn on_kernels(&self) -> bool {
+        self.lm_head.on_kernels()
+            && self
+                .layers
+                .iter()
+                .all(|l| LoraTarget::ALL.iter().all(|&t| l.linear(t).on_kernels()))
+    }
+
     /// An empty cache of its own, growing as `forward` appends to it (the engine's caches come
     /// from its block manager instead).
     pub fn new_cache(&self) -> SeqCache {
@@ -184,14 +193,17 @@ impl Decoder {
         if batch.is_empty() {
             return self.validate(batch).map(|()| Vec::new());
         }
-        // On one of the pool's threads: called from outside the pool (the engine's scheduler
-        // thread), each of the step's ~300 parallel loops would be handed to the pool and
-        // waited for across threads (two wake-ups each, milliseconds per decode step); inside
-        // it, they are split among threads that are already awake.
+        // Leading the thread team (a few rows) or on one of the pool's threads: called from
+        // outside the pool (the engine's scheduler thread), each of the step's ~300 parallel
+        // loops would be handed to the pool and waited for across threads (two wake-ups each,
+        // milliseconds per decode step).
+        let rows = batch.iter().map(|s| s.tokens.len()).sum();
+        // candle's products (weights our kernels do not cover) parallelize on rayon alone.
+        let rows = if self.on_kernels() { rows } else { usize::MAX };
         let result = self
             .validate(batch)
             .and_then(|()| Self::ensure_room(batch))
-            .and_then(|()| rayon::scope(|_| self.forward_reserved(batch)));
+            .and_then(|()| crate::team::lead(rows, || self.forward_reserved(batch)));
         let ok = result.is_ok();
         for s in batch.iter_mut() {
             if ok {

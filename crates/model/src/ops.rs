@@ -200,6 +200,10 @@ fn gelu_mul(gate: &mut [f32], up: &[f32], f16_table: bool) {
 fn elementwise(gate: &mut [f32], up: &[f32], piece: impl Fn(&mut [f32], &[f32]) + Sync) {
     if gate.len() <= ELEMS_PER_TASK {
         piece(gate, up);
+    } else if crate::team::leads() {
+        crate::team::for_each_chunk(gate, ELEMS_PER_TASK, &|i, gate| {
+            piece(gate, &up[i * ELEMS_PER_TASK..][..gate.len()])
+        });
     } else {
         gate.par_chunks_mut(ELEMS_PER_TASK)
             .zip(up.par_chunks(ELEMS_PER_TASK))
