@@ -8,8 +8,9 @@
 //! without work (an idle server costs no CPU). Each thread takes one contiguous share of a
 //! weight (`kernels::matmul_slices`). Measured on AVX2 against the pool (alternated runs):
 //! one stream 0-4% faster at 1B-1.7B; beside a training job at nice 19, one stream went from
-//! 0.65x to ~1.0x of its speed alone (the spinning threads keep the cores, as `--train-nice`
-//! means: the job takes them while nothing decodes).
+//! 0.65x to 0.91-0.96x of its speed alone (the spinning threads keep the cores, as
+//! `--train-nice` means: the job takes them while nothing decodes); at nice 0, an even share
+//! either way (0.47-0.59x against 0.51-0.62x).
 //!
 //! One forward leads the team at a time; another (a second model's, a long prefill's, the
 //! trainer's) runs on rayon as before, with the same tasks and so the same bits, and so does a
@@ -278,7 +279,7 @@ impl Team {
             let started = Instant::now();
             let mut spins = 0u32;
             while self.region.load(SeqCst) == seen {
-                std::hint::spin_loop();
+                pause(started, HELPER_YIELD_AFTER);
                 spins = spins.wrapping_add(1);
                 if spins.is_multiple_of(256) && started.elapsed() > SPIN {
                     helper.parked.store(true, SeqCst);
@@ -306,6 +307,27 @@ impl Team {
     }
 }
 
+/// One turn of a wait begun at `started`: a spin, then, past `yield_after`, a yield, so that a
+/// thread preempted by other work on a busy machine (a trainer at `--train-nice 0`) gets the
+/// core back.
+fn pause(started: Instant, yield_after: Duration) {
+    if started.elapsed() < yield_after {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+}
+
+/// The leader waits for helpers finishing their last task: longer than a task's usual tail,
+/// the helper was likely preempted mid-task.
+const LEADER_YIELD_AFTER: Duration = Duration::from_micros(20);
+
+/// A helper waits for the next region: a decode step's gaps are shorter than this (yielding
+/// within them handed a trainer at nice 19 the cores mid-step: decode beside a job measured
+/// 0.84-0.94x with 20-50 µs here, 0.91-0.96x with 100), the engine's between steps may be
+/// longer.
+const HELPER_YIELD_AFTER: Duration = Duration::from_micros(100);
+
 /// The end of a region, on return or unwind: no new task starts, and the caller waits for the
 /// helpers still running one.
 struct Region<'a>(&'a Team);
@@ -316,8 +338,9 @@ impl Drop for Region<'_> {
         team.live.store(false, SeqCst);
         // A task of this region may still run on a helper; stop others from starting.
         team.next.store(usize::MAX / 2, SeqCst);
+        let started = Instant::now();
         while team.active.load(SeqCst) != 0 {
-            std::hint::spin_loop();
+            pause(started, LEADER_YIELD_AFTER);
         }
     }
 }
