@@ -9,6 +9,7 @@ use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
 
 use crate::linear::{GgufWeight, Linear};
+use crate::lora::LoraTarget;
 use crate::model::{Attention, Decoder, Embedding, Layer, Mlp, RmsNorm};
 use crate::{LoadedModel, ModelConfig, ModelError};
 
@@ -103,6 +104,10 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         });
     }
     let lm_head = lm_head.with_pair_bound_activations();
+    let on_kernels = lm_head.on_kernels()
+        && layers
+            .iter()
+            .all(|l| LoraTarget::ALL.iter().all(|&t| l.linear(t).on_kernels()));
 
     let model = Decoder {
         cfg,
@@ -111,6 +116,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         layers,
         final_norm,
         smooth: false,
+        on_kernels,
     };
     Ok(LoadedModel {
         model,

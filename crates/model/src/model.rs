@@ -138,6 +138,9 @@ pub struct Decoder {
     pub(crate) final_norm: RmsNorm,
     /// See [`Decoder::set_smooth`].
     pub(crate) smooth: bool,
+    /// Every product of a forward runs on our kernels (none on candle's, which parallelize on
+    /// rayon alone): a forward over a few rows may then lead the thread team.
+    pub(crate) on_kernels: bool,
 }
 
 impl Decoder {
@@ -166,15 +169,6 @@ impl Decoder {
                 .sum::<usize>()
     }
 
-    /// Every product of a decode step runs on our kernels.
-    fn on_kernels(&self) -> bool {
-        self.lm_head.on_kernels()
-            && self
-                .layers
-                .iter()
-                .all(|l| LoraTarget::ALL.iter().all(|&t| l.linear(t).on_kernels()))
-    }
-
     /// An empty cache of its own, growing as `forward` appends to it (the engine's caches come
     /// from its block manager instead).
     pub fn new_cache(&self) -> SeqCache {
@@ -199,7 +193,7 @@ impl Decoder {
         // milliseconds per decode step).
         let rows = batch.iter().map(|s| s.tokens.len()).sum();
         // candle's products (weights our kernels do not cover) parallelize on rayon alone.
-        let rows = if self.on_kernels() { rows } else { usize::MAX };
+        let rows = if self.on_kernels { rows } else { usize::MAX };
         let result = self
             .validate(batch)
             .and_then(|()| Self::ensure_room(batch))

@@ -12,6 +12,17 @@ pub const LANES: usize = 16;
 /// vectorize, unlike `f32::exp`.
 #[inline(always)]
 pub fn exp_neg(x: f32) -> f32 {
+    let (n, p) = exp_neg_parts(x);
+    // n is in [-126, 0]: a normal power of two, 2^n, whose exponent bits `n + 127` are the low
+    // bits of `n + 2^23 + 127` (exact in f32). Not `n as i32`: its saturating conversion kept
+    // loops over this function from vectorizing (about 4x slower).
+    f32::from_bits((n + EXPONENT_MAGIC).to_bits() << 23) * p
+}
+
+/// [`exp_neg`]'s range reduction: `x` (clamped) as `n·ln 2 + g`, returned as the integer `n`
+/// (an f32) and the polynomial `p ≈ e^g`.
+#[inline(always)]
+fn exp_neg_parts(x: f32) -> (f32, f32) {
     let x = x.max(-87.0);
     let t = x * std::f32::consts::LOG2_E;
     let n = (t + 0.5).floor();
@@ -22,10 +33,7 @@ pub fn exp_neg(x: f32) -> f32 {
                 + g * (1.0 / 6.0
                     + g * (1.0 / 24.0
                         + g * (1.0 / 120.0 + g * (1.0 / 720.0 + g * (1.0 / 5040.0)))))));
-    // n is in [-126, 0]: a normal power of two, 2^n, whose exponent bits `n + 127` are the low
-    // bits of `n + 2^23 + 127` (exact in f32). Not `n as i32`: its saturating conversion kept
-    // loops over this function from vectorizing (about 4x slower).
-    f32::from_bits((n + EXPONENT_MAGIC).to_bits() << 23) * p
+    (n, p)
 }
 
 /// `2^23 + 127`: a float whose low mantissa bits are an integer added to it, plus the exponent
@@ -187,16 +195,7 @@ mod tests {
     #[test]
     fn exp_neg_gives_the_bits_of_an_integer_exponent() {
         let by_cast = |x: f32| {
-            let x = x.max(-87.0);
-            let t = x * std::f32::consts::LOG2_E;
-            let n = (t + 0.5).floor();
-            let g = (t - n) * std::f32::consts::LN_2;
-            let p = 1.0
-                + g * (1.0
-                    + g * (1.0 / 2.0
-                        + g * (1.0 / 6.0
-                            + g * (1.0 / 24.0
-                                + g * (1.0 / 120.0 + g * (1.0 / 720.0 + g * (1.0 / 5040.0)))))));
+            let (n, p) = exp_neg_parts(x);
             f32::from_bits(((n as i32 + 127) as u32) << 23) * p
         };
         let specials = [f32::NAN, f32::NEG_INFINITY, -0.0, 0.0, -87.0, -87.5, -1e30];
