@@ -722,9 +722,11 @@ async fn checkpoints_are_served_with_their_adapters_in_one_batch() {
     checkpoint_with_adapter(&api, id, 1, 0.05).await;
     checkpoint_with_adapter(&api, id, 2, -0.03).await;
 
+    // Long enough answers that the five requests overlap however fast the tiny model decodes
+    // (six tokens each finished one by one once decode stopped waking the pool).
     let greedy = |model: &str| {
         json!({"model": model, "messages": [{"role": "user", "content": "the cat"}],
-            "temperature": 0.0, "max_tokens": 6, "logprobs": true, "ignore_eos": true})
+            "temperature": 0.0, "max_tokens": 64, "logprobs": true, "ignore_eos": true})
     };
     let logprobs = |v: &Value| -> Vec<f64> {
         v["choices"][0]["logprobs"]["content"]
