@@ -5,7 +5,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::{self, Isa, Threads, WeightFormat};
+use crate::kernels::{self, Isa, Q8_0Block, Threads, WeightFormat};
 use crate::ModelError;
 
 /// `y = x · Wᵀ` over a quantized weight `[out, in]`. The one place matmuls happen, so the kernel
@@ -37,7 +37,74 @@ fn row_scale(row: &[f32]) -> f32 {
 
 /// Rows of W per transposed span (see `InputGradWeight::TransposedQ8_0`): whole Q8_0 blocks,
 /// 2 KB of each transposed row; every layer's weight is one span.
-const INPUT_GRAD_SPAN: usize = 2048;
+pub(crate) const INPUT_GRAD_SPAN: usize = 2048;
+
+/// A gradient of a [`Linear`]'s output as [`Linear::backward_input_blocks`] multiplies it:
+/// each row in Q8_0 blocks, laid out by the transposed weight's spans (a span's rows one after
+/// another), so each span's product reads its activation rows whole. Kept by a caller that
+/// makes many (fresh pages cost).
+#[derive(Default)]
+pub(crate) struct GradBlocks {
+    rows: usize,
+    out_dim: usize,
+    blocks: Vec<Q8_0Block>,
+}
+
+impl GradBlocks {
+    /// Made for `rows` rows of `out_dim` values (whole blocks), every row's runs to write in
+    /// parallel.
+    pub(crate) fn rows_mut(&mut self, rows: usize, out_dim: usize) -> Vec<GradRow<'_>> {
+        assert!(out_dim.is_multiple_of(32), "whole blocks of 32");
+        (self.rows, self.out_dim) = (rows, out_dim);
+        self.blocks
+            .resize(rows * out_dim / 32, Q8_0Block::default());
+        let mut by_row: Vec<GradRow<'_>> =
+            (0..rows).map(|_| GradRow { spans: Vec::new() }).collect();
+        let mut rest = &mut self.blocks[..rows * out_dim / 32];
+        for k0 in (0..out_dim).step_by(INPUT_GRAD_SPAN) {
+            let span_blocks = (out_dim - k0).min(INPUT_GRAD_SPAN) / 32;
+            let (span, tail) = std::mem::take(&mut rest).split_at_mut(rows * span_blocks);
+            rest = tail;
+            for (row, run) in by_row.iter_mut().zip(span.chunks_exact_mut(span_blocks)) {
+                row.spans.push(run);
+            }
+        }
+        by_row
+    }
+
+    /// Span `i`'s activation rows.
+    fn span(&self, i: usize) -> &[Q8_0Block] {
+        let k0 = i * INPUT_GRAD_SPAN;
+        let span_blocks = (self.out_dim - k0).min(INPUT_GRAD_SPAN) / 32;
+        let at = k0 / 32 * self.rows;
+        &self.blocks[at..at + self.rows * span_blocks]
+    }
+}
+
+/// One row of [`GradBlocks`]: its run of blocks in each span.
+pub(crate) struct GradRow<'a> {
+    spans: Vec<&'a mut [Q8_0Block]>,
+}
+
+impl GradRow<'_> {
+    /// Quantizes `values`, the row's values from `at` on (whole blocks, within one span:
+    /// `at` and the length multiples of 32 that do not cross a multiple of
+    /// [`INPUT_GRAD_SPAN`]), with `quantize`.
+    pub(crate) fn write(
+        &mut self,
+        at: usize,
+        values: &[f32],
+        quantize: fn(Isa, &[f32], &mut [Q8_0Block]),
+    ) {
+        let (span, first) = (at / INPUT_GRAD_SPAN, at % INPUT_GRAD_SPAN / 32);
+        assert!(at.is_multiple_of(32) && values.len().is_multiple_of(32));
+        quantize(
+            Isa::detect(),
+            values,
+            &mut self.spans[span][first..first + values.len() / 32],
+        );
+    }
+}
 
 /// What `dx = dy · W` multiplies by.
 #[derive(Debug)]
@@ -141,51 +208,26 @@ impl Linear {
                 // undone on dx: exact in f32, and the same bits wherever Q8_0's f16 block scales
                 // held the row as it was, but a row of small gradients (a loss averaged over
                 // many tokens, near-uniform logits: 1e-9 and less) is no longer flushed to zero.
-                // A pass over dy (33 MB a chunk of the LM head's): on the pool.
-                let scales: Vec<f32> = dy.par_chunks_exact(self.out_dim).map(row_scale).collect();
-                let scaled_part = |k0: usize, k1: usize| {
-                    let mut part = Vec::with_capacity(rows * (k1 - k0));
-                    for (row, &s) in dy.chunks_exact(self.out_dim).zip(&scales) {
-                        part.extend(row[k0..k1].iter().map(|v| v * s));
-                    }
-                    part
-                };
-                // One span (a layer's weight): its rows scaled once.
-                let whole = (spans.len() == 1).then(|| scaled_part(0, self.out_dim));
-                // Many spans (the LM head's 128) in parallel, each product on its task's
-                // thread: one parallel region per call, where a region per span cost more than
-                // a span of 2,048 rows computes. Few spans, each product on the pool. Either
-                // way the spans' products are summed in span order.
-                let isa = Isa::detect();
-                let span_product = |i: usize, parallel: bool| {
-                    let wt = &spans[i];
-                    let k0 = i * INPUT_GRAD_SPAN;
-                    let k1 = (k0 + INPUT_GRAD_SPAN).min(self.out_dim);
-                    let span_dy: Cow<'_, [f32]> = match &whole {
-                        Some(all) => Cow::Borrowed(all),
-                        None => Cow::Owned(scaled_part(k0, k1)),
-                    };
-                    let threads = if parallel {
-                        Threads::Pool
-                    } else {
-                        Threads::Caller
-                    };
-                    let dims = (k1 - k0, self.in_dim);
-                    kernels::matmul_on(WeightFormat::Q8_0, isa, wt, dims, &span_dy, threads)
-                };
-                let parts: Vec<Vec<f32>> = if spans.len() >= 4 * rayon::current_num_threads() {
-                    (0..spans.len())
-                        .into_par_iter()
-                        .map(|i| span_product(i, false))
-                        .collect()
-                } else {
-                    (0..spans.len()).map(|i| span_product(i, true)).collect()
-                };
-                let mut parts = parts.into_iter();
-                let mut dx = parts.next().unwrap_or_default();
-                for part in parts {
-                    crate::model::add_assign(&mut dx, &part);
-                }
+                let mut blocks = GradBlocks::default();
+                let scales: Vec<f32> = blocks
+                    .rows_mut(rows, self.out_dim)
+                    .into_par_iter()
+                    .zip(dy.par_chunks_exact(self.out_dim))
+                    .map(|(mut out, row)| {
+                        let s = row_scale(row);
+                        let mut scaled = [0f32; INPUT_GRAD_SPAN];
+                        for (k0, run) in (0..)
+                            .step_by(INPUT_GRAD_SPAN)
+                            .zip(row.chunks(INPUT_GRAD_SPAN))
+                        {
+                            let scaled = &mut scaled[..run.len()];
+                            scaled.iter_mut().zip(run).for_each(|(o, v)| *o = v * s);
+                            out.write(k0, scaled, kernels::quantize_q8_0);
+                        }
+                        s
+                    })
+                    .collect();
+                let mut dx = self.span_products(spans, &blocks);
                 for (row, &s) in dx.chunks_exact_mut(self.in_dim).zip(&scales) {
                     let undo = 1.0 / s;
                     row.iter_mut().for_each(|v| *v *= undo);
@@ -197,6 +239,54 @@ impl Linear {
                 Ok(dy.matmul(w)?.flatten_all()?.to_vec1::<f32>()?)
             }
         }
+    }
+
+    /// Whether the input gradient multiplies Q8_0 blocks ([`Linear::backward_input_blocks`]):
+    /// a weight on our kernels with whole blocks of output rows.
+    pub(crate) fn has_quantized_input_grad(&self) -> bool {
+        matches!(self.weight, Weight::Kernel { .. }) && self.out_dim.is_multiple_of(32)
+    }
+
+    /// [`Linear::backward_input`] of a gradient its caller quantized (`dy`, `out_dim` values a
+    /// row); only where [`Linear::has_quantized_input_grad`].
+    pub(crate) fn backward_input_blocks(&self, dy: &GradBlocks) -> Result<Vec<f32>, ModelError> {
+        match self.input_grad_weight()? {
+            InputGradWeight::TransposedQ8_0(spans) if dy.out_dim == self.out_dim => {
+                Ok(self.span_products(spans, dy))
+            }
+            _ => Err(ModelError::Packing(
+                "a quantized gradient for a weight without a quantized input gradient".into(),
+            )),
+        }
+    }
+
+    /// `dy · W` over the transposed spans, the spans' products summed in span order.
+    fn span_products(&self, spans: &[Vec<u8>], dy: &GradBlocks) -> Vec<f32> {
+        // Many spans (the LM head's 128) in parallel, each product on its task's thread: one
+        // parallel region per call, where a region per span cost more than a span of 2,048
+        // rows computes. Few spans, each product on the pool.
+        let isa = Isa::detect();
+        let span_product = |i: usize, threads: Threads| {
+            let k0 = i * INPUT_GRAD_SPAN;
+            let dims = ((k0 + INPUT_GRAD_SPAN).min(self.out_dim) - k0, self.in_dim);
+            kernels::matmul_q8_0_blocks(isa, &spans[i], dims, dy.span(i), threads)
+        };
+        let parts: Vec<Vec<f32>> = if spans.len() >= 4 * rayon::current_num_threads() {
+            (0..spans.len())
+                .into_par_iter()
+                .map(|i| span_product(i, Threads::Caller))
+                .collect()
+        } else {
+            (0..spans.len())
+                .map(|i| span_product(i, Threads::Pool))
+                .collect()
+        };
+        let mut parts = parts.into_iter();
+        let mut dx = parts.next().unwrap_or_default();
+        for part in parts {
+            crate::model::add_assign(&mut dx, &part);
+        }
+        dx
     }
 
     fn input_grad_weight(&self) -> Result<&InputGradWeight, ModelError> {

@@ -69,8 +69,18 @@ pub fn sum_exp(logits: &[f32], max: f32) -> f64 {
 /// [`sum_exp`]'s, bit for bit (the same chunks, lanes and order). One pass over the row: the
 /// trainer takes this for every scored token over the whole vocabulary.
 pub fn exp_in_place(logits: &mut [f32], max: f32) -> (f64, f64) {
+    exp_in_place_then(logits, max, |_, _| {})
+}
+
+/// [`exp_in_place`] that hands each chunk of `CHUNK` values on as soon as they are
+/// exponentials (`then(first index, chunk)`), while the chunk is in L1.
+pub fn exp_in_place_then(
+    logits: &mut [f32],
+    max: f32,
+    mut then: impl FnMut(usize, &[f32]),
+) -> (f64, f64) {
     let (mut total, mut weighted) = (0f64, 0f64);
-    for c in logits.chunks_mut(CHUNK) {
+    for (i, c) in logits.chunks_mut(CHUNK).enumerate() {
         let mut sums = [0f32; LANES];
         let mut weights = [0f32; LANES];
         let mut it = c.chunks_exact_mut(LANES);
@@ -95,6 +105,7 @@ pub fn exp_in_place(logits: &mut [f32], max: f32) -> (f64, f64) {
             *l = e;
         }
         total += chunk_total;
+        then(i * CHUNK, c);
     }
     (total, weighted)
 }

@@ -10,7 +10,9 @@
 
 use rayon::prelude::*;
 
+use crate::kernels;
 use crate::layer::{AttentionTape, BatchLayout, LayerTape, MlpTape, PackedKv, Ropes};
+use crate::linear::GradBlocks;
 use crate::lora::{LoraAdapter, LoraGrads, LoraPair, LoraTarget};
 use crate::model::{add_assign, norm_if_backward, AdapterSpan, Decoder, Layer, Mlp};
 use crate::ops::{self, MatRef};
@@ -232,6 +234,15 @@ impl Decoder {
             grads: vec![vec![0f32; p.a.len()], vec![0f32; p.b.len()]],
         });
         let mut dlogprobs = Vec::new();
+        // Without an LM-head pair, on a quantized head: `(onehot - softmax)·E` as
+        // `E[target] - (e·E) / Σ e` with `e = exp(z - max)`, each chunk of e quantized while it
+        // is in L1 (the logits are read twice, never scaled or copied), and the one-hot row
+        // taken from the weight in f32 rather than quantized with the softmax's block.
+        // The chunks of exponentials never cross a span of the transposed head.
+        const { assert!(crate::linear::INPUT_GRAD_SPAN.is_multiple_of(crate::softmax::CHUNK)) };
+        let quantized_head =
+            grad_now && head_pair.is_none() && self.lm_head.has_quantized_input_grad();
+        let mut exps = GradBlocks::default();
         let vocab = self.lm_head.out_dim();
         // One buffer for every chunk's logits: fresh pages for each chunk's 33 MB made the
         // LM head ~1.7x slower (`kernels::matmul_into`).
@@ -244,6 +255,34 @@ impl Decoder {
             self.lm_head.forward_into(rows, logits)?;
             if let Some(adapter) = head_pair {
                 adapter.apply_head(rows, logits);
+            }
+            if quantized_head {
+                let stats: Vec<(f32, f32, f64)> = logits
+                    .par_chunks_mut(vocab)
+                    .zip(tgt.par_iter())
+                    .zip(exps.rows_mut(tgt.len(), vocab))
+                    .map(|((row, &t), mut out)| {
+                        let target_logit = row[t as usize];
+                        let s = RowSoftmax::with_exps(row, |at, e| {
+                            out.write(at, e, kernels::quantize_q8_0_exact_scale)
+                        });
+                        let lp = (target_logit as f64 - s.lse) as f32;
+                        (lp, s.entropy as f32, s.total)
+                    })
+                    .collect();
+                let exps_e = self.lm_head.backward_input_blocks(&exps)?;
+                let target_rows: Vec<usize> = tgt.iter().map(|&t| t as usize).collect();
+                let target_e = self.lm_head.rows(&target_rows)?;
+                let per_row = exps_e
+                    .chunks_exact(hidden)
+                    .zip(target_e.chunks_exact(hidden));
+                for ((ee, te), &(lp, h, total)) in per_row.zip(&stats) {
+                    scores.logprobs.push(lp);
+                    scores.entropies.push(h);
+                    let inv = (1.0 / total) as f32;
+                    head_grad.extend(te.iter().zip(ee).map(|(w, v)| w - v * inv));
+                }
+                continue;
             }
             let stats: Vec<(f32, f32, f32)> = logits
                 .par_chunks_mut(vocab)
@@ -704,29 +743,41 @@ type QkvGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
 struct RowSoftmax {
     lse: f64,
     entropy: f64,
+    /// `Σ e^(z - max)`.
+    total: f64,
 }
 
 impl RowSoftmax {
-    /// With `keep_probs` the row is overwritten by minus its softmax (in f32), for the gradient. One
-    /// pass of exponentials: each `e^(z - max)` stays in the row while the sum behind `lse`
-    /// (the server's, bit for bit) and `Σ e·(z - max)` add up; `H = (lse - max) - Σ e·(z -
-    /// max) / Σ e`.
+    /// With `keep_probs` the row is overwritten by minus its softmax (in f32), for the gradient.
     fn new(row: &mut [f32], keep_probs: bool) -> Self {
-        use crate::softmax::{exp_in_place, max_logit};
+        let s = Self::with_exps(row, |_, _| {});
+        if keep_probs {
+            let inv = (-1.0 / s.total) as f32;
+            for z in row.iter_mut() {
+                *z *= inv;
+            }
+        }
+        s
+    }
+
+    /// One pass of exponentials: each `e^(z - max)` stays in the row, and each chunk of them
+    /// goes to `then` (see `softmax::exp_in_place_then`), while the sum behind `lse` (the
+    /// server's, bit for bit) and `Σ e·(z - max)` add up; `H = (lse - max) - Σ e·(z - max) /
+    /// Σ e`.
+    fn with_exps(row: &mut [f32], then: impl FnMut(usize, &[f32])) -> Self {
+        use crate::softmax::{exp_in_place_then, max_logit};
         let max = max_logit(row);
-        let (total, weighted) = exp_in_place(row, max);
+        let (total, weighted) = exp_in_place_then(row, max, then);
         let lse = max as f64 + total.ln();
         let entropy = if total > 0.0 {
             (lse - max as f64) - weighted / total
         } else {
             0.0
         };
-        if keep_probs {
-            let inv = (-1.0 / total) as f32;
-            for z in row.iter_mut() {
-                *z *= inv;
-            }
+        RowSoftmax {
+            lse,
+            entropy,
+            total,
         }
-        RowSoftmax { lse, entropy }
     }
 }

@@ -46,7 +46,15 @@ impl Default for Q8KBlock {
 }
 
 pub(crate) fn quantize_q8_0(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
-    quantize_q8_0_scaled::<false>(isa, x, out);
+    quantize_q8_0_scaled::<false, true>(isa, x, out);
+}
+
+/// [`quantize_q8_0`] with each block's scale kept in f32, not rounded through f16: for
+/// gradients, whose blocks span many orders of magnitude within a row (the LM head's
+/// softmax: f16 scales hold blocks down to ~1e-4 of the row's largest value at full precision
+/// and flush those below ~4e-6). The kernels take a block's scale as an f32 either way.
+pub(crate) fn quantize_q8_0_exact_scale(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
+    quantize_q8_0_scaled::<false, false>(isa, x, out);
 }
 
 /// Q8_0 activations with every pair of neighbours bounded: `|q[2i]| + |q[2i + 1]| <= 128`.
@@ -59,22 +67,30 @@ pub(crate) fn quantize_q8_0(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
 /// the quants less than a bit: on the default model's LM head the logits' rms error against f32
 /// activations went from 0.040 to 0.046 (8-bit: 0.040; 7-bit, `max |x| / 63`: 0.079).
 pub(crate) fn quantize_q8_0_pair_bound(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
-    quantize_q8_0_scaled::<true>(isa, x, out);
+    quantize_q8_0_scaled::<true, true>(isa, x, out);
 }
 
-/// [`quantize_q8_0`] (`PAIR_BOUND` false) or [`quantize_q8_0_pair_bound`].
-fn quantize_q8_0_scaled<const PAIR_BOUND: bool>(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
+/// [`quantize_q8_0`] (`PAIR_BOUND` false), [`quantize_q8_0_pair_bound`] or, without
+/// `F16_SCALE`, [`quantize_q8_0_exact_scale`].
+fn quantize_q8_0_scaled<const PAIR_BOUND: bool, const F16_SCALE: bool>(
+    isa: Isa,
+    x: &[f32],
+    out: &mut [Q8_0Block],
+) {
     match isa {
-        Isa::Scalar => quantize_q8_0_scalar::<PAIR_BOUND>(x, out),
+        Isa::Scalar => quantize_q8_0_scalar::<PAIR_BOUND, F16_SCALE>(x, out),
         // SAFETY: x86 levels are only named when the CPU has AVX2 (and F16C).
         #[cfg(target_arch = "x86_64")]
-        _ => unsafe { x86::quantize_q8_0::<PAIR_BOUND>(x, out) },
+        _ => unsafe { x86::quantize_q8_0::<PAIR_BOUND, F16_SCALE>(x, out) },
         #[cfg(not(target_arch = "x86_64"))]
-        _ => quantize_q8_0_scalar::<PAIR_BOUND>(x, out),
+        _ => quantize_q8_0_scalar::<PAIR_BOUND, F16_SCALE>(x, out),
     }
 }
 
-fn quantize_q8_0_scalar<const PAIR_BOUND: bool>(x: &[f32], out: &mut [Q8_0Block]) {
+fn quantize_q8_0_scalar<const PAIR_BOUND: bool, const F16_SCALE: bool>(
+    x: &[f32],
+    out: &mut [Q8_0Block],
+) {
     for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
         let amax = if PAIR_BOUND {
             xb.chunks_exact(2)
@@ -83,7 +99,11 @@ fn quantize_q8_0_scalar<const PAIR_BOUND: bool>(x: &[f32], out: &mut [Q8_0Block]
             xb.iter().fold(0f32, |m, v| m.max(v.abs()))
         };
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        o.d = f16::from_f32(amax / 127.0).to_f32();
+        o.d = if F16_SCALE {
+            f16::from_f32(amax / 127.0).to_f32()
+        } else {
+            amax / 127.0
+        };
         for (q, &v) in o.qs.iter_mut().zip(xb) {
             // Saturating like `_mm256_packs_epi32`; in range anyway (|v * id| <= 127).
             *q = (v * id).round_ties_even() as i8;
@@ -99,9 +119,13 @@ mod x86 {
     use super::{Q8_0Block, VNNI_BIAS};
 
     /// ggml's AVX2 `quantize_row_q8_0`, plus the VNNI starting values; with `PAIR_BOUND`, the
-    /// scale from the largest pair (see `quantize_q8_0_pair_bound`).
+    /// scale from the largest pair (see `quantize_q8_0_pair_bound`); without `F16_SCALE`, the
+    /// scale kept in f32 (see `quantize_q8_0_exact_scale`).
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn quantize_q8_0<const PAIR_BOUND: bool>(x: &[f32], out: &mut [Q8_0Block]) {
+    pub(super) unsafe fn quantize_q8_0<const PAIR_BOUND: bool, const F16_SCALE: bool>(
+        x: &[f32],
+        out: &mut [Q8_0Block],
+    ) {
         let sign = _mm256_set1_ps(-0.0);
         // |v|, or each lane's |v| plus its pair neighbour's (the same sum in both lanes).
         let magnitude = |v: __m256| {
@@ -124,9 +148,13 @@ mod x86 {
             let max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
             let max1 = _mm_max_ss(max4, _mm_movehdup_ps(max4));
             let amax = _mm_cvtss_f32(max1);
-            // f32 -> f16 -> f32 with round to nearest even, as ggml's F16C conversion.
-            let d16 = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(amax / 127.0));
-            o.d = _mm_cvtss_f32(_mm_cvtph_ps(d16));
+            o.d = if F16_SCALE {
+                // f32 -> f16 -> f32 with round to nearest even, as ggml's F16C conversion.
+                let d16 = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(amax / 127.0));
+                _mm_cvtss_f32(_mm_cvtph_ps(d16))
+            } else {
+                amax / 127.0
+            };
             let mul = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
             let i: [__m256i; 4] = std::array::from_fn(|k| {
                 _mm256_cvtps_epi32(_mm256_round_ps::<
@@ -268,13 +296,22 @@ mod tests {
         x[32] = 127.0;
         x[33] = 2.5;
         x[34] = -0.5;
-        let mut reference = vec![Q8_0Block::default(); 40];
-        quantize_q8_0(Isa::Scalar, &x, &mut reference);
-        for isa in Isa::available() {
-            let mut got = vec![Q8_0Block::default(); 40];
-            quantize_q8_0(isa, &x, &mut got);
-            assert_eq!(got, reference, "{isa:?}");
+        // Blocks far below f16's normal range: the exact scale keeps them.
+        x[64..96].iter_mut().for_each(|v| *v *= 1e-9);
+        for quantize in [quantize_q8_0, quantize_q8_0_exact_scale] {
+            let mut reference = vec![Q8_0Block::default(); 40];
+            quantize(Isa::Scalar, &x, &mut reference);
+            for isa in Isa::available() {
+                let mut got = vec![Q8_0Block::default(); 40];
+                quantize(isa, &x, &mut got);
+                assert_eq!(got, reference, "{isa:?}");
+            }
         }
+        let mut exact = [Q8_0Block::default()];
+        quantize_q8_0_exact_scale(Isa::Scalar, &x[64..96], &mut exact);
+        let amax = x[64..96].iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_eq!(exact[0].d, amax / 127.0);
+        assert!(exact[0].qs.iter().any(|&q| q.abs() == 127));
     }
 
     #[test]

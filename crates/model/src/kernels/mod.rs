@@ -38,6 +38,8 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+pub(crate) use activations::{quantize_q8_0, quantize_q8_0_exact_scale, Q8_0Block};
+
 /// The instruction set a kernel runs with, ordered from least to best.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Isa {
@@ -193,6 +195,11 @@ pub(crate) trait Kernel {
     /// `out(a, r) = dot(acts row a, w row r)` for the (at most four) activation rows of `acts`
     /// (`nb` blocks each) and every weight row `r` of `w` (`nb` blocks each): the reference.
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>);
+    /// Whether the kernel takes a batch's row groups two at a time with instruction set `isa`
+    /// (slices then hold whole pairs).
+    fn pairs_groups(_isa: Isa) -> bool {
+        false
+    }
     /// The same with `isa`'s instructions.
     ///
     /// # Safety
@@ -634,14 +641,9 @@ fn matmul_slices<K: Kernel>(
     let (in_dim, out_dim) = dims;
     let nb = in_dim / K::BLOCK_ELEMS;
     let rows = x.len() / in_dim;
-    assert!(
-        out.rows.len() == rows && out.width == out_dim,
-        "the output's rows"
-    );
     if rows == 0 || out_dim == 0 {
         return;
     }
-
     let mut acts = vec![K::Act::default(); rows * nb];
     let quantize = |(a, xr): (&mut [K::Act], &[f32])| K::quantize(isa, xr, a);
     match threads {
@@ -651,6 +653,66 @@ fn matmul_slices<K: Kernel>(
             .with_min_len(16)
             .for_each(quantize),
         Threads::Caller => acts.chunks_mut(nb).zip(x.chunks(in_dim)).for_each(quantize),
+    }
+    product_slices::<K>(isa, stored, widen, dims, &acts, out, threads);
+}
+
+/// `y = x · Wᵀ` for a Q8_0 weight `[out_dim, in_dim]` (as `prepare` lays it out) and activation
+/// rows the caller quantized (`acts`, `in_dim / 32` blocks a row: see
+/// `quantize_q8_0_exact_scale`), on `threads`.
+pub(crate) fn matmul_q8_0_blocks(
+    isa: Isa,
+    w: &[u8],
+    dims: (usize, usize),
+    acts: &[Q8_0Block],
+    threads: Threads,
+) -> Vec<f32> {
+    type K = q8_0::WithQ8_0Acts<q8_0::Q8_0>;
+    let (in_dim, out_dim) = dims;
+    let nb = in_dim / K::BLOCK_ELEMS;
+    assert!(in_dim > 0 && in_dim.is_multiple_of(K::BLOCK_ELEMS) && acts.len().is_multiple_of(nb));
+    let row_bytes = nb * K::BLOCK_BYTES;
+    assert_eq!(w.len(), row_bytes * out_dim.next_multiple_of(K::ROW_GROUP));
+    let rows = acts.len() / nb;
+    let mut y: Vec<f32> = Vec::with_capacity(rows * out_dim);
+    let out = OutRows {
+        // SAFETY: row `r` starts within `y`'s capacity of `rows * out_dim` values.
+        rows: (0..rows)
+            .map(|r| unsafe { y.as_mut_ptr().add(r * out_dim) })
+            .collect(),
+        width: out_dim,
+    };
+    let stored = Stored {
+        w,
+        row_bytes,
+        group: K::ROW_GROUP,
+    };
+    product_slices::<K>(isa, stored, None, dims, acts, &out, threads);
+    // SAFETY: the kernels wrote every value of every row.
+    unsafe { y.set_len(rows * out_dim) };
+    y
+}
+
+/// [`matmul_slices`] after the quantization: the product of activation rows `acts` (`nb`
+/// blocks each) with the weight.
+fn product_slices<K: Kernel>(
+    isa: Isa,
+    stored: Stored,
+    widen: Option<Widen>,
+    dims: (usize, usize),
+    acts: &[K::Act],
+    out: &OutRows,
+    threads: Threads,
+) {
+    let (in_dim, out_dim) = dims;
+    let nb = in_dim / K::BLOCK_ELEMS;
+    let rows = acts.len() / nb;
+    assert!(
+        out.rows.len() == rows && out.width == out_dim,
+        "the output's rows"
+    );
+    if rows == 0 || out_dim == 0 {
+        return;
     }
 
     // Slices of weight rows small enough to stay in L1 (L2 for long weights) while every
@@ -665,6 +727,11 @@ fn matmul_slices<K: Kernel>(
         LONG_WEIGHT_SLICE_BYTES
     } else {
         WEIGHT_SLICE_BYTES
+    };
+    // Whole pairs of groups where the kernel takes a batch's groups two at a time.
+    let group = match rows > 1 && K::pairs_groups(isa) {
+        true => 2 * group,
+        false => group,
     };
     let slice_rows = (slice_bytes / widened_row_bytes / group).max(1) * group;
     let slices = out_dim.div_ceil(slice_rows);

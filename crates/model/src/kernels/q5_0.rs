@@ -56,6 +56,8 @@ impl<const FIFTH_BIT: bool> Format for Nibbles<FIFTH_BIT> {
         true
     }
 
+    const STEPS_STORED: bool = false;
+
     fn widen(isa: Isa, w: &[u8], _nb: usize, out: &mut Vec<u8>) {
         widen_to_five_bit_bytes::<Self>(isa, w, out);
     }

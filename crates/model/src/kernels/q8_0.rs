@@ -101,6 +101,9 @@ pub(crate) trait Format: Send + Sync + 'static {
         // SAFETY: step `s` of half `h` is 32 bytes inside the group block.
         unsafe { _mm256_loadu_si256(p.add(SCALES + 64 * s + 32 * h) as *const __m256i) }
     }
+    /// Whether [`Format::unsigned_steps`] only loads the stored steps (no unpacking), so that a
+    /// kernel can take one step where it uses it (see `avx512_two_groups`).
+    const STEPS_STORED: bool = true;
     /// The group block's eight steps, every row's four quants made unsigned (`w + 128`, or
     /// `w + 16` where [`Format::FIVE_BIT`]).
     ///
@@ -238,6 +241,10 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
 
     fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
         scalar::<F>(w, acts, nb, out);
+    }
+
+    fn pairs_groups(isa: Isa) -> bool {
+        isa == Isa::Avx512 && F::STEPS_STORED
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -607,7 +614,7 @@ mod x86 {
 
     /// A whole group per register; a block's eight steps in two VNNI chains per activation row
     /// (the even steps from the activation's `vnni_init`, the odd ones from zero), added as
-    /// integers.
+    /// integers. Batches take two groups at a time ([`avx512_two_groups`]).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn avx512_rows<const NA: usize, F: Format>(
         w: &[u8],
@@ -615,20 +622,35 @@ mod x86 {
         nb: usize,
         out: TileOut<'_>,
     ) {
-        for (g, group) in w.chunks_exact(nb * F::GROUP_BLOCK).enumerate() {
+        let group_bytes = nb * F::GROUP_BLOCK;
+        let groups = w.len() / group_bytes;
+        let mut g = 0;
+        while g < groups {
+            // Two groups where there are two, for a batch of stored steps; one row (a decode
+            // step) one group at a time, its two chains as above, as do packed formats (their
+            // sixteen unpacked steps would not stay in registers).
+            let two = NA > 1 && F::STEPS_STORED && g + 1 < groups;
+            let taken = if two { 2 } else { 1 };
+            let group = &w[g * group_bytes..(g + taken) * group_bytes];
             for a0 in (0..NA).step_by(AVX512_ROWS) {
                 let out = out.shifted(a0, g * GROUP);
                 let acts = &acts[a0 * nb..];
                 macro_rules! pass {
                     ($($n:literal)*) => {
-                        match ((NA - a0).min(AVX512_ROWS), a0 == 0) {
+                        match ((NA - a0).min(AVX512_ROWS), a0 == 0, two) {
                             $(
                                 // SAFETY: passed on; `$n` rows from `a0`.
-                                ($n, true) => unsafe {
+                                ($n, true, false) => unsafe {
                                     avx512_group::<$n, true, F>(group, acts, nb, out)
                                 },
-                                ($n, false) => unsafe {
+                                ($n, false, false) => unsafe {
                                     avx512_group::<$n, false, F>(group, acts, nb, out)
+                                },
+                                ($n, true, true) => unsafe {
+                                    avx512_two_groups::<$n, true, F>(group, acts, nb, out)
+                                },
+                                ($n, false, true) => unsafe {
+                                    avx512_two_groups::<$n, false, F>(group, acts, nb, out)
                                 },
                             )*
                             _ => unreachable!(),
@@ -636,6 +658,65 @@ mod x86 {
                     };
                 }
                 pass!(1 2 3 4);
+            }
+            g += taken;
+        }
+    }
+
+    /// [`avx512_group`] over two consecutive groups (`groups`, 32 rows; `out` at the first
+    /// group's first column): each broadcast of four activation values feeds both groups' VNNI
+    /// chains, and each block's conversion of an activation row's sum is done once per group
+    /// for two groups' worth of products, where one group at a time spends as many
+    /// instructions beside its eight `vpdpbusd` as it has of them. One chain per group and
+    /// activation row (the two groups' chains are independent). The same integer sums and the
+    /// same multiply-add per block: the same bits.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn avx512_two_groups<const NA: usize, const PREFETCH: bool, F: Format>(
+        groups: &[u8],
+        acts: &[Q8_0Block],
+        nb: usize,
+        out: TileOut<'_>,
+    ) {
+        let bias = _mm512_set1_ps(f32::from_bits(VNNI_BIAS as u32));
+        let (first, second) = groups.split_at(nb * F::GROUP_BLOCK);
+        let mut acc = [[_mm512_setzero_ps(); 2]; NA];
+        let blocks = first
+            .chunks_exact(F::GROUP_BLOCK)
+            .zip(second.chunks_exact(F::GROUP_BLOCK));
+        for (b, (w0, w1)) in blocks.enumerate() {
+            let p = [w0.as_ptr(), w1.as_ptr()];
+            if PREFETCH {
+                prefetch_ahead::<F>(p[0]);
+                prefetch_ahead::<F>(p[1]);
+            }
+            let ab: [&Q8_0Block; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
+            let mut isum: [[__m512i; 2]; NA] =
+                std::array::from_fn(|a| [_mm512_set1_epi32(vnni_init::<F>(ab[a])); 2]);
+            // Step by step, so that only a step's two weight registers are live beside the
+            // 2·NA chains (all sixteen at once spilled).
+            for s in 0..8 {
+                // SAFETY: each `p` is a whole group block.
+                let q = p.map(|p| unsafe { F::unsigned_steps(p)[s] });
+                for (isum, ab) in isum.iter_mut().zip(ab) {
+                    let x = _mm512_set1_epi32(four(ab, s));
+                    isum[0] = _mm512_dpbusd_epi32(isum[0], q[0], x);
+                    isum[1] = _mm512_dpbusd_epi32(isum[1], q[1], x);
+                }
+            }
+            // SAFETY: each `p` is a whole group block, its first 32 bytes the scales.
+            let dw = p.map(|p| unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) });
+            for ((acc, isum), ab) in acc.iter_mut().zip(isum).zip(ab) {
+                let da = _mm512_set1_ps(ab.d);
+                for ((acc, isum), dw) in acc.iter_mut().zip(isum).zip(dw) {
+                    // The bits of 1.5·2^23 + Σ w·a: minus 1.5·2^23 is Σ w·a as f32, exactly.
+                    let isum = _mm512_sub_ps(_mm512_castsi512_ps(isum), bias);
+                    *acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, da), isum, *acc);
+                }
+            }
+        }
+        for (a, acc) in acc.iter().enumerate() {
+            for (g, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.at(a, g * GROUP), *acc);
             }
         }
     }
@@ -705,7 +786,7 @@ mod tests {
     fn simd_paths_equal_scalar_reference_bit_for_bit() {
         let mut rng = Rng::new(1);
         for format in [WeightFormat::Q8_0, WeightFormat::Q8_0PairBound] {
-            for (rows, nb) in [(1, 1), (5, 3), (16, 20), (37, 2)] {
+            for (rows, nb) in [(1, 1), (5, 3), (16, 20), (37, 2), (70, 3)] {
                 let w = random_weights(&mut rng, rows, nb);
                 check_paths_agree(format, &w, nb * BLOCK_ELEMS, rows, &mut rng);
             }
