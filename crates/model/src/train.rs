@@ -555,42 +555,46 @@ impl Decoder {
         let kv_width = hkv * d;
         let scale = self.cfg.attention_scale;
         let pos = &tape.layout.pos;
-        let mut dq = vec![0f32; lt.q.len()];
-        let mut dk = vec![0f32; lt.k.len()];
-        let mut dv = vec![0f32; lt.v.len()];
-        for seg in &tape.segments {
+        // One key/value head of one segment: its rows' gradients, independent of every other
+        // pair's, so that pairs run in parallel (many short segments are products too small to
+        // split further).
+        let head_grads = |seg: &std::ops::Range<usize>, g: usize| {
             let len = seg.len();
             let rows = len * group;
-            for g in 0..hkv {
-                // Rows (token, head) of this key/value head's query heads, token-major.
-                let gather = |m: &[f32]| -> Vec<f32> {
-                    let mut out = Vec::with_capacity(rows * d);
-                    for t in seg.clone() {
-                        let at = (t * h + g * group) * d;
-                        out.extend_from_slice(&m[at..at + group * d]);
-                    }
-                    out
-                };
-                let kv = |m: &[f32]| -> Vec<f32> {
-                    let mut out = Vec::with_capacity(len * d);
-                    for t in seg.clone() {
-                        out.extend_from_slice(&m[t * kv_width + g * d..][..d]);
-                    }
-                    out
-                };
-                let (q_all, dout_all) = (gather(&lt.q), gather(d_attn));
-                let (k_all, v_all) = (kv(&lt.k), kv(&lt.v));
-                let mut dq_g = vec![0f32; rows * d];
-                let mut dk_g = vec![0f32; len * d];
-                let mut dv_g = vec![0f32; len * d];
-                // Queries in tiles, each against the keys any of its rows sees (from the first
-                // row's window start to the last row): the masked rest is never multiplied.
-                let tile = (QUERY_TILE_ROWS / group).max(16);
-                for i0 in (0..len).step_by(tile) {
-                    let i1 = (i0 + tile).min(len);
-                    // Segment-relative: the first key a query at `i` sees.
-                    let lo =
-                        |i: usize| window.map_or(0, |w| (pos[seg.start + i] + 1).saturating_sub(w));
+            // Rows (token, head) of this key/value head's query heads, token-major.
+            let gather = |m: &[f32]| -> Vec<f32> {
+                let mut out = Vec::with_capacity(rows * d);
+                for t in seg.clone() {
+                    let at = (t * h + g * group) * d;
+                    out.extend_from_slice(&m[at..at + group * d]);
+                }
+                out
+            };
+            let kv = |m: &[f32]| -> Vec<f32> {
+                let mut out = Vec::with_capacity(len * d);
+                for t in seg.clone() {
+                    out.extend_from_slice(&m[t * kv_width + g * d..][..d]);
+                }
+                out
+            };
+            let (q_all, dout_all) = (gather(&lt.q), gather(d_attn));
+            let (k_all, v_all) = (kv(&lt.k), kv(&lt.v));
+            let mut dq_g = vec![0f32; rows * d];
+            let mut dk_g = vec![0f32; len * d];
+            let mut dv_g = vec![0f32; len * d];
+            // Queries in tiles, each against the keys any of its rows sees (from the first
+            // row's window start to the last row): the masked rest is never multiplied. Tiles
+            // in parallel (one long segment is all of a step's attention), each with its own
+            // part of dK and dV, added in tile order after; scratch kept per thread (fresh
+            // pages for each tile's products cost more than their zeroing).
+            let tile = (QUERY_TILE_ROWS / group).max(16);
+            // Segment-relative: the first key a query at `i` sees.
+            let lo = |i: usize| window.map_or(0, |w| (pos[seg.start + i] + 1).saturating_sub(w));
+            let key_parts: Vec<(usize, Vec<f32>, Vec<f32>)> = dq_g
+                .par_chunks_mut(tile * group * d)
+                .enumerate()
+                .map_init(Vec::new, |scratch: &mut Vec<f32>, (t, dq_tile)| {
+                    let (i0, i1) = (t * tile, (t * tile + tile).min(len));
                     let k0 = lo(i0);
                     let (tile_rows, keys) = ((i1 - i0) * group, i1 - k0);
                     let (q, dout) = (
@@ -601,45 +605,66 @@ impl Decoder {
                         MatRef::new(&k_all[k0 * d..i1 * d], keys, d),
                         MatRef::new(&v_all[k0 * d..i1 * d], keys, d),
                     );
-                    let mut p = vec![0f32; tile_rows * keys];
-                    ops::matmul_f32(&mut p, q, k.t(), scale, false);
-                    let mut dp = vec![0f32; tile_rows * keys];
-                    ops::matmul_f32(&mut dp, dout, v.t(), 1.0, false);
+                    scratch.resize(3 * tile_rows * keys, 0.0);
+                    let (p, rest) = scratch[..3 * tile_rows * keys].split_at_mut(tile_rows * keys);
+                    let (dp, ds) = rest.split_at_mut(tile_rows * keys);
+                    ops::matmul_f32(p, q, k.t(), scale, false);
+                    ops::matmul_f32(dp, dout, v.t(), 1.0, false);
                     // Row r is query i0 + r / group: it sees keys lo..=i (from k0 on).
-                    let mut ds = vec![0f32; tile_rows * keys];
-                    p.par_chunks_mut(keys)
-                        .zip(dp.par_chunks(keys))
-                        .zip(ds.par_chunks_mut(keys))
-                        .enumerate()
-                        .for_each(|(r, ((pr, dpr), dsr))| {
-                            let i = i0 + r / group;
-                            let (a, b) = (lo(i) - k0, i - k0);
-                            pr[..a].fill(0.0);
-                            pr[b + 1..].fill(0.0);
-                            ops::softmax(&mut pr[a..=b]);
-                            let mean: f32 =
-                                pr[a..=b].iter().zip(&dpr[a..=b]).map(|(x, y)| x * y).sum();
-                            for j in a..=b {
-                                dsr[j] = pr[j] * (dpr[j] - mean);
-                            }
-                        });
+                    let rows = p
+                        .chunks_mut(keys)
+                        .zip(dp.chunks(keys))
+                        .zip(ds.chunks_mut(keys));
+                    for (r, ((pr, dpr), dsr)) in rows.enumerate() {
+                        let i = i0 + r / group;
+                        let (a, b) = (lo(i) - k0, i - k0);
+                        pr[..a].fill(0.0);
+                        pr[b + 1..].fill(0.0);
+                        ops::softmax(&mut pr[a..=b]);
+                        let mean: f32 = pr[a..=b].iter().zip(&dpr[a..=b]).map(|(x, y)| x * y).sum();
+                        dsr[..a].fill(0.0);
+                        dsr[b + 1..].fill(0.0);
+                        for j in a..=b {
+                            dsr[j] = pr[j] * (dpr[j] - mean);
+                        }
+                    }
                     let (p, ds) = (
-                        MatRef::new(&p, tile_rows, keys),
-                        MatRef::new(&ds, tile_rows, keys),
+                        MatRef::new(p, tile_rows, keys),
+                        MatRef::new(ds, tile_rows, keys),
                     );
-                    let dq_tile = &mut dq_g[i0 * group * d..i1 * group * d];
                     ops::matmul_f32(dq_tile, ds, k, scale, false);
-                    ops::matmul_f32(&mut dk_g[k0 * d..i1 * d], ds.t(), q, scale, true);
-                    ops::matmul_f32(&mut dv_g[k0 * d..i1 * d], p.t(), dout, 1.0, true);
-                }
-                for (i, t) in seg.clone().enumerate() {
-                    let at = (t * h + g * group) * d;
-                    dq[at..at + group * d]
-                        .copy_from_slice(&dq_g[i * group * d..(i + 1) * group * d]);
-                    let at = t * kv_width + g * d;
-                    dk[at..at + d].copy_from_slice(&dk_g[i * d..(i + 1) * d]);
-                    dv[at..at + d].copy_from_slice(&dv_g[i * d..(i + 1) * d]);
-                }
+                    let mut dk_part = vec![0f32; keys * d];
+                    ops::matmul_f32(&mut dk_part, ds.t(), q, scale, false);
+                    let mut dv_part = vec![0f32; keys * d];
+                    ops::matmul_f32(&mut dv_part, p.t(), dout, 1.0, false);
+                    (k0, dk_part, dv_part)
+                })
+                .collect();
+            for (k0, dk_part, dv_part) in key_parts {
+                add_assign(&mut dk_g[k0 * d..k0 * d + dk_part.len()], &dk_part);
+                add_assign(&mut dv_g[k0 * d..k0 * d + dv_part.len()], &dv_part);
+            }
+            (dq_g, dk_g, dv_g)
+        };
+        let pairs: Vec<(&std::ops::Range<usize>, usize)> = tape
+            .segments
+            .iter()
+            .flat_map(|seg| (0..hkv).map(move |g| (seg, g)))
+            .collect();
+        let grads: Vec<QkvGrads> = pairs
+            .par_iter()
+            .map(|&(seg, g)| head_grads(seg, g))
+            .collect();
+        let mut dq = vec![0f32; lt.q.len()];
+        let mut dk = vec![0f32; lt.k.len()];
+        let mut dv = vec![0f32; lt.v.len()];
+        for (&(seg, g), (dq_g, dk_g, dv_g)) in pairs.iter().zip(grads) {
+            for (i, t) in seg.clone().enumerate() {
+                let at = (t * h + g * group) * d;
+                dq[at..at + group * d].copy_from_slice(&dq_g[i * group * d..(i + 1) * group * d]);
+                let at = t * kv_width + g * d;
+                dk[at..at + d].copy_from_slice(&dk_g[i * d..(i + 1) * d]);
+                dv[at..at + d].copy_from_slice(&dv_g[i * d..(i + 1) * d]);
             }
         }
         Ok((dq, dk, dv))
