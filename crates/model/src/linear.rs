@@ -574,6 +574,21 @@ mod tests {
             let got_zero = linear.backward_input(&zero_row).expect("backward");
             assert!(got_zero[..in_dim].iter().all(|&v| v == 0.0));
             assert_eq!(got_zero[in_dim..], got[in_dim..]);
+
+            // The gradient quantized by its caller (as the LM head's softmax does, a chunk of
+            // 1,024 values at a time with f32 block scales) follows the same product.
+            let mut blocks = GradBlocks::default();
+            for (mut out, row) in blocks
+                .rows_mut(rows, out_dim)
+                .into_iter()
+                .zip(dy.chunks(out_dim))
+            {
+                for (i, chunk) in row.chunks(1024).enumerate() {
+                    out.write(i * 1024, chunk, kernels::quantize_q8_0_exact_scale);
+                }
+            }
+            let got_blocks = linear.backward_input_blocks(&blocks).expect("backward");
+            assert_rows_follow(dtype, &got_blocks, &want, in_dim);
         }
     }
 }
