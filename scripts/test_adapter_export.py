@@ -30,6 +30,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -400,6 +401,11 @@ def main():
 
     print(f"test result: {'ok' if failed == 0 else 'FAILED'}. {passed} passed; {failed} failed "
           "(python adapter export)")
+    # The work dir (a store, exports and merged models: ~660 MB) is kept only to look into a
+    # failure; every passing run left one behind and filled the disk.
+    if not failed:
+        log.close()
+        shutil.rmtree(work, ignore_errors=True)
     sys.exit(1 if failed else 0)
 
 
