@@ -294,7 +294,7 @@ impl Linear {
             return Ok(w);
         }
         let w = match &self.weight {
-            Weight::Kernel { format, data } if self.out_dim.is_multiple_of(32) => {
+            Weight::Kernel { format, data } if self.has_quantized_input_grad() => {
                 let spans = (0..self.out_dim)
                     .step_by(INPUT_GRAD_SPAN)
                     .map(|k0| {
