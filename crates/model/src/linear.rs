@@ -20,21 +20,6 @@ pub(crate) struct Linear {
     input_grad: OnceLock<InputGradWeight>,
 }
 
-/// The power of two [`Linear::backward_input`] scales a row of `dy` by: its largest magnitude
-/// to `[2^20, 2^21)`, so that Q8_0 block scales (f16, at most 65,504, normal from 6.1e-5) hold
-/// it and blocks down to about 1e-8 of it at full precision; 1 for a row of zeros or non-finite
-/// values.
-fn row_scale(row: &[f32]) -> f32 {
-    let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-    if amax == 0.0 || !amax.is_finite() {
-        return 1.0;
-    }
-    // floor(log2(amax)) from the exponent bits (subnormals count as 2^-127: close enough).
-    let log2 = ((amax.to_bits() >> 23) & 0xff) as i32 - 127;
-    let e = (20 - log2).clamp(-126, 127);
-    f32::from_bits(((e + 127) as u32) << 23)
-}
-
 /// Rows of W per transposed span (see `InputGradWeight::TransposedQ8_0`): whole Q8_0 blocks,
 /// 2 KB of each transposed row; every layer's weight is one span.
 pub(crate) const INPUT_GRAD_SPAN: usize = 2048;
@@ -89,16 +74,11 @@ pub(crate) struct GradRow<'a> {
 impl GradRow<'_> {
     /// Quantizes `values`, the row's values from `at` on (whole blocks, within one span:
     /// `at` and the length multiples of 32 that do not cross a multiple of
-    /// [`INPUT_GRAD_SPAN`]), with `quantize`.
-    pub(crate) fn write(
-        &mut self,
-        at: usize,
-        values: &[f32],
-        quantize: fn(Isa, &[f32], &mut [Q8_0Block]),
-    ) {
+    /// [`INPUT_GRAD_SPAN`]), as `kernels::quantize_gradient` does.
+    pub(crate) fn write(&mut self, at: usize, values: &[f32]) {
         let (span, first) = (at / INPUT_GRAD_SPAN, at % INPUT_GRAD_SPAN / 32);
         assert!(at.is_multiple_of(32) && values.len().is_multiple_of(32));
-        quantize(
+        kernels::quantize_gradient(
             Isa::detect(),
             values,
             &mut self.spans[span][first..first + values.len() / 32],
@@ -204,35 +184,22 @@ impl Linear {
         let rows = dy.len() / self.out_dim;
         match self.input_grad_weight()? {
             InputGradWeight::TransposedQ8_0(spans) => {
-                // Each row of dy times a power of two that puts its largest value near 2^20,
-                // undone on dx: exact in f32, and the same bits wherever Q8_0's f16 block scales
-                // held the row as it was, but a row of small gradients (a loss averaged over
-                // many tokens, near-uniform logits: 1e-9 and less) is no longer flushed to zero.
+                // f32 block scales hold a row of small gradients (a loss averaged over many
+                // tokens, near-uniform logits: 1e-9 and less) at full precision.
                 let mut blocks = GradBlocks::default();
-                let scales: Vec<f32> = blocks
+                blocks
                     .rows_mut(rows, self.out_dim)
                     .into_par_iter()
                     .zip(dy.par_chunks_exact(self.out_dim))
-                    .map(|(mut out, row)| {
-                        let s = row_scale(row);
-                        let mut scaled = [0f32; INPUT_GRAD_SPAN];
+                    .for_each(|(mut out, row)| {
                         for (k0, run) in (0..)
                             .step_by(INPUT_GRAD_SPAN)
                             .zip(row.chunks(INPUT_GRAD_SPAN))
                         {
-                            let scaled = &mut scaled[..run.len()];
-                            scaled.iter_mut().zip(run).for_each(|(o, v)| *o = v * s);
-                            out.write(k0, scaled, kernels::quantize_q8_0);
+                            out.write(k0, run);
                         }
-                        s
-                    })
-                    .collect();
-                let mut dx = self.span_products(spans, &blocks);
-                for (row, &s) in dx.chunks_exact_mut(self.in_dim).zip(&scales) {
-                    let undo = 1.0 / s;
-                    row.iter_mut().for_each(|v| *v *= undo);
-                }
-                Ok(dx)
+                    });
+                Ok(self.span_products(spans, &blocks))
             }
             InputGradWeight::Dense(w) => {
                 let dy = Tensor::from_slice(dy, (rows, self.out_dim), &Device::Cpu)?;
@@ -561,7 +528,7 @@ mod tests {
 
             // Gradients far below f16's range (a loss averaged over many tokens of a
             // near-uniform model reaches 1e-11): the same product, to the bit, scaled by the
-            // same power of two, where unscaled Q8_0 blocks would have flushed them to zero.
+            // same power of two, where f16 block scales would have flushed them to zero.
             for tiny in [2f32.powi(-40), 2f32.powi(-90)] {
                 let small: Vec<f32> = dy.iter().map(|v| v * tiny).collect();
                 let got_small = linear.backward_input(&small).expect("backward");
@@ -576,7 +543,7 @@ mod tests {
             assert_eq!(got_zero[in_dim..], got[in_dim..]);
 
             // The gradient quantized by its caller (as the LM head's softmax does, a chunk of
-            // 1,024 values at a time with f32 block scales) follows the same product.
+            // 1,024 values at a time) gives the same bits.
             let mut blocks = GradBlocks::default();
             for (mut out, row) in blocks
                 .rows_mut(rows, out_dim)
@@ -584,11 +551,11 @@ mod tests {
                 .zip(dy.chunks(out_dim))
             {
                 for (i, chunk) in row.chunks(1024).enumerate() {
-                    out.write(i * 1024, chunk, kernels::quantize_q8_0_exact_scale);
+                    out.write(i * 1024, chunk);
                 }
             }
             let got_blocks = linear.backward_input_blocks(&blocks).expect("backward");
-            assert_rows_follow(dtype, &got_blocks, &want, in_dim);
+            assert_eq!(got_blocks, got, "{dtype:?}");
         }
     }
 }

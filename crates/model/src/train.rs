@@ -10,7 +10,6 @@
 
 use rayon::prelude::*;
 
-use crate::kernels;
 use crate::layer::{AttentionTape, BatchLayout, LayerTape, MlpTape, PackedKv, Ropes};
 use crate::linear::GradBlocks;
 use crate::lora::{LoraAdapter, LoraGrads, LoraPair, LoraTarget};
@@ -263,9 +262,7 @@ impl Decoder {
                     .zip(exps.rows_mut(tgt.len(), vocab))
                     .map(|((row, &t), mut out)| {
                         let target_logit = row[t as usize];
-                        let s = RowSoftmax::with_exps(row, |at, e| {
-                            out.write(at, e, kernels::quantize_q8_0_exact_scale)
-                        });
+                        let s = RowSoftmax::with_exps(row, |at, e| out.write(at, e));
                         let lp = (target_logit as f64 - s.lse) as f32;
                         (lp, s.entropy as f32, s.total)
                     })

@@ -49,12 +49,16 @@ pub(crate) fn quantize_q8_0(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
     quantize_q8_0_scaled::<false, true>(isa, x, out);
 }
 
-/// [`quantize_q8_0`] with each block's scale kept in f32, not rounded through f16: for
-/// gradients, whose blocks span many orders of magnitude within a row (the LM head's
-/// softmax: f16 scales hold blocks down to ~1e-4 of the row's largest value at full precision
-/// and flush those below ~4e-6). The kernels take a block's scale as an f32 either way.
-pub(crate) fn quantize_q8_0_exact_scale(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
-    quantize_q8_0_scaled::<false, false>(isa, x, out);
+/// A gradient's rows as the input-gradient products multiply them (`dx = dy · W` on the
+/// transposed weight, see `Linear::backward_input`): Q8_0 blocks pair-bound as
+/// [`quantize_q8_0_pair_bound`] (AVX2 multiplies the stored weight bytes by them with one
+/// `maddubs`, where full 8-bit values took the sign trick: Qwen3-0.6B's AVX2 step 6-7% faster),
+/// each block's scale kept in f32, not rounded through f16: a gradient's blocks span many
+/// orders of magnitude within a row (the LM head's softmax) and across rows (a loss averaged
+/// over many tokens reaches 1e-11), which f16 scales (normal from 6.1e-5, at most 65,504)
+/// would flush or overflow. The kernels take a block's scale as an f32 either way.
+pub(crate) fn quantize_gradient(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
+    quantize_q8_0_scaled::<true, false>(isa, x, out);
 }
 
 /// Q8_0 activations with every pair of neighbours bounded: `|q[2i]| + |q[2i + 1]| <= 128`.
@@ -71,7 +75,7 @@ pub(crate) fn quantize_q8_0_pair_bound(isa: Isa, x: &[f32], out: &mut [Q8_0Block
 }
 
 /// [`quantize_q8_0`] (`PAIR_BOUND` false), [`quantize_q8_0_pair_bound`] or, without
-/// `F16_SCALE`, [`quantize_q8_0_exact_scale`].
+/// `F16_SCALE`, [`quantize_gradient`].
 fn quantize_q8_0_scaled<const PAIR_BOUND: bool, const F16_SCALE: bool>(
     isa: Isa,
     x: &[f32],
@@ -120,7 +124,7 @@ mod x86 {
 
     /// ggml's AVX2 `quantize_row_q8_0`, plus the VNNI starting values; with `PAIR_BOUND`, the
     /// scale from the largest pair (see `quantize_q8_0_pair_bound`); without `F16_SCALE`, the
-    /// scale kept in f32 (see `quantize_q8_0_exact_scale`).
+    /// scale kept in f32 (see `quantize_gradient`).
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn quantize_q8_0<const PAIR_BOUND: bool, const F16_SCALE: bool>(
         x: &[f32],
@@ -298,7 +302,7 @@ mod tests {
         x[34] = -0.5;
         // Blocks far below f16's normal range: the exact scale keeps them.
         x[64..96].iter_mut().for_each(|v| *v *= 1e-9);
-        for quantize in [quantize_q8_0, quantize_q8_0_exact_scale] {
+        for quantize in [quantize_q8_0, quantize_q8_0_pair_bound, quantize_gradient] {
             let mut reference = vec![Q8_0Block::default(); 40];
             quantize(Isa::Scalar, &x, &mut reference);
             for isa in Isa::available() {
@@ -307,11 +311,14 @@ mod tests {
                 assert_eq!(got, reference, "{isa:?}");
             }
         }
+        // A gradient's scale is kept in f32: the largest pair's magnitude over 127.
         let mut exact = [Q8_0Block::default()];
-        quantize_q8_0_exact_scale(Isa::Scalar, &x[64..96], &mut exact);
-        let amax = x[64..96].iter().fold(0f32, |m, v| m.max(v.abs()));
-        assert_eq!(exact[0].d, amax / 127.0);
-        assert!(exact[0].qs.iter().any(|&q| q.abs() == 127));
+        quantize_gradient(Isa::Scalar, &x[64..96], &mut exact);
+        let pair_max = x[64..96]
+            .chunks_exact(2)
+            .fold(0f32, |m, v| m.max(v[0].abs() + v[1].abs()));
+        assert_eq!(exact[0].d, pair_max / 127.0);
+        assert!(exact[0].qs.iter().any(|&q| q != 0));
     }
 
     #[test]
@@ -329,8 +336,17 @@ mod tests {
             }
         }
         x[20 * 32..21 * 32].fill(0.0);
-        let mut reference = vec![Q8_0Block::default(); 60];
-        quantize_q8_0_pair_bound(Isa::Scalar, &x, &mut reference);
+        for quantize in [quantize_q8_0_pair_bound, quantize_gradient] {
+            check_pair_bound(&x, quantize);
+        }
+    }
+
+    /// `quantize`'s blocks of `x` keep every pair within 128, each quant the nearest to its
+    /// value, on every path.
+    fn check_pair_bound(x: &[f32], quantize: fn(Isa, &[f32], &mut [Q8_0Block])) {
+        let blocks = x.len() / 32;
+        let mut reference = vec![Q8_0Block::default(); blocks];
+        quantize(Isa::Scalar, x, &mut reference);
         for (b, (block, xb)) in reference.iter().zip(x.chunks_exact(32)).enumerate() {
             for (i, pair) in block.qs.chunks_exact(2).enumerate() {
                 let sum = (pair[0] as i32).abs() + (pair[1] as i32).abs();
@@ -347,8 +363,8 @@ mod tests {
             assert_eq!(block.vnni_init, VNNI_BIAS - 128 * sum);
         }
         for isa in Isa::available() {
-            let mut got = vec![Q8_0Block::default(); 60];
-            quantize_q8_0_pair_bound(isa, &x, &mut got);
+            let mut got = vec![Q8_0Block::default(); blocks];
+            quantize(isa, x, &mut got);
             assert_eq!(got, reference, "{isa:?}");
         }
     }

@@ -38,7 +38,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-pub(crate) use activations::{quantize_q8_0, quantize_q8_0_exact_scale, Q8_0Block};
+pub(crate) use activations::{quantize_gradient, Q8_0Block};
 
 /// The instruction set a kernel runs with, ordered from least to best.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -657,9 +657,9 @@ fn matmul_slices<K: Kernel>(
     product_slices::<K>(isa, stored, widen, dims, &acts, out, threads);
 }
 
-/// `y = x · Wᵀ` for a Q8_0 weight `[out_dim, in_dim]` (as `prepare` lays it out) and activation
-/// rows the caller quantized (`acts`, `in_dim / 32` blocks a row: see
-/// `quantize_q8_0_exact_scale`), on `threads`.
+/// `y = x · Wᵀ` for a Q8_0 weight `[out_dim, in_dim]` (as `prepare` lays it out) and a
+/// gradient's rows as `quantize_gradient` makes them (`acts`, `in_dim / 32` blocks a row), on
+/// `threads`: the pair-bound kernel, which AVX2 runs without the sign trick.
 pub(crate) fn matmul_q8_0_blocks(
     isa: Isa,
     w: &[u8],
@@ -667,7 +667,7 @@ pub(crate) fn matmul_q8_0_blocks(
     acts: &[Q8_0Block],
     threads: Threads,
 ) -> Vec<f32> {
-    type K = q8_0::WithQ8_0Acts<q8_0::Q8_0>;
+    type K = q8_0::WithQ8_0Acts<q8_0::Q8_0PairBound>;
     let (in_dim, out_dim) = dims;
     let nb = in_dim / K::BLOCK_ELEMS;
     assert!(in_dim > 0 && in_dim.is_multiple_of(K::BLOCK_ELEMS) && acts.len().is_multiple_of(nb));
