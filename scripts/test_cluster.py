@@ -20,6 +20,7 @@ sums them); exits 1 on the first failure, with the nodes' log tails.
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -251,6 +252,9 @@ def main():
         return 1
     for n in nodes:
         n.stop()
+    # The nodes' homes and logs are kept only for a failure to be read (each run left its dir
+    # in /tmp).
+    shutil.rmtree(work, ignore_errors=True)
     print(f"test result: ok. {passed} passed; 0 failed")
     return 0
 
