@@ -80,6 +80,8 @@ MAX_TOKENS = 12
 # README): measured here up to 4.7e-3 on the base and 6.7e-3 with the adapter, which moves the
 # logprobs by 3-8 nats (a q/k row order missed, or A and B swapped, is that far off).
 FAMILY_TOLERANCE = 1e-2
+# How far the rebuilt tiny model's f32 logits may sit from its fixture's (see `family_checks`).
+REBUILT_TOLERANCE = 1e-4
 passed, failed = 0, 0
 
 
@@ -222,9 +224,13 @@ def family_checks(families_dir):
             fixture = json.load(f)
         with torch.no_grad():
             logits = model(torch.tensor([fixture["tokens"]])).logits[0]
-        if not torch.equal(logits, torch.tensor(fixture["logits"])):
+        # The same weights give the same logits up to the CPU's f32 summation order (an AVX2
+        # host's torch differs from an AVX-512 host's by ~1e-5 here); other weights differ by
+        # whole units.
+        rebuilt = (logits - torch.tensor(fixture["logits"])).abs().max().item()
+        if rebuilt > REBUILT_TOLERANCE:
             check(f"{family}: the rebuilt model is the fixture's", False,
-                  "(rerun scripts/make-tiny-families.py)")
+                  f"(logits {rebuilt:.2e} apart; rerun scripts/make-tiny-families.py)")
             continue
         with open(os.path.join(families_dir, family, "check.json")) as f:
             want = json.load(f)
