@@ -18,6 +18,9 @@ pub(crate) struct Linear {
     /// The frozen weight as the input gradient reads it, made on the first backward (training
     /// only).
     input_grad: OnceLock<InputGradWeight>,
+    /// The weight in the layout batches run on, where its format widens (`kernels::widened`),
+    /// made for training ([`Linear::keep_widened`]): its batches then skip widening each slice.
+    widened: OnceLock<Vec<u8>>,
 }
 
 /// Rows of W per transposed span (see `InputGradWeight::TransposedQ8_0`): whole Q8_0 blocks,
@@ -152,7 +155,23 @@ impl Linear {
             in_dim,
             out_dim,
             input_grad: OnceLock::new(),
+            widened: OnceLock::new(),
         })
+    }
+
+    /// Keeps the weight in the layout its batches run on (where its format widens), so that
+    /// no product widens it again: training's forward runs batches of hundreds of rows, the
+    /// LM head's in chunks of 32, each of which widened all of a Q6_K head. The products are
+    /// the same bits. Its bytes count in [`Linear::training_copy_bytes`].
+    pub(crate) fn keep_widened(&self) {
+        if let Weight::Kernel { format, data } = &self.weight {
+            if self.widened.get().is_none() {
+                if let Some(wide) = kernels::widened(*format, Isa::detect(), data, self.in_dim) {
+                    // Two threads racing here make the same bytes; either copy is kept.
+                    let _ = self.widened.set(wide);
+                }
+            }
+        }
     }
 
     /// This linear with its activations quantized pair-bound where its weight is Q8_0 (see
@@ -333,13 +352,16 @@ impl Linear {
         }
     }
 
-    /// Bytes of the weight kept for training's input gradient (0 until the first backward).
-    pub(crate) fn input_grad_bytes(&self) -> usize {
-        match self.input_grad.get() {
-            None => 0,
-            Some(InputGradWeight::TransposedQ8_0(spans)) => spans.iter().map(Vec::len).sum(),
-            Some(InputGradWeight::Dense(_)) => self.in_dim * self.out_dim * 4,
-        }
+    /// Bytes of the weight kept for training: its input gradient's copy (0 until the first
+    /// backward) and its widened copy ([`Linear::keep_widened`]).
+    pub(crate) fn training_copy_bytes(&self) -> usize {
+        let widened = self.widened.get().map_or(0, Vec::len);
+        widened
+            + match self.input_grad.get() {
+                None => 0,
+                Some(InputGradWeight::TransposedQ8_0(spans)) => spans.iter().map(Vec::len).sum(),
+                Some(InputGradWeight::Dense(_)) => self.in_dim * self.out_dim * 4,
+            }
     }
 
     /// [`Linear::forward`] in consecutive parts of `counts[i]` rows (summing to the rows of
@@ -353,7 +375,7 @@ impl Linear {
             Weight::Kernel { format, data } => Ok(kernels::matmul_split(
                 *format,
                 Isa::detect(),
-                data,
+                (data, self.widened.get().map(Vec::as_slice)),
                 (self.in_dim, self.out_dim),
                 x,
                 counts,
@@ -379,7 +401,8 @@ impl Linear {
         match &self.weight {
             Weight::Kernel { format, data } => {
                 let dims = (self.in_dim, self.out_dim);
-                kernels::matmul_into(*format, Isa::detect(), data, dims, x, out);
+                let w = (data.as_slice(), self.widened.get().map(Vec::as_slice));
+                kernels::matmul_into(*format, Isa::detect(), w, dims, x, out);
             }
             Weight::Candle(_) => out.copy_from_slice(&self.forward(x)?),
         }
@@ -390,14 +413,18 @@ impl Linear {
     /// result depends on that row alone.
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
         match &self.weight {
-            Weight::Kernel { format, data } => Ok(kernels::matmul(
-                *format,
-                Isa::detect(),
-                data,
-                self.in_dim,
-                self.out_dim,
-                x,
-            )),
+            Weight::Kernel { format, data } => {
+                let w = (data.as_slice(), self.widened.get().map(Vec::as_slice));
+                let dims = (self.in_dim, self.out_dim);
+                Ok(kernels::matmul_on(
+                    *format,
+                    Isa::detect(),
+                    w,
+                    dims,
+                    x,
+                    Threads::Pool,
+                ))
+            }
             Weight::Candle(inner) => {
                 let rows = x.len() / self.in_dim;
                 let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;

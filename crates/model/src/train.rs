@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use crate::layer::{AttentionTape, BatchLayout, LayerTape, MlpTape, PackedKv, Ropes};
-use crate::linear::GradBlocks;
+use crate::linear::{GradBlocks, Linear};
 use crate::lora::{LoraAdapter, LoraGrads, LoraPair, LoraTarget};
 use crate::model::{add_assign, norm_if_backward, AdapterSpan, Decoder, Layer, Mlp};
 use crate::ops::{self, MatRef};
@@ -118,15 +118,28 @@ impl Decoder {
         Ok((scores, tape))
     }
 
-    /// Bytes of frozen weights kept for the backward (transposed Q8_0 copies, about 0.3 GB on
-    /// Gemma 3 270M, the tied embedding's 178 MB included), 0 before the first backward.
+    /// Bytes of frozen weights kept for training: the backward's transposed Q8_0 copies (about
+    /// 0.3 GB on Gemma 3 270M, the tied embedding's 178 MB included; made on the first
+    /// backward) and the training forward's widened copies (`Linear::keep_widened`).
     pub fn training_cache_bytes(&self) -> usize {
-        self.lm_head.input_grad_bytes()
+        self.lm_head.training_copy_bytes()
             + self
                 .layers
                 .iter()
-                .flat_map(|l| LoraTarget::ALL.map(|t| l.linear(t).input_grad_bytes()))
+                .flat_map(|l| LoraTarget::ALL.map(|t| l.linear(t).training_copy_bytes()))
                 .sum::<usize>()
+    }
+
+    /// Every weight kept in the layout its batches run on (see [`Linear::keep_widened`]), once.
+    fn keep_widened_weights(&self) {
+        let linears: Vec<&Linear> = std::iter::once(&self.lm_head)
+            .chain(
+                self.layers
+                    .iter()
+                    .flat_map(|l| LoraTarget::ALL.map(|t| l.linear(t))),
+            )
+            .collect();
+        linears.par_iter().for_each(|l| l.keep_widened());
     }
 
     fn validate_packed(&self, seq: &PackedSequence<'_>) -> Result<(), ModelError> {
@@ -170,6 +183,9 @@ impl Decoder {
         self.validate_packed(seq)?;
         if adapter.is_some_and(|a| !a.fits(&self.cfg)) {
             return Err(ModelError::AdapterMismatch { index: 0 });
+        }
+        if record {
+            self.keep_widened_weights();
         }
         let cfg = &self.cfg;
         let n = seq.tokens.len();
@@ -485,14 +501,15 @@ impl Decoder {
             .head()
             .ok_or(ModelError::AdapterMismatch { index: 0 })?;
         let mut dx = self.lm_head.backward_input(dy)?;
-        lora_backward(pair, adapter, rows, dy, &mut dx, grad_a, grad_b);
+        lora_backward(pair, adapter, rows, dy, Some(&mut dx), grad_a, grad_b);
         Ok(dx)
     }
 
     /// Backward of `attention_forward` (layer `li`) from the gradient of its output `d_out`:
     /// `x_mid = x_in + post_norm(o(attend(rope(q_norm(q)), rope(k_norm(k)), v)))`, the frozen
-    /// biases passing gradients through. The gradient reaching `x_in` through the norm only
-    /// `with_input` (the first layer's input is the embedding, which trains nothing).
+    /// biases passing gradients through. The gradient reaching `x_in` through q, k, v and the
+    /// norm only `with_input`: the first layer's input is the embedding, which trains nothing,
+    /// so there its projections' input gradients are not made at all.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -518,6 +535,18 @@ impl Decoder {
         }
         let dq_pre = norm_if_backward(&a.q_norm, &lt.q_pre, eps, &dq);
         let dk_pre = norm_if_backward(&a.k_norm, &lt.k_pre, eps, &dk);
+        let mut dx = d_out;
+        if !with_input {
+            // The adapters' grads alone: no gradient goes on through the frozen weights.
+            for (target, dy) in [
+                (LoraTarget::Q, &dq_pre),
+                (LoraTarget::K, &dk_pre),
+                (LoraTarget::V, &dv),
+            ] {
+                lin.adapter_only(target, &lt.normed, dy);
+            }
+            return Ok(dx);
+        }
         let mut d_normed = lin.backward(LoraTarget::Q, &lt.normed, &dq_pre)?;
         add_assign(
             &mut d_normed,
@@ -527,10 +556,7 @@ impl Decoder {
             &mut d_normed,
             &lin.backward(LoraTarget::V, &lt.normed, &dv)?,
         );
-        let mut dx = d_out;
-        if with_input {
-            add_assign(&mut dx, &a.norm.backward(&lt.x_in, eps, &d_normed));
-        }
+        add_assign(&mut dx, &a.norm.backward(&lt.x_in, eps, &d_normed));
         Ok(dx)
     }
 
@@ -717,24 +743,39 @@ impl LinearGrads<'_> {
         x: &[f32],
         dy: &[f32],
     ) -> Result<Vec<f32>, ModelError> {
-        let (li, adapter) = (self.index, self.adapter);
         let mut dx = self.layer.linear(target).backward_input(dy)?;
+        self.add_adapter_grads(target, x, dy, Some(&mut dx));
+        Ok(dx)
+    }
+
+    /// The adapter's grads of projection `target` alone, where no gradient goes on to `x`.
+    fn adapter_only(&mut self, target: LoraTarget, x: &[f32], dy: &[f32]) {
+        self.add_adapter_grads(target, x, dy, None);
+    }
+
+    fn add_adapter_grads(
+        &mut self,
+        target: LoraTarget,
+        x: &[f32],
+        dy: &[f32],
+        dx: Option<&mut [f32]>,
+    ) {
+        let (li, adapter) = (self.index, self.adapter);
         let base = (li * LoraTarget::ALL.len() + target as usize) * 2;
         let (ga, gb) = self.grads.pair_mut(base);
-        lora_backward(adapter.pair(li, target), adapter, x, dy, &mut dx, ga, gb);
-        Ok(dx)
+        lora_backward(adapter.pair(li, target), adapter, x, dy, dx, ga, gb);
     }
 }
 
 /// A LoRA pair's part of its projection's backward at input rows `x` with output gradient
-/// `dy`: adds its term to `dx` and its grads to `grad_a`, `grad_b`. With `t = x·Aᵀ`,
-/// `y += s·t·Bᵀ`: `dB = s·dyᵀ·t`, `dt = s·dy·B`, `dA = dtᵀ·x`, `dx += dt·A`.
+/// `dy`: adds its term to `dx` (where one is wanted) and its grads to `grad_a`, `grad_b`. With
+/// `t = x·Aᵀ`, `y += s·t·Bᵀ`: `dB = s·dyᵀ·t`, `dt = s·dy·B`, `dA = dtᵀ·x`, `dx += dt·A`.
 fn lora_backward(
     pair: &LoraPair,
     adapter: &LoraAdapter,
     x: &[f32],
     dy: &[f32],
-    dx: &mut [f32],
+    dx: Option<&mut [f32]>,
     grad_a: &mut [f32],
     grad_b: &mut [f32],
 ) {
@@ -752,7 +793,9 @@ fn lora_backward(
     let mut dt = vec![0f32; rows * rank];
     ops::matmul_f32(&mut dt, dy, b, s, false);
     let (t, dt) = (MatRef::new(&t, rows, rank), MatRef::new(&dt, rows, rank));
-    ops::matmul_f32(dx, dt, a, 1.0, true);
+    if let Some(dx) = dx {
+        ops::matmul_f32(dx, dt, a, 1.0, true);
+    }
     ops::matmul_f32(grad_a, dt.t(), x, 1.0, true);
     ops::matmul_f32(grad_b, dy.t(), t, s, true);
 }

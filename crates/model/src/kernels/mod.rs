@@ -336,6 +336,7 @@ fn row_pairs(w: &[u8], row_bytes: usize) -> impl Iterator<Item = (usize, &[u8], 
 /// `y = x · Wᵀ` for `W` `[out_dim, in_dim]` in `format` (as `prepare` lays it out) and `x`
 /// holding `x.len() / in_dim` rows. `in_dim` must be a multiple of the block size. Each row's
 /// result is the same bits whatever the other rows are.
+#[cfg(test)]
 pub(crate) fn matmul(
     format: WeightFormat,
     isa: Isa,
@@ -344,15 +345,15 @@ pub(crate) fn matmul(
     out_dim: usize,
     x: &[f32],
 ) -> Vec<f32> {
-    matmul_on(format, isa, w, (in_dim, out_dim), x, Threads::Pool)
+    matmul_on(format, isa, (w, None), (in_dim, out_dim), x, Threads::Pool)
 }
 
-/// [`matmul`] on `threads` (the same bits either way): `Threads::Caller` for a caller that runs
-/// several products in parallel itself.
+/// `y = x · Wᵀ` (see `matmul`) on `threads` (the same bits either way): `Threads::Caller` for
+/// a caller that runs several products in parallel itself.
 pub(crate) fn matmul_on(
     format: WeightFormat,
     isa: Isa,
-    w: &[u8],
+    w: Prepared<'_>,
     dims: (usize, usize),
     x: &[f32],
     threads: Threads,
@@ -360,6 +361,35 @@ pub(crate) fn matmul_on(
     let rows = x.len() / dims.0.max(1);
     let mut parts = matmul_split(format, isa, w, dims, x, &[rows], threads);
     parts.pop().unwrap_or_default()
+}
+
+/// A prepared weight (`prepare`) and, where one was made, its copy in the layout its batches
+/// run on (`widened`).
+pub(crate) type Prepared<'a> = (&'a [u8], Option<&'a [u8]>);
+
+/// The whole of a prepared weight `w` (`[out_dim, in_dim]`) in the layout `format`'s batches
+/// run on with `isa` (see [`Kernel::widen`]), or none where they read it as stored. A product
+/// given it ([`matmul_split`], [`matmul_into`]) skips widening each slice on every call: the
+/// same bytes, so the same bits. Training keeps one (its batches of a few hundred rows widened
+/// Qwen3-0.6B's Q6_K LM head once per 32-row chunk, ~4% of a step).
+pub(crate) fn widened(format: WeightFormat, isa: Isa, w: &[u8], in_dim: usize) -> Option<Vec<u8>> {
+    fn whole<K: Kernel>(isa: Isa, w: &[u8], in_dim: usize) -> Option<Vec<u8>> {
+        K::widens(isa).then(|| {
+            let mut out = Vec::new();
+            K::widen(isa, w, in_dim / K::BLOCK_ELEMS, &mut out);
+            out
+        })
+    }
+    use q8_0::WithQ8_0Acts;
+    match format {
+        WeightFormat::Q8_0 => whole::<WithQ8_0Acts<q8_0::Q8_0>>(isa, w, in_dim),
+        WeightFormat::Q8_0PairBound => whole::<WithQ8_0Acts<q8_0::Q8_0PairBound>>(isa, w, in_dim),
+        WeightFormat::Q5_0 => whole::<WithQ8_0Acts<q5_0::Q5_0>>(isa, w, in_dim),
+        WeightFormat::Q4_0 => whole::<WithQ8_0Acts<q5_0::Q4_0>>(isa, w, in_dim),
+        WeightFormat::Q4K => whole::<q4_k::Q4K>(isa, w, in_dim),
+        WeightFormat::Q5K => whole::<q4_k::Q5K>(isa, w, in_dim),
+        WeightFormat::Q6K => whole::<q6_k::Q6K>(isa, w, in_dim),
+    }
 }
 
 /// Where a product's tasks run: rayon's pool, or one after another on the calling thread.
@@ -376,7 +406,7 @@ pub(crate) enum Threads {
 pub(crate) fn matmul_split(
     format: WeightFormat,
     isa: Isa,
-    w: &[u8],
+    w: Prepared<'_>,
     dims: (usize, usize),
     x: &[f32],
     counts: &[usize],
@@ -418,7 +448,7 @@ pub(crate) fn matmul_split(
 pub(crate) fn matmul_into(
     format: WeightFormat,
     isa: Isa,
-    w: &[u8],
+    w: Prepared<'_>,
     dims: (usize, usize),
     x: &[f32],
     out: &mut [f32],
@@ -440,7 +470,7 @@ pub(crate) fn matmul_into(
 fn dispatch(
     format: WeightFormat,
     isa: Isa,
-    w: &[u8],
+    w: Prepared<'_>,
     dims: (usize, usize),
     x: &[f32],
     out: &OutRows,
@@ -584,7 +614,7 @@ pub(crate) fn transposed_q8_0(
 
 fn matmul_with<K: Kernel>(
     isa: Isa,
-    w: &[u8],
+    (w, widened): Prepared<'_>,
     dims: (usize, usize),
     x: &[f32],
     out: &OutRows,
@@ -607,6 +637,17 @@ fn matmul_with<K: Kernel>(
     };
     if x.len() / in_dim >= K::WIDEN_MIN_ROWS && K::widens(isa) {
         assert_eq!(K::Batched::BLOCK_ELEMS, K::BLOCK_ELEMS);
+        if let Some(wide) = widened {
+            let group = K::Batched::ROW_GROUP;
+            let row_bytes = nb * K::Batched::BLOCK_BYTES;
+            assert_eq!(wide.len(), row_bytes * out_dim.next_multiple_of(group));
+            let wide = Stored {
+                w: wide,
+                row_bytes,
+                group,
+            };
+            return matmul_slices::<K::Batched>(isa, wide, None, dims, x, out, threads);
+        }
         // A widening batch spans several tiles (its slices are prefetched tile by tile).
         const { assert!(K::WIDEN_MIN_ROWS > ACT_TILE) };
         let widen = |ws: &[u8], out: &mut Vec<u8>| K::widen(isa, ws, nb, out);
@@ -930,10 +971,17 @@ mod tests {
             let x: Vec<f32> = (0..9 * in_dim).map(|_| rng.uniform()).collect();
             for isa in Isa::available() {
                 let whole = matmul(format, isa, &w, in_dim, out_dim, &x);
-                let serial = matmul_on(format, isa, &w, (in_dim, out_dim), &x, Threads::Caller);
+                let serial = matmul_on(
+                    format,
+                    isa,
+                    (&w, None),
+                    (in_dim, out_dim),
+                    &x,
+                    Threads::Caller,
+                );
                 assert_eq!(bits(&serial), bits(&whole), "{format:?} {isa:?}");
                 let mut into = vec![7.5f32; 9 * out_dim];
-                matmul_into(format, isa, &w, (in_dim, out_dim), &x, &mut into);
+                matmul_into(format, isa, (&w, None), (in_dim, out_dim), &x, &mut into);
                 assert_eq!(bits(&into), bits(&whole), "{format:?} {isa:?}");
             }
         }
@@ -941,6 +989,44 @@ mod tests {
         fn bits(v: &[f32]) -> Vec<u32> {
             v.iter().map(|x| x.to_bits()).collect()
         }
+    }
+
+    /// A product given the weight widened whole (`widened`) is the bits of one that widens
+    /// each slice, for every format that widens, rows short of a whole group included.
+    #[test]
+    fn a_weight_widened_once_gives_the_bits_of_one_widened_per_slice() {
+        let mut rng = Rng::new(8);
+        let mut checked = 0;
+        for isa in Isa::available() {
+            for (format, in_dim, out_dim) in [
+                (WeightFormat::Q6K, 512, 40),
+                (WeightFormat::Q8_0, 640, 300),
+                (WeightFormat::Q5_0, 128, 37),
+                (WeightFormat::Q4_0, 128, 48),
+                (WeightFormat::Q4K, 256, 40),
+            ] {
+                let blocks = in_dim / format.block_elems() * out_dim;
+                let w = prepare(format, random_gguf(format, blocks, &mut rng), out_dim);
+                let Some(wide) = widened(format, isa, &w, in_dim) else {
+                    continue;
+                };
+                for rows in [1, 5, 16, 37] {
+                    let x: Vec<f32> = (0..rows * in_dim).map(|_| rng.uniform() - 0.5).collect();
+                    let dims = (in_dim, out_dim);
+                    let per_slice = matmul_on(format, isa, (&w, None), dims, &x, Threads::Pool);
+                    let once = matmul_on(format, isa, (&w, Some(&wide)), dims, &x, Threads::Pool);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&once),
+                        bits(&per_slice),
+                        "{format:?} {isa:?} {rows} rows"
+                    );
+                }
+                checked += 1;
+            }
+        }
+        // Q6_K widens on every instruction set.
+        assert!(checked >= Isa::available().len());
     }
 
     #[test]
@@ -958,7 +1044,7 @@ mod tests {
             let parts = matmul_split(
                 WeightFormat::Q8_0,
                 isa,
-                &w,
+                (&w, None),
                 (in_dim, out_dim),
                 &x,
                 &[2, 0, 3],
@@ -995,7 +1081,7 @@ mod tests {
         let reference = matmul_split(
             format,
             Isa::Scalar,
-            &w,
+            (&w, None),
             (in_dim, out_dim),
             &x,
             &counts,
@@ -1006,7 +1092,7 @@ mod tests {
                 matmul_split(
                     format,
                     isa,
-                    &w,
+                    (&w, None),
                     (in_dim, out_dim),
                     &x,
                     &counts,
@@ -1152,7 +1238,7 @@ mod tests {
                     std::hint::black_box(matmul_split(
                         format,
                         isa,
-                        &ws[rep % copies],
+                        (&ws[rep % copies], None),
                         (in_dim, out_dim),
                         &x,
                         &counts,
