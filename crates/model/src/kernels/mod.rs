@@ -589,13 +589,19 @@ pub(crate) fn transposed_q8_0(
             .map(|b| {
                 let first = rows.start + b * be;
                 let values = dequantize_rows(format, w, dims, &Vec::from_iter(first..first + be))?;
-                let mut blocks = vec![0u8; in_dim * bb];
-                let mut column = [0f32; 32];
-                for (c, block) in blocks.chunks_exact_mut(bb).enumerate() {
-                    for (j, v) in column.iter_mut().enumerate() {
-                        *v = values[j * in_dim + c];
+                // The block row's columns side by side, quantized in one call on the SIMD
+                // quantizer (the scalar one's bits).
+                let mut columns = vec![0f32; in_dim * be];
+                for (j, row) in values.chunks_exact(in_dim).enumerate() {
+                    for (c, &v) in row.iter().enumerate() {
+                        columns[c * be + j] = v;
                     }
-                    q8_0::quantize_block(&column, block);
+                }
+                let mut quantized = vec![Q8_0Block::default(); in_dim];
+                activations::quantize_q8_0(Isa::detect(), &columns, &mut quantized);
+                let mut blocks = vec![0u8; in_dim * bb];
+                for (block, q) in blocks.chunks_exact_mut(bb).zip(&quantized) {
+                    q8_0::store_block(q, block);
                 }
                 Ok(blocks)
             })

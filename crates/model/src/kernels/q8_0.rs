@@ -340,13 +340,10 @@ fn interleave_group<F: Format>(rows: &[u8], nb: usize, dst: &mut [u8]) {
     }
 }
 
-/// One GGUF Q8_0 block (`out`, 34 bytes) of 32 values, rounded as activations are
-/// (ggml's `quantize_row_q8_0`: scale `max |v| / 127` in f16, quants to nearest).
-pub(crate) fn quantize_block(values: &[f32; BLOCK_ELEMS], out: &mut [u8]) {
-    let mut block = [Q8_0Block::default()];
-    quantize_q8_0(Isa::Scalar, values, &mut block);
-    out[..2].copy_from_slice(&f16::from_f32(block[0].d).to_le_bytes());
-    for (o, &q) in out[2..BLOCK_BYTES].iter_mut().zip(&block[0].qs) {
+/// A quantized block (`quantize_q8_0`'s, its scale already an f16 value) as GGUF's 34 bytes.
+pub(crate) fn store_block(block: &Q8_0Block, out: &mut [u8]) {
+    out[..2].copy_from_slice(&f16::from_f32(block.d).to_le_bytes());
+    for (o, &q) in out[2..BLOCK_BYTES].iter_mut().zip(&block.qs) {
         *o = q as u8;
     }
 }
