@@ -18,9 +18,10 @@ pub(crate) struct Linear {
     /// The frozen weight as the input gradient reads it, made on the first backward (training
     /// only).
     input_grad: OnceLock<InputGradWeight>,
-    /// The weight in the layout batches run on, where its format widens (`kernels::widened`),
-    /// made for training ([`Linear::keep_widened`]): its batches then skip widening each slice.
-    widened: OnceLock<Vec<u8>>,
+    /// The weight in the layout batches run on (`kernels::widened`; none where its format
+    /// reads the stored bytes), made for training ([`Linear::keep_widened`]): its batches then
+    /// skip widening each slice.
+    widened: OnceLock<Option<Vec<u8>>>,
 }
 
 /// Rows of W per transposed span (see `InputGradWeight::TransposedQ8_0`): whole Q8_0 blocks,
@@ -164,14 +165,17 @@ impl Linear {
     /// LM head's in chunks of 32, each of which widened all of a Q6_K head. The products are
     /// the same bits. Its bytes count in [`Linear::training_copy_bytes`].
     pub(crate) fn keep_widened(&self) {
-        if let Weight::Kernel { format, data } = &self.weight {
-            if self.widened.get().is_none() {
-                if let Some(wide) = kernels::widened(*format, Isa::detect(), data, self.in_dim) {
-                    // Two threads racing here make the same bytes; either copy is kept.
-                    let _ = self.widened.set(wide);
-                }
+        self.widened.get_or_init(|| match &self.weight {
+            Weight::Kernel { format, data } => {
+                kernels::widened(*format, Isa::detect(), data, self.in_dim)
             }
-        }
+            Weight::Candle(_) => None,
+        });
+    }
+
+    /// The prepared weight with its widened copy where one is kept.
+    fn prepared<'a>(&'a self, data: &'a [u8]) -> kernels::Prepared<'a> {
+        (data, self.widened.get().and_then(Option::as_deref))
     }
 
     /// This linear with its activations quantized pair-bound where its weight is Q8_0 (see
@@ -355,7 +359,11 @@ impl Linear {
     /// Bytes of the weight kept for training: its input gradient's copy (0 until the first
     /// backward) and its widened copy ([`Linear::keep_widened`]).
     pub(crate) fn training_copy_bytes(&self) -> usize {
-        let widened = self.widened.get().map_or(0, Vec::len);
+        let widened = self
+            .widened
+            .get()
+            .and_then(Option::as_ref)
+            .map_or(0, Vec::len);
         widened
             + match self.input_grad.get() {
                 None => 0,
@@ -375,7 +383,7 @@ impl Linear {
             Weight::Kernel { format, data } => Ok(kernels::matmul_split(
                 *format,
                 Isa::detect(),
-                (data, self.widened.get().map(Vec::as_slice)),
+                self.prepared(data),
                 (self.in_dim, self.out_dim),
                 x,
                 counts,
@@ -401,8 +409,7 @@ impl Linear {
         match &self.weight {
             Weight::Kernel { format, data } => {
                 let dims = (self.in_dim, self.out_dim);
-                let w = (data.as_slice(), self.widened.get().map(Vec::as_slice));
-                kernels::matmul_into(*format, Isa::detect(), w, dims, x, out);
+                kernels::matmul_into(*format, Isa::detect(), self.prepared(data), dims, x, out);
             }
             Weight::Candle(_) => out.copy_from_slice(&self.forward(x)?),
         }
@@ -414,8 +421,7 @@ impl Linear {
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
         match &self.weight {
             Weight::Kernel { format, data } => {
-                let w = (data.as_slice(), self.widened.get().map(Vec::as_slice));
-                let dims = (self.in_dim, self.out_dim);
+                let (w, dims) = (self.prepared(data), (self.in_dim, self.out_dim));
                 Ok(kernels::matmul_on(
                     *format,
                     Isa::detect(),
