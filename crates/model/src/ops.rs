@@ -37,13 +37,30 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// in f64, the mean rounded to f32, then `x * scale * w`.
 pub(crate) fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     let n = weight.len();
-    for row in x.chunks_exact_mut(n) {
+    for_each_row(x, n, |_, row| {
         let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
         let mean = (sum / n as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
         for (v, w) in row.iter_mut().zip(weight) {
             *v = *v * scale * w;
         }
+    });
+}
+
+/// `f(i, row i)` for every row of `x` (`width` values each): in parallel, tasks of at least
+/// [`ROWS_PER_TASK`] rows, where there are many (a prefill's or a training step's rows: the
+/// norms and rotations of a 1,024-token step left the second core idle); a decode step's few
+/// rows on the calling thread. A row's arithmetic is the same either way.
+pub(crate) fn for_each_row(x: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if x.len() / width < 2 * ROWS_PER_TASK || crate::team::leads() {
+        x.chunks_exact_mut(width)
+            .enumerate()
+            .for_each(|(i, row)| f(i, row));
+    } else {
+        x.par_chunks_exact_mut(width)
+            .enumerate()
+            .with_min_len(ROWS_PER_TASK)
+            .for_each(|(i, row)| f(i, row));
     }
 }
 
@@ -144,9 +161,14 @@ impl RopeTable {
     }
 
     /// `f(x0, x1, cos, sin)` on every rotated pair of every head, in place.
-    fn rotate(&self, x: &mut [f32], heads: usize, f: impl Fn(f32, f32, f32, f32) -> (f32, f32)) {
+    fn rotate(
+        &self,
+        x: &mut [f32],
+        heads: usize,
+        f: impl Fn(f32, f32, f32, f32) -> (f32, f32) + Sync,
+    ) {
         let (half, d) = (self.half, 2 * self.half);
-        for (t, tok) in x.chunks_exact_mut(heads * d).enumerate() {
+        for_each_row(x, heads * d, |t, tok| {
             let cos = &self.cos[t * half..(t + 1) * half];
             let sin = &self.sin[t * half..(t + 1) * half];
             for head in tok.chunks_exact_mut(d) {
@@ -158,7 +180,7 @@ impl RopeTable {
                     (head[a], head[b]) = f(head[a], head[b], cos[i], sin[i]);
                 }
             }
-        }
+        });
     }
 }
 

@@ -191,9 +191,9 @@ fn backward_with_an_lm_head_pair_matches_finite_differences() {
 fn a_pointwise_loss_gives_the_recomputed_head_backward_bit_for_bit() {
     let model = tiny_model("train-pointwise");
     let adapter = trained_adapter_of(&model, WITH_HEAD, 6, 0.05);
-    // Longer than one LM-head chunk (32 rows).
-    let lens = [40, 13];
-    let toks: Vec<u32> = [tokens(40, 1), tokens(13, 2)].concat();
+    // Longer than one LM-head chunk (64 rows).
+    let lens = [70, 13];
+    let toks: Vec<u32> = [tokens(70, 1), tokens(13, 2)].concat();
     let scored = scored_all(&lens);
     let packed = PackedSequence {
         tokens: &toks,
