@@ -317,6 +317,11 @@ const WEIGHT_SLICE_BYTES: usize = 32 * 1024;
 const LONG_WEIGHT_SLICE_BYTES: usize = 256 * 1024;
 /// Long slices per task a weight must give to be cut into them.
 const LONG_SLICES_PER_TASK: usize = 8;
+/// Activation bytes a block of rows takes in a batch's pass over a task's weight slices (see
+/// `product_slices`), and the most weight bytes a task may have for its rows to go in blocks:
+/// together they fit a core's L2 (512 KB on the hosts measured).
+const ACT_BLOCK_BYTES: usize = 64 * 1024;
+const TASK_WEIGHT_L2_BYTES: usize = 384 * 1024;
 
 /// Rows of a weight taken two at a time (the second repeats the last row when the count is
 /// odd; its result is not stored).
@@ -797,46 +802,61 @@ fn product_slices<K: Kernel>(
         &stored.w[s0 * stored.row_bytes..(s0 + held) * stored.row_bytes]
     };
     let tiles = rows.div_ceil(ACT_TILE);
+    // Activation rows one pass over a task's slices takes: where the task's share of the
+    // weight stays in L2 (a layer's, read as stored), a block of rows stays there beside it
+    // while the slices go past, instead of every slice streaming all the rows from L3. A
+    // batch that widens, or a task's share too long for L2 (the LM head), takes all the rows
+    // per slice: each slice is widened, and read from memory, once.
+    let act_row_bytes = nb * std::mem::size_of::<K::Act>();
+    let block_rows = match widen {
+        None if task_rows * widened_row_bytes <= TASK_WEIGHT_L2_BYTES => {
+            (ACT_BLOCK_BYTES / act_row_bytes / ACT_TILE).max(1) * ACT_TILE
+        }
+        _ => rows,
+    };
     let task = |t: usize| {
         let mut buf = Vec::new();
         let mut wide = Vec::new();
         let end = ((t + 1) * task_rows).min(out_dim);
-        for s0 in (t * task_rows..end).step_by(slice_rows) {
-            let s1 = (s0 + slice_rows).min(end);
-            let mut ws = stored_rows(s0, s1);
-            if let Some(widen) = widen {
-                widen(ws, &mut wide);
-                ws = &wide;
-            }
-            // Rows a tile computes (and `buf`'s stride): whole groups of `K`'s layout.
-            let stride = (s1 - s0).next_multiple_of(K::ROW_GROUP);
-            // The task's next slice, a share of it before each tile of a widening batch (see
-            // `prefetch_share`; a batch widens from more than one tile of rows).
-            let next =
-                (widen.is_some() && s1 < end).then(|| stored_rows(s1, end.min(s1 + slice_rows)));
-            for (t, a0) in (0..rows).step_by(ACT_TILE).enumerate() {
-                let a1 = (a0 + ACT_TILE).min(rows);
-                if let Some(next) = next {
-                    prefetch_share(next, t, tiles);
+        for r0 in (0..rows).step_by(block_rows) {
+            let r1 = (r0 + block_rows).min(rows);
+            for s0 in (t * task_rows..end).step_by(slice_rows) {
+                let s1 = (s0 + slice_rows).min(end);
+                let mut ws = stored_rows(s0, s1);
+                if let Some(widen) = widen {
+                    widen(ws, &mut wide);
+                    ws = &wide;
                 }
-                let acts = &acts[a0 * nb..a1 * nb];
-                if stride == s1 - s0 {
-                    // SAFETY: this task alone writes columns `s0..s1` (its slices).
-                    tile::<K>(isa, ws, acts, nb, unsafe { out.tile(a0..a1, s0, stride) });
-                    continue;
-                }
-                // A slice short of whole groups: the kernel's padding rows go to `buf`.
-                buf.resize(ACT_TILE * stride, 0.0);
-                tile::<K>(
-                    isa,
-                    ws,
-                    acts,
-                    nb,
-                    TileOut::buffer(&mut buf, a1 - a0, stride),
-                );
-                for a in a0..a1 {
-                    let at = (a - a0) * stride;
-                    out.write(a, s0, &buf[at..at + s1 - s0]);
+                // Rows a tile computes (and `buf`'s stride): whole groups of `K`'s layout.
+                let stride = (s1 - s0).next_multiple_of(K::ROW_GROUP);
+                // The task's next slice, a share of it before each tile of a widening batch (see
+                // `prefetch_share`; a batch widens from more than one tile of rows).
+                let next = (widen.is_some() && s1 < end)
+                    .then(|| stored_rows(s1, end.min(s1 + slice_rows)));
+                for (t, a0) in (r0..r1).step_by(ACT_TILE).enumerate() {
+                    let a1 = (a0 + ACT_TILE).min(r1);
+                    if let Some(next) = next {
+                        prefetch_share(next, t, tiles);
+                    }
+                    let acts = &acts[a0 * nb..a1 * nb];
+                    if stride == s1 - s0 {
+                        // SAFETY: this task alone writes columns `s0..s1` (its slices).
+                        tile::<K>(isa, ws, acts, nb, unsafe { out.tile(a0..a1, s0, stride) });
+                        continue;
+                    }
+                    // A slice short of whole groups: the kernel's padding rows go to `buf`.
+                    buf.resize(ACT_TILE * stride, 0.0);
+                    tile::<K>(
+                        isa,
+                        ws,
+                        acts,
+                        nb,
+                        TileOut::buffer(&mut buf, a1 - a0, stride),
+                    );
+                    for a in a0..a1 {
+                        let at = (a - a0) * stride;
+                        out.write(a, s0, &buf[at..at + s1 - s0]);
+                    }
                 }
             }
         }
@@ -1063,6 +1083,32 @@ mod tests {
         }
     }
 
+    /// A batch of more rows than one block of `ACT_BLOCK_BYTES` (on a weight whose tasks fit
+    /// L2, rows short of a whole group): each row's values are the bits of that row alone.
+    #[test]
+    fn rows_in_blocks_are_the_bits_of_each_row_alone() {
+        let mut rng = Rng::new(11);
+        let (in_dim, out_dim, rows) = (1024, 300, 150);
+        for format in [
+            WeightFormat::Q8_0PairBound,
+            WeightFormat::Q4K,
+            WeightFormat::Q8_0,
+        ] {
+            let blocks = in_dim / format.block_elems() * out_dim;
+            let w = prepare(format, random_gguf(format, blocks, &mut rng), out_dim);
+            let x: Vec<f32> = (0..rows * in_dim).map(|_| rng.uniform() - 0.5).collect();
+            for isa in Isa::available() {
+                let dims = (in_dim, out_dim);
+                let batch = matmul_on(format, isa, (&w, None), dims, &x, Threads::Pool);
+                for (r, row) in x.chunks(in_dim).enumerate() {
+                    let alone = matmul_on(format, isa, (&w, None), dims, row, Threads::Caller);
+                    let got = &batch[r * out_dim..(r + 1) * out_dim];
+                    assert!(got == alone, "{format:?} {isa:?} row {r}");
+                }
+            }
+        }
+    }
+
     /// A weight long enough to be cut into long slices (on AVX2; one thread, so four tasks),
     /// its rows short of a whole group (the last slice's tile goes through a buffer, the others
     /// write in place): every path gives the scalar reference's bits, in every part.
@@ -1218,6 +1264,12 @@ mod tests {
             (WeightFormat::Q4K, 6144, 2048, 1, 100),
             (WeightFormat::Q4K, 1024, 3072, 128, 10),
             (WeightFormat::Q4K, 2048, 8192, 128, 2),
+            // A training step's 1,016 rows at Qwen3-0.6B's widths: the layers' input gradients
+            // (pair-bound, a 2,048-row span of the transposed weight) and their forward.
+            (WeightFormat::Q8_0PairBound, 2048, 1024, 1016, 2),
+            (WeightFormat::Q8_0PairBound, 1024, 2048, 1016, 2),
+            (WeightFormat::Q4K, 1024, 3072, 1016, 2),
+            (WeightFormat::Q4K, 2048, 1024, 1016, 2),
         ] {
             let label = format!("{format:?} {isa:?} {rows} x {in_dim} -> {out_dim}");
             if !label.contains(&std::env::var("KERNEL_BENCH").unwrap_or_default()) {
