@@ -28,7 +28,7 @@ pub(crate) struct Linear {
 /// 2 KB of each transposed row; every layer's weight is one span.
 pub(crate) const INPUT_GRAD_SPAN: usize = 2048;
 
-/// A gradient of a [`Linear`]'s output as [`Linear::backward_input_blocks`] multiplies it:
+/// A gradient of a [`Linear`]'s output as [`Linear::backward_input_non_negative`] multiplies it:
 /// each row in Q8_0 blocks, laid out by the transposed weight's spans (a span's rows one after
 /// another), so each span's product reads its activation rows whole. Kept by a caller that
 /// makes many (fresh pages cost).
@@ -222,7 +222,7 @@ impl Linear {
                             out.write(k0, run);
                         }
                     });
-                Ok(self.span_products(spans, &blocks))
+                Ok(self.span_products(spans, &blocks, false))
             }
             InputGradWeight::Dense(w) => {
                 let dy = Tensor::from_slice(dy, (rows, self.out_dim), &Device::Cpu)?;
@@ -231,18 +231,23 @@ impl Linear {
         }
     }
 
-    /// Whether the input gradient multiplies Q8_0 blocks ([`Linear::backward_input_blocks`]):
+    /// Whether the input gradient multiplies Q8_0 blocks ([`Linear::backward_input_non_negative`]):
     /// a weight on our kernels with whole blocks of output rows.
     pub(crate) fn has_quantized_input_grad(&self) -> bool {
         matches!(self.weight, Weight::Kernel { .. }) && self.out_dim.is_multiple_of(32)
     }
 
-    /// [`Linear::backward_input`] of a gradient its caller quantized (`dy`, `out_dim` values a
-    /// row); only where [`Linear::has_quantized_input_grad`].
-    pub(crate) fn backward_input_blocks(&self, dy: &GradBlocks) -> Result<Vec<f32>, ModelError> {
+    /// [`Linear::backward_input`] of a gradient with no negative value (the LM head's softmax
+    /// numerators) that its caller quantized (`dy`, `out_dim` values a row); only where
+    /// [`Linear::has_quantized_input_grad`]. Such a gradient takes a kernel with fewer
+    /// multiplies on AVX2 (`kernels::matmul_q8_0_blocks`), the same bits.
+    pub(crate) fn backward_input_non_negative(
+        &self,
+        dy: &GradBlocks,
+    ) -> Result<Vec<f32>, ModelError> {
         match self.input_grad_weight()? {
             InputGradWeight::TransposedQ8_0(spans) if dy.out_dim == self.out_dim => {
-                Ok(self.span_products(spans, dy))
+                Ok(self.span_products(spans, dy, true))
             }
             _ => Err(ModelError::Packing(
                 "a quantized gradient for a weight without a quantized input gradient".into(),
@@ -250,8 +255,9 @@ impl Linear {
         }
     }
 
-    /// `dy · W` over the transposed spans, the spans' products summed in span order.
-    fn span_products(&self, spans: &[Vec<u8>], dy: &GradBlocks) -> Vec<f32> {
+    /// `dy · W` over the transposed spans, the spans' products summed in span order (`dy`
+    /// with no negative value where `non_negative`).
+    fn span_products(&self, spans: &[Vec<u8>], dy: &GradBlocks, non_negative: bool) -> Vec<f32> {
         // Many spans (the LM head's 128) in parallel, each product on its task's thread: one
         // parallel region per call, where a region per span cost more than a span of 2,048
         // rows computes. Few spans, each product on the pool.
@@ -259,7 +265,7 @@ impl Linear {
         let span_product = |i: usize, threads: Threads| {
             let k0 = i * INPUT_GRAD_SPAN;
             let dims = ((k0 + INPUT_GRAD_SPAN).min(self.out_dim) - k0, self.in_dim);
-            kernels::matmul_q8_0_blocks(isa, &spans[i], dims, dy.span(i), threads)
+            kernels::matmul_q8_0_blocks(isa, &spans[i], dims, dy.span(i), threads, non_negative)
         };
         let parts: Vec<Vec<f32>> = if spans.len() >= 4 * rayon::current_num_threads() {
             (0..spans.len())
@@ -575,20 +581,25 @@ mod tests {
             assert!(got_zero[..in_dim].iter().all(|&v| v == 0.0));
             assert_eq!(got_zero[in_dim..], got[in_dim..]);
 
-            // The gradient quantized by its caller (as the LM head's softmax does, a chunk of
-            // 1,024 values at a time) gives the same bits.
+            // A gradient with no negative value quantized by its caller (as the LM head's
+            // softmax does, a chunk of 1,024 values at a time) gives the bits of
+            // `backward_input`'s kernel.
+            let positive: Vec<f32> = dy.iter().map(|v| v.abs()).collect();
             let mut blocks = GradBlocks::default();
             for (mut out, row) in blocks
                 .rows_mut(rows, out_dim)
                 .into_iter()
-                .zip(dy.chunks(out_dim))
+                .zip(positive.chunks(out_dim))
             {
                 for (i, chunk) in row.chunks(1024).enumerate() {
                     out.write(i * 1024, chunk);
                 }
             }
-            let got_blocks = linear.backward_input_blocks(&blocks).expect("backward");
-            assert_eq!(got_blocks, got, "{dtype:?}");
+            let got_blocks = linear
+                .backward_input_non_negative(&blocks)
+                .expect("backward");
+            let want_blocks = linear.backward_input(&positive).expect("backward");
+            assert_eq!(got_blocks, want_blocks, "{dtype:?}");
         }
     }
 }

@@ -286,7 +286,7 @@ impl Decoder {
                         (lp, s.entropy as f32, s.total)
                     })
                     .collect();
-                let exps_e = self.lm_head.backward_input_blocks(&exps)?;
+                let exps_e = self.lm_head.backward_input_non_negative(&exps)?;
                 let target_rows: Vec<usize> = tgt.iter().map(|&t| t as usize).collect();
                 let target_e = self.lm_head.rows(&target_rows)?;
                 let per_row = exps_e

@@ -24,7 +24,7 @@ use std::marker::PhantomData;
 use half::f16;
 use rayon::prelude::*;
 
-use super::activations::{quantize_q8_0, quantize_q8_0_pair_bound, Q8_0Block};
+use super::activations::{quantize_gradient, quantize_q8_0, quantize_q8_0_pair_bound, Q8_0Block};
 #[cfg(target_arch = "x86_64")]
 use super::with_act_rows;
 use super::{q8_0_pairs, Isa, Kernel, TileOut};
@@ -255,9 +255,53 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
             match isa {
                 Isa::Avx512 => with_act_rows!(na, x86::avx512_rows[F](w, acts, nb, out)),
                 _ if F::AVX2_UNSIGNED => {
-                    with_act_rows!(na, x86::avx2_rows_unsigned[F](w, acts, nb, out))
+                    with_act_rows!(na, x86::avx2_rows_unsigned[F, false](w, acts, nb, out))
                 }
                 _ => with_act_rows!(na, x86::avx2_rows[F](w, acts, nb, out)),
+            }
+        }
+    }
+}
+
+/// [`Q8_0PairBound`] weights against activations that are pair-bound and non-negative (the
+/// LM head's softmax numerators, see `Linear::backward_input_non_negative`). AVX2 takes the
+/// activations as `maddubs`'s unsigned operand and the weights, made signed, as its signed one:
+/// a pair of products is then at most 128 · 127, so two steps add in i16 before one `madd`
+/// (three multiplies per 64 products where [`Q8_0PairBound`] takes four). The integer sums are
+/// the same, so are the bits; other instruction sets run as [`Q8_0PairBound`].
+pub(crate) struct WithNonNegActs;
+
+impl Kernel for WithNonNegActs {
+    type Act = Q8_0Block;
+    const BLOCK_ELEMS: usize = BLOCK_ELEMS;
+    const BLOCK_BYTES: usize = Q8_0PairBound::BLOCK_BYTES;
+    const ROW_GROUP: usize = GROUP;
+    type Batched = Self;
+
+    fn quantize(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
+        debug_assert!(x.iter().all(|&v| v >= 0.0));
+        quantize_gradient(isa, x, out);
+    }
+
+    fn scalar(w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
+        scalar::<Q8_0PairBound>(w, acts, nb, out);
+    }
+
+    fn pairs_groups(isa: Isa) -> bool {
+        WithQ8_0Acts::<Q8_0PairBound>::pairs_groups(isa)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd(isa: Isa, w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
+        let na = acts.len() / nb;
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe {
+            match isa {
+                Isa::Avx2 => with_act_rows!(
+                    na,
+                    x86::avx2_rows_unsigned[Q8_0PairBound, true](w, acts, nb, out)
+                ),
+                _ => WithQ8_0Acts::<Q8_0PairBound>::simd(isa, w, acts, nb, out),
             }
         }
     }
@@ -555,14 +599,21 @@ mod x86 {
     /// before one `madd` into i32, from `-offset · Σ a`: runs of four steps for five-bit bytes
     /// (`4 · 2 · 31 · 127 < 2^15`), of one for Q8_0 (`255 · 128 < 2^15`).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2_rows_unsigned<const NA: usize, F: Format>(
+    pub(super) unsafe fn avx2_rows_unsigned<const NA: usize, F: Format, const NON_NEG: bool>(
         w: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
         out: TileOut<'_>,
     ) {
         let offset = F::AVX2_UNSIGNED_OFFSET;
-        let run = if offset == 16 { 4 } else { 1 };
+        // With `NON_NEG` (see `WithNonNegActs`) a pair of products is at most 128 · 127, so
+        // two steps add in i16 before their `madd`.
+        let run = match (offset, NON_NEG) {
+            (16, _) => 4,
+            (_, true) => 2,
+            _ => 1,
+        };
+        let to_signed = _mm256_set1_epi8(offset as i8);
         let ones = _mm256_set1_epi16(1);
         // Five-bit bytes: a loop LLVM keeps rolled, as in `avx2_rows`, so it does not spill the
         // weights. Runs of one step hold one weight register: unrolled, they spill nothing
@@ -582,17 +633,28 @@ mod x86 {
                         prefetch_ahead::<F>(p);
                     }
                     let ab: [&Q8_0Block; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
-                    let mut isum: [__m256i; NA] =
-                        std::array::from_fn(|a| _mm256_set1_epi32(-offset * act_sum(ab[a])));
+                    let mut isum: [__m256i; NA] = std::array::from_fn(|a| match NON_NEG {
+                        true => _mm256_setzero_si256(),
+                        false => _mm256_set1_epi32(-offset * act_sum(ab[a])),
+                    });
                     for r in 0..runs {
                         let first = run * (r % (8 / run));
                         let mut sum16 = [_mm256_setzero_si256(); NA];
                         for s in first..first + run {
                             // SAFETY: `p` is a whole group block.
                             let q = unsafe { F::avx2_unsigned_step(p, s, h) };
+                            // The weights signed (`w + 128` less 128: its top bit flipped).
+                            let q = match NON_NEG {
+                                true => _mm256_xor_si256(q, to_signed),
+                                false => q,
+                            };
                             for (sum16, ab) in sum16.iter_mut().zip(ab) {
                                 let x = _mm256_set1_epi32(four(ab, s));
-                                *sum16 = _mm256_add_epi16(*sum16, _mm256_maddubs_epi16(q, x));
+                                let pairs = match NON_NEG {
+                                    true => _mm256_maddubs_epi16(x, q),
+                                    false => _mm256_maddubs_epi16(q, x),
+                                };
+                                *sum16 = _mm256_add_epi16(*sum16, pairs);
                             }
                         }
                         for (isum, sum16) in isum.iter_mut().zip(sum16) {
@@ -827,6 +889,48 @@ mod tests {
         for isa in Isa::available() {
             let got = matmul(WeightFormat::Q8_0PairBound, isa, &packed, in_dim, rows, &x);
             assert_eq!(got, reference, "{isa:?}");
+        }
+    }
+
+    /// Activations with no negative value, at their pair bound, against the extreme weights
+    /// (127 and -128, so two steps' pairs reach `2 · 128 · -128 = -32768` in i16), and random
+    /// ones against random weights: the kernel for non-negative activations gives the
+    /// pair-bound kernel's bits and the formula's, on every path.
+    #[test]
+    fn non_negative_activations_give_the_pair_bound_bits() {
+        use super::super::{matmul_q8_0_blocks, Threads};
+        let mut rng = Rng::new(17);
+        let nb = 4;
+        let in_dim = nb * BLOCK_ELEMS;
+        let extreme: Vec<u8> = (0..32 * nb)
+            .flat_map(|r| {
+                let quants = (0..32).map(move |i| if (r + i / 2) % 3 == 0 { 0x80 } else { 0x7f });
+                f16::from_f32(0.01).to_le_bytes().into_iter().chain(quants)
+            })
+            .collect();
+        let at_bound: Vec<f32> = (0..9 * in_dim).map(|_| 1.5).collect();
+        let random: Vec<f32> = (0..70 * in_dim).map(|_| rng.uniform().abs()).collect();
+        for (w, rows, x) in [
+            (extreme, 32, at_bound),
+            (random_weights(&mut rng, 37, nb), 37, random),
+        ] {
+            let mut acts = vec![Q8_0Block::default(); x.len() / BLOCK_ELEMS];
+            quantize_gradient(Isa::Scalar, &x, &mut acts);
+            let packed = prepare(WeightFormat::Q8_0PairBound, w.clone(), rows);
+            for isa in Isa::available() {
+                let product = |non_negative| {
+                    let dims = (in_dim, rows);
+                    matmul_q8_0_blocks(isa, &packed, dims, &acts, Threads::Pool, non_negative)
+                };
+                let (got, want) = (product(true), product(false));
+                assert_eq!(got, want, "{isa:?}");
+                for (a, arow) in acts.chunks_exact(nb).enumerate() {
+                    for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
+                        let value = straightforward(wrow, arow);
+                        assert_eq!(got[a * rows + r].to_bits(), value.to_bits(), "{isa:?}");
+                    }
+                }
+            }
         }
     }
 
