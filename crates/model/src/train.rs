@@ -20,9 +20,10 @@ use crate::ModelError;
 /// Rows of the LM head computed at once: `HEAD_CHUNK x vocab` logits exist at a time
 /// (64 x 262,144 x 4 B = 64 MiB on Gemma 3), never the whole sequence's. The training forward
 /// turns each chunk's logits into the logprob's gradient to the hidden state right away. Each
-/// chunk reads the whole head (Gemma 3's widened to 16-bit pairs: 335 MB) and its transposed
-/// copy: 512 rows of Gemma 3's head forward took 1.05 s in chunks of 64 against 1.26-1.39 s in
-/// chunks of 32 (96: 1.12 s), its backward alike; Qwen3-0.6B's Q6_K head the same either way.
+/// chunk reads the whole head and its transposed copy from memory: 512 rows of Gemma 3's
+/// pair-bound Q8_0 head forward took 0.68-0.69 s in chunks of 64 against 0.69-0.93 s in chunks
+/// of 32 (a Q8_0 head widened to 16-bit pairs 1.05 s against 1.26-1.39 s; 96 rows no better),
+/// the backward and Qwen3-0.6B's Q6_K head the same either way.
 const HEAD_CHUNK: usize = 64;
 
 /// Segments packed into one sequence: each attends only within itself; positions restart at 0.
