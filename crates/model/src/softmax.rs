@@ -69,45 +69,61 @@ pub fn sum_exp(logits: &[f32], max: f32) -> f64 {
 /// [`sum_exp`]'s, bit for bit (the same chunks, lanes and order). One pass over the row: the
 /// trainer takes this for every scored token over the whole vocabulary.
 pub fn exp_in_place(logits: &mut [f32], max: f32) -> (f64, f64) {
-    exp_in_place_then(logits, max, |_, _| {})
-}
-
-/// [`exp_in_place`] that hands each chunk of `CHUNK` values on as soon as they are
-/// exponentials (`then(first index, chunk)`), while the chunk is in L1.
-pub fn exp_in_place_then(
-    logits: &mut [f32],
-    max: f32,
-    mut then: impl FnMut(usize, &[f32]),
-) -> (f64, f64) {
     let (mut total, mut weighted) = (0f64, 0f64);
-    for (i, c) in logits.chunks_mut(CHUNK).enumerate() {
-        let mut sums = [0f32; LANES];
-        let mut weights = [0f32; LANES];
-        let mut it = c.chunks_exact_mut(LANES);
-        for v in &mut it {
-            for ((l, sum), weight) in v.iter_mut().zip(&mut sums).zip(&mut weights) {
-                let x = *l - max;
-                let e = exp_or_zero(x);
-                *sum += e;
-                *weight += if e > 0.0 { e * x.max(-87.0) } else { 0.0 };
-                *l = e;
-            }
-        }
-        let mut chunk_total: f64 = sums.iter().map(|&v| v as f64).sum();
-        weighted += weights.iter().map(|&v| v as f64).sum::<f64>();
-        for l in it.into_remainder() {
-            let x = *l - max;
-            let e = exp_or_zero(x);
-            chunk_total += e as f64;
-            if e > 0.0 {
-                weighted += (e * x.max(-87.0)) as f64;
-            }
-            *l = e;
-        }
-        total += chunk_total;
-        then(i * CHUNK, c);
+    let mut exps = [0f32; CHUNK];
+    for c in logits.chunks_mut(CHUNK) {
+        let exps = &mut exps[..c.len()];
+        total += chunk_exps(c, max, exps, &mut weighted);
+        c.copy_from_slice(exps);
     }
     (total, weighted)
+}
+
+/// [`exp_in_place`]'s values and sums, the logits left as they are: each chunk of `CHUNK`
+/// exponentials is made in a buffer in L1 and handed on from there (`then(first index,
+/// chunk)`). Where only the chunks are wanted (the trainer quantizes them for the LM head's
+/// backward), this saves writing the row back: a row of Gemma 3's vocabulary is 1 MB, more
+/// than L2.
+pub fn exp_then(logits: &[f32], max: f32, mut then: impl FnMut(usize, &[f32])) -> (f64, f64) {
+    let (mut total, mut weighted) = (0f64, 0f64);
+    let mut exps = [0f32; CHUNK];
+    for (i, c) in logits.chunks(CHUNK).enumerate() {
+        let exps = &mut exps[..c.len()];
+        total += chunk_exps(c, max, exps, &mut weighted);
+        then(i * CHUNK, exps);
+    }
+    (total, weighted)
+}
+
+/// One chunk's exponentials `e^(x - max)` into `exps` and their sum (as [`chunk_sum_exp`]),
+/// adding `Σ e·(x - max)` to `weighted`.
+#[inline(always)]
+fn chunk_exps(c: &[f32], max: f32, exps: &mut [f32], weighted: &mut f64) -> f64 {
+    let mut sums = [0f32; LANES];
+    let mut weights = [0f32; LANES];
+    let mut it = c.chunks_exact(LANES).zip(exps.chunks_exact_mut(LANES));
+    for (v, out) in &mut it {
+        for (((&l, e_out), sum), weight) in v.iter().zip(out).zip(&mut sums).zip(&mut weights) {
+            let x = l - max;
+            let e = exp_or_zero(x);
+            *sum += e;
+            *weight += if e > 0.0 { e * x.max(-87.0) } else { 0.0 };
+            *e_out = e;
+        }
+    }
+    let mut chunk_total: f64 = sums.iter().map(|&v| v as f64).sum();
+    *weighted += weights.iter().map(|&v| v as f64).sum::<f64>();
+    let whole = c.len() / LANES * LANES;
+    for (&l, e_out) in c[whole..].iter().zip(&mut exps[whole..]) {
+        let x = l - max;
+        let e = exp_or_zero(x);
+        chunk_total += e as f64;
+        if e > 0.0 {
+            *weighted += (e * x.max(-87.0)) as f64;
+        }
+        *e_out = e;
+    }
+    chunk_total
 }
 
 /// One chunk's `Σ e^(x - max)` (NaN counted as 0) in `LANES` f32 lanes, summed in f64.
@@ -168,6 +184,16 @@ mod tests {
             let mut exps = row.clone();
             let (total, weighted) = exp_in_place(&mut exps, max);
             assert_eq!(total.to_bits(), sum_exp(&row, max).to_bits(), "{len}");
+            // Handed on chunk by chunk without writing the row: the same values and sums.
+            let mut handed = vec![f32::NAN; len];
+            let sums = exp_then(&row, max, |at, c| {
+                handed[at..at + c.len()].copy_from_slice(c)
+            });
+            assert_eq!(sums, (total, weighted), "{len}");
+            assert!(handed
+                .iter()
+                .zip(&exps)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
             let mut want = 0f64;
             for (&z, &e) in row.iter().zip(&exps) {
                 if z.is_nan() {

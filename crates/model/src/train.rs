@@ -277,7 +277,7 @@ impl Decoder {
             }
             if quantized_head {
                 let stats: Vec<(f32, f32, f64)> = logits
-                    .par_chunks_mut(vocab)
+                    .par_chunks(vocab)
                     .zip(tgt.par_iter())
                     .zip(exps.rows_mut(tgt.len(), vocab))
                     .map(|((row, &t), mut out)| {
@@ -860,24 +860,30 @@ struct RowSoftmax {
 impl RowSoftmax {
     /// With `keep_probs` the row is overwritten by minus its softmax (in f32), for the gradient.
     fn new(row: &mut [f32], keep_probs: bool) -> Self {
-        let s = Self::with_exps(row, |_, _| {});
-        if keep_probs {
-            let inv = (-1.0 / s.total) as f32;
-            for z in row.iter_mut() {
-                *z *= inv;
-            }
+        use crate::softmax::{exp_in_place, max_logit};
+        if !keep_probs {
+            return Self::with_exps(row, |_, _| {});
+        }
+        let max = max_logit(row);
+        let s = Self::from_sums(max, exp_in_place(row, max));
+        let inv = (-1.0 / s.total) as f32;
+        for z in row.iter_mut() {
+            *z *= inv;
         }
         s
     }
 
-    /// One pass of exponentials: each `e^(z - max)` stays in the row, and each chunk of them
-    /// goes to `then` (see `softmax::exp_in_place_then`), while the sum behind `lse` (the
-    /// server's, bit for bit) and `Σ e·(z - max)` add up; `H = (lse - max) - Σ e·(z - max) /
-    /// Σ e`.
-    fn with_exps(row: &mut [f32], then: impl FnMut(usize, &[f32])) -> Self {
-        use crate::softmax::{exp_in_place_then, max_logit};
+    /// One pass of exponentials, each chunk of them handed to `then` (see
+    /// `softmax::exp_then`; the row stays as it is).
+    fn with_exps(row: &[f32], then: impl FnMut(usize, &[f32])) -> Self {
+        use crate::softmax::{exp_then, max_logit};
         let max = max_logit(row);
-        let (total, weighted) = exp_in_place_then(row, max, then);
+        Self::from_sums(max, exp_then(row, max, then))
+    }
+
+    /// From the row's largest logit and its exponentials' sums, `Σ e` (the server's, bit for
+    /// bit, behind `lse`) and `Σ e·(z - max)`: `H = (lse - max) - Σ e·(z - max) / Σ e`.
+    fn from_sums(max: f32, (total, weighted): (f64, f64)) -> Self {
         let lse = max as f64 + total.ln();
         let entropy = if total > 0.0 {
             (lse - max as f64) - weighted / total
