@@ -753,10 +753,7 @@ impl LinearGrads<'_> {
         parts: &[(LoraTarget, &[f32], &[f32])],
     ) -> Result<Vec<f32>, ModelError> {
         let (layer, li, adapter) = (self.layer, self.index, self.adapter);
-        let bases: Vec<usize> = parts
-            .iter()
-            .map(|&(target, ..)| (li * LoraTarget::ALL.len() + target as usize) * 2)
-            .collect();
+        let bases: Vec<usize> = parts.iter().map(|&(t, ..)| self.grads_at(t)).collect();
         // Each part's pair of grads, borrowed apart from the others'.
         let mut pairs: Vec<Option<(&mut Vec<f32>, &mut Vec<f32>)>> =
             parts.iter().map(|_| None).collect();
@@ -795,20 +792,14 @@ impl LinearGrads<'_> {
 
     /// The adapter's grads of projection `target` alone, where no gradient goes on to `x`.
     fn adapter_only(&mut self, target: LoraTarget, x: &[f32], dy: &[f32]) {
-        self.add_adapter_grads(target, x, dy, None);
+        let (li, adapter) = (self.index, self.adapter);
+        let (ga, gb) = self.grads.pair_mut(self.grads_at(target));
+        lora_backward(adapter.pair(li, target), adapter, x, dy, None, ga, gb);
     }
 
-    fn add_adapter_grads(
-        &mut self,
-        target: LoraTarget,
-        x: &[f32],
-        dy: &[f32],
-        dx: Option<&mut [f32]>,
-    ) {
-        let (li, adapter) = (self.index, self.adapter);
-        let base = (li * LoraTarget::ALL.len() + target as usize) * 2;
-        let (ga, gb) = self.grads.pair_mut(base);
-        lora_backward(adapter.pair(li, target), adapter, x, dy, dx, ga, gb);
+    /// Where the grads of projection `target`'s pair start (A's, then B's).
+    fn grads_at(&self, target: LoraTarget) -> usize {
+        (self.index * LoraTarget::ALL.len() + target as usize) * 2
     }
 }
 

@@ -597,7 +597,10 @@ mod x86 {
     /// (`w + 16`, [`super::FiveBitBytes`]), or Q8_0's `w + 128` against pair-bound activations
     /// ([`super::Q8_0PairBound`]). No sign trick; the products of a run of steps add up in i16
     /// before one `madd` into i32, from `-offset · Σ a`: runs of four steps for five-bit bytes
-    /// (`4 · 2 · 31 · 127 < 2^15`), of one for Q8_0 (`255 · 128 < 2^15`).
+    /// (`4 · 2 · 31 · 127 < 2^15`), of one for Q8_0 (`255 · 128 < 2^15`). With `NON_NEG`
+    /// (Q8_0 against non-negative pair-bound activations, [`super::WithNonNegActs`]) the
+    /// activations are the unsigned operand and the weights signed, from 0: runs of two
+    /// (`2 · 128 · 128 <= 2^15`, reached only at -2^15).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2_rows_unsigned<const NA: usize, F: Format, const NON_NEG: bool>(
         w: &[u8],
