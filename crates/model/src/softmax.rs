@@ -107,7 +107,9 @@ fn chunk_exps(c: &[f32], max: f32, exps: &mut [f32], weighted: &mut f64) -> f64 
             let x = l - max;
             let e = exp_or_zero(x);
             *sum += e;
-            *weight += if e > 0.0 { e * x.max(-87.0) } else { 0.0 };
+            // Unconditional, so the loop has no masked store (`vmaskmovps`, slow on AMD): where
+            // `e` is 0 (NaN, or a logit above `max`), the product is ±0, which adds nothing.
+            *weight += e * x.max(-87.0);
             *e_out = e;
         }
     }
@@ -207,6 +209,22 @@ mod tests {
                 (weighted - want).abs() <= 1e-5 * want.abs().max(1.0),
                 "{len}"
             );
+        }
+    }
+
+    /// Where `exp_or_zero` gives 0, the weighted sum's term `e · max(x, -87)` is a zero too, so
+    /// `chunk_exps` adds it unmasked: the sum keeps its bits, from +0 or from any other value.
+    /// (`x` is a logit less the row's maximum: NaN, or finite and above 0 had the maximum been
+    /// another's; never +inf, since an infinite logit makes the maximum +inf and `x` NaN.)
+    #[test]
+    fn a_zero_exponential_adds_nothing_to_the_weighted_sum() {
+        let xs = [f32::NAN, -f32::NAN, 0.5, 3e38, 1e-45];
+        for x in xs {
+            let e = exp_or_zero(x);
+            assert_eq!(e.to_bits(), 0, "x = {x}");
+            for acc in [0.0f32, -3.25, 1e-30, 7.0] {
+                assert_eq!((acc + e * x.max(-87.0)).to_bits(), acc.to_bits(), "x = {x}");
+            }
         }
     }
 
