@@ -256,13 +256,17 @@ pub(crate) fn attend_rows<T: KvElem + 'static>(
 }
 
 /// Scales `row`'s scores, replaces each by its unnormalised softmax weight `exp(s - max)` and
-/// returns `1 / Σ weights` (maximum, `exp` and sum in key order).
+/// returns `1 / Σ weights`. The exponentials are [`crate::softmax::exp_neg`]'s, as the
+/// sampler's, the LM head's and the trainer's attention backward's are (branch-free, so the
+/// loop vectorizes: `f32::exp` was a call per score, most of a long prefill's softmax), a NaN
+/// score kept NaN; the sum in eight lanes from the row's first key, folded by
+/// [`crate::kernels::hsum8`], the rest one by one after.
 #[inline(always)]
 fn softmax(row: &mut [f32], scale: f32) -> f32 {
     // The maximum in eight lanes (a chain of `max` one score at a time waits on each): the
     // same value whatever the order, but for the sign of a zero maximum, which `s - max`
     // cannot tell from the other zero's before `exp` (`exp(±0) = 1`, and `s - ±0 = s`
-    // otherwise). A NaN score makes the sum NaN either way.
+    // otherwise). A NaN score makes the sum NaN.
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let mut chunks = row.chunks_exact_mut(LANES);
     for chunk in &mut chunks {
@@ -276,10 +280,23 @@ fn softmax(row: &mut [f32], scale: f32) -> f32 {
         lanes[0] = lanes[0].max(*s);
     }
     let max = lanes.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
-    let mut sum = 0f32;
+    // Two loops the compiler vectorizes: the exponentials (every lane computed, NaN selected
+    // after), then the sum.
     for s in row.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+        let x = *s - max;
+        let e = crate::softmax::exp_neg(x);
+        *s = if x.is_nan() { x } else { e };
+    }
+    let mut sums = [0f32; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (sum, &e) in sums.iter_mut().zip(chunk) {
+            *sum += e;
+        }
+    }
+    let mut sum = crate::kernels::hsum8(&sums);
+    for &e in chunks.remainder() {
+        sum += e;
     }
     1.0 / sum
 }
