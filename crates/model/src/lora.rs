@@ -430,11 +430,11 @@ impl LoraAdapter {
         let scale = self.scale();
         let rank = self.cfg.rank;
         let b_rows = p.b_rows();
-        let row = |(t, u): &mut (Vec<f32>, Vec<f32>), (xr, yr): (&[f32], &mut [f32])| {
+        let row = |t: &mut Vec<f32>, (xr, yr): (&[f32], &mut [f32])| {
             p.down_project(xr, t);
-            add_up_projection(t, b_rows, p.out_dim, 0, scale, u, yr);
+            add_up_projection(t, b_rows, p.out_dim, 0, scale, yr);
         };
-        let scratch = || (vec![0f32; rank], vec![0f32; p.out_dim]);
+        let scratch = || vec![0f32; rank];
         let rows = x.chunks_exact(p.in_dim).zip(y.chunks_exact_mut(p.out_dim));
         // A decode step's few rows stay on the calling thread (handing them over costs more).
         if rows.len() < 2 * crate::ops::ROWS_PER_TASK || crate::team::leads() {
@@ -474,10 +474,8 @@ impl LoraAdapter {
         }
         crate::team::for_each_chunk(&mut parts, 1, &|i, rows| {
             let start = i * HEAD_OUTPUTS_PER_TASK;
-            let mut u = vec![0f32; HEAD_OUTPUTS_PER_TASK];
             for (part, tr) in rows[0].iter_mut().zip(t.chunks_exact(rank)) {
-                let u = &mut u[..part.len()];
-                add_up_projection(tr, b_rows, p.out_dim, start, scale, u, part);
+                add_up_projection(tr, b_rows, p.out_dim, start, scale, part);
             }
         });
     }
@@ -488,27 +486,48 @@ impl LoraAdapter {
 const HEAD_OUTPUTS_PER_TASK: usize = 8192;
 
 /// `y += scale · t·Bᵀ` over outputs `start..start + y.len()` of one row, `b_rows` being `Bᵀ`
-/// (`[rank, out_dim]`) and `u` scratch of `y`'s length. Each output's sum over the rank runs in
-/// rank order from 0 (the same bits as a dot of fewer than `ops::dot`'s lanes).
+/// (`[rank, out_dim]`). Each output's sum over the rank runs in rank order from 0 (the same bits
+/// as a dot of fewer than `ops::dot`'s lanes), for `UP_BLOCK` outputs at a time in registers
+/// (a pass over a scratch row per rank step loaded and stored it each time).
 fn add_up_projection(
     t: &[f32],
     b_rows: &[f32],
     out_dim: usize,
     start: usize,
     scale: f32,
-    u: &mut [f32],
     y: &mut [f32],
 ) {
-    u.fill(0.0);
+    let whole = y.len() / UP_BLOCK * UP_BLOCK;
+    let mut blocks = y.chunks_exact_mut(UP_BLOCK);
+    for (c, yc) in (&mut blocks).enumerate() {
+        let o0 = start + c * UP_BLOCK;
+        let mut u = [0f32; UP_BLOCK];
+        for (&tk, b_row) in t.iter().zip(b_rows.chunks_exact(out_dim)) {
+            let b: &[f32; UP_BLOCK] = b_row[o0..o0 + UP_BLOCK].try_into().expect("a block");
+            for (u, &b) in u.iter_mut().zip(b) {
+                *u += tk * b;
+            }
+        }
+        for (yo, &u) in yc.iter_mut().zip(&u) {
+            *yo += scale * u;
+        }
+    }
+    let tail = blocks.into_remainder();
+    let o0 = start + whole;
+    let mut u = [0f32; UP_BLOCK];
+    let u = &mut u[..tail.len()];
     for (&tk, b_row) in t.iter().zip(b_rows.chunks_exact(out_dim)) {
-        for (u, &b) in u.iter_mut().zip(&b_row[start..start + y.len()]) {
+        for (u, &b) in u.iter_mut().zip(&b_row[o0..o0 + tail.len()]) {
             *u += tk * b;
         }
     }
-    for (yo, &u) in y.iter_mut().zip(u.iter()) {
+    for (yo, &u) in tail.iter_mut().zip(u.iter()) {
         *yo += scale * u;
     }
 }
+
+/// Outputs [`add_up_projection`] keeps in registers together (four AVX2 registers).
+const UP_BLOCK: usize = 32;
 
 /// `(out, in)` of the LM head's pair: `[vocab, hidden]`.
 fn head_dims(model: &ModelConfig) -> (usize, usize) {
@@ -555,5 +574,39 @@ impl LoraGrads {
     pub(crate) fn pair_mut(&mut self, index: usize) -> (&mut [f32], &mut [f32]) {
         let (a, b) = self.grads[index..index + 2].split_at_mut(1);
         (&mut a[0], &mut b[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// In blocks or not, every output is its rank-order sum from 0, scaled and added: the bits
+    /// of the one-output formula, a part of the outputs (`start`) and a tail short of a block
+    /// included.
+    #[test]
+    fn up_projection_in_blocks_is_each_outputs_own_sum() {
+        let mut state = 11u64;
+        let mut rand = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let (rank, out_dim) = (8, 3 * UP_BLOCK + 5);
+        let t: Vec<f32> = (0..rank).map(|_| rand()).collect();
+        let b_rows: Vec<f32> = (0..rank * out_dim).map(|_| rand()).collect();
+        for (start, len) in [(0, out_dim), (UP_BLOCK, 2 * UP_BLOCK + 5), (7, 3), (0, 0)] {
+            let y0: Vec<f32> = (0..len).map(|_| rand()).collect();
+            let mut y = y0.clone();
+            add_up_projection(&t, &b_rows, out_dim, start, 0.75, &mut y);
+            for (o, (&got, &before)) in y.iter().zip(&y0).enumerate() {
+                let mut u = 0f32;
+                for (k, &tk) in t.iter().enumerate() {
+                    u += tk * b_rows[k * out_dim + start + o];
+                }
+                assert_eq!(got.to_bits(), (before + 0.75 * u).to_bits(), "{start} {o}");
+            }
+        }
     }
 }
