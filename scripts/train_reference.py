@@ -43,6 +43,8 @@ Run by scripts/bench-train-compare.sh inside its venv.
 
 import argparse
 import contextlib
+import ctypes
+import gc
 import importlib.util
 import json
 import os
@@ -110,6 +112,17 @@ def host_cpu():
     amx = sorted(flag for flag in flags if flag.startswith("amx"))
     shown.update({flag: True for flag in amx} if amx else {"amx": False})
     return name, shown
+
+
+def return_freed_memory():
+    # glibc's malloc_trim: the heap's free pages back to the system, so a variant's peak RSS
+    # (from its step's start) holds none of what the shapes and variants before it freed and the
+    # allocator kept (as temper's bench does before each shape).
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def reset_peak_rss():
@@ -791,6 +804,7 @@ def bench(model, adapter, shapes, repeat, temper_steps, token_ids, variants):
         for variant in variants:
             set_adapter(model, adapter, model.config.num_hidden_layers)
             use_attention(model, variant)
+            return_freed_memory()
             optimizer = torch.optim.AdamW(
                 params, lr=LEARNING_RATE, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY
             )

@@ -101,6 +101,7 @@ pub fn run(args: BenchArgs, default_model: PathBuf) -> Result<(), String> {
     for shape in args.train_shapes.iter().filter(|s| !s.is_empty()) {
         let (seqs, len) = parse_shape(shape)?;
         let prompt = prompt_tokens(&tokenizer, len);
+        return_freed_memory();
         let step = best_of(repeat, || train_step(&model, &prompt, seqs))?;
         let tok_s = step.trainable as f64 / step.wall.as_secs_f64();
         rows.push(Row {
@@ -909,6 +910,18 @@ fn decode_beside_training_row(
             beside_tok_s / alone_tok_s
         ),
     })
+}
+
+/// Hands the heap's free pages back to the system (glibc's `malloc_trim`), so that a shape's
+/// peak RSS, measured from its step's start, holds none of what a larger shape before it freed
+/// and the allocator kept: 3.91 GiB for Qwen3-0.6B's 16x30 step after its 8x128 one, 2.6 GiB
+/// alone. The PyTorch reference does the same before each variant of a shape.
+fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory; every live allocation stays as it is.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// VmHWM of this process (0 where /proc is absent).
