@@ -574,8 +574,8 @@ mod x86 {
     /// Heads a call of the AVX2 weighted sums takes together (their accumulators stay in
     /// registers: two each).
     const HEADS: usize = 4;
-    /// Queries a call of the AVX2 dot products takes together (one accumulator each, the key
-    /// in another register): a tile of tokens scores each key for eight queries at a time.
+    /// Queries a call of the AVX2 dot products takes together (`FOLD_HEADS` at a time, their
+    /// lanes summed together): a tile of tokens scores each key for eight queries at a time.
     const DOT_HEADS: usize = 8;
 
     /// The AVX2 operations for f16 rows (the serving cache); `None` for other element types.
@@ -620,18 +620,19 @@ mod x86 {
         };
     }
 
-    /// [`with_heads`] up to `DOT_HEADS`.
+    /// [`with_heads`] up to `DOT_HEADS`, as `$f::<A, B>` with `A + B` heads, `A` at most
+    /// `FOLD_HEADS`.
     macro_rules! with_dot_heads {
         ($h:expr, $f:ident($($arg:expr),*)) => {
             match $h {
-                1 => $f::<1>($($arg),*),
-                2 => $f::<2>($($arg),*),
-                3 => $f::<3>($($arg),*),
-                4 => $f::<4>($($arg),*),
-                5 => $f::<5>($($arg),*),
-                6 => $f::<6>($($arg),*),
-                7 => $f::<7>($($arg),*),
-                _ => $f::<8>($($arg),*),
+                1 => $f::<1, 0>($($arg),*),
+                2 => $f::<2, 0>($($arg),*),
+                3 => $f::<3, 0>($($arg),*),
+                4 => $f::<4, 0>($($arg),*),
+                5 => $f::<4, 1>($($arg),*),
+                6 => $f::<4, 2>($($arg),*),
+                7 => $f::<4, 3>($($arg),*),
+                _ => $f::<4, 4>($($arg),*),
             }
         };
     }
@@ -650,23 +651,24 @@ mod x86 {
     }
 
     /// [`super::dot_scalar`] for `H` heads at once: the key is read and converted once. Each
-    /// accumulator `a` takes the same fused multiply-adds in the same order as there (one pass
-    /// over the key per accumulator), so the bits are the reference's.
+    /// accumulator `a` takes the same fused multiply-adds in the same order as there, so the
+    /// bits are the reference's.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dots_avx2<const H: usize>(key: &[f16], q: &[f32], sums: &mut [f32], n: usize) {
         let d = key.len();
         let qp: [*const f32; H] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
         // SAFETY: the caller's guarantees, passed on.
-        unsafe { dot_key(key, &qp, q, sums, n) }
+        unsafe { dot_key(key, (&qp, &[]), q, sums, n) }
     }
 
-    /// One key's scores for `H` heads (`qp` their queries in `q`), into `sums[h * n]`: the
-    /// arithmetic of [`dots_avx2`], shared with the tiles' [`dot_rows_avx2`].
+    /// One key's scores for `A + B` heads (`qa` and then `qb` their queries in `q`; `B` only
+    /// where `A` is `FOLD_HEADS`), into `sums[h * n]`: the arithmetic of [`dots_avx2`], shared
+    /// with the tiles' [`dot_rows_avx2`].
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn dot_key<const H: usize>(
+    unsafe fn dot_key<const A: usize, const B: usize>(
         key: &[f16],
-        qp: &[*const f32; H],
+        (qa, qb): (&[*const f32; A], &[*const f32; B]),
         q: &[f32],
         sums: &mut [f32],
         n: usize,
@@ -674,34 +676,94 @@ mod x86 {
         let d = key.len();
         let whole = d / STEP * STEP;
         let kp = key.as_ptr();
-        let mut parts = [[_mm256_setzero_ps(); 4]; H];
-        for a in 0..4 {
-            let mut acc = [_mm256_setzero_ps(); H];
-            for i in (a * LANES..whole).step_by(STEP) {
-                // SAFETY: `i + 8 <= whole <= d` for the key and each head's query.
-                unsafe {
-                    let k = load8(kp.add(i));
-                    for (acc, qp) in acc.iter_mut().zip(qp) {
-                        *acc = _mm256_fmadd_ps(k, _mm256_loadu_ps(qp.add(i)), *acc);
-                    }
-                }
-            }
-            for (part, acc) in parts.iter_mut().zip(acc) {
-                part[a] = acc;
-            }
+        let mut folded = [_mm256_setzero_ps(); DOT_HEADS];
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe {
+            folded[..A].copy_from_slice(&fold_heads(kp, qa, whole));
+            folded[A..A + B].copy_from_slice(&fold_heads(kp, qb, whole));
         }
-        for (h, p) in parts.iter().enumerate() {
-            let folded = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
-            let mut lanes = [0f32; LANES];
-            // SAFETY: eight floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), folded) };
-            let mut sum = crate::kernels::hsum8(&lanes);
+        let mut heads_sums = [0f32; DOT_HEADS];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(heads_sums.as_mut_ptr(), hsum8_each(&folded)) };
+        for (h, mut sum) in heads_sums.into_iter().take(A + B).enumerate() {
             let qh = &q[h * d..(h + 1) * d];
             for at in whole..d {
                 sum = key[at].to_f32().mul_add(qh[at], sum);
             }
             sums[h * n] = sum;
         }
+    }
+
+    /// Heads [`dot_key`] folds at a time: their accumulators of two passes and the first two
+    /// passes' sums stay in registers (14 of the 16).
+    const FOLD_HEADS: usize = 4;
+
+    /// [`super::dot_scalar`]'s four accumulators of each of `G` (at most `FOLD_HEADS`) heads,
+    /// folded as there (`(a0 + a1) + (a2 + a3)`), over the key's first `whole` values (a multiple
+    /// of 32). Accumulators 0 and 1 run together, then 2 and 3, each taking its values in the
+    /// reference's order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn fold_heads<const G: usize>(
+        kp: *const f16,
+        qp: &[*const f32; G],
+        whole: usize,
+    ) -> [__m256; G] {
+        const { assert!(G <= FOLD_HEADS) };
+        let mut folded = [_mm256_setzero_ps(); G];
+        for a in [0, 2] {
+            let (mut first, mut second) = ([_mm256_setzero_ps(); G], [_mm256_setzero_ps(); G]);
+            for i in (a * LANES..whole).step_by(STEP) {
+                // SAFETY: `i + 16 <= whole <= d` for the key and each head's query (`whole` a
+                // multiple of 32, `a * 8 + 16 <= 32`).
+                unsafe {
+                    let (k0, k1) = (load8(kp.add(i)), load8(kp.add(i + LANES)));
+                    for h in 0..G {
+                        first[h] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(qp[h].add(i)), first[h]);
+                        let q1 = _mm256_loadu_ps(qp[h].add(i + LANES));
+                        second[h] = _mm256_fmadd_ps(k1, q1, second[h]);
+                    }
+                }
+            }
+            for h in 0..G {
+                let pair = _mm256_add_ps(first[h], second[h]);
+                folded[h] = if a == 0 {
+                    pair
+                } else {
+                    _mm256_add_ps(folded[h], pair)
+                };
+            }
+        }
+        folded
+    }
+
+    /// [`crate::kernels::hsum8`] of each of eight vectors, lane `i` of the result vector `i`'s:
+    /// the same additions, for the eight at once (a transpose as it adds; one vector at a time
+    /// took as many shuffles and adds as the score's 16 multiply-adds of a 128-value head).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) fn hsum8_each(v: &[__m256; 8]) -> __m256 {
+        // Lanes l + l+4 of vector i (hsum8's first additions), vector i in the low half and
+        // vector i + 4 in the high half of `halves[i]`.
+        let halves: [__m256; 4] = std::array::from_fn(|i| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(v[i], v[i + 4]),
+                _mm256_permute2f128_ps::<0x31>(v[i], v[i + 4]),
+            )
+        });
+        // (l0+l4) + (l2+l6) and (l1+l5) + (l3+l7): per half [a's two, b's two] of the pair.
+        let pairs = |a: __m256, b: __m256| {
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0b01_00_01_00>(a, b),
+                _mm256_shuffle_ps::<0b11_10_11_10>(a, b),
+            )
+        };
+        let (low, high) = (pairs(halves[0], halves[1]), pairs(halves[2], halves[3]));
+        // The two sums added: vectors 0-3 in the low half, 4-7 in the high half, in order.
+        _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(low, high),
+            _mm256_shuffle_ps::<0b11_01_11_01>(low, high),
+        )
     }
 
     fn dot_rows(span: ValueRows<'_, f16>, queries: &[f32], scores: &mut [f32], j: usize, n: usize) {
@@ -731,20 +793,21 @@ mod x86 {
         }
     }
 
-    /// [`dots_avx2`] for each of `rows` keys (`stride` apart), up to `DOT_HEADS` heads at once
-    /// (a tile's queries): the query pointers are set up once per call.
+    /// [`dots_avx2`] for each of `rows` keys (`stride` apart), `A + B` heads at once (a tile's
+    /// queries; `B` only where `A` is `FOLD_HEADS`): the query pointers are set up once per call.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_rows_avx2<const H: usize>(
+    unsafe fn dot_rows_avx2<const A: usize, const B: usize>(
         keys: &[f16],
         (rows, stride, d): (usize, usize, usize),
         q: &[f32],
         sums: &mut [f32],
         n: usize,
     ) {
-        let qp: [*const f32; H] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
+        let qa: [*const f32; A] = std::array::from_fn(|h| q[h * d..(h + 1) * d].as_ptr());
+        let qb: [*const f32; B] = std::array::from_fn(|h| q[(A + h) * d..(A + h + 1) * d].as_ptr());
         for r in 0..rows {
             // SAFETY: the caller's guarantees, passed on; row `r`'s scores at `sums[h * n + r]`.
-            unsafe { dot_key(&keys[r * stride..][..d], &qp, q, &mut sums[r..], n) }
+            unsafe { dot_key(&keys[r * stride..][..d], (&qa, &qb), q, &mut sums[r..], n) }
         }
     }
 
@@ -1006,6 +1069,37 @@ mod tests {
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{isa:?} d={d} group={group} {window:?} tile={tile}");
                 }
+            }
+        }
+    }
+
+    /// The eight lane sums at once are [`crate::kernels::hsum8`]'s, bit for bit (values of
+    /// many magnitudes, so that the order of the additions shows).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn eight_lane_sums_at_once_are_hsum8s() {
+        use std::arch::x86_64::{__m256, _mm256_loadu_ps, _mm256_storeu_ps};
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let mut seed = 0x5eed_u64;
+        for _ in 0..1000 {
+            let values = random(&mut seed, 64, 1.0);
+            let scales = random(&mut seed, 64, 30.0);
+            let values: Vec<f32> = values
+                .iter()
+                .zip(&scales)
+                .map(|(v, s)| v * s.exp2())
+                .collect();
+            let mut sums = [0f32; 8];
+            // SAFETY: AVX2 is present (checked above); 64 values, eight for each vector.
+            unsafe {
+                let v: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(&values[i * 8]));
+                _mm256_storeu_ps(sums.as_mut_ptr(), x86::hsum8_each(&v));
+            }
+            for (i, sum) in sums.iter().enumerate() {
+                let lanes: &[f32; 8] = values[i * 8..][..8].try_into().unwrap();
+                assert_eq!(sum.to_bits(), crate::kernels::hsum8(lanes).to_bits(), "{i}");
             }
         }
     }
