@@ -532,7 +532,7 @@ impl Decoder {
         let d_attn = lin.backward(LoraTarget::O, &lt.attn, &d_o)?;
         let global = cfg.is_global(li);
         let window = (!global).then_some(cfg.sliding_window);
-        let (mut dq, mut dk, dv) = self.attend_backward(lt, tape, window, &d_attn)?;
+        let (mut dq, mut dk, dv) = self.attend_backward(lt, tape, window, &d_attn);
         if let Some(rope) = ropes.get(cfg, li) {
             rope.apply_inverse(&mut dq, cfg.num_heads);
             rope.apply_inverse(&mut dk, cfg.num_kv_heads);
@@ -560,138 +560,152 @@ impl Decoder {
         Ok(dx)
     }
 
-    /// Gradients of causal (windowed, segment-isolated) attention to q, k and v. The softmax is
-    /// recomputed from q and k in f32 (the forward's f16 rounding of keys and values is not
-    /// differentiated). Per segment and key/value head, as matrix products over the rows of
-    /// that head's query heads (`S = Q·Kᵀ`, `dP = dO·Vᵀ`, `dQ = dS·K`, `dK = dSᵀ·Q`,
-    /// `dV = Pᵀ·dO`), in tiles of `QUERY_TILE_ROWS` query rows, so a long sequence's quadratic
-    /// part runs at gemm speed and skips what the causal mask and the window hide.
+    /// [`attention_grads`] of layer's tape `lt` (its queries, keys and values after rope).
     fn attend_backward(
         &self,
         lt: &AttentionTape,
         tape: &TrainTape,
         window: Option<usize>,
         d_attn: &[f32],
-    ) -> Result<QkvGrads, ModelError> {
-        let (h, hkv, d) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
-        let group = h / hkv;
-        let kv_width = hkv * d;
-        let scale = self.cfg.attention_scale;
-        let pos = &tape.layout.pos;
-        // One key/value head of one segment: its rows' gradients, independent of every other
-        // pair's, so that pairs run in parallel (many short segments are products too small to
-        // split further).
-        let head_grads = |seg: &std::ops::Range<usize>, g: usize| {
-            let len = seg.len();
-            let rows = len * group;
-            // Rows (token, head) of this key/value head's query heads, token-major.
-            let gather = |m: &[f32]| -> Vec<f32> {
-                let mut out = Vec::with_capacity(rows * d);
-                for t in seg.clone() {
-                    let at = (t * h + g * group) * d;
-                    out.extend_from_slice(&m[at..at + group * d]);
-                }
-                out
-            };
-            let kv = |m: &[f32]| -> Vec<f32> {
-                let mut out = Vec::with_capacity(len * d);
-                for t in seg.clone() {
-                    out.extend_from_slice(&m[t * kv_width + g * d..][..d]);
-                }
-                out
-            };
-            let (q_all, dout_all) = (gather(&lt.q), gather(d_attn));
-            let (k_all, v_all) = (kv(&lt.k), kv(&lt.v));
-            let mut dq_g = vec![0f32; rows * d];
-            let mut dk_g = vec![0f32; len * d];
-            let mut dv_g = vec![0f32; len * d];
-            // Queries in tiles, each against the keys any of its rows sees (from the first
-            // row's window start to the last row): the masked rest is never multiplied. Tiles
-            // in parallel (one long segment is all of a step's attention), each with its own
-            // part of dK and dV, added in tile order after; scratch kept per thread (fresh
-            // pages for each tile's products cost more than their zeroing).
-            let tile = (QUERY_TILE_ROWS / group).max(16);
-            // Segment-relative: the first key a query at `i` sees.
-            let lo = |i: usize| window.map_or(0, |w| (pos[seg.start + i] + 1).saturating_sub(w));
-            let key_parts: Vec<(usize, Vec<f32>, Vec<f32>)> = dq_g
-                .par_chunks_mut(tile * group * d)
-                .enumerate()
-                .map_init(Vec::new, |scratch: &mut Vec<f32>, (t, dq_tile)| {
-                    let (i0, i1) = (t * tile, (t * tile + tile).min(len));
-                    let k0 = lo(i0);
-                    let (tile_rows, keys) = ((i1 - i0) * group, i1 - k0);
-                    let (q, dout) = (
-                        MatRef::new(&q_all[i0 * group * d..i1 * group * d], tile_rows, d),
-                        MatRef::new(&dout_all[i0 * group * d..i1 * group * d], tile_rows, d),
-                    );
-                    let (k, v) = (
-                        MatRef::new(&k_all[k0 * d..i1 * d], keys, d),
-                        MatRef::new(&v_all[k0 * d..i1 * d], keys, d),
-                    );
-                    scratch.resize(3 * tile_rows * keys, 0.0);
-                    let (p, rest) = scratch[..3 * tile_rows * keys].split_at_mut(tile_rows * keys);
-                    let (dp, ds) = rest.split_at_mut(tile_rows * keys);
-                    ops::matmul_f32(p, q, k.t(), scale, false);
-                    ops::matmul_f32(dp, dout, v.t(), 1.0, false);
-                    // Row r is query i0 + r / group: it sees keys lo..=i (from k0 on).
-                    let rows = p
-                        .chunks_mut(keys)
-                        .zip(dp.chunks(keys))
-                        .zip(ds.chunks_mut(keys));
-                    for (r, ((pr, dpr), dsr)) in rows.enumerate() {
-                        let i = i0 + r / group;
-                        let (a, b) = (lo(i) - k0, i - k0);
-                        pr[..a].fill(0.0);
-                        pr[b + 1..].fill(0.0);
-                        ops::softmax(&mut pr[a..=b]);
-                        let mean: f32 = pr[a..=b].iter().zip(&dpr[a..=b]).map(|(x, y)| x * y).sum();
-                        dsr[..a].fill(0.0);
-                        dsr[b + 1..].fill(0.0);
-                        for j in a..=b {
-                            dsr[j] = pr[j] * (dpr[j] - mean);
-                        }
-                    }
-                    let (p, ds) = (
-                        MatRef::new(p, tile_rows, keys),
-                        MatRef::new(ds, tile_rows, keys),
-                    );
-                    ops::matmul_f32(dq_tile, ds, k, scale, false);
-                    let mut dk_part = vec![0f32; keys * d];
-                    ops::matmul_f32(&mut dk_part, ds.t(), q, scale, false);
-                    let mut dv_part = vec![0f32; keys * d];
-                    ops::matmul_f32(&mut dv_part, p.t(), dout, 1.0, false);
-                    (k0, dk_part, dv_part)
-                })
-                .collect();
-            for (k0, dk_part, dv_part) in key_parts {
-                add_assign(&mut dk_g[k0 * d..k0 * d + dk_part.len()], &dk_part);
-                add_assign(&mut dv_g[k0 * d..k0 * d + dv_part.len()], &dv_part);
-            }
-            (dq_g, dk_g, dv_g)
-        };
-        let pairs: Vec<(&std::ops::Range<usize>, usize)> = tape
-            .segments
-            .iter()
-            .flat_map(|seg| (0..hkv).map(move |g| (seg, g)))
-            .collect();
-        let grads: Vec<QkvGrads> = pairs
-            .par_iter()
-            .map(|&(seg, g)| head_grads(seg, g))
-            .collect();
-        let mut dq = vec![0f32; lt.q.len()];
-        let mut dk = vec![0f32; lt.k.len()];
-        let mut dv = vec![0f32; lt.v.len()];
-        for (&(seg, g), (dq_g, dk_g, dv_g)) in pairs.iter().zip(grads) {
-            for (i, t) in seg.clone().enumerate() {
-                let at = (t * h + g * group) * d;
-                dq[at..at + group * d].copy_from_slice(&dq_g[i * group * d..(i + 1) * group * d]);
-                let at = t * kv_width + g * d;
-                dk[at..at + d].copy_from_slice(&dk_g[i * d..(i + 1) * d]);
-                dv[at..at + d].copy_from_slice(&dv_g[i * d..(i + 1) * d]);
-            }
-        }
-        Ok((dq, dk, dv))
+    ) -> QkvGrads {
+        let cfg = &self.cfg;
+        let shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale);
+        let qkv = (&lt.q[..], &lt.k[..], &lt.v[..]);
+        attention_grads(shape, qkv, d_attn, (&tape.layout.pos, &tape.segments), window)
     }
+}
+
+/// Gradients of causal (windowed, segment-isolated) attention to q, k and v. The softmax is
+/// recomputed from q and k in f32 (the forward's f16 rounding of keys and values is not
+/// differentiated). Per segment and key/value head, as matrix products over the rows of
+/// that head's query heads (`S = Q·Kᵀ`, `dP = dO·Vᵀ`, `dQ = dS·K`, `dK = dSᵀ·Q`,
+/// `dV = Pᵀ·dO`), in tiles of `QUERY_TILE_ROWS` query rows, so a long sequence's quadratic
+/// part runs at gemm speed and skips what the causal mask and the window hide.
+///
+/// `shape` is (query heads, key/value heads, head size, score scale); `q` holds `heads x d`
+/// values a token, `k` and `v` `kv_heads x d`; `pos` is each token's position in its segment
+/// of `segments`.
+fn attention_grads(
+    (h, hkv, d, scale): (usize, usize, usize, f32),
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    d_attn: &[f32],
+    (pos, segments): (&[usize], &[std::ops::Range<usize>]),
+    window: Option<usize>,
+) -> QkvGrads {
+    let group = h / hkv;
+    let kv_width = hkv * d;
+    // One key/value head of one segment: its rows' gradients, independent of every other
+    // pair's, so that pairs run in parallel (many short segments are products too small to
+    // split further).
+    let head_grads = |seg: &std::ops::Range<usize>, g: usize| {
+        let len = seg.len();
+        let rows = len * group;
+        // Rows (token, head) of this key/value head's query heads, token-major.
+        let gather = |m: &[f32]| -> Vec<f32> {
+            let mut out = Vec::with_capacity(rows * d);
+            for t in seg.clone() {
+                let at = (t * h + g * group) * d;
+                out.extend_from_slice(&m[at..at + group * d]);
+            }
+            out
+        };
+        let kv = |m: &[f32]| -> Vec<f32> {
+            let mut out = Vec::with_capacity(len * d);
+            for t in seg.clone() {
+                out.extend_from_slice(&m[t * kv_width + g * d..][..d]);
+            }
+            out
+        };
+        let (q_all, dout_all) = (gather(q), gather(d_attn));
+        let (k_all, v_all) = (kv(k), kv(v));
+        let mut dq_g = vec![0f32; rows * d];
+        let mut dk_g = vec![0f32; len * d];
+        let mut dv_g = vec![0f32; len * d];
+        // Queries in tiles, each against the keys any of its rows sees (from the first
+        // row's window start to the last row): the masked rest is never multiplied. Tiles
+        // in parallel (one long segment is all of a step's attention), each with its own
+        // part of dK and dV, added in tile order after; scratch kept per thread (fresh
+        // pages for each tile's products cost more than their zeroing).
+        let tile = (QUERY_TILE_ROWS / group).max(16);
+        // Segment-relative: the first key a query at `i` sees.
+        let lo = |i: usize| window.map_or(0, |w| (pos[seg.start + i] + 1).saturating_sub(w));
+        let key_parts: Vec<(usize, Vec<f32>, Vec<f32>)> = dq_g
+            .par_chunks_mut(tile * group * d)
+            .enumerate()
+            .map_init(Vec::new, |scratch: &mut Vec<f32>, (t, dq_tile)| {
+                let (i0, i1) = (t * tile, (t * tile + tile).min(len));
+                let k0 = lo(i0);
+                let (tile_rows, keys) = ((i1 - i0) * group, i1 - k0);
+                let (q, dout) = (
+                    MatRef::new(&q_all[i0 * group * d..i1 * group * d], tile_rows, d),
+                    MatRef::new(&dout_all[i0 * group * d..i1 * group * d], tile_rows, d),
+                );
+                let (k, v) = (
+                    MatRef::new(&k_all[k0 * d..i1 * d], keys, d),
+                    MatRef::new(&v_all[k0 * d..i1 * d], keys, d),
+                );
+                scratch.resize(3 * tile_rows * keys, 0.0);
+                let (p, rest) = scratch[..3 * tile_rows * keys].split_at_mut(tile_rows * keys);
+                let (dp, ds) = rest.split_at_mut(tile_rows * keys);
+                ops::matmul_f32(p, q, k.t(), scale, false);
+                ops::matmul_f32(dp, dout, v.t(), 1.0, false);
+                // Row r is query i0 + r / group: it sees keys lo..=i (from k0 on).
+                let rows = p
+                    .chunks_mut(keys)
+                    .zip(dp.chunks(keys))
+                    .zip(ds.chunks_mut(keys));
+                for (r, ((pr, dpr), dsr)) in rows.enumerate() {
+                    let i = i0 + r / group;
+                    let (a, b) = (lo(i) - k0, i - k0);
+                    pr[..a].fill(0.0);
+                    pr[b + 1..].fill(0.0);
+                    ops::softmax(&mut pr[a..=b]);
+                    let mean: f32 = pr[a..=b].iter().zip(&dpr[a..=b]).map(|(x, y)| x * y).sum();
+                    dsr[..a].fill(0.0);
+                    dsr[b + 1..].fill(0.0);
+                    for j in a..=b {
+                        dsr[j] = pr[j] * (dpr[j] - mean);
+                    }
+                }
+                let (p, ds) = (
+                    MatRef::new(p, tile_rows, keys),
+                    MatRef::new(ds, tile_rows, keys),
+                );
+                ops::matmul_f32(dq_tile, ds, k, scale, false);
+                let mut dk_part = vec![0f32; keys * d];
+                ops::matmul_f32(&mut dk_part, ds.t(), q, scale, false);
+                let mut dv_part = vec![0f32; keys * d];
+                ops::matmul_f32(&mut dv_part, p.t(), dout, 1.0, false);
+                (k0, dk_part, dv_part)
+            })
+            .collect();
+        for (k0, dk_part, dv_part) in key_parts {
+            add_assign(&mut dk_g[k0 * d..k0 * d + dk_part.len()], &dk_part);
+            add_assign(&mut dv_g[k0 * d..k0 * d + dv_part.len()], &dv_part);
+        }
+        (dq_g, dk_g, dv_g)
+    };
+    let pairs: Vec<(&std::ops::Range<usize>, usize)> = segments
+        .iter()
+        .flat_map(|seg| (0..hkv).map(move |g| (seg, g)))
+        .collect();
+    let grads: Vec<QkvGrads> = pairs
+        .par_iter()
+        .map(|&(seg, g)| head_grads(seg, g))
+        .collect();
+    let mut dq = vec![0f32; q.len()];
+    let mut dk = vec![0f32; k.len()];
+    let mut dv = vec![0f32; v.len()];
+    for (&(seg, g), (dq_g, dk_g, dv_g)) in pairs.iter().zip(grads) {
+        for (i, t) in seg.clone().enumerate() {
+            let at = (t * h + g * group) * d;
+            dq[at..at + group * d].copy_from_slice(&dq_g[i * group * d..(i + 1) * group * d]);
+            let at = t * kv_width + g * d;
+            dk[at..at + d].copy_from_slice(&dk_g[i * d..(i + 1) * d]);
+            dv[at..at + d].copy_from_slice(&dv_g[i * d..(i + 1) * d]);
+        }
+    }
+    (dq, dk, dv)
 }
 
 /// Query rows (token and head) per tile of the attention backward's matrix products: a tile
@@ -885,6 +899,65 @@ impl RowSoftmax {
             lse,
             entropy,
             total,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Time of one layer's attention gradients ([`attention_grads`]) at Qwen3-0.6B's heads and
+    /// the default model's (one sequence of N tokens, random values; the best of several
+    /// trials): `cargo test --release -p temper-model --lib -- --ignored --nocapture
+    /// attention_grads_throughput` (`ATTN_BENCH=Qwen3` picks the shapes whose line has that text).
+    #[test]
+    #[ignore]
+    fn attention_grads_throughput() {
+        let mut rng = crate::kernels::test_util::Rng::new(11);
+        let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.uniform() - 0.5).collect() };
+        for (name, h, hkv, d, window) in [
+            ("Qwen3-0.6B", 16, 8, 128, None),
+            ("Gemma 3 270M", 4, 1, 256, None),
+            ("Gemma 3 270M local", 4, 1, 256, Some(512)),
+        ] {
+            for n in [1024, 2048] {
+                let label = format!("{name} N={n}");
+                if !label.contains(&std::env::var("ATTN_BENCH").unwrap_or_default()) {
+                    continue;
+                }
+                let (q, k, v, dout) = (
+                    random(n * h * d),
+                    random(n * hkv * d),
+                    random(n * hkv * d),
+                    random(n * h * d),
+                );
+                let pos: Vec<usize> = (0..n).collect();
+                let segments = [0..n];
+                let shape = (h, hkv, d, 1.0 / (d as f32).sqrt());
+                let (mut best, mut best_cpu) = (f64::INFINITY, f64::INFINITY);
+                for _ in 0..5 {
+                    let (t, cpu) = (
+                        std::time::Instant::now(),
+                        crate::kernels::test_util::cpu_seconds(),
+                    );
+                    std::hint::black_box(attention_grads(
+                        shape,
+                        (&q, &k, &v),
+                        &dout,
+                        (&pos, &segments),
+                        window,
+                    ));
+                    best = best.min(t.elapsed().as_secs_f64());
+                    best_cpu = best_cpu.min(crate::kernels::test_util::cpu_seconds() - cpu);
+                }
+                println!(
+                    "{label} ({h} heads, {hkv} kv, d {d}): {:.1} ms (CPU time of all threads \
+                     {:.1} ms)",
+                    best * 1e3,
+                    best_cpu * 1e3
+                );
+            }
         }
     }
 }
