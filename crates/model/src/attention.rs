@@ -441,8 +441,8 @@ pub(crate) fn attend_tile<T: KvElem + 'static>(
 
 /// Asks for share `t` of `tiles` of `span`'s rows (`head.stride` values each) to be brought
 /// into L2, only `head`'s columns of each: a row of the cache holds every key/value head, and
-/// the other heads' columns are other tasks' (asking for whole rows asked for eight times the
-/// bytes at Qwen3-0.6B's eight key/value heads, most of a prefill's time outside its products).
+/// the other heads' columns are other tasks' (whole rows are eight times the bytes at
+/// Qwen3-0.6B's eight key/value heads).
 fn prefetch_head<T: KvElem>(span: &[T], head: HeadColumns, t: usize, tiles: usize) {
     let HeadColumns { col, d, stride } = head;
     let rows = span.len() / stride;
@@ -738,8 +738,9 @@ mod x86 {
     }
 
     /// [`crate::kernels::hsum8`] of each of eight vectors, lane `i` of the result vector `i`'s:
-    /// the same additions, for the eight at once (a transpose as it adds; one vector at a time
-    /// took as many shuffles and adds as the score's 16 multiply-adds of a 128-value head).
+    /// the same additions, for the eight at once (a transpose as it adds: 21 shuffles and
+    /// additions for eight scores, where one vector at a time took six a score beside the
+    /// score's 16 multiply-adds at a 128-value head).
     #[target_feature(enable = "avx2")]
     #[inline]
     pub(super) fn hsum8_each(v: &[__m256; 8]) -> __m256 {

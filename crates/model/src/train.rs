@@ -569,9 +569,20 @@ impl Decoder {
         d_attn: &[f32],
     ) -> QkvGrads {
         let cfg = &self.cfg;
-        let shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale);
+        let shape = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.attention_scale,
+        );
         let qkv = (&lt.q[..], &lt.k[..], &lt.v[..]);
-        attention_grads(shape, qkv, d_attn, (&tape.layout.pos, &tape.segments), window)
+        attention_grads(
+            shape,
+            qkv,
+            d_attn,
+            (&tape.layout.pos, &tape.segments),
+            window,
+        )
     }
 }
 
