@@ -47,7 +47,8 @@
 # transformers, peft and gguf is $TEMPER_HOME/train-ref-venv, ~6 GB with the CUDA libraries
 # PyPI's torch wheel depends on, reused while its pinned versions stay the same), BENCH_MODEL
 # (GGUF path; default: scripts/fetch-model.sh), BENCH_SHAPES (default 8x128,1x1024,16x30),
-# BENCH_REPEAT (best of; default 2), BENCH_THREADS (default 2), BENCH_JOBS (temper's whole RL
+# BENCH_REPEAT (best of; default 3: each side's first step of a shape after handing its heap
+# back faults its pages in again), BENCH_THREADS (default 2), BENCH_JOBS (temper's whole RL
 # jobs, TRAJECTORIESxANSWER_TOKENS, printed beside the steps in jobs/min; default 16x200,32x300),
 # BENCH_VARIANTS (reference
 # variants, comma-separated PRECISION[+chunked]+ATTENTION with PRECISION f32 or bf16-autocast and
@@ -92,7 +93,7 @@ case $ISA in
 esac
 
 SHAPES=${BENCH_SHAPES:-8x128,1x1024,16x30}
-REPEAT=${BENCH_REPEAT:-2}
+REPEAT=${BENCH_REPEAT:-3}
 THREADS=${BENCH_THREADS:-2}
 VARIANTS=${BENCH_VARIANTS:-auto}
 JOBS=${BENCH_JOBS:-16x200,32x300}
