@@ -944,7 +944,7 @@ mod tests {
                     random(n * h * d),
                 );
                 let pos: Vec<usize> = (0..n).collect();
-                let segments = [0..n];
+                let segment = 0..n;
                 let shape = (h, hkv, d, 1.0 / (d as f32).sqrt());
                 let (mut best, mut best_cpu) = (f64::INFINITY, f64::INFINITY);
                 for _ in 0..5 {
@@ -956,7 +956,7 @@ mod tests {
                         shape,
                         (&q, &k, &v),
                         &dout,
-                        (&pos, &segments),
+                        (&pos, std::slice::from_ref(&segment)),
                         window,
                     ));
                     best = best.min(t.elapsed().as_secs_f64());
