@@ -683,8 +683,18 @@ mod x86 {
             folded[A..A + B].copy_from_slice(&fold_heads(kp, qb, whole));
         }
         let mut heads_sums = [0f32; DOT_HEADS];
-        // SAFETY: eight floats.
-        unsafe { _mm256_storeu_ps(heads_sums.as_mut_ptr(), hsum8_each(&folded)) };
+        if A + B > 2 {
+            // SAFETY: eight floats.
+            unsafe { _mm256_storeu_ps(heads_sums.as_mut_ptr(), hsum8_each(&folded)) };
+        } else {
+            // A decode step's one or two heads: eight at once would sum six or seven zeros.
+            for (sum, f) in heads_sums.iter_mut().zip(&folded[..A + B]) {
+                let mut lanes = [0f32; LANES];
+                // SAFETY: eight floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *f) };
+                *sum = crate::kernels::hsum8(&lanes);
+            }
+        }
         for (h, mut sum) in heads_sums.into_iter().take(A + B).enumerate() {
             let qh = &q[h * d..(h + 1) * d];
             for at in whole..d {

@@ -593,12 +593,12 @@ impl Decoder {
 /// `dV = Pᵀ·dO`), in tiles of `QUERY_TILE_ROWS` query rows, so a long sequence's quadratic
 /// part runs at gemm speed and skips what the causal mask and the window hide.
 ///
-/// `shape` is (query heads, key/value heads, head size, score scale); `q` holds `heads x d`
-/// values a token, `k` and `v` `kv_heads x d`; `pos` is each token's position in its segment
+/// `shape` is (query heads, key/value heads, head size, score scale); `q_in` holds `heads x d`
+/// values a token, `k_in` and `v_in` `kv_heads x d`; `pos` is each token's position in its segment
 /// of `segments`.
 fn attention_grads(
     (h, hkv, d, scale): (usize, usize, usize, f32),
-    (q, k, v): (&[f32], &[f32], &[f32]),
+    (q_in, k_in, v_in): (&[f32], &[f32], &[f32]),
     d_attn: &[f32],
     (pos, segments): (&[usize], &[std::ops::Range<usize>]),
     window: Option<usize>,
@@ -627,8 +627,8 @@ fn attention_grads(
             }
             out
         };
-        let (q_all, dout_all) = (gather(q), gather(d_attn));
-        let (k_all, v_all) = (kv(k), kv(v));
+        let (q_all, dout_all) = (gather(q_in), gather(d_attn));
+        let (k_all, v_all) = (kv(k_in), kv(v_in));
         let mut dq_g = vec![0f32; rows * d];
         let mut dk_g = vec![0f32; len * d];
         let mut dv_g = vec![0f32; len * d];
@@ -704,9 +704,9 @@ fn attention_grads(
         .par_iter()
         .map(|&(seg, g)| head_grads(seg, g))
         .collect();
-    let mut dq = vec![0f32; q.len()];
-    let mut dk = vec![0f32; k.len()];
-    let mut dv = vec![0f32; v.len()];
+    let mut dq = vec![0f32; q_in.len()];
+    let mut dk = vec![0f32; k_in.len()];
+    let mut dv = vec![0f32; v_in.len()];
     for (&(seg, g), (dq_g, dk_g, dv_g)) in pairs.iter().zip(grads) {
         for (i, t) in seg.clone().enumerate() {
             let at = (t * h + g * group) * d;
