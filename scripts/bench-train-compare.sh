@@ -6,7 +6,9 @@
 # One step on both sides is the whole step a training job takes: forward, backward, gradient
 # clipping and the AdamW update of the LoRA adapter (temper: `temper bench --train-shapes`, which
 # calls the trainer's apply_gradients; PyTorch: torch.optim.AdamW over the LoRA parameters, step
-# and zero_grad, all inside the timed region). The reference runs as several variants an expert
+# and zero_grad, all inside the timed region). The sides take turns shape by shape (temper's
+# steps of a shape, then every variant's, then the next shape), so a host whose speed drifts
+# over the run moves both sides of a ratio alike. The reference runs as several variants an expert
 # might choose (scripts/train_reference.py's docstring): f32+sdpa (f32, transformers' default
 # SDPA attention, a full f32 [tokens x 262k] log-softmax: the reference of the check and of the
 # fixture, always run), f32+eager, f32+chunked+sdpa (the LM head's log-softmax a chunk of rows at
@@ -47,8 +49,9 @@
 # transformers, peft and gguf is $TEMPER_HOME/train-ref-venv, ~6 GB with the CUDA libraries
 # PyPI's torch wheel depends on, reused while its pinned versions stay the same), BENCH_MODEL
 # (GGUF path; default: scripts/fetch-model.sh), BENCH_SHAPES (default 8x128,1x1024,16x30),
-# BENCH_REPEAT (best of; default 3: each side's first step of a shape after handing its heap
-# back faults its pages in again), BENCH_THREADS (default 2), BENCH_JOBS (temper's whole RL
+# BENCH_REPEAT (best of; default 3: each side's first step of a shape faults its pages in
+# again, PyTorch's after handing its heap back, temper's in a fresh process that also builds its
+# input-gradient weights then), BENCH_THREADS (default 2), BENCH_JOBS (temper's whole RL
 # jobs, TRAJECTORIESxANSWER_TOKENS, printed beside the steps in jobs/min; default 16x200,32x300),
 # BENCH_VARIANTS (reference
 # variants, comma-separated PRECISION[+chunked]+ATTENTION with PRECISION f32 or bf16-autocast and
@@ -151,17 +154,19 @@ if [[ $WRITE_FIXTURE == 1 ]]; then
     REFERENCE_ARGS+=(--write-fixture "$FIXTURE")
 fi
 if [[ $CHECK_ONLY == 0 ]]; then
-    log "temper bench --train-only --train-shapes $SHAPES (best of $REPEAT, $THREADS threads)"
-    RAYON_NUM_THREADS=$THREADS "./$TEMPER_TARGET/release/temper" bench --model "$MODEL" --train-only \
-        --train-shapes "$SHAPES" --train-jobs "$JOBS" --repeat "$REPEAT" |
-        tee "$WORK/temper-bench.txt" >&2
-    REFERENCE_ARGS+=(--temper-bench "$WORK/temper-bench.txt" --shapes "$SHAPES" --repeat "$REPEAT")
+    # The reference runs `temper bench` for each shape before that shape's variants: the two
+    # sides take turns, so the host's drift over a run moves both sides of a ratio alike.
+    REFERENCE_ARGS+=(--temper "./$TEMPER_TARGET/release/temper" --shapes "$SHAPES"
+        --repeat "$REPEAT")
 fi
-log "the PyTorch + PEFT reference (variants: $VARIANTS)"
+log "the PyTorch + PEFT reference (variants: $VARIANTS), shape by shape after temper's steps"
 "$PYTHON" -W ignore scripts/train_reference.py "${REFERENCE_ARGS[@]}"
 if [[ $CHECK_ONLY == 0 && -n $JOBS ]]; then
     # Whole jobs as the worker runs them (tokenize, pack, every step, the checkpoint written).
+    log "temper bench --train-only --train-jobs $JOBS ($THREADS threads)"
+    RAYON_NUM_THREADS=$THREADS "./$TEMPER_TARGET/release/temper" bench --model "$MODEL" --train-only \
+        --train-shapes '' --train-jobs "$JOBS" >"$WORK/temper-jobs.txt"
     echo
     echo "temper's whole RL jobs (one group each, through the trainer's job path):"
-    grep -o 'training job, [^|]*' "$WORK/temper-bench.txt" | sed 's/ *$//; s/^/- /'
+    grep -o 'training job, [^|]*' "$WORK/temper-jobs.txt" | sed 's/ *$//; s/^/- /'
 fi

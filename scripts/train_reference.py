@@ -18,8 +18,11 @@ rank, alpha and targets (read from the adapter file temper wrote), then:
   parameters (temper's betas, eps and weight decay), step and zero_grad, all inside the timed
   region, as `temper bench --train-shapes` times temper's `train_forward` + `backward` +
   `apply_gradients`. Best of --repeat, with seconds, trainable tok/s and peak RSS, next to
-  temper's figures parsed from its bench output; per shape the ratio against the fastest correct
-  variant that makes sense on this host, and the `train-compare:` summary line naming it.
+  temper's figures; per shape the ratio against the fastest correct variant that makes sense on
+  this host, and the `train-compare:` summary line naming it. The two sides take turns shape by
+  shape: temper's steps of a shape (`temper bench` run for that shape alone, from --temper),
+  then each variant's, then the next shape, so that a host whose speed drifts over minutes
+  moves both sides of a ratio alike.
 
 Reference variants (--variants; names are PRECISION[+chunked]+ATTENTION):
   PRECISION  f32: the f32 model as loaded, no autocast. bf16-autocast: the forward inside
@@ -49,6 +52,7 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -761,7 +765,7 @@ def parse_shape(shape):
     return int(m[1]), int(m[2])
 
 
-def parse_temper_bench(path):
+def parse_temper_bench(output):
     """{shape: Step} from the trainer rows of `temper bench`'s table."""
     row = re.compile(
         r"trainer step \(forward \+ backward \+ AdamW\), (\d+x\d+) tokens packed \((\d+) "
@@ -769,25 +773,40 @@ def parse_temper_bench(path):
         r"peak RSS ([\d.]+) GiB"
     )
     steps = {}
-    with open(path) as f:
-        for line in f:
-            m = row.search(line)
-            if m:
-                steps[m[1]] = Step(
-                    float(m[3]),
-                    float(m[4]),
-                    float(m[5]),
-                    float(m[6]),
-                    int(m[2]),
-                    int(float(m[7]) * GIB),
-                )
+    for line in output.splitlines():
+        m = row.search(line)
+        if m:
+            steps[m[1]] = Step(
+                float(m[3]),
+                float(m[4]),
+                float(m[5]),
+                float(m[6]),
+                int(m[2]),
+                int(float(m[7]) * GIB),
+            )
     return steps
 
 
-def bench(model, adapter, shapes, repeat, temper_steps, token_ids, variants):
-    """[(shape, temper's Step, {variant: best Step})]; every variant starts from the check's
-    adapter with a fresh AdamW, and the variants of a shape run one after another (load that
-    drifts on a shared host hits them alike)."""
+def temper_step(temper, gguf, shape, repeat, threads):
+    """Temper's best step of `shape`: `temper bench --train-only` for that shape alone (its
+    table echoed to stderr), in a process of its own while this one waits."""
+    command = [temper, "bench", "--model", gguf, "--train-only", "--train-shapes", shape]
+    command += ["--train-jobs", "", "--repeat", str(repeat)]
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    run = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+    print(run.stdout, end="", file=sys.stderr)
+    if run.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed (exit {run.returncode})")
+    step = parse_temper_bench(run.stdout).get(shape)
+    if step is None:
+        sys.exit(f"temper's bench output has no trainer row for {shape}")
+    return step
+
+
+def bench(model, adapter, shapes, repeat, temper, token_ids, variants):
+    """[(shape, temper's Step, {variant: best Step})]; per shape temper's steps (`temper(shape)`)
+    and then every variant's, each variant from the check's adapter with a fresh AdamW (load
+    that drifts on a shared host hits the steps of a shape alike)."""
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
     for shape in shapes:
@@ -797,9 +816,7 @@ def bench(model, adapter, shapes, repeat, temper_steps, token_ids, variants):
         # natural packing (no cross-sequence attention, as temper's segments).
         unit = (token_ids * (length // len(token_ids) + 1))[:length]
         ids = torch.tensor([unit] * seqs)
-        ours = temper_steps.get(shape)
-        if ours is None:
-            sys.exit(f"temper's bench output has no trainer row for {shape}")
+        ours = temper(shape)
         steps = {}
         for variant in variants:
             set_adapter(model, adapter, model.config.num_hidden_layers)
@@ -921,7 +938,11 @@ def main():
     )
     ap.add_argument("--check-dir", required=True, help="where temper wrote the check batch")
     ap.add_argument("--write-fixture", metavar="PATH", help="write the Rust test's fixture here")
-    ap.add_argument("--temper-bench", metavar="FILE", help="temper bench's output to compare with")
+    ap.add_argument(
+        "--temper",
+        metavar="BINARY",
+        help="the temper binary whose trainer steps to time beside the reference's, shape by shape",
+    )
     ap.add_argument("--shapes", default="8x128,1x1024,16x30")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -980,7 +1001,7 @@ def main():
     set_adapter(model, adapter, model.config.num_hidden_layers)
     summary, batch, reference, temper = check(model, args.check_dir, args.write_fixture)
     gates = gate_variants(model, batch, reference, temper, variants, native_bf16)
-    if not args.temper_bench:
+    if not args.temper:
         return
     with open(os.path.join(args.check_dir, "batch.json")) as f:
         token_ids = json.load(f)["segments"][0]["tokens"]
@@ -989,7 +1010,7 @@ def main():
         adapter,
         args.shapes.split(","),
         max(args.repeat, 1),
-        parse_temper_bench(args.temper_bench),
+        lambda shape: temper_step(args.temper, args.gguf, shape, max(args.repeat, 1), args.threads),
         token_ids,
         variants,
     )
@@ -997,7 +1018,8 @@ def main():
     print(
         f"one step = forward + backward + gradient clipping and AdamW on both sides (PyTorch: "
         f"torch.optim.AdamW over the LoRA parameters, step and zero_grad; temper: the trainer's "
-        f"apply_gradients), best of {args.repeat}; peak RSS = the process's VmHWM from the step's "
+        f"apply_gradients), best of {args.repeat}, shape by shape (temper's steps, then each "
+        f"variant's); peak RSS = the process's VmHWM from the step's "
         "start (the summary's rss: the largest of each side's shapes); comparable = correct on "
         "the check batch and not BF16 emulated"
     )
