@@ -163,9 +163,9 @@ log "the PyTorch + PEFT reference (variants: $VARIANTS), shape by shape after te
 "$PYTHON" -W ignore scripts/train_reference.py "${REFERENCE_ARGS[@]}"
 if [[ $CHECK_ONLY == 0 && -n $JOBS ]]; then
     # Whole jobs as the worker runs them (tokenize, pack, every step, the checkpoint written).
-    log "temper bench --train-only --train-jobs $JOBS ($THREADS threads)"
+    log "temper bench --train-only --train-jobs $JOBS (best of $REPEAT, $THREADS threads)"
     RAYON_NUM_THREADS=$THREADS "./$TEMPER_TARGET/release/temper" bench --model "$MODEL" --train-only \
-        --train-shapes '' --train-jobs "$JOBS" >"$WORK/temper-jobs.txt"
+        --train-shapes '' --train-jobs "$JOBS" --repeat "$REPEAT" >"$WORK/temper-jobs.txt"
     echo
     echo "temper's whole RL jobs (one group each, through the trainer's job path):"
     grep -o 'training job, [^|]*' "$WORK/temper-jobs.txt" | sed 's/ *$//; s/^/- /'
