@@ -242,7 +242,9 @@ def load_family(family, gguf_path, rank, alpha):
     """A tiny family's fixture (crates/model/tests/fixtures/tiny-FAMILY.gguf) in transformers:
     rebuilt by make-tiny-families.py from its seed (transformers reads neither the fixture's
     placeholder vocabulary nor Llama 3's or YaRN's rope scaling from a GGUF), checked to be the
-    same weights: its logits on the fixture's tokens equal the `.json`'s bit for bit, and every
+    same weights: its logits on the fixture's tokens equal the `.json`'s to f32 rounding (within
+    1e-5 of the largest: another CPU's kernels add in another order, ~1e-6 on an AVX2 host
+    against fixtures made with AVX-512; other weights move them by orders more), and every
     matrix of the GGUF equals the transformers tensor llama.cpp's name map gives, up to a
     permutation of rows (recorded for the LoRA targets: see RowOrder). Returns the PEFT model
     (a LoRA of temper's targets, as load_model) and its RowOrder."""
@@ -253,8 +255,10 @@ def load_family(family, gguf_path, rank, alpha):
         fixture = json.load(f)
     with torch.no_grad():
         logits = model(torch.tensor([fixture["tokens"]])).logits[0]
-    assert torch.equal(logits, torch.tensor(fixture["logits"])), (
-        f"{family}: the rebuilt model's logits are not the fixture's; rerun "
+    expected = torch.tensor(fixture["logits"])
+    worst = (logits - expected).abs().max().item()
+    assert worst <= 1e-5 * expected.abs().max().item(), (
+        f"{family}: the rebuilt model's logits are {worst:.3g} from the fixture's; rerun "
         "scripts/make-tiny-families.py"
     )
 
@@ -284,7 +288,7 @@ def load_family(family, gguf_path, rank, alpha):
         if target in TARGETS and not torch.equal(perm, torch.arange(len(perm))):
             perms[(int(layer), target)] = perm
     print(
-        f"{family}: rebuilt by make-tiny-families.py; logits equal the fixture's, {checked} "
+        f"{family}: rebuilt by make-tiny-families.py; logits the fixture's (max diff {worst:.2g}), {checked} "
         f"matrices equal the GGUF's ({len(perms)} with permuted rows: "
         f"{', '.join(sorted({t for _, t in perms})) or 'none'})"
     )
