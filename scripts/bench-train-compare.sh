@@ -52,8 +52,8 @@
 # BENCH_REPEAT (best of; default 3: each side's first step of a shape faults its pages in
 # again, PyTorch's after handing its heap back, temper's in a fresh process that also builds its
 # input-gradient weights then), BENCH_THREADS (default 2), BENCH_JOBS (temper's whole RL
-# jobs, TRAJECTORIESxANSWER_TOKENS, printed beside the steps in jobs/min; default 16x200,32x300),
-# BENCH_VARIANTS (reference
+# jobs, TRAJECTORIESxANSWER_TOKENS, printed beside the steps in jobs/min; default
+# 16x200,32x300; set and empty, none), BENCH_VARIANTS (reference
 # variants, comma-separated PRECISION[+chunked]+ATTENTION with PRECISION f32 or bf16-autocast and
 # ATTENTION sdpa or eager, e.g. f32+chunked+sdpa,bf16-autocast+chunked+sdpa; default auto, the
 # list above; f32+sdpa always runs).
@@ -99,7 +99,7 @@ SHAPES=${BENCH_SHAPES:-8x128,1x1024,16x30}
 REPEAT=${BENCH_REPEAT:-3}
 THREADS=${BENCH_THREADS:-2}
 VARIANTS=${BENCH_VARIANTS:-auto}
-JOBS=${BENCH_JOBS:-16x200,32x300}
+JOBS=${BENCH_JOBS-16x200,32x300}
 FIXTURE=crates/train/tests/fixtures/pytorch-reference.safetensors
 # The pinned venv (scripts/train-ref-venv.sh), installed on first use.
 PYTHON=$(scripts/train-ref-venv.sh)
