@@ -468,8 +468,8 @@ pub(crate) fn matmul_f32(
 
 /// Softmax over `x` in place.
 pub(crate) fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // Branch-free exponentials and a sum in lanes: both loops vectorize.
+    // The maximum, the exponentials and the sum in lanes: every loop vectorizes.
+    let max = crate::softmax::max_logit(x);
     for v in x.iter_mut() {
         *v = exp_neg(*v - max);
     }

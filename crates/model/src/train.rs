@@ -671,7 +671,7 @@ fn attention_grads(
                     pr[..a].fill(0.0);
                     pr[b + 1..].fill(0.0);
                     ops::softmax(&mut pr[a..=b]);
-                    let mean: f32 = pr[a..=b].iter().zip(&dpr[a..=b]).map(|(x, y)| x * y).sum();
+                    let mean = ops::dot(&pr[a..=b], &dpr[a..=b]);
                     dsr[..a].fill(0.0);
                     dsr[b + 1..].fill(0.0);
                     for j in a..=b {
