@@ -288,8 +288,9 @@ def load_family(family, gguf_path, rank, alpha):
         if target in TARGETS and not torch.equal(perm, torch.arange(len(perm))):
             perms[(int(layer), target)] = perm
     print(
-        f"{family}: rebuilt by make-tiny-families.py; logits the fixture's (max diff {worst:.2g}), {checked} "
-        f"matrices equal the GGUF's ({len(perms)} with permuted rows: "
+        f"{family}: rebuilt by make-tiny-families.py; logits within f32 rounding of the "
+        f"fixture's (max diff {worst:.2g}), {checked} matrices equal the GGUF's ({len(perms)} "
+        f"with permuted rows: "
         f"{', '.join(sorted({t for _, t in perms})) or 'none'})"
     )
     lora = LoraConfig(
