@@ -2,6 +2,10 @@
 """Writes the benchmark models of `make bench-compare MODEL=...` at real sizes: GGUF files in the
 exact shapes of Qwen3-0.6B, Qwen3-1.7B, Llama-3.2-1B and Gemma-3-1B (their published configs)
 with random weights, written as F16 and quantized to Q4_K_M by llama.cpp's own `llama-quantize`.
+On request (`--only gemma-3-270m`) also the default model's own shape: llama-quantize gives it the
+default model's mix of quant types tensor for tensor (Q8_0 embedding, Q5_0 where a row of 640
+does not fill Q4_K's 256-wide blocks), so it stands in for the default model where only its
+tokenizer can travel (the benchmarks' speed does not depend on the weights).
 
 Speed does not depend on the weights' values (the benchmarks run with `ignore_eos`), so no
 checkpoint is needed; the metadata keys and tensor names are the ones llama.cpp's converter writes
@@ -49,6 +53,11 @@ SHAPES = {
         # rope_scaling: {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
         # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         llama3_rope=dict(factor=32.0, low=1.0, high=4.0, original=8192),
+    ),
+    "gemma-3-270m": dict(
+        arch="gemma3", tokenizer="gemma", vocab=262144, width=640, ffn=2048, layers=18,
+        heads=4, kv_heads=1, head_dim=256, context=32768, rope_base=1e6, eps=1e-6,
+        tied=True, sliding_window=512,
     ),
     "gemma-3-1b": dict(
         arch="gemma3", tokenizer="gemma", vocab=262144, width=1152, ffn=6912, layers=26,
@@ -178,7 +187,7 @@ def write_f16(name, shape, donor, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=HOME / "bench-models")
-    ap.add_argument("--only", default=",".join(SHAPES))
+    ap.add_argument("--only", default=",".join(n for n in SHAPES if n != "gemma-3-270m"))
     ap.add_argument("--tokenizer", action="append", default=[], metavar="KIND=GGUF")
     ap.add_argument("--quantize", type=Path, default=QUANTIZE)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
