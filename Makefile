@@ -93,7 +93,8 @@ bench: fetch-model build
 # The random-weight models at real sizes that `make bench-compare MODEL=NAME` measures, written
 # once into $TEMPER_HOME/bench-models (scripts/bench-models.sh): qwen3-0.6b, qwen3-1.7b,
 # llama-3.2-1b and gemma-3-1b, each in its model's exact shapes, quantized to Q4_K_M by llama.cpp's
-# llama-quantize. ARGS=NAME,... makes only those.
+# llama-quantize. ARGS=NAME,... makes only those; ARGS=gemma-3-270m the default model's own shape
+# (its quant types tensor for tensor), a stand-in where the default model cannot travel.
 bench-models: fetch-model real-tokenizers
 	scripts/bench-models.sh $(ARGS)
 

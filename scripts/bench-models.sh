@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Usage: scripts/bench-models.sh [NAME,...]. Writes (once) and lists the random-weight benchmark
 # models at real sizes, ${TEMPER_HOME:-$HOME/.cache/temper}/bench-models/NAME-q4_k_m.gguf
-# (scripts/make-bench-models.py: Qwen3-0.6B, Qwen3-1.7B, Llama-3.2-1B and Gemma-3-1B shapes),
+# (scripts/make-bench-models.py: Qwen3-0.6B, Qwen3-1.7B, Llama-3.2-1B and Gemma-3-1B shapes;
+# gemma-3-270m, the default model's, when named),
 # with their tokenizers from the default model (Gemma 3) and `make real-tokenizers` (Llama 3,
 # Qwen), and llama.cpp's llama-quantize (scripts/build-llama-cpp.sh). About a minute each.
 set -euo pipefail
