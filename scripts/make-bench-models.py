@@ -5,7 +5,7 @@ with random weights, written as F16 and quantized to Q4_K_M by llama.cpp's own `
 On request (`--only gemma-3-270m`) also the default model's own shape: llama-quantize gives it the
 default model's mix of quant types tensor for tensor (Q8_0 embedding, Q5_0 where a row of 640
 does not fill Q4_K's 256-wide blocks), so it stands in for the default model where only its
-tokenizer can travel (the benchmarks' speed does not depend on the weights).
+tokenizer can travel.
 
 Speed does not depend on the weights' values (the benchmarks run with `ignore_eos`), so no
 checkpoint is needed; the metadata keys and tensor names are the ones llama.cpp's converter writes
@@ -35,6 +35,7 @@ HOME = Path(os.environ.get("TEMPER_HOME", Path.home() / ".cache/temper"))
 QUANTIZE = HOME / "llama.cpp-0.3.36/bin/llama-quantize"
 
 # The published config.json of each model, in GGUF's terms.
+# on_request: made only when named in --only.
 SHAPES = {
     "qwen3-0.6b": dict(
         arch="qwen3", tokenizer="qwen", vocab=151936, width=1024, ffn=3072, layers=28,
@@ -57,7 +58,7 @@ SHAPES = {
     "gemma-3-270m": dict(
         arch="gemma3", tokenizer="gemma", vocab=262144, width=640, ffn=2048, layers=18,
         heads=4, kv_heads=1, head_dim=256, context=32768, rope_base=1e6, eps=1e-6,
-        tied=True, sliding_window=512,
+        tied=True, sliding_window=512, on_request=True,
     ),
     "gemma-3-1b": dict(
         arch="gemma3", tokenizer="gemma", vocab=262144, width=1152, ffn=6912, layers=26,
@@ -187,7 +188,9 @@ def write_f16(name, shape, donor, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=HOME / "bench-models")
-    ap.add_argument("--only", default=",".join(n for n in SHAPES if n != "gemma-3-270m"))
+    ap.add_argument(
+        "--only", default=",".join(n for n, s in SHAPES.items() if not s.get("on_request"))
+    )
     ap.add_argument("--tokenizer", action="append", default=[], metavar="KIND=GGUF")
     ap.add_argument("--quantize", type=Path, default=QUANTIZE)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
