@@ -15,8 +15,8 @@ pub(crate) struct Linear {
     weight: Weight,
     in_dim: usize,
     out_dim: usize,
-    /// The frozen weight as the input gradient reads it, made on the first backward (training
-    /// only).
+    /// The frozen weight as the input gradient reads it, made before the first training step
+    /// ([`Linear::keep_input_grad`]; training only).
     input_grad: OnceLock<InputGradWeight>,
     /// The weight in the layout batches run on (`kernels::widened`; none where its format
     /// reads the stored bytes), made for training ([`Linear::keep_widened`]): its batches then
@@ -173,6 +173,11 @@ impl Linear {
         });
     }
 
+    /// Makes the weight [`Linear::backward_input`] reads now rather than on the first backward.
+    pub(crate) fn keep_input_grad(&self) -> Result<(), ModelError> {
+        self.input_grad_weight().map(|_| ())
+    }
+
     /// The prepared weight with its widened copy where one is kept.
     fn prepared<'a>(&'a self, data: &'a [u8]) -> kernels::Prepared<'a> {
         (data, self.widened.get().and_then(Option::as_deref))
@@ -277,12 +282,7 @@ impl Linear {
                 .map(|i| span_product(i, Threads::Pool))
                 .collect()
         };
-        let mut parts = parts.into_iter();
-        let mut dx = parts.next().unwrap_or_default();
-        for part in parts {
-            crate::model::add_assign(&mut dx, &part);
-        }
-        dx
+        crate::ops::sum_in_order(parts)
     }
 
     fn input_grad_weight(&self) -> Result<&InputGradWeight, ModelError> {

@@ -1,5 +1,6 @@
 //! Element-wise and attention kernels over row-major f32 slices.
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -69,12 +70,14 @@ pub(crate) fn for_each_row(x: &mut [f32], width: usize, f: impl Fn(usize, &mut [
 /// `dx = r·w·dy - x·r³/n · Σ(dy·w·x)`.
 pub(crate) fn rms_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
     let n = weight.len();
-    let mut dx = vec![0f32; x.len()];
-    x.par_chunks_exact(n)
-        .zip(dy.par_chunks_exact(n))
-        .zip(dx.par_chunks_exact_mut(n))
-        .with_min_len(ROWS_PER_TASK)
-        .for_each(|((xr, dyr), dxr)| {
+    assert!(
+        x.len() == dy.len() && x.len().is_multiple_of(n),
+        "whole rows of {n}"
+    );
+    // SAFETY: every chunk is a whole row of `n` values (asserted), each written below.
+    unsafe {
+        written_in_parallel(x.len(), n, ROWS_PER_TASK, |i, dxr| {
+            let (xr, dyr) = (&x[i * n..][..n], &dy[i * n..][..n]);
             let mean = dot(xr, xr) / n as f32;
             let r = 1.0 / (mean + eps).sqrt();
             let mut s = 0f32;
@@ -83,10 +86,57 @@ pub(crate) fn rms_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32])
             }
             let c = s * r * r * r / n as f32;
             for (((d, xi), di), wi) in dxr.iter_mut().zip(xr).zip(dyr).zip(weight) {
-                *d = r * wi * di - xi * c;
+                d.write(r * wi * di - xi * c);
+            }
+        })
+    }
+}
+
+/// A vector of `len` values that `fill` writes in parallel, given each chunk of `chunk` values
+/// (the last one shorter where `len` is not a multiple) with its index, in tasks of at least
+/// `min_chunks` chunks. Not zeroed first: zeroing a fresh vector of a step's rows ran on the
+/// calling thread while the pool waited (~1-2% of a training step's samples in all).
+///
+/// # Safety
+/// `fill` writes every value of every chunk it is given.
+pub(crate) unsafe fn written_in_parallel(
+    len: usize,
+    chunk: usize,
+    min_chunks: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk)
+        .with_min_len(min_chunks)
+        .enumerate()
+        .for_each(|(i, values)| fill(i, values));
+    // SAFETY: the chunks cover `len` values, all written (the caller's promise).
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// The element-wise sum of equally long `parts`, each value summed in the parts' order (the
+/// first, plus the second, ...), pieces of the values in parallel: a step's partial input
+/// gradients (the LM head's dozens of spans) summed on the calling thread left the pool
+/// waiting. Empty for no parts.
+pub(crate) fn sum_in_order(parts: Vec<Vec<f32>>) -> Vec<f32> {
+    const VALUES_PER_TASK: usize = 16 * 1024;
+    let mut parts = parts.into_iter();
+    let mut sum = parts.next().unwrap_or_default();
+    let rest: Vec<Vec<f32>> = parts.collect();
+    assert!(
+        rest.iter().all(|p| p.len() == sum.len()),
+        "parts of one length"
+    );
+    sum.par_chunks_mut(VALUES_PER_TASK)
+        .enumerate()
+        .for_each(|(i, piece)| {
+            for part in &rest {
+                crate::model::add_assign(piece, &part[i * VALUES_PER_TASK..]);
             }
         });
-    dx
+    sum
 }
 
 /// Cos/sin tables, one row of `head_dim / 2` per position. Built like ggml's rope cache (the
@@ -329,20 +379,32 @@ fn act_mul_backward_with(
     up: &[f32],
     dy: &[f32],
 ) -> (Vec<f32>, Vec<f32>) {
-    let mut dg = vec![0f32; gate.len()];
-    let mut du = vec![0f32; gate.len()];
-    dg.par_chunks_mut(ELEMS_PER_TASK)
-        .zip(du.par_chunks_mut(ELEMS_PER_TASK))
+    let len = gate.len();
+    assert!(
+        up.len() == len && dy.len() == len,
+        "gate, up and dy of one length"
+    );
+    // Written into the vectors' capacity, not zeroed first (see `written_in_parallel`).
+    let (mut dg, mut du) = (Vec::with_capacity(len), Vec::with_capacity(len));
+    dg.spare_capacity_mut()[..len]
+        .par_chunks_mut(ELEMS_PER_TASK)
+        .zip(du.spare_capacity_mut()[..len].par_chunks_mut(ELEMS_PER_TASK))
         .enumerate()
         .for_each(|(i, (dg, du))| {
             let at = i * ELEMS_PER_TASK;
             let inputs = gate[at..].iter().zip(&up[at..]).zip(&dy[at..]);
             for ((dg, du), ((&x, &u), &d)) in dg.iter_mut().zip(du.iter_mut()).zip(inputs) {
                 let (value, slope) = grad(x);
-                *dg = d * u * slope;
-                *du = d * value;
+                dg.write(d * u * slope);
+                du.write(d * value);
             }
         });
+    // SAFETY: the chunks cover `len` values of each, every one written above (the inputs are
+    // as long, asserted).
+    unsafe {
+        dg.set_len(len);
+        du.set_len(len);
+    }
     (dg, du)
 }
 
@@ -491,6 +553,29 @@ pub(crate) fn softmax(x: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sum_in_order_matches_the_serial_sum_bit_for_bit() {
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 10f32.powi((seed % 9) as i32 - 4)
+        };
+        for (parts, len) in [(0, 0), (1, 5), (3, 100_003), (75, 40_000)] {
+            let parts: Vec<Vec<f32>> = (0..parts)
+                .map(|_| (0..len).map(|_| next()).collect())
+                .collect();
+            let mut want = parts.first().cloned().unwrap_or_default();
+            for part in &parts[1.min(parts.len())..] {
+                crate::model::add_assign(&mut want, part);
+            }
+            let got = sum_in_order(parts);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{len} values");
+        }
+    }
 
     #[test]
     fn branch_free_activation_slopes_match_f64() {

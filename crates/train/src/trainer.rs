@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use rayon::prelude::*;
 use serde::Serialize;
 use temper_model::{Decoder, LoraAdapter, LoraConfig, PackedSequence};
 
@@ -302,6 +303,9 @@ impl AdamW {
         self.t += 1;
         let (b1, b2) = (p.beta1, p.beta2);
         let (c1, c2) = (1.0 - b1.powi(self.t), 1.0 - b2.powi(self.t));
+        // Every tensor's values in pieces, all pieces in parallel (each value's update is its
+        // own: the same bits in any order).
+        let mut pieces = Vec::new();
         for (((x, g), m), v) in adapter
             .params_mut()
             .into_iter()
@@ -311,6 +315,15 @@ impl AdamW {
             // An empty gradient: a frozen tensor (see `adam_step`).
             .filter(|(((_, g), _), _)| !g.is_empty())
         {
+            let g = &g[..x.len()];
+            pieces.extend(
+                x.chunks_mut(VALUES_PER_TASK)
+                    .zip(g.chunks(VALUES_PER_TASK))
+                    .zip(m.chunks_mut(VALUES_PER_TASK))
+                    .zip(v.chunks_mut(VALUES_PER_TASK)),
+            );
+        }
+        pieces.into_par_iter().for_each(|(((x, g), m), v)| {
             for i in 0..x.len() {
                 let g = f64::from(g[i]) * scale;
                 m[i] = b1 * m[i] + (1.0 - b1) * g;
@@ -319,7 +332,7 @@ impl AdamW {
                 let update = (m[i] / c1) / ((v[i] / c2).sqrt() + p.eps);
                 x[i] = (w - p.learning_rate * (update + p.weight_decay * w)) as f32;
             }
-        }
+        });
     }
 }
 
@@ -359,6 +372,9 @@ pub fn apply_gradients(
     )
 }
 
+/// Values of the adapter per task of the AdamW step (its update and its gradient's norm).
+const VALUES_PER_TASK: usize = 16 * 1024;
+
 /// One AdamW step with `params`, the gradient clipped to `params.grad_clip_norm` when that is
 /// positive; returns the gradient's norm before clipping. `step` (1-based) names a diverged step.
 /// A tensor whose gradient is empty stays as it is, its moments too (a frozen tensor: no weight
@@ -370,12 +386,15 @@ pub fn adam_step(
     params: &AdamParams,
     step: usize,
 ) -> Result<f64, TrainError> {
-    let grad_norm = grads
+    // Pieces' sums of squares in parallel, added in order: the same bits on any thread count.
+    let piece_sums: Vec<f64> = grads
         .iter()
-        .flatten()
-        .map(|g| f64::from(*g).powi(2))
-        .sum::<f64>()
-        .sqrt();
+        .flat_map(|g| g.chunks(VALUES_PER_TASK))
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|piece| piece.iter().map(|g| f64::from(*g).powi(2)).sum::<f64>())
+        .collect();
+    let grad_norm = piece_sums.iter().sum::<f64>().sqrt();
     if !grad_norm.is_finite() {
         return Err(TrainError::NonFinite(format!(
             "gradient norm {grad_norm} at step {step}"
