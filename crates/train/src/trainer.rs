@@ -530,11 +530,12 @@ pub fn run_job(
             scored: &scored,
         };
         let sampler_old = old.clone();
+        let (scores, tape) = model.train_forward(&seq, &adapter)?;
         if loss_cfg.precalculate_logprobs {
-            let scores = model.score(&seq, Some(&adapter))?;
+            // The current weights' logprobs are the training forward's own: the numbers a
+            // scoring pass gives, bit for bit, without a second forward.
             old = scores.logprobs.iter().map(|&x| f64::from(x)).collect();
         }
-        let (scores, tape) = model.train_forward(&seq, &adapter)?;
         let count = scores.logprobs.len();
         let norm = 1.0 / (count as f64 + 1e-6);
         let mut loss = 0.0;

@@ -377,6 +377,68 @@ fn rewarded_tokens_gain_probability() {
         );
     }
 
+    // precalculate_logprobs takes the current weights' logprobs as the old ones: the same step,
+    // bit for bit, as a request whose sampler logprobs are exactly those.
+    let current = |seq: usize| -> Vec<f32> {
+        let s = &job.sequences[seq];
+        let packed = PackedSequence {
+            tokens: &s.tokens,
+            segment_lens: &[s.tokens.len()],
+            scored: &s.mask,
+        };
+        model.score(&packed, Some(&adapter)).unwrap().logprobs
+    };
+    let choice_with = |ids: &[u32], logprobs: &[f32]| {
+        let content: Vec<_> = ids
+            .iter()
+            .zip(logprobs)
+            .map(|(id, lp)| json!({"token": format!("token_id:{id}"), "logprob": lp}))
+            .collect();
+        json!({"message": {"role": "assistant", "content": ""}, "finish_reason": "stop",
+            "index": 0, "logprobs": {"content": content}})
+    };
+    let with_sampler = |ids: &[u32], seq: usize, reward: f64| {
+        json!({"messages_and_choices": [{"role": "user", "content": "question"},
+            choice_with(ids, &current(seq))], "reward": reward})
+    };
+    let given: TrainingRequest = serde_json::from_value(json!({
+        "trajectory_groups": [{"trajectories": [with_sampler(&good, 0, 1.0),
+            with_sampler(&bad, 1, 0.0)]}],
+        "experimental_config": {"learning_rate": 0.02}
+    }))
+    .unwrap();
+    let mut precalculated = req.clone();
+    precalculated.experimental_config = Some(
+        serde_json::from_value(json!({"learning_rate": 0.02, "precalculate_logprobs": true}))
+            .unwrap(),
+    );
+    let trained = [given, precalculated].map(|req| {
+        let job = tokenize_job(&req, &tok, &template).unwrap();
+        let mut losses = Vec::new();
+        let out = run_job(
+            &model,
+            &adapter,
+            &job,
+            &cfg,
+            &AtomicBool::new(false),
+            &mut |e| {
+                if let TrainEvent::GradientStep(m) = e {
+                    losses.push(m.loss.to_bits())
+                }
+            },
+        )
+        .unwrap()
+        .expect("learns");
+        let bits: Vec<u32> = out
+            .params()
+            .iter()
+            .flat_map(|p| p.iter().map(|x| x.to_bits()))
+            .collect();
+        (losses, bits)
+    });
+    assert_eq!(trained[0].0, trained[1].0, "the step's loss");
+    assert!(trained[0].1 == trained[1].1, "the trained adapter");
+
     // Cancelled before its first step: no adapter.
     let cancelled = run_job(
         &model,
