@@ -556,13 +556,9 @@ mod tests {
 
     #[test]
     fn sum_in_order_matches_the_serial_sum_bit_for_bit() {
-        let mut seed = 7u64;
-        let mut next = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 10f32.powi((seed % 9) as i32 - 4)
-        };
+        let mut rng = crate::kernels::test_util::Rng::new(7);
+        // Magnitudes from 1e-4 to 1e4, so that the order of the additions shows in the bits.
+        let mut next = || rng.uniform() * 10f32.powi((rng.next() % 9) as i32 - 4);
         for (parts, len) in [(0, 0), (1, 5), (3, 100_003), (75, 40_000)] {
             let parts: Vec<Vec<f32>> = (0..parts)
                 .map(|_| (0..len).map(|_| next()).collect())

@@ -355,21 +355,11 @@ fn rewarded_tokens_gain_probability() {
     for config in [json!({"precalculate_logprobs": true}), json!({"ppo": true})] {
         let mut req = req.clone();
         req.experimental_config = Some(serde_json::from_value(config).unwrap());
-        let job = tokenize_job(&req, &tok, &template).unwrap();
-        let mut steps = Vec::new();
-        let out = run_job(
+        let (out, steps) = job_steps(
             &model,
             &adapter,
-            &job,
-            &cfg,
-            &AtomicBool::new(false),
-            &mut |e| {
-                if let TrainEvent::GradientStep(m) = e {
-                    steps.push(m)
-                }
-            },
-        )
-        .unwrap();
+            &tokenize_job(&req, &tok, &template).unwrap(),
+        );
         assert!(out.is_some());
         assert!(
             steps[0].loss.is_finite() && steps[0].grad_norm > 0.0,
@@ -413,22 +403,13 @@ fn rewarded_tokens_gain_probability() {
             .unwrap(),
     );
     let trained = [given, precalculated].map(|req| {
-        let job = tokenize_job(&req, &tok, &template).unwrap();
-        let mut losses = Vec::new();
-        let out = run_job(
+        let (out, steps) = job_steps(
             &model,
             &adapter,
-            &job,
-            &cfg,
-            &AtomicBool::new(false),
-            &mut |e| {
-                if let TrainEvent::GradientStep(m) = e {
-                    losses.push(m.loss.to_bits())
-                }
-            },
-        )
-        .unwrap()
-        .expect("learns");
+            &tokenize_job(&req, &tok, &template).unwrap(),
+        );
+        let losses: Vec<u64> = steps.iter().map(|m| m.loss.to_bits()).collect();
+        let out = out.expect("learns");
         let bits: Vec<u32> = out
             .params()
             .iter()
@@ -452,6 +433,30 @@ fn rewarded_tokens_gain_probability() {
         cancelled,
         Err(temper_train::TrainError::Cancelled)
     ));
+}
+
+/// `run_job` of `job` from `adapter` with the default trainer config: its adapter and the
+/// metrics of its steps.
+fn job_steps(
+    model: &temper_model::Decoder,
+    adapter: &LoraAdapter,
+    job: &temper_train::TokenizedJob,
+) -> (Option<LoraAdapter>, Vec<temper_train::StepMetrics>) {
+    let mut steps = Vec::new();
+    let out = run_job(
+        model,
+        adapter,
+        job,
+        &TrainerConfig::default(),
+        &AtomicBool::new(false),
+        &mut |e| {
+            if let TrainEvent::GradientStep(m) = e {
+                steps.push(m)
+            }
+        },
+    )
+    .unwrap();
+    (out, steps)
 }
 
 /// Every importance sampling level through `run_job`: one packed sequence holding two
