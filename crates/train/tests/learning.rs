@@ -5,7 +5,7 @@
 use std::sync::atomic::AtomicBool;
 
 use serde_json::{json, Value};
-use temper_model::{LoraAdapter, LoraConfig, PackedSequence};
+use temper_model::{Decoder, LoraAdapter, LoraConfig, PackedSequence};
 use temper_text::ChatMessage;
 use temper_train::{
     run_job, tokenize_job, StepMetrics, TokenizedJob, TrainEvent, TrainerConfig, TrainingRequest,
@@ -35,10 +35,14 @@ fn answer_logprob(t: &Tiny, prompt: &[u32], answer: u32, adapter: &LoraAdapter) 
 }
 
 /// Runs `job` from `start` with the default trainer settings: the new adapter and the steps.
-fn train(t: &Tiny, start: &LoraAdapter, job: &TokenizedJob) -> (LoraAdapter, Vec<StepMetrics>) {
+fn train(
+    model: &Decoder,
+    start: &LoraAdapter,
+    job: &TokenizedJob,
+) -> (LoraAdapter, Vec<StepMetrics>) {
     let mut steps = Vec::new();
     let trained = run_job(
-        &t.model,
+        model,
         start,
         job,
         &TrainerConfig::default(),
@@ -261,7 +265,7 @@ fn missing_sampler_logprobs_train_on_policy() {
             .collect();
         assert!(sampled.len() == 1 && sampled[0].is_nan(), "{sampled:?}");
     }
-    let (trained, steps) = train(&t, &start, &job);
+    let (trained, steps) = train(&t.model, &start, &job);
     assert_eq!(steps.len(), 1);
     assert!(
         steps[0].loss.is_finite() && steps[0].probs_corr.is_none(),
@@ -355,12 +359,11 @@ fn rewarded_tokens_gain_probability() {
     for config in [json!({"precalculate_logprobs": true}), json!({"ppo": true})] {
         let mut req = req.clone();
         req.experimental_config = Some(serde_json::from_value(config).unwrap());
-        let (out, steps) = job_steps(
+        let (_, steps) = train(
             &model,
             &adapter,
             &tokenize_job(&req, &tok, &template).unwrap(),
         );
-        assert!(out.is_some());
         assert!(
             steps[0].loss.is_finite() && steps[0].grad_norm > 0.0,
             "{steps:?}"
@@ -403,13 +406,12 @@ fn rewarded_tokens_gain_probability() {
             .unwrap(),
     );
     let trained = [given, precalculated].map(|req| {
-        let (out, steps) = job_steps(
+        let (out, steps) = train(
             &model,
             &adapter,
             &tokenize_job(&req, &tok, &template).unwrap(),
         );
         let losses: Vec<u64> = steps.iter().map(|m| m.loss.to_bits()).collect();
-        let out = out.expect("learns");
         let bits: Vec<u32> = out
             .params()
             .iter()
@@ -433,30 +435,6 @@ fn rewarded_tokens_gain_probability() {
         cancelled,
         Err(temper_train::TrainError::Cancelled)
     ));
-}
-
-/// `run_job` of `job` from `adapter` with the default trainer config: its adapter and the
-/// metrics of its steps.
-fn job_steps(
-    model: &temper_model::Decoder,
-    adapter: &LoraAdapter,
-    job: &temper_train::TokenizedJob,
-) -> (Option<LoraAdapter>, Vec<temper_train::StepMetrics>) {
-    let mut steps = Vec::new();
-    let out = run_job(
-        model,
-        adapter,
-        job,
-        &TrainerConfig::default(),
-        &AtomicBool::new(false),
-        &mut |e| {
-            if let TrainEvent::GradientStep(m) = e {
-                steps.push(m)
-            }
-        },
-    )
-    .unwrap();
-    (out, steps)
 }
 
 /// Every importance sampling level through `run_job`: one packed sequence holding two
@@ -499,7 +477,7 @@ fn importance_sampling_levels_take_each_sequences_mean() {
         .expect("request");
         let job = tokenize_job(&req, &t.tokenizer, &t.template).expect("tokenize");
         assert_eq!(job.sequences.len(), 3);
-        let (_, steps) = train(&t, &start, &job);
+        let (_, steps) = train(&t.model, &start, &job);
         assert_eq!(steps.len(), 1, "one packed sequence");
         // Rewards 1 and 0: A = +1 and -1 once normalised; each trajectory's tokens weigh
         // (total / 2) / (its tokens).
