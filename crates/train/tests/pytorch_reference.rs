@@ -360,7 +360,8 @@ fn agrees_with_the_pytorch_reference() {
     // 0.986 while Q8_0's f16 block scales flushed the gradient's smallest blocks; 0.972 / 0.991
     // before the LM head's softmax was quantized with f32 block scales and its one-hot row
     // taken from the weight in f32; the gradients' pair-bound blocks, `quantize_gradient`,
-    // moved min 0.97644 / mean 0.99203 to 0.97634 / 0.99173). The bounds sit above that noise
+    // moved min 0.97644 / mean 0.99203 to 0.97634 / 0.99173, and their quad-bound blocks
+    // 0.94432 / 0.98917 to 0.94402 / 0.98857). The bounds sit above that noise
     // and below what a wrong backward op gives (a sign, a factor or a missing term: without the
     // keys' inverse rotation the min cosine is 0.66; `backward_matches_finite_differences`
     // checks each op exactly on a smooth tiny model).

@@ -46,19 +46,22 @@ impl Default for Q8KBlock {
 }
 
 pub(crate) fn quantize_q8_0(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
-    quantize_q8_0_scaled::<false, true>(isa, x, out);
+    quantize_q8_0_scaled::<1, true>(isa, x, out);
 }
 
 /// A gradient's rows as the input-gradient products multiply them (`dx = dy · W` on the
-/// transposed weight, see `Linear::backward_input`): Q8_0 blocks pair-bound as
-/// [`quantize_q8_0_pair_bound`] (AVX2 multiplies the stored weight bytes by them with one
-/// `maddubs`, where full 8-bit values took the sign trick: Qwen3-0.6B's AVX2 step 6-7% faster),
-/// each block's scale kept in f32, not rounded through f16: a gradient's blocks span many
-/// orders of magnitude within a row (the LM head's softmax) and across rows (a loss averaged
-/// over many tokens reaches 1e-11), which f16 scales (normal from 6.1e-5, at most 65,504)
-/// would flush or overflow. The kernels take a block's scale as an f32 either way.
+/// transposed weight, see `Linear::backward_input`): Q8_0 blocks with every quad bounded,
+/// `|q[8k + j]| + |q[8k + j + 1]| + |q[8k + j + 4]| + |q[8k + j + 5]| <= 128` (`j` 0 or 2), the
+/// quants that AVX2's `maddubs` multiplies into the same i16 lanes in two consecutive steps of
+/// four: against unsigned weight bytes (`w + 128`, at most 255) two steps' products add in i16
+/// before one `madd` (`255 · 128 < 2^15`), three multiplies per 64 products where pair-bound
+/// activations take four (see `q8_0::WithGradActs`). Each block's scale is kept in f32, not
+/// rounded through f16: a gradient's blocks span many orders of magnitude within a row (the
+/// LM head's softmax) and across rows (a loss averaged over many tokens reaches 1e-11), which
+/// f16 scales (normal from 6.1e-5, at most 65,504) would flush or overflow. The kernels take a
+/// block's scale as an f32 either way.
 pub(crate) fn quantize_gradient(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
-    quantize_q8_0_scaled::<true, false>(isa, x, out);
+    quantize_q8_0_scaled::<4, false>(isa, x, out);
 }
 
 /// Q8_0 activations with every pair of neighbours bounded: `|q[2i]| + |q[2i + 1]| <= 128`.
@@ -71,42 +74,68 @@ pub(crate) fn quantize_gradient(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
 /// the quants less than a bit: on the default model's LM head the logits' rms error against f32
 /// activations went from 0.040 to 0.046 (8-bit: 0.040; 7-bit, `max |x| / 63`: 0.079).
 pub(crate) fn quantize_q8_0_pair_bound(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
-    quantize_q8_0_scaled::<true, true>(isa, x, out);
+    quantize_q8_0_scaled::<2, true>(isa, x, out);
 }
 
-/// [`quantize_q8_0`] (`PAIR_BOUND` false), [`quantize_q8_0_pair_bound`] or, without
-/// `F16_SCALE`, [`quantize_gradient`].
-fn quantize_q8_0_scaled<const PAIR_BOUND: bool, const F16_SCALE: bool>(
+/// The largest magnitude a block's scale maps to: that of its values (`BOUND` 1), pairs (2,
+/// [`quantize_q8_0_pair_bound`]) or quads (4, [`quantize_gradient`]); 127, less one for the
+/// quads (their four roundings add at most two), so a bounded group's quants stay within 128.
+const fn scaled_max(bound: usize) -> f32 {
+    if bound == 4 {
+        126.0
+    } else {
+        127.0
+    }
+}
+
+/// [`quantize_q8_0`] (`BOUND` 1, f16 scale), [`quantize_q8_0_pair_bound`] (2, f16 scale) or
+/// [`quantize_gradient`] (4, f32 scale).
+fn quantize_q8_0_scaled<const BOUND: usize, const F16_SCALE: bool>(
     isa: Isa,
     x: &[f32],
     out: &mut [Q8_0Block],
 ) {
     match isa {
-        Isa::Scalar => quantize_q8_0_scalar::<PAIR_BOUND, F16_SCALE>(x, out),
+        Isa::Scalar => quantize_q8_0_scalar::<BOUND, F16_SCALE>(x, out),
         // SAFETY: x86 levels are only named when the CPU has AVX2 (and F16C).
         #[cfg(target_arch = "x86_64")]
-        _ => unsafe { x86::quantize_q8_0::<PAIR_BOUND, F16_SCALE>(x, out) },
+        _ => unsafe { x86::quantize_q8_0::<BOUND, F16_SCALE>(x, out) },
         #[cfg(not(target_arch = "x86_64"))]
-        _ => quantize_q8_0_scalar::<PAIR_BOUND, F16_SCALE>(x, out),
+        _ => quantize_q8_0_scalar::<BOUND, F16_SCALE>(x, out),
     }
 }
 
-fn quantize_q8_0_scalar<const PAIR_BOUND: bool, const F16_SCALE: bool>(
+/// The largest magnitude of `xb`'s bounded groups (see [`scaled_max`]), each summed as the
+/// SIMD path sums it: pairs first, then a quad's two pairs.
+fn bounded_max<const BOUND: usize>(xb: &[f32]) -> f32 {
+    let pair = |i: usize| xb[i].abs() + xb[i + 1].abs();
+    (0..xb.len())
+        .filter(|i| match BOUND {
+            1 => true,
+            2 => i % 2 == 0,
+            // A quad's first pair starts at 0 or 2 in each run of eight.
+            _ => i % 8 == 0 || i % 8 == 2,
+        })
+        .map(|i| match BOUND {
+            1 => xb[i].abs(),
+            2 => pair(i),
+            _ => pair(i) + pair(i + 4),
+        })
+        .fold(0f32, f32::max)
+}
+
+fn quantize_q8_0_scalar<const BOUND: usize, const F16_SCALE: bool>(
     x: &[f32],
     out: &mut [Q8_0Block],
 ) {
+    let top = scaled_max(BOUND);
     for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
-        let amax = if PAIR_BOUND {
-            xb.chunks_exact(2)
-                .fold(0f32, |m, v| m.max(v[0].abs() + v[1].abs()))
-        } else {
-            xb.iter().fold(0f32, |m, v| m.max(v.abs()))
-        };
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let amax = bounded_max::<BOUND>(xb);
+        let id = if amax != 0.0 { top / amax } else { 0.0 };
         o.d = if F16_SCALE {
-            f16::from_f32(amax / 127.0).to_f32()
+            f16::from_f32(amax / top).to_f32()
         } else {
-            amax / 127.0
+            amax / top
         };
         for (q, &v) in o.qs.iter_mut().zip(xb) {
             // Saturating like `_mm256_packs_epi32`; in range anyway (|v * id| <= 127).
@@ -120,25 +149,30 @@ fn quantize_q8_0_scalar<const PAIR_BOUND: bool, const F16_SCALE: bool>(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Q8_0Block, VNNI_BIAS};
+    use super::{scaled_max, Q8_0Block, VNNI_BIAS};
 
-    /// ggml's AVX2 `quantize_row_q8_0`, plus the VNNI starting values; with `PAIR_BOUND`, the
-    /// scale from the largest pair (see `quantize_q8_0_pair_bound`); without `F16_SCALE`, the
+    /// ggml's AVX2 `quantize_row_q8_0`, plus the VNNI starting values; with `BOUND` 2 or 4,
+    /// the scale from the largest pair or quad (see `scaled_max`); without `F16_SCALE`, the
     /// scale kept in f32 (see `quantize_gradient`).
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn quantize_q8_0<const PAIR_BOUND: bool, const F16_SCALE: bool>(
+    pub(super) unsafe fn quantize_q8_0<const BOUND: usize, const F16_SCALE: bool>(
         x: &[f32],
         out: &mut [Q8_0Block],
     ) {
         let sign = _mm256_set1_ps(-0.0);
-        // |v|, or each lane's |v| plus its pair neighbour's (the same sum in both lanes).
+        let top = scaled_max(BOUND);
+        // |v|; or each lane's |v| plus its pair neighbour's (the same sum in both lanes); or
+        // that pair's sum plus the pair's four lanes on (a quad: both halves of eight values).
         let magnitude = |v: __m256| {
             let a = _mm256_andnot_ps(sign, v);
-            if PAIR_BOUND {
-                _mm256_add_ps(a, _mm256_permute_ps::<0b10_11_00_01>(a))
-            } else {
-                a
+            if BOUND == 1 {
+                return a;
             }
+            let pairs = _mm256_add_ps(a, _mm256_permute_ps::<0b10_11_00_01>(a));
+            if BOUND == 2 {
+                return pairs;
+            }
+            _mm256_add_ps(pairs, _mm256_permute2f128_ps::<1>(pairs, pairs))
         };
         for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
             // SAFETY: `xb` is 32 floats.
@@ -154,12 +188,12 @@ mod x86 {
             let amax = _mm_cvtss_f32(max1);
             o.d = if F16_SCALE {
                 // f32 -> f16 -> f32 with round to nearest even, as ggml's F16C conversion.
-                let d16 = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(amax / 127.0));
+                let d16 = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(amax / top));
                 _mm_cvtss_f32(_mm_cvtph_ps(d16))
             } else {
-                amax / 127.0
+                amax / top
             };
-            let mul = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            let mul = _mm256_set1_ps(if amax != 0.0 { top / amax } else { 0.0 });
             let i: [__m256i; 4] = std::array::from_fn(|k| {
                 _mm256_cvtps_epi32(_mm256_round_ps::<
                     { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
@@ -311,21 +345,22 @@ mod tests {
                 assert_eq!(got, reference, "{isa:?}");
             }
         }
-        // A gradient's scale is kept in f32: the largest pair's magnitude over 127.
+        // A gradient's scale is kept in f32: the largest quad's magnitude over 126.
         let mut exact = [Q8_0Block::default()];
         quantize_gradient(Isa::Scalar, &x[64..96], &mut exact);
-        let pair_max = x[64..96]
-            .chunks_exact(2)
-            .fold(0f32, |m, v| m.max(v[0].abs() + v[1].abs()));
-        assert_eq!(exact[0].d, pair_max / 127.0);
+        let quad_max = x[64..96].chunks_exact(8).fold(0f32, |m, v| {
+            let pair = |i: usize| v[i].abs() + v[i + 1].abs();
+            m.max(pair(0) + pair(4)).max(pair(2) + pair(6))
+        });
+        assert_eq!(exact[0].d, quad_max / 126.0);
         assert!(exact[0].qs.iter().any(|&q| q != 0));
     }
 
     #[test]
-    fn pair_bound_quants_keep_every_pair_within_128() {
+    fn bounded_quants_keep_every_pair_or_quad_within_128() {
         let mut rng = Rng::new(7);
-        // Random blocks, and blocks of equal magnitudes: every pair sits at the bound, where
-        // the two roundings up could reach 129 if the scale were off.
+        // Random blocks, and blocks of equal magnitudes: every pair (quad) sits at the bound,
+        // where the roundings up could pass 128 if the scale were off.
         let mut x: Vec<f32> = (0..32 * 60)
             .map(|i| rng.uniform() * (1 + i % 7) as f32)
             .collect();
@@ -336,21 +371,28 @@ mod tests {
             }
         }
         x[20 * 32..21 * 32].fill(0.0);
-        for quantize in [quantize_q8_0_pair_bound, quantize_gradient] {
-            check_pair_bound(&x, quantize);
-        }
+        check_bounded(&x, quantize_q8_0_pair_bound, &[&[0, 1]]);
+        check_bounded(&x, quantize_gradient, &[&[0, 1, 4, 5], &[2, 3, 6, 7]]);
     }
 
-    /// `quantize`'s blocks of `x` keep every pair within 128, each quant the nearest to its
-    /// value, on every path.
-    fn check_pair_bound(x: &[f32], quantize: fn(Isa, &[f32], &mut [Q8_0Block])) {
+    /// `quantize`'s blocks of `x` keep every group within 128 (`groups`: each group's offsets
+    /// within every run of values as long as the largest offset plus one), each quant the
+    /// nearest to its value, on every path.
+    fn check_bounded(x: &[f32], quantize: fn(Isa, &[f32], &mut [Q8_0Block]), groups: &[&[usize]]) {
         let blocks = x.len() / 32;
+        let run = groups
+            .iter()
+            .flat_map(|g| g.iter())
+            .max()
+            .map_or(1, |m| m + 1);
         let mut reference = vec![Q8_0Block::default(); blocks];
         quantize(Isa::Scalar, x, &mut reference);
         for (b, (block, xb)) in reference.iter().zip(x.chunks_exact(32)).enumerate() {
-            for (i, pair) in block.qs.chunks_exact(2).enumerate() {
-                let sum = (pair[0] as i32).abs() + (pair[1] as i32).abs();
-                assert!(sum <= 128, "block {b} pair {i}: {pair:?}");
+            for (k, values) in block.qs.chunks_exact(run).enumerate() {
+                for group in groups {
+                    let sum: i32 = group.iter().map(|&i| (values[i] as i32).abs()).sum();
+                    assert!(sum <= 128, "block {b} run {k} group {group:?}: {values:?}");
+                }
             }
             // Quants to nearest, give or take the f16 rounding of the stored scale.
             for (&q, &v) in block.qs.iter().zip(xb) {

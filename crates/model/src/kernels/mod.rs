@@ -711,9 +711,9 @@ fn matmul_slices<K: Kernel>(
 
 /// `y = x · Wᵀ` for a Q8_0 weight `[out_dim, in_dim]` (as `prepare` lays it out) and a
 /// gradient's rows as `quantize_gradient` makes them (`acts`, `in_dim / 32` blocks a row), on
-/// `threads`: the pair-bound kernel, which AVX2 runs without the sign trick, or where the
-/// gradient has no negative value (`non_negative`), the kernel for such activations
-/// (`q8_0::WithNonNegActs`: the same bits, fewer multiplies on AVX2).
+/// `threads`: `q8_0::WithGradActs`, which AVX2 runs without the sign trick, two steps' products
+/// added in i16 per `madd`, or four where the gradient has no negative value (`non_negative`);
+/// the same bits either way.
 pub(crate) fn matmul_q8_0_blocks(
     isa: Isa,
     w: &[u8],
@@ -722,7 +722,7 @@ pub(crate) fn matmul_q8_0_blocks(
     threads: Threads,
     non_negative: bool,
 ) -> Vec<f32> {
-    type K = q8_0::WithQ8_0Acts<q8_0::Q8_0PairBound>;
+    type K = q8_0::WithGradActs<false>;
     debug_assert!(!non_negative || acts.iter().all(|b| b.qs.iter().all(|&q| q >= 0)));
     let (in_dim, out_dim) = dims;
     let nb = in_dim / K::BLOCK_ELEMS;
@@ -745,7 +745,7 @@ pub(crate) fn matmul_q8_0_blocks(
     };
     match non_negative {
         true => {
-            product_slices::<q8_0::WithNonNegActs>(isa, stored, None, dims, acts, &out, threads)
+            product_slices::<q8_0::WithGradActs<true>>(isa, stored, None, dims, acts, &out, threads)
         }
         false => product_slices::<K>(isa, stored, None, dims, acts, &out, threads),
     }
@@ -1205,8 +1205,16 @@ mod tests {
         let x: Vec<f32> = (0..ACT_TILE * nb * 32).map(|_| rng.uniform()).collect();
         run::<q8_0::WithQ8_0Acts<q8_0::Q8_0>>("Q8_0", isa, &w, &x, nb, rows);
         run::<q8_0::WithQ8_0Acts<q8_0::Q8_0PairBound>>("Q8_0PairBound", isa, &w, &x, nb, rows);
-        // (`x` has no negative value.)
-        run::<q8_0::WithNonNegActs>("Q8_0PairBound, non-negative acts", isa, &w, &x, nb, rows);
+        run::<q8_0::WithGradActs<false>>("Q8_0PairBound, gradient", isa, &w, &x, nb, rows);
+        let non_neg: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+        run::<q8_0::WithGradActs<true>>(
+            "Q8_0PairBound, non-negative gradient",
+            isa,
+            &w,
+            &non_neg,
+            nb,
+            rows,
+        );
         if isa == Isa::Avx2 {
             let mut wide = Vec::new();
             q8_0_pairs::widen(isa, &w, nb, &mut wide);

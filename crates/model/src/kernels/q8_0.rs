@@ -255,7 +255,7 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
             match isa {
                 Isa::Avx512 => with_act_rows!(na, x86::avx512_rows[F](w, acts, nb, out)),
                 _ if F::AVX2_UNSIGNED => {
-                    with_act_rows!(na, x86::avx2_rows_unsigned[F, false](w, acts, nb, out))
+                    with_act_rows!(na, x86::avx2_rows_unsigned[F](w, acts, nb, out))
                 }
                 _ => with_act_rows!(na, x86::avx2_rows[F](w, acts, nb, out)),
             }
@@ -263,15 +263,18 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
     }
 }
 
-/// [`Q8_0PairBound`] weights against activations that are pair-bound and non-negative (the
-/// LM head's softmax numerators, see `Linear::backward_input_non_negative`). AVX2 takes the
-/// activations as `maddubs`'s unsigned operand and the weights, made signed, as its signed one:
-/// a pair of products is then at most 128 · 127, so two steps add in i16 before one `madd`
-/// (three multiplies per 64 products where [`Q8_0PairBound`] takes four). The integer sums are
-/// the same, so are the bits; other instruction sets run as [`Q8_0PairBound`].
-pub(crate) struct WithNonNegActs;
+/// [`Q8_0PairBound`] weights against a gradient's rows as `quantize_gradient` makes them
+/// (quad-bound: see there), signed or, with `NON_NEG`, with no negative value (the LM head's
+/// softmax numerators, see `Linear::backward_input_non_negative`). AVX2 adds the products of
+/// two steps in i16 before one `madd` (`255 · 128 < 2^15`): three multiplies per 64 products
+/// where pair-bound activations take four. Non-negative activations are `maddubs`'s unsigned
+/// operand against the weights made signed: a quad's products are then at most `128 · 128`, so
+/// four steps add in i16 (`2 · 128 · 128 <= 2^15`, reached only at -2^15), five multiplies per
+/// 128 products. The integer sums are the same, so are the bits; other instruction sets run as
+/// [`Q8_0PairBound`].
+pub(crate) struct WithGradActs<const NON_NEG: bool>;
 
-impl Kernel for WithNonNegActs {
+impl<const NON_NEG: bool> Kernel for WithGradActs<NON_NEG> {
     type Act = Q8_0Block;
     const BLOCK_ELEMS: usize = BLOCK_ELEMS;
     const BLOCK_BYTES: usize = Q8_0PairBound::BLOCK_BYTES;
@@ -279,7 +282,7 @@ impl Kernel for WithNonNegActs {
     type Batched = Self;
 
     fn quantize(isa: Isa, x: &[f32], out: &mut [Q8_0Block]) {
-        debug_assert!(x.iter().all(|&v| v >= 0.0));
+        debug_assert!(!NON_NEG || x.iter().all(|&v| v >= 0.0));
         quantize_gradient(isa, x, out);
     }
 
@@ -293,14 +296,14 @@ impl Kernel for WithNonNegActs {
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn simd(isa: Isa, w: &[u8], acts: &[Self::Act], nb: usize, out: TileOut<'_>) {
-        let na = acts.len() / nb;
+        use x86::{avx2_two_rows_at_a_time, GRADIENT, NON_NEG_GRADIENT};
         // SAFETY: the caller's guarantees, passed on.
         unsafe {
             match isa {
-                Isa::Avx2 => with_act_rows!(
-                    na,
-                    x86::avx2_rows_unsigned[Q8_0PairBound, true](w, acts, nb, out)
-                ),
+                Isa::Avx2 if NON_NEG => {
+                    avx2_two_rows_at_a_time::<Q8_0PairBound, NON_NEG_GRADIENT>(w, acts, nb, out)
+                }
+                Isa::Avx2 => avx2_two_rows_at_a_time::<Q8_0PairBound, GRADIENT>(w, acts, nb, out),
                 _ => WithQ8_0Acts::<Q8_0PairBound>::simd(isa, w, acts, nb, out),
             }
         }
@@ -593,30 +596,25 @@ mod x86 {
         }
     }
 
+    /// The activations [`avx2_rows_both_halves`] takes: a gradient's quad-bound rows
+    /// (`quantize_gradient`), signed or with no negative value.
+    pub(super) const GRADIENT: u8 = 1;
+    pub(super) const NON_NEG_GRADIENT: u8 = 2;
+
     /// [`avx2_rows`] for quants stored as `maddubs`'s unsigned operand: five-bit bytes
     /// (`w + 16`, [`super::FiveBitBytes`]), or Q8_0's `w + 128` against pair-bound activations
     /// ([`super::Q8_0PairBound`]). No sign trick; the products of a run of steps add up in i16
     /// before one `madd` into i32, from `-offset · Σ a`: runs of four steps for five-bit bytes
-    /// (`4 · 2 · 31 · 127 < 2^15`), of one for Q8_0 (`255 · 128 < 2^15`). With `NON_NEG`
-    /// (Q8_0 against non-negative pair-bound activations, [`super::WithNonNegActs`]) the
-    /// activations are the unsigned operand and the weights signed, from 0: runs of two
-    /// (`2 · 128 · 128 <= 2^15`, reached only at -2^15).
+    /// (`4 · 2 · 31 · 127 < 2^15`), of one for Q8_0 (`255 · 128 < 2^15`).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2_rows_unsigned<const NA: usize, F: Format, const NON_NEG: bool>(
+    pub(super) unsafe fn avx2_rows_unsigned<const NA: usize, F: Format>(
         w: &[u8],
         acts: &[Q8_0Block],
         nb: usize,
         out: TileOut<'_>,
     ) {
         let offset = F::AVX2_UNSIGNED_OFFSET;
-        // With `NON_NEG` (see `WithNonNegActs`) a pair of products is at most 128 · 127, so
-        // two steps add in i16 before their `madd`.
-        let run = match (offset, NON_NEG) {
-            (16, _) => 4,
-            (_, true) => 2,
-            _ => 1,
-        };
-        let to_signed = _mm256_set1_epi8(offset as i8);
+        let run = if offset == 16 { 4 } else { 1 };
         let ones = _mm256_set1_epi16(1);
         // Five-bit bytes: a loop LLVM keeps rolled, as in `avx2_rows`, so it does not spill the
         // weights. Runs of one step hold one weight register: unrolled, they spill nothing
@@ -636,28 +634,17 @@ mod x86 {
                         prefetch_ahead::<F>(p);
                     }
                     let ab: [&Q8_0Block; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
-                    let mut isum: [__m256i; NA] = std::array::from_fn(|a| match NON_NEG {
-                        true => _mm256_setzero_si256(),
-                        false => _mm256_set1_epi32(-offset * act_sum(ab[a])),
-                    });
+                    let mut isum: [__m256i; NA] =
+                        std::array::from_fn(|a| _mm256_set1_epi32(-offset * act_sum(ab[a])));
                     for r in 0..runs {
                         let first = run * (r % (8 / run));
                         let mut sum16 = [_mm256_setzero_si256(); NA];
                         for s in first..first + run {
                             // SAFETY: `p` is a whole group block.
                             let q = unsafe { F::avx2_unsigned_step(p, s, h) };
-                            // The weights signed (`w + 128` less 128: its top bit flipped).
-                            let q = match NON_NEG {
-                                true => _mm256_xor_si256(q, to_signed),
-                                false => q,
-                            };
                             for (sum16, ab) in sum16.iter_mut().zip(ab) {
                                 let x = _mm256_set1_epi32(four(ab, s));
-                                let pairs = match NON_NEG {
-                                    true => _mm256_maddubs_epi16(x, q),
-                                    false => _mm256_maddubs_epi16(q, x),
-                                };
-                                *sum16 = _mm256_add_epi16(*sum16, pairs);
+                                *sum16 = _mm256_add_epi16(*sum16, _mm256_maddubs_epi16(q, x));
                             }
                         }
                         for (isum, sum16) in isum.iter_mut().zip(sum16) {
@@ -669,6 +656,103 @@ mod x86 {
                 }
                 for (a, acc) in acc.iter().enumerate() {
                     _mm256_storeu_ps(out.at(a, g * GROUP + 8 * h), *acc);
+                }
+            }
+        }
+    }
+
+    /// Q8_0's stored `w + 128` against a gradient's quad-bound rows ([`super::WithGradActs`]),
+    /// as [`avx2_rows_unsigned`] but for two things. The products of a run of steps add in
+    /// i16 before one `madd`: runs of two for signed activations (`255 · 128 < 2^15`); of four
+    /// for non-negative ones (`ACTS` `NON_NEG_GRADIENT`), taken as the unsigned operand against
+    /// the weights made signed, from 0 (`2 · 128 · 128 <= 2^15`, reached only at -2^15). And
+    /// both halves of a row group in one pass, so each broadcast of four activation values
+    /// serves sixteen rows: on Zen 3 the broadcasts and the adds take the same four vector
+    /// pipes as the multiplies (`llvm-mca -mcpu=znver3`), so fewer multiplies alone did not
+    /// make the kernel faster. Up to two activation rows a pass ([`avx2_two_rows_at_a_time`]),
+    /// whose sixteen rows' sums fill the registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn avx2_rows_both_halves<const NA: usize, F: Format, const ACTS: u8>(
+        w: &[u8],
+        acts: &[Q8_0Block],
+        nb: usize,
+        out: TileOut<'_>,
+    ) {
+        let offset = F::AVX2_UNSIGNED_OFFSET;
+        let non_neg = ACTS == NON_NEG_GRADIENT;
+        let run = if non_neg { 4 } else { 2 };
+        let to_signed = _mm256_set1_epi8(offset as i8);
+        let ones = _mm256_set1_epi16(1);
+        // A loop LLVM keeps rolled: unrolled, it spills (as `avx2_rows`).
+        let runs = std::hint::black_box(8 / run);
+        for (g, group) in w.chunks_exact(nb * F::GROUP_BLOCK).enumerate() {
+            let mut acc = [[_mm256_setzero_ps(); NA]; 2];
+            for (b, wb) in group.chunks_exact(F::GROUP_BLOCK).enumerate() {
+                let p = wb.as_ptr();
+                prefetch_ahead::<F>(p);
+                let ab: [&Q8_0Block; NA] = std::array::from_fn(|a| &acts[a * nb + b]);
+                let init: [__m256i; NA] = std::array::from_fn(|a| match non_neg {
+                    true => _mm256_setzero_si256(),
+                    false => _mm256_set1_epi32(-offset * act_sum(ab[a])),
+                });
+                let mut isum = [init; 2];
+                for r in 0..runs {
+                    let first = run * (r % (8 / run));
+                    let mut sum16 = [[_mm256_setzero_si256(); NA]; 2];
+                    for s in first..first + run {
+                        let x: [__m256i; NA] =
+                            std::array::from_fn(|a| _mm256_set1_epi32(four(ab[a], s)));
+                        for (h, sum16) in sum16.iter_mut().enumerate() {
+                            // SAFETY: `p` is a whole group block.
+                            let q = unsafe { F::avx2_unsigned_step(p, s, h) };
+                            let q = match non_neg {
+                                true => _mm256_xor_si256(q, to_signed),
+                                false => q,
+                            };
+                            for (sum16, x) in sum16.iter_mut().zip(&x) {
+                                let pairs = match non_neg {
+                                    true => _mm256_maddubs_epi16(*x, q),
+                                    false => _mm256_maddubs_epi16(q, *x),
+                                };
+                                *sum16 = _mm256_add_epi16(*sum16, pairs);
+                            }
+                        }
+                    }
+                    for (isum, sum16) in isum.iter_mut().zip(&sum16) {
+                        for (isum, sum16) in isum.iter_mut().zip(sum16) {
+                            *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(*sum16, ones));
+                        }
+                    }
+                }
+                for (h, (isum, acc)) in isum.iter().zip(acc.iter_mut()).enumerate() {
+                    // SAFETY: `p` is a whole group block.
+                    unsafe { take_block(p, h, &ab, isum, acc) };
+                }
+            }
+            for (h, acc) in acc.iter().enumerate() {
+                for (a, acc) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.at(a, g * GROUP + 8 * h), *acc);
+                }
+            }
+        }
+    }
+
+    /// [`avx2_rows_both_halves`] over the activation rows two at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn avx2_two_rows_at_a_time<F: Format, const ACTS: u8>(
+        w: &[u8],
+        acts: &[Q8_0Block],
+        nb: usize,
+        out: TileOut<'_>,
+    ) {
+        let na = acts.len() / nb;
+        for a0 in (0..na).step_by(2) {
+            let (part, out) = (&acts[a0 * nb..(a0 + 2).min(na) * nb], out.shifted(a0, 0));
+            // SAFETY: the caller's guarantees, for these rows.
+            unsafe {
+                match na - a0 {
+                    1 => avx2_rows_both_halves::<1, F, ACTS>(w, part, nb, out),
+                    _ => avx2_rows_both_halves::<2, F, ACTS>(w, part, nb, out),
                 }
             }
         }
@@ -895,42 +979,67 @@ mod tests {
         }
     }
 
-    /// Activations with no negative value, at their pair bound, against the extreme weights
-    /// (127 and -128, so two steps' pairs reach `2 · 128 · -128 = -32768` in i16), and random
-    /// ones against random weights: the kernel for non-negative activations gives the
-    /// pair-bound kernel's bits and the formula's, on every path.
+    /// Gradients (`quantize_gradient`'s quad-bound blocks) against the extreme weights (127 and
+    /// -128), at their bound: signed, every quant ±32, so two steps' four products reach
+    /// `±255 · 128` in i16 (rows whose quads are all 127 against all-positive or all-negative
+    /// values); non-negative, so four steps reach `2 · 128 · -128 = -32768`. And random ones
+    /// against random weights. Both kernels give the formula's bits on every path.
     #[test]
-    fn non_negative_activations_give_the_pair_bound_bits() {
+    fn gradient_kernels_give_the_formulas_bits() {
         use super::super::{matmul_q8_0_blocks, Threads};
         let mut rng = Rng::new(17);
         let nb = 4;
         let in_dim = nb * BLOCK_ELEMS;
-        let extreme: Vec<u8> = (0..32 * nb)
-            .flat_map(|r| {
-                let quants = (0..32).map(move |i| if (r + i / 2) % 3 == 0 { 0x80 } else { 0x7f });
-                f16::from_f32(0.01).to_le_bytes().into_iter().chain(quants)
-            })
-            .collect();
-        let at_bound: Vec<f32> = (0..9 * in_dim).map(|_| 1.5).collect();
-        let random: Vec<f32> = (0..70 * in_dim).map(|_| rng.uniform().abs()).collect();
-        for (w, rows, x) in [
-            (extreme, 32, at_bound),
-            (random_weights(&mut rng, 37, nb), 37, random),
+        let extreme = || -> Vec<u8> {
+            (0..32 * nb)
+                .flat_map(|r| {
+                    let quants =
+                        (0..32).map(move |i| if (r + i / 2) % 3 == 0 { 0x80 } else { 0x7f });
+                    f16::from_f32(0.01).to_le_bytes().into_iter().chain(quants)
+                })
+                .collect()
+        };
+        let signs = |pattern: fn(usize) -> bool| -> Vec<f32> {
+            (0..3 * in_dim)
+                .map(|i| if pattern(i) { -1.5 } else { 1.5 })
+                .collect()
+        };
+        let mut at_bound = signs(|_| false);
+        at_bound.extend(signs(|_| true));
+        at_bound.extend(signs(|i| i % 5 == 0));
+        let non_neg_at_bound: Vec<f32> = (0..9 * in_dim).map(|_| 1.5).collect();
+        let random: Vec<f32> = (0..70 * in_dim).map(|_| rng.uniform()).collect();
+        let random_non_neg: Vec<f32> = random.iter().map(|v| v.abs()).collect();
+        for (w, rows, x, bound) in [
+            (extreme(), 32, at_bound, true),
+            (extreme(), 32, non_neg_at_bound, true),
+            (random_weights(&mut rng, 37, nb), 37, random, false),
+            (random_weights(&mut rng, 37, nb), 37, random_non_neg, false),
         ] {
             let mut acts = vec![Q8_0Block::default(); x.len() / BLOCK_ELEMS];
             quantize_gradient(Isa::Scalar, &x, &mut acts);
+            let non_negative = x.iter().all(|&v| v >= 0.0);
+            if bound {
+                assert!(acts.iter().all(|b| b.qs.iter().all(|q| q.abs() == 32)));
+            }
             let packed = prepare(WeightFormat::Q8_0PairBound, w.clone(), rows);
             for isa in Isa::available() {
-                let product = |non_negative| {
+                for kernel_non_negative in [false, non_negative] {
                     let dims = (in_dim, rows);
-                    matmul_q8_0_blocks(isa, &packed, dims, &acts, Threads::Pool, non_negative)
-                };
-                let (got, want) = (product(true), product(false));
-                assert_eq!(got, want, "{isa:?}");
-                for (a, arow) in acts.chunks_exact(nb).enumerate() {
-                    for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
-                        let value = straightforward(wrow, arow);
-                        assert_eq!(got[a * rows + r].to_bits(), value.to_bits(), "{isa:?}");
+                    let got = matmul_q8_0_blocks(
+                        isa,
+                        &packed,
+                        dims,
+                        &acts,
+                        Threads::Pool,
+                        kernel_non_negative,
+                    );
+                    for (a, arow) in acts.chunks_exact(nb).enumerate() {
+                        for (r, wrow) in w.chunks_exact(nb * BLOCK_BYTES).enumerate() {
+                            let value = straightforward(wrow, arow);
+                            let at = a * rows + r;
+                            assert_eq!(got[at].to_bits(), value.to_bits(), "{isa:?} {a} {r}");
+                        }
                     }
                 }
             }
