@@ -628,7 +628,7 @@ mod x86 {
         nb: usize,
         out: TileOut<'_>,
     ) {
-        // (Q8_0, which the dispatch never gives it, instantiates it.)
+        // Five-bit formats only: the dispatch instantiates it for Q8_0 too, never calling it.
         assert_eq!(F::AVX2_UNSIGNED_OFFSET, 16, "five-bit quants");
         const RUN: usize = 4;
         let ones = _mm256_set1_epi16(1);
