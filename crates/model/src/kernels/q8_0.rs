@@ -64,10 +64,6 @@ pub(crate) trait Format: Send + Sync + 'static {
     /// What [`Format::avx2_unsigned_step`] adds to the quants: 16 for five-bit quants (the
     /// products of four steps add up in i16), 128 for Q8_0's stored bytes (of one step).
     const AVX2_UNSIGNED_OFFSET: i32;
-    /// Whether AVX2 multiplies [`Format::avx2_unsigned_step`] as `maddubs`'s unsigned operand,
-    /// without the sign trick (Q8_0 only against pair-bound activations: else its products
-    /// would overflow i16).
-    const AVX2_UNSIGNED: bool = true;
     /// Bytes of one group block: sixteen rows' blocks.
     const GROUP_BLOCK: usize = GROUP * Self::BLOCK_BYTES;
     /// Quant `i` (of 32) of a GGUF block.
@@ -133,7 +129,6 @@ impl<const PAIR_BOUND: bool> Format for Q8_0<PAIR_BOUND> {
     type Batched = Q8_0Pairs;
     const PAIR_BOUND: bool = PAIR_BOUND;
     const AVX2_UNSIGNED_OFFSET: i32 = 128;
-    const AVX2_UNSIGNED: bool = PAIR_BOUND;
     /// From 16 rows the widened slices win (`kernel_throughput`, x86-64-v3 build, alternated
     /// 3x): 16 rows of the LM head 9% faster, 16 rows of 640 x 32,768 the same.
     const WIDEN_MIN_ROWS: usize = 16;
@@ -255,12 +250,15 @@ impl<F: Format> Kernel for WithQ8_0Acts<F> {
         unsafe {
             match isa {
                 Isa::Avx512 => with_act_rows!(na, x86::avx512_rows[F](w, acts, nb, out)),
-                // (Only `Q8_0PairBound` is pair-bound.)
+                // `maddubs` takes the stored quants as its unsigned operand, no sign trick:
+                // Q8_0's `w + 128` against pair-bound activations (only `Q8_0PairBound` is
+                // pair-bound), five-bit quants' `w + 16` against any; other Q8_0 would
+                // overflow i16.
                 _ if F::PAIR_BOUND => x86::avx2_two_rows_at_a_time::<
                     Q8_0PairBound,
                     { x86::PAIR_BOUND_ACTS },
                 >(w, acts, nb, out),
-                _ if F::AVX2_UNSIGNED => {
+                _ if F::AVX2_UNSIGNED_OFFSET == 16 => {
                     with_act_rows!(na, x86::avx2_rows_unsigned[F](w, acts, nb, out))
                 }
                 _ => with_act_rows!(na, x86::avx2_rows[F](w, acts, nb, out)),
@@ -694,7 +692,7 @@ mod x86 {
     /// `vnni_init`, and only the first pass over the weight asks for it ahead (`prefetch`; the
     /// next find it in cache). `tile_throughput` on Zen 3, against each step's offsets computed
     /// and every pass prefetched: pair-bound 76-77 GMAC/s against 66-68 (the one-half kernel
-    /// it replaced), signed gradients 88-90 against 79-80, non-negative 90-92 against 82-84.
+    /// it replaced), signed gradients 89-91 against 79-81, non-negative 90-92 against 82-84.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn avx2_rows_both_halves<const NA: usize, F: Format, const ACTS: u8>(
         w: &[u8],
