@@ -602,4 +602,53 @@ mod tests {
             assert_eq!(got_blocks, want_blocks, "{dtype:?}");
         }
     }
+    /// `dx = dy · W` as a step's backward runs it (the gradient quantized, then the transposed
+    /// spans' products) at Qwen3-0.6B's Q4_K layer shapes, beside the forward of the same rows,
+    /// the best of many calls: `cargo test --release -p temper-model --lib -- --ignored
+    /// --nocapture input_grad_throughput` (`INPUT_GRAD_ROWS`, default 480: a 16x30 step). The
+    /// second figure is the throughput the threads' CPU time gives, as if each had a core.
+    #[test]
+    #[ignore]
+    fn input_grad_throughput() {
+        use crate::kernels::test_util::{cpu_seconds, Rng};
+        let rows: usize =
+            std::env::var("INPUT_GRAD_ROWS").map_or(480, |v| v.parse().expect("rows"));
+        let mut rng = Rng::new(5);
+        for (out_dim, in_dim) in [(2048, 1024), (1024, 2048), (3072, 1024), (1024, 3072)] {
+            let values: Vec<f32> = (0..out_dim * in_dim)
+                .map(|_| rng.uniform() * 0.05)
+                .collect();
+            let w = Tensor::from_vec(values, (out_dim, in_dim), &Device::Cpu).expect("weight");
+            let (_, linear) = quantized_linear(&w, GgmlDType::Q4K);
+            let dy: Vec<f32> = (0..rows * out_dim).map(|_| rng.uniform()).collect();
+            let x: Vec<f32> = (0..rows * in_dim).map(|_| rng.uniform()).collect();
+            let time = |f: &dyn Fn()| {
+                let (mut best, mut best_cpu) = (f64::INFINITY, f64::INFINITY);
+                for _ in 0..10 {
+                    let (t, cpu) = (std::time::Instant::now(), cpu_seconds());
+                    f();
+                    best = best.min(t.elapsed().as_secs_f64());
+                    best_cpu = best_cpu.min(cpu_seconds() - cpu);
+                }
+                let macs = (rows * in_dim * out_dim) as f64;
+                let threads = rayon::current_num_threads() as f64;
+                let gmacs = (macs / best / 1e9, macs / best_cpu / 1e9 * threads);
+                format!(
+                    "{:.2} ms, {:.1} GMAC/s (from CPU time, {:.1})",
+                    best * 1e3,
+                    gmacs.0,
+                    gmacs.1
+                )
+            };
+            let grad = time(&|| {
+                std::hint::black_box(linear.backward_input(&dy).expect("backward"));
+            });
+            let forward = time(&|| {
+                std::hint::black_box(linear.forward(&x).expect("forward"));
+            });
+            println!(
+                "Q4_K {rows} x [{out_dim}, {in_dim}]: input gradient {grad}; forward {forward}"
+            );
+        }
+    }
 }

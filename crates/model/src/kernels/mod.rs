@@ -1215,6 +1215,22 @@ mod tests {
             nb,
             rows,
         );
+        // Q4_K as stored and Q6_K widened (their batches' kernels) at Qwen3-0.6B's width:
+        // 48 rows of 1,024 (Q4_K's 27 KB slice), four-row tiles of Q8_K activations.
+        let (nb_k, rows_k) = (4, 48);
+        let x_k: Vec<f32> = (0..ACT_TILE * nb_k * 256).map(|_| rng.uniform()).collect();
+        let q4k = random_gguf(WeightFormat::Q4K, nb_k * rows_k, &mut rng);
+        let q4k = prepare(WeightFormat::Q4K, q4k, rows_k);
+        run::<q4_k::Q4K>("Q4_K", isa, &q4k, &x_k, nb_k, rows_k);
+        let q6k = random_gguf(WeightFormat::Q6K, nb_k * rows_k, &mut rng);
+        let mut q6k_wide = Vec::new();
+        q6_k::Q6K::widen(
+            isa,
+            &prepare(WeightFormat::Q6K, q6k, rows_k),
+            nb_k,
+            &mut q6k_wide,
+        );
+        run::<q6_k::Q6KWide>("Q6_K widened", isa, &q6k_wide, &x_k, nb_k, rows_k);
         if isa == Isa::Avx2 {
             let mut wide = Vec::new();
             q8_0_pairs::widen(isa, &w, nb, &mut wide);
@@ -1283,8 +1299,9 @@ mod tests {
             (WeightFormat::Q4K, 6144, 2048, 1, 100),
             (WeightFormat::Q4K, 1024, 3072, 128, 10),
             (WeightFormat::Q4K, 2048, 8192, 128, 2),
-            // A training step's 1,016 rows at Qwen3-0.6B's widths: the layers' input gradients
-            // (pair-bound, a 2,048-row span of the transposed weight) and their forward.
+            // A training step's 1,016 rows at Qwen3-0.6B's widths: the pair-bound forward kernel
+            // over the transposed weights' shapes (the input gradients themselves run on
+            // quantized gradients: `linear::tests::input_grad_throughput`), and the forward.
             (WeightFormat::Q8_0PairBound, 2048, 1024, 1016, 2),
             (WeightFormat::Q8_0PairBound, 1024, 2048, 1016, 2),
             (WeightFormat::Q4K, 1024, 3072, 1016, 2),
