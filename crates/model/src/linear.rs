@@ -602,6 +602,7 @@ mod tests {
             assert_eq!(got_blocks, want_blocks, "{dtype:?}");
         }
     }
+
     /// `dx = dy · W` as a step's backward runs it (the gradient quantized, then the transposed
     /// spans' products) at Qwen3-0.6B's Q4_K layer shapes, beside the forward of the same rows,
     /// the best of many calls: `cargo test --release -p temper-model --lib -- --ignored
